@@ -1,0 +1,58 @@
+# `make demo`: set up and run the main job on the embedded default. `make test`: the test suite.
+# Uses the active virtual environment if there is one, else creates .venv here.
+VENV ?= .venv
+ifdef VIRTUAL_ENV
+BIN := $(VIRTUAL_ENV)/bin
+else
+BIN := $(VENV)/bin
+endif
+PY := $(BIN)/python
+DEMO_DATA ?= runs/demo-data
+RUN ?= runs/tiny
+LAUNCH ?= launch/cpu-2proc.yaml
+STAMP := $(BIN)/.mmcl-installed
+
+.PHONY: install demo demo-data train-demo eval-demo export-demo test test-fast bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	@echo "installing mmcl and its dependencies (torch is large; a few minutes on a fresh machine)"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo-data: install
+	$(BIN)/mmcl demo-data --out $(DEMO_DATA)
+
+train-demo: demo-data
+	rm -rf $(RUN)
+	$(BIN)/accelerate launch --config_file $(LAUNCH) -m mmcl train --config configs/tiny.yaml \
+		data.batch_size=32 train.output_dir=$(RUN)
+
+eval-demo:
+	$(BIN)/mmcl zeroshot --model $(RUN) --data $(DEMO_DATA)/zeroshot/colour --out $(RUN)/zeroshot-colour.json
+	$(BIN)/mmcl zeroshot --model $(RUN) --data $(DEMO_DATA)/zeroshot/shape --out $(RUN)/zeroshot-shape.json
+
+export-demo:
+	$(BIN)/mmcl export --model $(RUN) --format open_clip --out $(RUN)/export/open_clip
+	$(BIN)/mmcl export --model $(RUN) --format safetensors --out $(RUN)/export/safetensors
+
+demo: train-demo
+	$(MAKE) --no-print-directory eval-demo export-demo
+	@$(PY) -c "import json; r=json.load(open('$(RUN)/zeroshot-colour.json')); s=json.load(open('$(RUN)/zeroshot-shape.json')); print(f\"demo done: zero-shot top-1 colour {100*r['metrics']['acc1']:.1f}%, shape {100*s['metrics']['acc1']:.1f}% (run: $(RUN))\")"
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) bench/bench_losses.py
+	$(PY) bench/bench_data.py
+	$(PY) bench/bench_train.py
+
+clean:
+	rm -rf runs .pytest_cache

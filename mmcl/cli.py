@@ -1,0 +1,221 @@
+"""The ``mmcl`` command line (also ``python -m mmcl``). User errors end in one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .errors import MmclError
+
+
+def _write_json(obj, path: Optional[str]) -> None:
+    text = json.dumps(obj, indent=2)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+    print(text)
+
+
+def _device(name: Optional[str]):
+    import torch
+
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cmd_train(args) -> int:
+    from .config import load_config
+    from .train import train
+
+    config = args.config or args.config_pos
+    cfg = load_config(config, args.overrides)
+    train(cfg)
+    return 0
+
+
+def cmd_demo_data(args) -> int:
+    from .demo import make_demo_data
+
+    paths = make_demo_data(args.out, seed=args.seed, n_train=args.n_train)
+    print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+    return 0
+
+
+def cmd_shards(args) -> int:
+    from .data import shards_from_input
+
+    shards_from_input(args.input, args.out, shard_size=args.shard_size, caption_template=args.caption_template)
+    return 0
+
+
+def _load(args):
+    from .models import load
+
+    return load(args.model)
+
+
+def cmd_zeroshot(args) -> int:
+    from .evaluate import zeroshot
+
+    model, preprocess, tokenizer = _load(args)
+    res = zeroshot(model, preprocess, tokenizer, args.data, classnames=args.classnames, templates=args.templates,
+                   batch_size=args.batch_size, workers=args.workers, device=_device(args.device),
+                   model_name=str(args.model))
+    _write_json(res, args.out)
+    return 0
+
+
+def cmd_retrieval(args) -> int:
+    from .evaluate import retrieval
+
+    model, preprocess, tokenizer = _load(args)
+    res = retrieval(model, preprocess, tokenizer, args.data, batch_size=args.batch_size, workers=args.workers,
+                    device=_device(args.device), model_name=str(args.model))
+    _write_json(res, args.out)
+    return 0
+
+
+def cmd_linear_probe(args) -> int:
+    from .evaluate import linear_probe
+
+    model, preprocess, tokenizer = _load(args)
+    res = linear_probe(model, preprocess, args.train, args.test, batch_size=args.batch_size, workers=args.workers,
+                       device=_device(args.device), model_name=str(args.model))
+    _write_json(res, args.out)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export
+
+    out = export(args.model, args.format, args.out)
+    print(f"mmcl: exported {args.format} to {out}")
+    return 0
+
+
+def cmd_index(args) -> int:
+    from .index import build_index
+
+    build_index(args.model, args.data, args.out, batch_size=args.batch_size, workers=args.workers,
+                device=_device(args.device))
+    return 0
+
+
+def cmd_search(args) -> int:
+    from .index import search
+
+    hits = search(args.index, query=args.query, image=args.image, k=args.k)
+    for hit in hits:
+        print(json.dumps(hit))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .plot import plot_run
+
+    for p in plot_run(args.run_dir):
+        print(f"mmcl: wrote {p}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmcl", description="CLIP-style multimodal contrastive pretraining")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    t = sub.add_parser("train", help="train (single process, or several under `accelerate launch`)")
+    t.add_argument("config_pos", nargs="?", metavar="CONFIG", help="YAML config (same as --config)")
+    t.add_argument("--config", "-c", help="YAML config file")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.batch_size=32")
+    t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("demo-data", help="write the embedded synthetic dataset as WebDataset shards")
+    d.add_argument("--out", required=True)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--n-train", type=int, default=None, help="training pairs (default: the demo's size)")
+    d.set_defaults(func=cmd_demo_data)
+
+    s = sub.add_parser("shards", help="write WebDataset shards from an ImageFolder, CSV or JSONL")
+    s.add_argument("--input", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--shard-size", type=int, default=1000)
+    s.add_argument("--caption-template", default="a photo of a {}.", help="ImageFolder captions")
+    s.set_defaults(func=cmd_shards)
+
+    def eval_args(x, data_help):
+        x.add_argument("--model", required=True, help="run dir, its model/, or an export")
+        x.add_argument("--data", required=True, help=data_help)
+        x.add_argument("--out", help="results JSON")
+        x.add_argument("--batch-size", type=int, default=128)
+        x.add_argument("--workers", type=int, default=0)
+        x.add_argument("--device", default=None)
+
+    z = sub.add_parser("zeroshot", help="zero-shot classification")
+    eval_args(z, "ImageFolder or labelled shards (.cls)")
+    z.add_argument("--classnames", default=None, help="file, one class name per line in label order")
+    z.add_argument("--templates", default="auto",
+                   help="file with '{}' templates, or openai_imagenet_template | simple_imagenet_template "
+                        "(default: templates.txt next to the data, else openai_imagenet_template)")
+    z.set_defaults(func=cmd_zeroshot)
+
+    r = sub.add_parser("retrieval", help="image<->text retrieval recall@1/5/10")
+    eval_args(r, "shards with captions")
+    r.set_defaults(func=cmd_retrieval)
+
+    lp = sub.add_parser("linear-probe", help="logistic regression on frozen image features")
+    lp.add_argument("--model", required=True)
+    lp.add_argument("--train", required=True)
+    lp.add_argument("--test", required=True)
+    lp.add_argument("--out")
+    lp.add_argument("--batch-size", type=int, default=128)
+    lp.add_argument("--workers", type=int, default=0)
+    lp.add_argument("--device", default=None)
+    lp.set_defaults(func=cmd_linear_probe)
+
+    e = sub.add_parser("export", help="export the encoders")
+    e.add_argument("--model", required=True)
+    e.add_argument("--format", required=True, choices=["open_clip", "hf", "onnx", "safetensors"])
+    e.add_argument("--out", required=True)
+    e.set_defaults(func=cmd_export)
+
+    i = sub.add_parser("index", help="build an image embedding index")
+    i.add_argument("--model", required=True)
+    i.add_argument("--data", required=True)
+    i.add_argument("--out", required=True)
+    i.add_argument("--batch-size", type=int, default=128)
+    i.add_argument("--workers", type=int, default=0)
+    i.add_argument("--device", default=None)
+    i.set_defaults(func=cmd_index)
+
+    q = sub.add_parser("search", help="query an index with text or an image")
+    q.add_argument("--index", required=True)
+    q.add_argument("query", nargs="?", default=None)
+    q.add_argument("--image", default=None)
+    q.add_argument("-k", type=int, default=10)
+    q.set_defaults(func=cmd_search)
+
+    pl = sub.add_parser("plot", help="plot a run: loss curves, lr/logit scale, alignment-uniformity plane")
+    pl.add_argument("run_dir")
+    pl.set_defaults(func=cmd_plot)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except MmclError as err:
+        print(f"mmcl: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mmcl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

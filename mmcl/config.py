@@ -1,0 +1,310 @@
+"""Typed configuration: a dataclass tree loaded from YAML and overridden by ``dotted.key=value``.
+
+The schema is the dataclasses below; OmegaConf does the YAML parsing, merging and type conversion
+(it parses override values by the field's declared type). Unknown keys and bad values become a
+`ConfigError` that names the key and the closest valid keys, and every problem is reported at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from .errors import ConfigError
+
+
+@dataclass
+class TextTowerConfig:
+    """Text tower choice. ``hf`` set means a Hugging Face transformers model (name or local path)."""
+
+    hf: Optional[str] = None
+    pooling: str = "mean"  # mean | cls | max  (Hugging Face towers)
+    projection: str = "mlp"  # mlp | linear | none  (Hugging Face towers)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # an mmcl model config (mmcl/model_configs/*.json) or any open_clip architecture
+    embed_dim: Optional[int] = None
+    image_size: Optional[int] = None
+    context_length: Optional[int] = None
+    vision_cfg: Dict[str, Any] = field(default_factory=dict)  # raw overrides of open_clip's vision_cfg
+    text_cfg: Dict[str, Any] = field(default_factory=dict)  # raw overrides of open_clip's text_cfg
+    text: TextTowerConfig = field(default_factory=TextTowerConfig)
+    init_logit_scale: float = math.log(1 / 0.07)  # CLIP (Radford et al. 2021)
+    init_logit_bias: Optional[float] = None  # set for SigLIP; -10 there (Zhai et al. 2023)
+    init_from: Optional[str] = None  # open_clip .pt/.safetensors/local-dir, an mmcl run or export, HF CLIP dir
+    lock_image: bool = False
+    lock_image_unlocked_groups: int = 0
+    lock_image_freeze_bn_stats: bool = False
+    lock_text: bool = False
+    lock_text_unlocked_layers: int = 0
+    lock_text_freeze_layer_norm: bool = False
+    grad_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    train: Any = None  # brace-expanded spec, '::'-separated specs, a glob, or a list of those
+    weights: Optional[List[float]] = None  # per-source sampling weights (resampled mode)
+    batch_size: int = 64  # per process
+    workers: int = 2  # dataloader workers per process
+    shuffle_buffer: int = 1000
+    resampled: bool = False
+    max_image_pixels: int = 89_478_485  # pillow's decompression-bomb limit
+    fast_decode: bool = True  # JPEG draft-mode decoding at reduced size
+
+
+@dataclass
+class MochiConfig:
+    weight: float = 0.0
+    n_hard: int = 64  # N: hardest negatives considered per query
+    s: int = 32  # synthetic negatives mixed from two hard negatives
+    s_prime: int = 16  # harder negatives mixed from the query and a hard negative
+    mix_max: float = 0.5  # coefficient for query mixing is drawn from (0, mix_max)
+    queue_size: int = 0  # past features of the other modality kept as extra negatives
+
+
+@dataclass
+class LossConfig:
+    clip: float = 1.0
+    supcon: float = 0.0
+    siglip: float = 0.0
+    align: float = 0.0
+    uniform: float = 0.0
+    debiased: float = 0.0
+    tau_plus: float = 0.1  # class prior of Chuang et al. 2020
+    hard_negative: float = 0.0
+    hn_beta: float = 1.0  # concentration of Robinson et al. 2021
+    align_alpha: float = 2.0
+    uniform_t: float = 2.0
+    chunk_size: Optional[int] = None  # tiled (memory-linear) softmax losses when set
+    max_logit_scale: float = 100.0
+    mochi: MochiConfig = field(default_factory=MochiConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-4
+    weight_decay: float = 0.2
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-6
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | constant | linear
+    min_lr: float = 0.0
+    grad_clip: Optional[float] = 1.0
+
+
+@dataclass
+class TrainSection:
+    steps: int = 150
+    output_dir: str = "runs/tiny"
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    accum_steps: int = 1  # micro-batches forming one contrastive batch
+    compile: bool = False
+    nan_policy: str = "stop"  # stop | skip
+    plot: bool = True
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps between evaluations during training; 0 evaluates only at the end if data is set
+    zeroshot: Optional[str] = None  # ImageFolder or shards with .cls
+    classnames: Optional[str] = None
+    templates: str = "openai_imagenet_template"
+    retrieval: Optional[str] = None  # shards
+    batch_size: int = 128
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+_CHOICES = {
+    "model.text.pooling": ("mean", "cls", "max"),
+    "model.text.projection": ("mlp", "linear", "none"),
+    "optim.schedule": ("cosine", "constant", "linear"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.nan_policy": ("stop", "skip"),
+}
+_POSITIVE = ("data.batch_size", "train.steps", "train.log_every", "train.accum_steps", "eval.batch_size")
+_NON_NEGATIVE = (
+    "data.workers", "data.shuffle_buffer", "train.save_every", "train.keep_checkpoints", "optim.warmup_steps",
+    "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",
+    "loss.debiased", "loss.hard_negative", "loss.mochi.weight", "loss.mochi.queue_size", "eval.every",
+)
+
+
+def valid_keys(schema=TrainConfig, prefix: str = "") -> List[str]:
+    """All dotted keys of the schema (leaves and sub-trees)."""
+    keys = []
+    for f in dataclasses.fields(schema):
+        key = prefix + f.name
+        keys.append(key)
+        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type in _SUBTREES):
+            keys += valid_keys(_SUBTREES[f.type] if isinstance(f.type, str) else f.type, key + ".")
+    return keys
+
+
+_SUBTREES = {
+    "TextTowerConfig": TextTowerConfig, "ModelConfig": ModelConfig, "DataConfig": DataConfig,
+    "MochiConfig": MochiConfig, "LossConfig": LossConfig, "OptimConfig": OptimConfig,
+    "TrainSection": TrainSection, "EvalConfig": EvalConfig,
+}
+
+
+def _nearest(key: str) -> str:
+    keys = valid_keys()
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+    if not close:  # match on the last component, e.g. 'batchsize' -> data.batch_size
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in keys if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.7)][:3]
+    return ("; did you mean " + " or ".join(close) + "?") if close else ""
+
+
+def _describe(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or ""
+    if isinstance(err, ConfigKeyError) or "not in" in str(err):
+        return f"unknown config key '{key}'{_nearest(key)}"
+    if isinstance(err, ValidationError):
+        msg = str(err).splitlines()[0]
+        return f"bad value for '{key}': {msg}"
+    return f"'{key}': {str(err).splitlines()[0]}"
+
+
+def _merge_checked(base, other, errors: List[str], source: str):
+    """Merge `other` into `base` key by key so that every bad key is reported, not just the first."""
+    flat = _flatten(OmegaConf.to_container(other, resolve=False))
+    for key, value in flat:
+        try:
+            base.merge_with(_nested(key, value))
+        except OmegaConfBaseException as err:
+            errors.append(f"{source}: {_describe(err)}")
+    return base
+
+
+def _flatten(node, prefix: str = ""):
+    """Yield (dotted key, value); dict-typed leaves of the schema (vision_cfg, text_cfg) stay whole."""
+    out = []
+    if isinstance(node, dict) and prefix.rstrip(".") not in ("model.vision_cfg", "model.text_cfg"):
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and v and key not in ("model.vision_cfg", "model.text_cfg"):
+                out += _flatten(v, key + ".")
+            else:
+                out.append((key, v))
+    else:
+        out.append((prefix.rstrip("."), node))
+    return out
+
+
+def _nested(key: str, value):
+    node: Any = value
+    for part in reversed(key.split(".")):
+        node = {part: node}
+    return OmegaConf.create(node)
+
+
+def parse_overrides(overrides: List[str]) -> List[tuple]:
+    pairs = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value (e.g. data.batch_size=32)")
+        key, raw = item.split("=", 1)
+        # YAML parsing gives ints, floats, bools, null and lists; the schema then converts by field type.
+        value = OmegaConf.from_dotlist([f"v={raw}"]).v
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> TrainConfig:
+    """Load a YAML file (optional) and apply ``dotted.key=value`` overrides; validate; return the dataclass tree.
+
+    Raises `ConfigError` listing every problem found.
+    """
+    errors: List[str] = []
+    cfg = OmegaConf.structured(TrainConfig)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = OmegaConf.load(path)
+        except Exception as err:  # YAML syntax errors come in many types
+            raise ConfigError(f"cannot parse {path}: {str(err).splitlines()[0]}") from None
+        if not isinstance(raw, type(OmegaConf.create({}))):
+            raise ConfigError(f"{path} must hold a mapping of config sections, got a list")
+        _merge_checked(cfg, raw, errors, path)
+    for key, value in parse_overrides(overrides or []):
+        try:
+            cfg.merge_with(_nested(key, value))
+        except OmegaConfBaseException as err:
+            errors.append(f"override {key}: {_describe(err)}")
+    if not errors:
+        obj: TrainConfig = OmegaConf.to_object(cfg)
+        errors += validate(obj)
+    if errors:
+        raise ConfigError("; ".join(errors) if len(errors) > 1 else errors[0])
+    return obj
+
+
+def get(cfg, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg: TrainConfig) -> List[str]:
+    """Semantic checks beyond types; returns all problems (empty list when valid)."""
+    problems = []
+    for key, choices in _CHOICES.items():
+        value = get(cfg, key)
+        if value not in choices:
+            problems.append(f"{key} must be one of {', '.join(choices)} (got {value!r})")
+    for key in _POSITIVE:
+        if get(cfg, key) <= 0:
+            problems.append(f"{key} must be > 0 (got {get(cfg, key)})")
+    for key in _NON_NEGATIVE:
+        if get(cfg, key) < 0:
+            problems.append(f"{key} must be >= 0 (got {get(cfg, key)})")
+    if cfg.loss.chunk_size is not None and cfg.loss.chunk_size <= 0:
+        problems.append(f"loss.chunk_size must be a positive integer or null (got {cfg.loss.chunk_size})")
+    terms = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative")
+    if not any(getattr(cfg.loss, t) > 0 for t in terms) and cfg.loss.mochi.weight <= 0:
+        problems.append("no loss term is active: set at least one of loss.clip, loss.supcon, loss.siglip, ... > 0")
+    if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):
+        problems.append("data.weights must be non-negative")
+    return problems
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg) -> Dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def from_dict(data: Dict[str, Any]) -> TrainConfig:
+    """Rebuild a config saved by `to_yaml`/`to_dict` (e.g. a run's config.yaml)."""
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(data))
+    return OmegaConf.to_object(cfg)

@@ -1,0 +1,451 @@
+"""The training loop: build, ``accelerator.prepare``, loop, save.
+
+Resumable: checkpoints are written into a temporary directory and renamed into place, then a ``latest``
+pointer is replaced atomically; starting the same command on the same output directory continues from the
+newest complete checkpoint with the same weights, optimiser, RNG and data position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import data as data_mod
+from . import losses, models
+from .config import OptimConfig, TrainConfig, to_dict, to_yaml
+from .errors import CheckpointError, ConfigError, TrainingError
+
+CKPT_PREFIX = "step-"
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+# Changing any of these makes a checkpoint unusable; other config differences only warn.
+ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context_length", "model.vision_cfg",
+             "model.text_cfg", "model.text")
+
+
+class TrainProgress:
+    """Global progress, saved in every checkpoint (the resumed step is read from here, never a folder name)."""
+
+    def __init__(self):
+        self.step = 0
+        self.samples = 0
+        self.skipped_steps = 0
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"step": self.step, "samples": self.samples, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.step, self.samples = int(state["step"]), int(state["samples"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+# --------------------------------------------------------------------------------------------- optimiser
+def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
+    """AdamW groups: no decay on gains, biases, embeddings of scale/bias (1-d params) and the logit scale/bias."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue  # locked towers get no optimiser state
+        if p.ndim < 2 or "logit_scale" in name or "logit_bias" in name or name.endswith(".bias"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if not any(g["params"] for g in groups):
+        raise ConfigError("no trainable parameters: both towers are locked")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate for optimiser step `step` (0-based): linear warmup, then cosine/linear/constant decay."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "linear":
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1.0 - progress)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def list_checkpoints(ckpt_dir: Path) -> List[Path]:
+    """Complete checkpoints, oldest first (ordered by the step recorded inside each)."""
+    found = []
+    if ckpt_dir.is_dir():
+        for d in ckpt_dir.iterdir():
+            marker = d / COMPLETE
+            if d.is_dir() and d.name.startswith(CKPT_PREFIX) and marker.is_file():
+                try:
+                    found.append((int(json.loads(marker.read_text())["step"]), d))
+                except (ValueError, KeyError):
+                    continue
+    return [d for _, d in sorted(found)]
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    pointer = ckpt_dir / LATEST
+    if pointer.is_file():
+        target = ckpt_dir / pointer.read_text().strip()
+        if (target / COMPLETE).is_file():
+            return target
+    complete = list_checkpoints(ckpt_dir)
+    return complete[-1] if complete else None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(accelerator, ckpt_dir: Path, progress: TrainProgress, rank_state: Dict[str, Any],
+                    keep: int) -> Path:
+    """All processes call this. Writes into ``.tmp-step-N`` then renames to ``step-N`` and moves ``latest``."""
+    name = f"{CKPT_PREFIX}{progress.step:08d}"
+    tmp = ckpt_dir / f".tmp-{name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    # Data position and loss queues differ per process; accelerate saves custom state on the main one only.
+    torch.save(rank_state, tmp / f"rank_state_{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    final = ckpt_dir / name
+    if accelerator.is_main_process:
+        (tmp / COMPLETE).write_text(json.dumps({**progress.state_dict(), "world_size": accelerator.num_processes}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _atomic_write(ckpt_dir / LATEST, name)
+        for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None:
+    """An architecture change is an error; other config differences are reported by name."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and key not in ("model.vision_cfg", "model.text_cfg", "model.text"):
+                out.update(flat(v, key + "."))
+            else:
+                out[key] = v
+        return out
+
+    a, b = flat(saved), flat(current)
+    arch = [k for k in ARCH_KEYS if a.get(k) != b.get(k)]
+    if arch:
+        raise CheckpointError(
+            "cannot resume: the checkpoint's model differs in " + ", ".join(f"{k} (saved {a.get(k)!r}, now {b.get(k)!r})"
+                                                                         for k in arch))
+    changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in ("train.steps",)]
+    if changed:
+        log("config differs from the checkpoint's in: " + ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})"
+                                                                    for k in changed))
+
+
+# ----------------------------------------------------------------------------------------------- logging
+class MetricsLog:
+    """metrics.jsonl (flushed each line, so it can be tailed) plus TensorBoard events; main process only."""
+
+    def __init__(self, out_dir: Path, resume_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = out_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        if self.path.exists():  # a resumed run continues the file without duplicated steps
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            _atomic_write(self.path, "".join(ln + "\n" for ln in kept))
+        self.file = open(self.path, "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        except ImportError:  # tensorboard is optional
+            self.tb = None
+
+    def write(self, record: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+# ------------------------------------------------------------------------------------------------- steps
+def _forward(model, images, texts):
+    out = model(images, texts)
+    return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias")
+
+
+def train_step(model, objective, batches, accelerator):
+    """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
+
+    With several micro-batches the features of all of them form one contrastive problem (GradCache, Gao et al.
+    2021): features are computed without autograd, the loss and its gradient w.r.t. the features are taken on the
+    concatenation, then each micro-batch is re-run with autograd and back-propagated with its slice of that
+    gradient. Loss and parameter gradients equal those of the single large batch.
+    """
+    device = accelerator.device
+    if len(batches) == 1:
+        b = batches[0]
+        with accelerator.autocast():
+            img, txt, scale, bias = _forward(model, b["image"].to(device), b["text"].to(device))
+            loss, terms = objective(img.float(), txt.float(), scale.float(),
+                                    None if bias is None else bias.float(), b["label"].to(device))
+        return loss, terms, lambda: accelerator.backward(loss)
+
+    feats = []
+    # Each micro-batch replays the same RNG state on its second pass (dropout, drop-path identical).
+    rng_states = []
+    with torch.no_grad():
+        for b in batches:
+            rng_states.append(torch.get_rng_state())
+            with accelerator.autocast():
+                img, txt, scale, bias = _forward(model, b["image"].to(device), b["text"].to(device))
+            feats.append((img.float(), txt.float()))
+    img_all = torch.cat([f[0] for f in feats]).requires_grad_(True)
+    txt_all = torch.cat([f[1] for f in feats]).requires_grad_(True)
+    # logit scale/bias come from the unwrapped parameters so their gradient flows directly.
+    raw = accelerator.unwrap_model(model)
+    scale = raw.logit_scale.exp().reshape(())
+    bias = raw.logit_bias.reshape(()) if getattr(raw, "logit_bias", None) is not None else None
+    labels = torch.cat([b["label"] for b in batches]).to(device)
+    loss, terms = objective(img_all, txt_all, scale, bias, labels)
+
+    def backward():
+        accelerator.backward(loss)  # grads for the features, logit scale and bias
+        g_img, g_txt = img_all.grad, txt_all.grad
+        start = 0
+        for i, b in enumerate(batches):
+            n = b["image"].shape[0]
+            cm = accelerator.no_sync(model) if i < len(batches) - 1 else contextlib.nullcontext()
+            with cm:
+                cur = torch.get_rng_state()
+                torch.set_rng_state(rng_states[i])
+                with accelerator.autocast():
+                    img, txt, scale_out, bias_out = _forward(model, b["image"].to(device), b["text"].to(device))
+                torch.set_rng_state(cur)
+                surrogate = (img.float() * g_img[start:start + n]).sum() + (txt.float() * g_txt[start:start + n]).sum()
+                # Zero-weighted so the scale/bias stay in DDP's graph: their gradient, accumulated above, is then
+                # averaged across processes with the rest.
+                surrogate = surrogate + 0.0 * scale_out.sum() + (0.0 * bias_out.sum() if bias_out is not None else 0.0)
+                surrogate.backward()
+            start += n
+
+    return loss, terms, backward
+
+
+# ------------------------------------------------------------------------------------------------- train
+def train(cfg: TrainConfig) -> Dict[str, Any]:
+    """Train as configured; returns the last logged metrics. Run under ``accelerate launch`` for several processes."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
+    accelerator = Accelerator(mixed_precision=precision)
+    main = accelerator.is_main_process
+    out_dir = Path(cfg.train.output_dir)
+    ckpt_dir = out_dir / "checkpoints"
+
+    def log(msg: str) -> None:
+        if main:
+            print(f"mmcl: {msg}", flush=True)
+
+    set_seed(cfg.train.seed)
+    model, model_cfg, pp_cfg, train_tf, _, tokenizer = models.build(cfg.model)
+    if cfg.model.init_from:
+        from .models import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
+
+        report = init_from(model, cfg.model.init_from)
+        log(report)
+    models.apply_locks(model, cfg.model)
+    objective = losses.build_objective(cfg.loss)
+    optimizer = build_optimizer(model, cfg.optim)
+    stream = data_mod.build_train_stream(cfg.data, train_tf, tokenizer, seed=cfg.train.seed,
+                                         rank=accelerator.process_index, world_size=accelerator.num_processes)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    objective.to(accelerator.device)
+    progress = TrainProgress()
+    accelerator.register_for_checkpointing(progress)
+
+    resume = latest_checkpoint(ckpt_dir)
+    if resume is not None:
+        saved_cfg_path = out_dir / "config.yaml"
+        if saved_cfg_path.is_file():
+            from omegaconf import OmegaConf
+
+            check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)), to_dict(cfg), log)
+        accelerator.load_state(str(resume))
+        rank_file = resume / f"rank_state_{accelerator.process_index}.pt"
+        if not rank_file.is_file():
+            raise CheckpointError(f"{resume} was written by a run with a different number of processes "
+                                  f"(no {rank_file.name}); resume with the same launch configuration")
+        rank_state = torch.load(rank_file, weights_only=False)
+        stream.load_state_dict(rank_state["data"])
+        objective.load_state_dict(rank_state["objective"])
+        log(f"resuming from {resume} at step {progress.step}")
+    elif main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    if main:
+        _atomic_write(out_dir / "config.yaml", to_yaml(cfg))
+    accelerator.wait_for_everyone()
+
+    metrics = MetricsLog(out_dir, progress.step, main)
+    total = cfg.train.steps
+    raw_model = accelerator.unwrap_model(model)
+    max_log_scale = math.log(cfg.loss.max_logit_scale)
+    global_batch = cfg.data.batch_size * accelerator.num_processes * cfg.train.accum_steps
+    bar = None
+    if main and cfg.train.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=progress.step, desc="train", unit="step", dynamic_ncols=True)
+    data_iter = iter(stream)
+    last: Dict[str, Any] = {}
+    window_t, window_samples = time.perf_counter(), 0
+    data_time = 0.0
+    model.train()
+    while progress.step < total:
+        lr = lr_at(progress.step, cfg.optim, total)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        batches = [next(data_iter) for _ in range(cfg.train.accum_steps)]
+        data_time += time.perf_counter() - t0
+        loss, terms, backward = train_step(model, objective, batches, accelerator)
+        if not torch.isfinite(loss.detach()):
+            good = latest_checkpoint(ckpt_dir)
+            if cfg.train.nan_policy == "stop":
+                raise TrainingError(f"loss is {loss.item()} at step {progress.step + 1}; last good checkpoint: "
+                                    f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
+            optimizer.zero_grad(set_to_none=True)
+            progress.skipped_steps += 1
+            progress.step += 1
+            log(f"skipped step {progress.step}: loss is {loss.item()}")
+            continue
+        backward()
+        grad_norm = None
+        if cfg.optim.grad_clip:
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            raw_model.logit_scale.clamp_(0, max_log_scale)  # s = exp(t) <= max_logit_scale
+        progress.step += 1
+        progress.samples += global_batch
+        window_samples += global_batch
+        if bar is not None:
+            bar.update(1)
+
+        if progress.step % cfg.train.log_every == 0 or progress.step == total:
+            elapsed = time.perf_counter() - window_t
+            skipped = stream.skipped
+            if accelerator.num_processes > 1:
+                vec = torch.tensor([float(skipped.get("total", 0))], device=accelerator.device)
+                skipped_total = int(accelerator.reduce(vec, reduction="sum").item())
+            else:
+                skipped_total = int(skipped.get("total", 0))
+            record = {"step": progress.step, "samples": progress.samples, "loss": float(loss.detach()),
+                      **{k: float(v) for k, v in terms.items()}, "lr": lr,
+                      "logit_scale": float(raw_model.logit_scale.detach().exp()),
+                      "samples_per_s": window_samples / max(elapsed, 1e-9),
+                      "data_time_frac": data_time / max(elapsed, 1e-9), "data/skipped": skipped_total}
+            if getattr(raw_model, "logit_bias", None) is not None:
+                record["logit_bias"] = float(raw_model.logit_bias.detach())
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm
+            if cfg.eval.every and progress.step % cfg.eval.every == 0 or (progress.step == total and _has_eval(cfg)):
+                record.update(run_eval(cfg, raw_model, tokenizer, pp_cfg, accelerator))
+            metrics.write(record)
+            last = record
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", sps=f"{record['samples_per_s']:.0f}")
+            window_t, window_samples, data_time = time.perf_counter(), 0, 0.0
+
+        if cfg.train.save_every and (progress.step % cfg.train.save_every == 0 or progress.step == total):
+            save_checkpoint(accelerator, ckpt_dir, progress,
+                            {"data": stream.state_dict(), "objective": objective.state_dict()},
+                            cfg.train.keep_checkpoints)
+    if bar is not None:
+        bar.close()
+    metrics.close()
+    accelerator.wait_for_everyone()
+    if main:
+        models.save_model_dir(raw_model, model_cfg, pp_cfg, out_dir / "model",
+                              extra={"steps": progress.step, "samples": progress.samples})
+        log(f"model saved to {out_dir / 'model'}")
+        if cfg.train.plot:
+            try:
+                from .plot import plot_run
+
+                for p in plot_run(out_dir):
+                    log(f"plot written: {p}")
+            except ImportError as err:  # matplotlib is optional
+                log(f"plots skipped: {err}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return last
+
+
+def _has_eval(cfg: TrainConfig) -> bool:
+    return bool(cfg.eval.zeroshot or cfg.eval.retrieval)
+
+
+def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator) -> Dict[str, float]:
+    """Zero-shot / retrieval on the main process; returns ``eval/<task>/<dataset>/<metric>`` entries."""
+    out: Dict[str, float] = {}
+    if not accelerator.is_main_process or not _has_eval(cfg):
+        return out
+    from . import evaluate
+
+    _, eval_tf = models.build_transforms(pp_cfg)
+    was_training = model.training
+    model.eval()
+    try:
+        if cfg.eval.zeroshot:
+            res = evaluate.zeroshot(model, eval_tf, tokenizer, cfg.eval.zeroshot, classnames=cfg.eval.classnames,
+                                    templates=cfg.eval.templates, batch_size=cfg.eval.batch_size,
+                                    device=accelerator.device, progress=False)
+            out.update({f"eval/zeroshot_classification/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
+        if cfg.eval.retrieval:
+            res = evaluate.retrieval(model, eval_tf, tokenizer, cfg.eval.retrieval, batch_size=cfg.eval.batch_size,
+                                     device=accelerator.device, progress=False)
+            out.update({f"eval/zero_shot_retrieval/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
+    finally:
+        model.train(was_training)
+    return out
