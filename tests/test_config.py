@@ -1,0 +1,71 @@
+import pytest
+
+from mmcl.config import TrainConfig, from_dict, load_config, to_dict, valid_keys
+from mmcl.errors import ConfigError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_and_overrides_parse_by_field_type(tmp_path):
+    cfg = load_config(write(tmp_path, "data:\n  batch_size: 8\n"),
+                      ["train.steps=7", "loss.chunk_size=16", "optim.lr=1e-3", "model.lock_text=true",
+                       "data.train=[a.tar,b.tar]", "loss.mochi.weight=0.5"])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.data.batch_size == 8 and cfg.train.steps == 7 and cfg.loss.chunk_size == 16
+    assert cfg.optim.lr == pytest.approx(1e-3) and cfg.model.lock_text is True
+    assert list(cfg.data.train) == ["a.tar", "b.tar"] and cfg.loss.mochi.weight == 0.5
+
+
+def test_unknown_key_names_the_nearest_valid_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.batchsize'.*data\.batch_size"):
+        load_config(None, ["data.batchsize=3"])
+    with pytest.raises(ConfigError, match=r"'optim.warmup'.*optim\.warmup_steps"):
+        load_config(write(tmp_path, "optim:\n  warmup: 5\n"))
+
+
+def test_bad_value_type_is_reported_with_the_key():
+    with pytest.raises(ConfigError, match=r"data\.batch_size.*abc"):
+        load_config(None, ["data.batch_size=abc"])
+
+
+def test_all_problems_are_reported_at_once(tmp_path):
+    path = write(tmp_path, "data:\n  batchsize: 3\ntrain:\n  stepz: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["optim.lr=x"])
+    msg = str(err.value)
+    assert "data.batchsize" in msg and "train.stepz" in msg and "optim.lr" in msg
+
+
+def test_semantic_validation():
+    with pytest.raises(ConfigError, match="train.precision must be one of"):
+        load_config(None, ["train.precision=fp8"])
+    with pytest.raises(ConfigError, match="no loss term is active"):
+        load_config(None, ["loss.clip=0"])
+    with pytest.raises(ConfigError, match=r"data.batch_size must be > 0.*train.steps must be > 0"):
+        load_config(None, ["data.batch_size=0", "train.steps=0"])
+
+
+def test_missing_file_and_bad_override_syntax(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(None, ["data.batch_size"])
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["data.batch_size=5", "model.text.hf=/x/y"])
+    again = from_dict(to_dict(cfg))
+    assert again == cfg
+
+
+def test_valid_keys_cover_nested_sections():
+    keys = valid_keys()
+    for k in ("data.train", "data.batch_size", "train.steps", "train.output_dir", "train.seed", "loss.clip",
+              "loss.mochi.queue_size", "model.text.hf"):
+        assert k in keys
