@@ -1,0 +1,767 @@
+"""WebDataset streaming for training and evaluation, and shard writing.
+
+Shards follow the img2dataset / WebDataset convention: consecutive tar members sharing a key form one
+sample (``KEY.jpg|jpeg|png|webp`` image, ``KEY.txt`` caption, optional ``KEY.cls`` label, optional
+``KEY.json``). Shards are opened with ``webdataset.gopen`` (local paths, ``pipe:``, http, ...) and read with
+the standard library's streaming tar reader, which lets the loader skip already-consumed samples by their
+position without reading their image bytes into the decoder, and turn a cut-off tar into a counted skip.
+
+Training pipeline, one stage per function (see `TrainStream`)::
+
+    expand_sources        spec -> shard URLs per '::'-separated source
+    epoch_shard_plan      (seed, epoch, slot) -> this slot's shards, in this epoch's order
+    read_raw_samples      shards -> raw samples (bytes per extension), position after each
+    shuffle_blocks        raw samples -> blocks of `shuffle_buffer`, permuted by a seeded RNG
+    decode_sample         raw sample -> (image tensor, caption, label) or a skip reason
+    collate               samples -> batch dict, captions tokenized
+
+A *slot* is one (rank, worker) pair: ``slot = rank * workers + worker``. Each slot reads a disjoint set
+of shards per epoch, or, when there are fewer shards than slots, every shard with sample index modulo the
+number of slots, so that each sample is seen once per epoch across all ranks and workers.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+import math
+import os
+import re
+import tarfile
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .config import DataConfig
+from .errors import ConfigError, DataError
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+SKIP_REASONS = (
+    "decode", "missing_image", "missing_caption", "bad_caption", "bad_label", "too_large", "truncated_tar",
+    "shard_open",
+)
+_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+_STATE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# URL expansion
+
+
+def _split_spec(spec: Any) -> List[str]:
+    """Flatten a spec (str, list, YAML list, '::'-joined) into one string per source."""
+    if spec is None:
+        raise DataError("no training data given (got data.train=None, expected a shard spec such as "
+                        "'shards/shard-{000000..000009}.tar')")
+    if isinstance(spec, (list, tuple)):
+        out: List[str] = []
+        for item in spec:
+            out += _split_spec(item)
+        return out
+    if not isinstance(spec, str):
+        raise DataError(f"shard spec must be a string or a list of strings (got {type(spec).__name__}: {spec!r})")
+    text = spec.strip()
+    if text.startswith("["):
+        import yaml  # a dependency of omegaconf
+
+        try:
+            items = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise DataError(f"cannot parse shard spec as a YAML list: {text!r} ({str(err).splitlines()[0]})")
+        return _split_spec(items)
+    if text.lower().endswith((".yaml", ".yml")) and os.path.isfile(text):
+        import yaml
+
+        with open(text) as f:
+            items = yaml.safe_load(f)
+        if not isinstance(items, list):
+            raise DataError(f"{text} must hold a YAML list of shard specs (got {type(items).__name__})")
+        return _split_spec(items)
+    return [part.strip() for part in text.split("::") if part.strip()]
+
+
+def _has_scheme(url: str) -> bool:
+    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", url)) and not re.match(r"^[a-zA-Z]:[\\/]", url)
+
+
+def _expand_one(source: str) -> List[str]:
+    import braceexpand  # a dependency of webdataset
+
+    if source.startswith("pipe:"):
+        # Braces in a pipe command address shard names; expand them but never glob a shell command.
+        return list(braceexpand.braceexpand(source))
+    urls: List[str] = []
+    missing: List[str] = []
+    for item in braceexpand.braceexpand(source):
+        if item.startswith("file://"):
+            item = item[len("file://"):]
+        if _has_scheme(item):
+            urls.append(item)
+        elif any(ch in item for ch in "*?["):
+            urls += sorted(glob.glob(os.path.expanduser(item)))
+        elif os.path.isdir(os.path.expanduser(item)):
+            folder = os.path.expanduser(item)
+            urls += sorted(p for p in glob.glob(os.path.join(folder, "*")) if p.endswith(_SHARD_SUFFIXES))
+        elif os.path.isfile(os.path.expanduser(item)):
+            urls.append(os.path.expanduser(item))
+        else:
+            missing.append(item)
+    if missing and urls:
+        warnings.warn(f"{len(missing)} of {len(missing) + len(urls)} shards of '{source}' do not exist, "
+                      f"e.g. {missing[0]}; using the {len(urls)} that do", stacklevel=3)
+    return urls
+
+
+def expand_sources(spec: Any) -> List[List[str]]:
+    """Expand a shard spec into one list of URLs per source.
+
+    Sources are the '::'-separated parts of a string spec (or the items of a list). Each source may use
+    brace expansion (``shard-{000000..000009}.tar``), a glob, a directory (its ``*.tar`` files), a local
+    path, or a URL with a scheme (``pipe:``, ``http://``, ...). Raises `DataError` naming the source when a
+    source matches nothing.
+    """
+    sources = _split_spec(spec)
+    if not sources:
+        raise DataError(f"empty shard spec (got {spec!r}, expected e.g. 'shards/shard-{{000000..000009}}.tar')")
+    out = []
+    for source in sources:
+        urls = _expand_one(source)
+        if not urls:
+            raise DataError(f"no shards match '{source}' (expected existing .tar files, a glob, a directory of "
+                            f"shards or a pipe:/http URL)")
+        out.append(urls)
+    return out
+
+
+def expand_urls(spec: Any) -> List[str]:
+    """Expand a shard spec into a flat list of URLs (see `expand_sources` for the accepted forms).
+
+    >>> expand_urls("data/shard-{000000..000001}.tar")  # doctest: +SKIP
+    ['data/shard-000000.tar', 'data/shard-000001.tar']
+    """
+    return [url for urls in expand_sources(spec) for url in urls]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shard writing
+
+
+def _encode_image(image: Any, ext: Optional[str], image_format: str, quality: int) -> Tuple[bytes, str]:
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        if not ext:
+            raise DataError("sample image given as bytes without 'ext' (expected e.g. ext='jpg')")
+        ext = ext.lower().lstrip(".")
+        if ext not in IMAGE_EXTS:
+            raise DataError(f"unsupported image extension '{ext}' (expected one of {', '.join(IMAGE_EXTS)})")
+        return bytes(image), ext
+    if isinstance(image, tuple) and len(image) == 2:
+        return _encode_image(image[0], image[1], image_format, quality)
+    if isinstance(image, Image.Image):
+        buf = io.BytesIO()
+        if image_format in ("jpg", "jpeg"):
+            image.convert("RGB").save(buf, format="JPEG", quality=quality)
+            return buf.getvalue(), "jpg"
+        if image_format == "webp":
+            image.save(buf, format="WEBP", quality=quality)
+            return buf.getvalue(), "webp"
+        image.save(buf, format="PNG")
+        return buf.getvalue(), "png"
+    raise DataError(f"sample image must be a PIL.Image or encoded bytes (got {type(image).__name__})")
+
+
+class ShardWriter:
+    """Write samples into numbered tar shards ``<out_dir>/<prefix>-000000.tar``, ... atomically.
+
+    Each shard is written to a temporary name and renamed when complete, so a crash never leaves a
+    truncated shard under a final name. Member metadata is fixed (mtime 0, uid 0), so equal samples give
+    byte-identical shards.
+    """
+
+    def __init__(self, out_dir: str, shard_size: int = 1000, prefix: str = "shard",
+                 image_format: str = "png", quality: int = 95):
+        if shard_size <= 0:
+            raise DataError(f"shard_size must be > 0 (got {shard_size})")
+        if image_format not in ("png", "jpg", "jpeg", "webp"):
+            raise DataError(f"image_format must be png, jpg or webp (got {image_format!r})")
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.shard_size, self.prefix = out_dir, shard_size, prefix
+        self.image_format, self.quality = image_format, quality
+        self.shards: List[str] = []
+        self.n_samples = 0
+        self._tar: Optional[tarfile.TarFile] = None
+        self._tmp = ""
+        self._in_shard = 0
+
+    def _add(self, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = 0, 0o644, 0, 0, "", ""
+        self._tar.addfile(info, io.BytesIO(data))
+
+    def _open_next(self) -> None:
+        path = os.path.join(self.out_dir, f"{self.prefix}-{len(self.shards):06d}.tar")
+        self._tmp = path + ".tmp"
+        self._tar = tarfile.open(self._tmp, "w", format=tarfile.GNU_FORMAT)
+        self.shards.append(path)
+        self._in_shard = 0
+
+    def _close_current(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+            os.replace(self._tmp, self.shards[-1])
+            self._tar = None
+
+    def write(self, sample: Dict[str, Any]) -> None:
+        """Append one sample dict: key, image (PIL.Image or bytes with 'ext'), caption, label?, json?."""
+        key = str(sample.get("key", ""))
+        if not key or "." in os.path.basename(key):
+            raise DataError(f"sample key must be non-empty and contain no '.' (got {key!r})")
+        data, ext = _encode_image(sample.get("image"), sample.get("ext"), self.image_format, self.quality)
+        caption = sample.get("caption")
+        if not isinstance(caption, str):
+            raise DataError(f"sample {key}: caption must be a string (got {type(caption).__name__})")
+        if self._tar is None or self._in_shard >= self.shard_size:
+            self._close_current()
+            self._open_next()
+        self._add(f"{key}.{ext}", data)
+        self._add(f"{key}.txt", caption.encode("utf-8"))
+        if sample.get("label") is not None:
+            self._add(f"{key}.cls", str(int(sample["label"])).encode())
+        if sample.get("json") is not None:
+            self._add(f"{key}.json", json.dumps(sample["json"], sort_keys=True).encode())
+        self._in_shard += 1
+        self.n_samples += 1
+
+    def close(self) -> Dict[str, Any]:
+        """Finish the last shard; return the summary {out_dir, shards, n_shards, n_samples}."""
+        self._close_current()
+        return {"out_dir": self.out_dir, "shards": list(self.shards), "n_shards": len(self.shards),
+                "n_samples": self.n_samples}
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is not None and self._tar is not None:
+            self._tar.close()
+            os.remove(self._tmp)
+            self.shards.pop()
+            self._tar = None
+        self.close()
+
+
+def write_shards(samples: Iterable[Dict[str, Any]], out_dir: str, shard_size: int = 1000, prefix: str = "shard",
+                 image_format: str = "png", quality: int = 95) -> Dict[str, Any]:
+    """Write samples as WebDataset shards ``out_dir/<prefix>-000000.tar``, ...
+
+    Args:
+        samples: iterable of dicts with ``key`` (str, no '.'), ``image`` (a PIL.Image, encoded with
+            `image_format`, or encoded bytes with ``ext`` such as 'jpg'), ``caption`` (str), optional
+            ``label`` (int, written as ``.cls``) and ``json`` (dict).
+        shard_size: samples per shard.
+    Returns:
+        {"out_dir", "shards": [paths], "n_shards", "n_samples"}.
+    """
+    with ShardWriter(out_dir, shard_size, prefix, image_format, quality) as writer:
+        for sample in samples:
+            writer.write(sample)
+    return writer.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading raw samples
+
+
+def _split_name(name: str) -> Tuple[str, str]:
+    """'dir/abc.seg.jpg' -> ('dir/abc', 'seg.jpg'): the key ends at the first dot of the base name."""
+    folder, base = os.path.split(name)
+    stem, dot, ext = base.partition(".")
+    return (os.path.join(folder, stem) if folder else stem), ext.lower()
+
+
+@dataclass
+class RawSample:
+    """One item of the raw stream: a sample's undecoded files, or a shard-level problem.
+
+    ``pos`` is the stream position just after this item: (shard ordinal in the epoch plan, raw samples of
+    that shard consumed). ``index`` is the sample's ordinal in its shard; ``shard`` its ordinal in the plan.
+    """
+
+    pos: Tuple[int, int]
+    shard: int
+    index: int
+    key: str = ""
+    files: Optional[Dict[str, bytes]] = None
+    error: Optional[str] = None  # a SKIP_REASONS entry for shard-level problems
+    url: str = ""
+
+
+def _open_shard(url: str):
+    from webdataset import gopen
+
+    return gopen(url, "rb")
+
+
+def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], start: Tuple[int, int] = (0, 0),
+                     open_fn: Callable[[str], Any] = _open_shard) -> Iterator[RawSample]:
+    """Stream raw samples from the shards of `plan`, starting at position `start`.
+
+    Args:
+        plan: list of (url, modulo) where modulo is None (take every sample) or (slot, n_slots) (take the
+            samples whose index in the shard is congruent to slot; shard-level problems are reported by the
+            slot ``shard ordinal % n_slots`` only).
+        start: (shard ordinal, samples to skip in it). Skipped samples are passed over by their tar headers;
+            their bytes never reach a decoder.
+    Yields:
+        `RawSample` items; shard-level problems (cannot open, truncated tar) as items with ``error`` set.
+    """
+    first_shard, skip = start
+    for shard in range(first_shard, len(plan)):
+        url, modulo = plan[shard]
+        skip_here = skip if shard == first_shard else 0
+        owns_errors = modulo is None or shard % modulo[1] == modulo[0]
+        stream = None
+        try:
+            stream = open_fn(url)
+            tar = tarfile.open(fileobj=stream, mode="r|*")
+        except Exception as err:  # a missing file, a failing pipe, a non-tar file: all mean the shard is lost
+            if stream is not None:
+                try:
+                    stream.close()
+                except Exception:  # the shard is reported as lost either way
+                    pass
+            warnings.warn(f"cannot open shard {url}: {type(err).__name__}: {err}; skipping it")
+            if owns_errors:
+                yield RawSample(pos=(shard + 1, 0), shard=shard, index=-1, error="shard_open", url=url)
+            continue
+        index, key, files = -1, None, None
+        try:
+            try:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    name_key, ext = _split_name(member.name)
+                    if name_key != key:
+                        if key is not None and files is not None:
+                            yield RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key,
+                                            files=files, url=url)
+                        index += 1
+                        key = name_key
+                        wanted = index >= skip_here and (modulo is None or index % modulo[1] == modulo[0])
+                        files = {} if wanted else None
+                    if files is not None:
+                        files[ext] = tar.extractfile(member).read()
+            except (tarfile.TarError, EOFError, OSError, ValueError) as err:
+                # The sample being read when the tar broke is lost; report it once.
+                warnings.warn(f"shard {url} is truncated or corrupt after {max(index, 0)} samples "
+                              f"({type(err).__name__}: {err})")
+                if owns_errors:
+                    yield RawSample(pos=(shard + 1, 0), shard=shard, index=index, error="truncated_tar",
+                                    url=url)
+                continue
+            if key is not None and files is not None:
+                yield RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key, files=files, url=url)
+        finally:
+            try:
+                tar.close()
+                stream.close()
+            except Exception:  # a pipe that failed already reported its problem above
+                pass
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoding
+
+
+class SkipSample(Exception):
+    """Raised by `decode_sample` for a bad sample; ``reason`` is one of SKIP_REASONS."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
+    """The (width, height) a JPEG may be draft-decoded to without losing what `preprocess` keeps.
+
+    Reads the first resizing step of a torchvision ``Compose`` (Resize, CenterCrop, RandomResizedCrop,
+    open_clip's ResizeKeepRatio); returns None when the output size cannot be inferred.
+    """
+    from torchvision import transforms as T
+
+    steps = getattr(preprocess, "transforms", [preprocess])
+    for step in steps:
+        if isinstance(step, T.RandomResizedCrop):
+            h, w = step.size
+            # The crop keeps at least `scale[0]` of the area, so each side shrinks by at most sqrt(scale[0]).
+            grow = 1.0 / math.sqrt(max(step.scale[0], 1e-3))
+            return int(math.ceil(w * grow)), int(math.ceil(h * grow))
+        size = getattr(step, "size", None)
+        if isinstance(step, (T.Resize, T.CenterCrop)) or type(step).__name__ in ("ResizeKeepRatio", "CenterCropOrPad"):
+            if isinstance(size, int):
+                return size, size
+            if isinstance(size, (list, tuple)) and len(size) == 1:
+                return int(size[0]), int(size[0])
+            if isinstance(size, (list, tuple)) and len(size) == 2:
+                side = max(size)  # aspect-keeping resizes fit one side; the larger bound is the safe one
+                return int(side), int(side)
+    return None
+
+
+def decode_image(data: bytes, max_pixels: int, draft_size: Optional[Tuple[int, int]] = None) -> Image.Image:
+    """Decode encoded image bytes to an RGB PIL image.
+
+    Raises `SkipSample` with reason ``too_large`` when width*height > max_pixels (checked from the header,
+    before any pixel is decoded) and ``decode`` for anything pillow cannot read. JPEGs are decoded at a
+    reduced DCT scale when `draft_size` (w, h) is given and the image is at least twice as large.
+    """
+    with warnings.catch_warnings():
+        # Pillow warns above its own global limit; ours is cfg.max_image_pixels and is counted instead.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as err:
+            raise SkipSample("too_large", str(err))
+        except Exception as err:  # pillow raises several types for unreadable data
+            raise SkipSample("decode", f"{type(err).__name__}: {err}")
+        width, height = img.size
+        if width * height > max_pixels:
+            raise SkipSample("too_large", f"{width}x{height} pixels > {max_pixels}")
+        try:
+            if draft_size is not None and img.format == "JPEG":
+                img.draft("RGB", draft_size)
+            return img.convert("RGB")
+        except Exception as err:
+            raise SkipSample("decode", f"{type(err).__name__}: {err}")
+
+
+def parse_caption(data: Optional[bytes]) -> str:
+    """UTF-8 caption bytes -> stripped text; `SkipSample` when missing, empty or not UTF-8."""
+    if data is None:
+        raise SkipSample("missing_caption")
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        raise SkipSample("bad_caption", f"not UTF-8 ({err})")
+    if not text:
+        raise SkipSample("bad_caption", "empty caption")
+    return text
+
+
+def parse_label(data: Optional[bytes]) -> int:
+    """``.cls`` bytes -> non-negative int; -1 when absent; `SkipSample` ``bad_label`` otherwise."""
+    if data is None:
+        return -1
+    try:
+        label = int(data.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise SkipSample("bad_label", f"not an integer: {data[:32]!r}")
+    if label < 0:
+        raise SkipSample("bad_label", f"negative label {label}")
+    return label
+
+
+def image_bytes(files: Dict[str, bytes]) -> Optional[bytes]:
+    for ext in IMAGE_EXTS:
+        if ext in files:
+            return files[ext]
+    return None
+
+
+def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
+                  draft_size: Optional[Tuple[int, int]] = None,
+                  aug_seed: Optional[int] = None) -> Tuple[torch.Tensor, str, int]:
+    """Raw files of one sample -> (image FloatTensor (3, H, W), caption str, label int (-1 if none)).
+
+    Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
+    `aug_seed` is given, random transforms in `preprocess` draw from torch's RNG seeded with it, so a sample
+    gets the same augmentation when it is replayed after a resume; the caller's RNG state is restored.
+    Raises `SkipSample` for bad samples.
+    """
+    data = image_bytes(files)
+    if data is None:
+        raise SkipSample("missing_image")
+    caption = parse_caption(files.get("txt"))
+    label = parse_label(files.get("cls"))
+    img = decode_image(data, max_pixels, draft_size)
+    if aug_seed is None:
+        tensor = preprocess(img)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(aug_seed)
+            tensor = preprocess(img)
+    return tensor, caption, label
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (order matters), for per-sample and per-block RNGs."""
+    return int(np.random.SeedSequence([v & 0xFFFFFFFF for v in values] + [len(values)]).generate_state(2,
+               dtype=np.uint64)[0] >> np.uint64(1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shard plans and the training stream
+
+
+def epoch_shard_plan(sources: List[List[str]], epoch: int, seed: int, slot: int, n_slots: int,
+                     resampled: bool = False, weights: Optional[Sequence[float]] = None
+                     ) -> List[Tuple[str, Optional[Tuple[int, int]]]]:
+    """The shards slot `slot` of `n_slots` reads in `epoch`, in order, as (url, modulo) pairs.
+
+    Without resampling, all slots permute the full shard list with the same RNG (seed, epoch), then slot
+    k takes shards k, k + n_slots, ...; with fewer shards than slots every slot reads every shard and takes
+    the samples whose index is k modulo n_slots. With resampling, each slot draws ceil(n_shards / n_slots)
+    shards with replacement, the source picked by `weights`, from an RNG of (seed, slot, epoch).
+    """
+    urls = [u for src in sources for u in src]
+    if resampled:
+        rng = np.random.default_rng([seed & 0xFFFFFFFF, slot, epoch, 1])
+        p = np.asarray(weights if weights is not None else [len(s) for s in sources], dtype=np.float64)
+        p = p / p.sum()
+        n_draws = max(1, math.ceil(len(urls) / n_slots))
+        plan = []
+        for _ in range(n_draws):
+            src = sources[int(rng.choice(len(sources), p=p))]
+            plan.append((src[int(rng.integers(len(src)))], None))
+        return plan
+    order = np.random.default_rng([seed & 0xFFFFFFFF, epoch, 0]).permutation(len(urls))
+    if len(urls) >= n_slots:
+        return [(urls[i], None) for i in order[slot::n_slots]]
+    return [(urls[i], (slot, n_slots)) for i in order]
+
+
+def _zero_skips() -> Dict[str, int]:
+    return {reason: 0 for reason in SKIP_REASONS}
+
+
+def _fresh_position() -> Dict[str, Any]:
+    return {"epoch": 0, "shard": 0, "sample": 0, "emitted": 0, "skipped": _zero_skips()}
+
+
+class _SlotStreams(torch.utils.data.IterableDataset):
+    """The per-worker batch generator; one instance is copied into each DataLoader worker."""
+
+    def __init__(self, stream: "TrainStream", starts: List[Dict[str, Any]], role_offset: int):
+        super().__init__()
+        self.s = stream._spec()
+        self.starts = starts
+        self.role_offset = role_offset
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker = 0 if info is None else info.id
+        role = (worker + self.role_offset) % self.s["n_roles"]
+        yield from role_batches(self.s, role, self.starts[role])
+
+
+def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
+    """Infinite batches of one worker role, starting at position `start`; each carries ``__state__``."""
+    rank, n_roles = s["rank"], s["n_roles"]
+    slot, n_slots = rank * n_roles + role, s["world_size"] * n_roles
+    block_size = max(1, s["shuffle_buffer"])
+    epoch, shard, sample, emitted = start["epoch"], start["shard"], start["sample"], start["emitted"]
+    skipped = dict(_zero_skips(), **start["skipped"])
+    images: List[torch.Tensor] = []
+    captions: List[str] = []
+    labels: List[int] = []
+    keys: List[str] = []
+    while True:
+        plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
+        full_epoch = (shard, sample, emitted) == (0, 0, 0)
+        raw_seen, good_seen = 0, 0
+        reader = read_raw_samples(plan, (shard, sample))
+        while True:
+            block: List[RawSample] = []
+            for item in reader:
+                block.append(item)
+                if len(block) == block_size:
+                    break
+            if not block:
+                break
+            perm = np.random.default_rng(
+                [s["seed"] & 0xFFFFFFFF, slot, epoch, shard, sample, 2]).permutation(len(block))
+            for j in range(emitted, len(block)):
+                item = block[perm[j]]
+                emitted = j + 1
+                if item.error is not None:
+                    skipped[item.error] += 1
+                    continue
+                raw_seen += 1
+                try:
+                    tensor, caption, label = decode_sample(
+                        item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
+                        aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index))
+                except SkipSample as skip:
+                    skipped[skip.reason] += 1
+                    continue
+                good_seen += 1
+                images.append(tensor)
+                captions.append(caption)
+                labels.append(label)
+                keys.append(item.key)
+                if len(images) == s["batch_size"]:
+                    batch = collate(images, captions, labels, keys, s["tokenizer"])
+                    batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
+                                          "emitted": emitted, "skipped": dict(skipped)}
+                    images, captions, labels, keys = [], [], [], []
+                    yield batch
+            emitted = 0
+            shard, sample = block[-1].pos
+        if full_epoch and good_seen == 0:
+            n_urls = sum(len(src) for src in s["sources"])
+            what = (f"no samples reach rank {rank} worker {role} ({n_urls} shards for {n_slots} rank x worker "
+                    f"slots; use fewer workers or more data)" if raw_seen == 0 else
+                    f"no valid sample in an epoch of rank {rank} worker {role} ({raw_seen} read, all skipped: "
+                    + ", ".join(f"{k}={v}" for k, v in skipped.items() if v) + ")")
+            yield {"__error__": what}
+            return
+        epoch, shard, sample, emitted = epoch + 1, 0, 0, 0
+
+
+def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], keys: List[str],
+            tokenizer: Callable[[List[str]], torch.Tensor]) -> Dict[str, Any]:
+    """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list."""
+    text = tokenizer(captions)
+    if not isinstance(text, torch.Tensor):
+        text = torch.as_tensor(text)
+    return {"image": torch.stack(images), "text": text.long(), "label": torch.tensor(labels, dtype=torch.long),
+            "key": list(keys)}
+
+
+class TrainStream:
+    """An infinite stream of training batches for one process (see `build_train_stream`).
+
+    Iterating yields dicts ``image`` FloatTensor (B,3,H,W), ``text`` LongTensor (B,L), ``label``
+    LongTensor (B,) (-1 where a sample has no ``.cls``) and ``key`` (list of B sample keys). Each new
+    iteration continues after the last batch consumed. `skipped`, `epoch` and `state_dict` describe the
+    batches consumed so far, not those prefetched by workers.
+    """
+
+    def __init__(self, cfg: DataConfig, preprocess: Callable, tokenizer: Callable, *, seed: int, rank: int = 0,
+                 world_size: int = 1, pin_memory: bool = False):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
+        self.sources = expand_sources(cfg.train)
+        self.urls = [u for src in self.sources for u in src]
+        if cfg.weights is not None:
+            if not cfg.resampled:
+                raise ConfigError("data.weights needs data.resampled=true (got weights with resampled=false)")
+            if len(cfg.weights) != len(self.sources):
+                raise ConfigError(f"data.weights needs one weight per '::'-separated source (got "
+                                  f"{len(cfg.weights)} weights for {len(self.sources)} sources)")
+            if sum(cfg.weights) <= 0:
+                raise ConfigError(f"data.weights must not all be zero (got {list(cfg.weights)})")
+        self.cfg, self.preprocess, self.tokenizer = cfg, preprocess, tokenizer
+        self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
+        self.workers = int(cfg.workers)
+        self.n_roles = max(1, self.workers)
+        self.pin_memory = pin_memory
+        self.draft_size = draft_size_of(preprocess) if cfg.fast_decode else None
+        self._positions = [_fresh_position() for _ in range(self.n_roles)]
+        self._next_role = 0
+        self.batches = 0
+
+    def _spec(self) -> Dict[str, Any]:
+        return {"sources": self.sources, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "n_roles": self.n_roles, "resampled": bool(self.cfg.resampled),
+                "weights": None if self.cfg.weights is None else list(self.cfg.weights),
+                "shuffle_buffer": int(self.cfg.shuffle_buffer), "batch_size": int(self.cfg.batch_size),
+                "max_pixels": int(self.cfg.max_image_pixels), "draft_size": self.draft_size,
+                "preprocess": self.preprocess, "tokenizer": self.tokenizer}
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        starts = [dict(p, skipped=dict(p["skipped"])) for p in self._positions]
+        if self.workers == 0:
+            source: Iterable = role_batches(self._spec(), 0, starts[0])
+        else:
+            # Workers deliver batches round-robin starting at worker 0; shifting roles by the next expected
+            # role makes a new loader continue the exact batch order of the previous one.
+            source = torch.utils.data.DataLoader(
+                _SlotStreams(self, starts, self._next_role), batch_size=None, num_workers=self.workers,
+                pin_memory=self.pin_memory)
+        for batch in source:
+            if "__error__" in batch:
+                raise DataError(batch["__error__"])
+            state = batch.pop("__state__")
+            role = state.pop("role")
+            self._positions[role] = state
+            self._next_role = (role + 1) % self.n_roles
+            self.batches += 1
+            yield batch
+
+    @property
+    def skipped(self) -> Dict[str, int]:
+        """Running totals of skipped samples of this process: ``total`` and one count per reason."""
+        out = _zero_skips()
+        for pos in self._positions:
+            for reason, n in pos["skipped"].items():
+                out[reason] = out.get(reason, 0) + n
+        out["total"] = sum(out.values())
+        return out
+
+    @property
+    def epoch(self) -> int:
+        """The lowest epoch any worker of this process is in (data passes completed by all workers)."""
+        return min(p["epoch"] for p in self._positions)
+
+    def _layout(self) -> Dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "workers": self.n_roles, "seed": self.seed,
+                "n_shards": len(self.urls), "batch_size": int(self.cfg.batch_size),
+                "shuffle_buffer": int(self.cfg.shuffle_buffer), "resampled": bool(self.cfg.resampled)}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The position after the last consumed batch (per worker: epoch, shard, sample, skips); plain types."""
+        return {"version": _STATE_VERSION, "layout": self._layout(), "next_role": self._next_role,
+                "batches": self.batches, "positions": [dict(p, skipped=dict(p["skipped"])) for p in self._positions]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from `state`. With the same data, seed and layout the next batches equal those an
+        uninterrupted stream would yield; after a layout change (workers, ranks, batch size, shards) the
+        stream restarts the earliest saved epoch and warns, since exact continuation is then impossible.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise DataError(f"unrecognised data stream state (got version {state.get('version') if isinstance(state, dict) else type(state).__name__}, expected {_STATE_VERSION})")
+        layout = self._layout()
+        if state["layout"] != layout:
+            changed = sorted(k for k in layout if state["layout"].get(k) != layout[k])
+            warnings.warn("data stream layout changed since the checkpoint (" + ", ".join(
+                f"{k}: {state['layout'].get(k)} -> {layout[k]}" for k in changed) +
+                "); restarting the earliest saved epoch, exact data order is not preserved")
+            epoch = min(p["epoch"] for p in state["positions"])
+            totals = _zero_skips()
+            for p in state["positions"]:
+                for k, v in p["skipped"].items():
+                    totals[k] = totals.get(k, 0) + v
+            self._positions = [_fresh_position() for _ in range(self.n_roles)]
+            for p in self._positions:
+                p["epoch"] = epoch
+            self._positions[0]["skipped"] = totals
+            self._next_role = 0
+        else:
+            self._positions = [dict(p, skipped=dict(p["skipped"])) for p in state["positions"]]
+            self._next_role = int(state["next_role"])
+        self.batches = int(state.get("batches", 0))
+
+
+def build_train_stream(cfg: DataConfig, preprocess: Callable, tokenizer: Callable, *, seed: int, rank: int = 0,
+                       world_size: int = 1, pin_memory: bool = False) -> TrainStream:
+    """Build this process's infinite training stream from ``cfg.train``.
+
+    Args:
+        cfg: data config (train spec, batch_size per process, workers, shuffle_buffer, resampled, weights,
+            max_image_pixels, fast_decode).
+        preprocess: PIL.Image -> FloatTensor (3, H, W), e.g. open_clip's train transform.
+        tokenizer: list[str] (B) -> LongTensor (B, L).
+        seed: base seed; shard order, shuffling and augmentation derive from (seed, rank, worker, epoch).
+        rank, world_size: this process's place among data-parallel processes.
+    Raises:
+        DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
+    """
+    return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
+                       pin_memory=pin_memory)
