@@ -1,0 +1,502 @@
+"""Export a trained model's image and text encoders into files other tools load.
+
+Formats (``export(model_path, fmt, out_dir)``):
+
+``open_clip``    open_clip's local-dir layout (``open_clip_config.json`` + ``open_clip_model.safetensors``, and the
+                 tokenizer files of a Hugging Face text tower); ``open_clip.create_model_and_transforms(
+                 "local-dir:DIR")``, ``open_clip.get_tokenizer("local-dir:DIR")``, CLIP_benchmark and `mmcl.load`
+                 read it. The export is checked by loading it back with open_clip's own loader.
+``safetensors``  the weights and the model config only, the config also embedded in the safetensors header
+                 (``mmcl_model_cfg``, ``mmcl_preprocess_cfg``) so the weights file alone describes the model;
+                 `mmcl.load` reads the directory without any training code.
+``hf``           a transformers ``CLIPModel`` directory with its ``CLIPProcessor`` (image processor and a CLIP
+                 BPE tokenizer built offline from open_clip's vocabulary, giving open_clip's token ids). Only
+                 open_clip's ViT + text transformer towers map onto ``CLIPModel``; any other architecture is an
+                 `ConfigError` naming the first unsupported feature.
+``onnx``         ``image_encoder.onnx`` (``image`` (B,3,H,W) float32 -> ``image_embeds`` (B,D)) and
+                 ``text_encoder.onnx`` (``text`` (B,L) int64 token ids -> ``text_embeds`` (B,D)), both with a
+                 dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json`` with the preprocessing.
+
+Every export is written to a temporary directory beside ``out_dir`` and moved into place only after its
+embeddings have been checked against the source model (`verify`), so a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from . import models
+from .errors import CheckpointError, ConfigError
+
+FORMATS = ("open_clip", "hf", "onnx", "safetensors")
+MARKER_FILE = "mmcl_export.json"
+ONNX_IMAGE_FILE = "image_encoder.onnx"
+ONNX_TEXT_FILE = "text_encoder.onnx"
+ONNX_CONFIG_FILE = "onnx_config.json"
+ONNX_OPSET = 17  # first opset with a LayerNormalization op; onnxruntime >= 1.14 runs it
+
+# Minimum cosine between an export's normalised embeddings and the source model's on the same inputs. Float32
+# re-implementations of the same math (transformers, open_clip) differ by accumulation order only (~1e-6);
+# ONNX Runtime fuses attention/LayerNorm kernels, which moves results by ~1e-4 at most.
+MIN_COSINE = {"open_clip": 0.9999, "safetensors": 0.9999, "hf": 0.9999, "onnx": 0.999}
+
+# open_clip's SimpleTokenizer names its special tokens differently from the CLIP tokenizer transformers ships;
+# the ids are the same, so the HF files use the transformers names and keep open_clip's ids.
+_HF_SPECIAL_TOKENS = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
+
+
+def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
+    """Export the model at `model_path` (a run dir, its ``model/``, or an export) as `fmt` into `out_dir`.
+
+    Args:
+        model_path: anything `mmcl.load` accepts.
+        fmt: one of ``open_clip``, ``hf``, ``onnx``, ``safetensors``.
+        out_dir: target directory; it must not exist, be empty, or hold an earlier mmcl export (replaced).
+        verify: load the export back with its own runtime and require its normalised embeddings to match the
+            source model's (cosine >= `MIN_COSINE`[fmt]) on a random image batch and a few captions.
+    Returns:
+        The export directory.
+    Raises:
+        ConfigError for an unknown format, an architecture the format cannot express, or an unsafe `out_dir`;
+        CheckpointError when the model cannot be read or the written export does not reproduce it.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown export format '{fmt}' (expected one of {', '.join(FORMATS)})")
+    model, model_cfg, pp_cfg = models.load_model_dir(model_path)
+    src_dir = models.find_model_dir(model_path)
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir)
+    if fmt == "hf":
+        check_hf_supported(model_cfg, pp_cfg)  # before any file is written
+    writer = {"open_clip": _write_open_clip, "safetensors": _write_safetensors, "hf": _write_hf,
+              "onnx": _write_onnx}[fmt]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        writer(model, model_cfg, pp_cfg, src_dir, tmp)
+        cosine = verify_export(model, model_cfg, tmp, fmt) if verify else None
+        marker = {"format": fmt, "source": str(src_dir.resolve()), "min_cosine_vs_source": cosine}
+        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"export target {out_dir} is a file (expected a new or empty directory)")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MARKER_FILE).is_file():
+        raise ConfigError(f"export target {out_dir} is not empty and holds no earlier mmcl export "
+                          f"(expected a new or empty directory; choose another --out)")
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# open_clip and safetensors
+
+
+def _portable_model_cfg(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The model config with a local Hugging Face tower path made absolute, so the export loads from any cwd."""
+    cfg = copy.deepcopy(model_cfg)
+    text_cfg = cfg.get("text_cfg", {})
+    for key in ("hf_model_name", "hf_tokenizer_name"):
+        name = text_cfg.get(key)
+        if name and os.path.isdir(name):
+            text_cfg[key] = str(Path(name).resolve())
+    return cfg
+
+
+def _copy_tokenizer_files(model_cfg: Dict[str, Any], src_dir: Path, out: Path) -> None:
+    """open_clip's get_tokenizer('local-dir:...') reads a Hugging Face tokenizer from the directory itself."""
+    hf_name = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
+    if not hf_name:
+        return
+    sources = [src_dir] + ([Path(hf_name)] if os.path.isdir(hf_name) else [])
+    for folder in sources:
+        names = [n for n in os.listdir(folder) if n.startswith(("tokenizer", "vocab", "special_tokens", "merges",
+                                                                  "spiece", "sentencepiece"))]
+        if names:
+            for name in names:
+                shutil.copy2(folder / name, out / name)
+            return
+    # A hub id with no local files: open_clip will fetch it by name, which works only where the hub is reachable.
+    warnings.warn(f"tokenizer files of the text tower '{hf_name}' are not local; the open_clip export refers to "
+                  f"them by name")
+
+
+def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Dict[str, str] = None) -> None:
+    from safetensors.torch import save_file
+
+    state = models._state_dict_for_saving(model)
+    save_file(state, str(out / models.WEIGHTS_FILE), metadata=metadata)
+    meta = {"model_cfg": model_cfg, "preprocess_cfg": pp_cfg}
+    (out / models.CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _write_open_clip(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
+    cfg = _portable_model_cfg(model_cfg)
+    _write_weights_and_config(model, cfg, pp_cfg, out)
+    _copy_tokenizer_files(cfg, src_dir, out)
+
+
+def _write_safetensors(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
+    cfg = _portable_model_cfg(model_cfg)
+    # safetensors metadata is str -> str; JSON keeps the nested config readable by any safetensors reader.
+    metadata = {"format": "pt", "mmcl_model_cfg": json.dumps(cfg), "mmcl_preprocess_cfg": json.dumps(pp_cfg)}
+    _write_weights_and_config(model, cfg, pp_cfg, out, metadata)
+    _copy_tokenizer_files(cfg, src_dir, out)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hugging Face CLIPModel
+
+
+def _non_default(section: Dict[str, Any], defaults: Any, handled: Tuple[str, ...]) -> List[str]:
+    """Keys of an open_clip tower config that are not mapped and differ from open_clip's default."""
+    fields = {f.name: f for f in dataclasses.fields(defaults)}
+    out = []
+    for key, value in section.items():
+        if key in handled:
+            continue
+        if key not in fields:
+            out.append(f"{key}={value!r}")
+            continue
+        f = fields[key]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if value != default and not (value in (None, {}, "default") and default in (None, {})):
+            out.append(f"{key}={value!r}")
+    return out
+
+
+# Config keys the CLIPModel mapping reproduces; everything else must keep open_clip's default value.
+_HF_VISION_KEYS = ("layers", "width", "head_width", "mlp_ratio", "patch_size", "image_size", "patch_dropout",
+                   "output_tokens")
+_HF_TEXT_KEYS = ("context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio", "output_tokens",
+                 "eos_id", "tokenizer_kwargs", "hf_model_pretrained")
+
+
+def check_hf_supported(model_cfg: Dict[str, Any], pp_cfg: Dict[str, Any]) -> None:
+    """Raise `ConfigError` unless the model maps exactly onto transformers' ``CLIPModel`` and ``CLIPProcessor``."""
+    from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+
+    text_cfg, vision_cfg = model_cfg.get("text_cfg", {}), model_cfg.get("vision_cfg", {})
+    if text_cfg.get("hf_model_name"):
+        raise ConfigError(
+            f"hf export needs open_clip's own text transformer (got the Hugging Face text tower "
+            f"'{text_cfg['hf_model_name']}', which CLIPModel cannot hold and whose pooling/projection "
+            f"VisionTextDualEncoderModel does not reproduce); export it as open_clip, safetensors or onnx")
+    if vision_cfg.get("timm_model_name") or isinstance(vision_cfg.get("layers"), (list, tuple)):
+        raise ConfigError("hf export needs a ViT image tower (got a timm or ResNet tower); "
+                          "export it as open_clip, safetensors or onnx")
+    problems = [f"vision_cfg.{p}" for p in _non_default(vision_cfg, CLIPVisionCfg, _HF_VISION_KEYS)]
+    problems += [f"text_cfg.{p}" for p in _non_default(text_cfg, CLIPTextCfg, _HF_TEXT_KEYS)]
+    for key in ("image_size", "patch_size"):
+        if isinstance(vision_cfg.get(key), (list, tuple)) and len(set(vision_cfg[key])) > 1:
+            problems.append(f"vision_cfg.{key}={vision_cfg[key]!r} (CLIPModel is square only)")
+    if text_cfg.get("vocab_size", 49408) != 49408:
+        problems.append(f"text_cfg.vocab_size={text_cfg['vocab_size']} (the CLIP BPE tokenizer has 49408 tokens)")
+    extra_top = set(model_cfg) - {"embed_dim", "vision_cfg", "text_cfg", "quick_gelu", "cast_dtype",
+                                  "init_logit_scale", "init_logit_bias", "custom_text"}
+    problems += sorted(extra_top)
+    if pp_cfg.get("resize_mode", "shortest") not in ("shortest", "squash"):
+        problems.append(f"preprocess resize_mode={pp_cfg['resize_mode']!r} (CLIPImageProcessor resizes the "
+                        f"shortest side and crops, or squashes)")
+    if problems:
+        raise ConfigError(f"hf export cannot express this model: {', '.join(problems)} (CLIPModel holds a plain "
+                          f"ViT and text transformer); export it as open_clip, safetensors or onnx")
+
+
+def _as_int(value) -> int:
+    return int(value[0]) if isinstance(value, (list, tuple)) else int(value)
+
+
+def hf_clip_config(model_cfg: Dict[str, Any]):
+    """transformers ``CLIPConfig`` with the shapes of an open_clip ViT + text transformer config."""
+    from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+    from transformers import CLIPConfig
+
+    v = dataclasses.asdict(CLIPVisionCfg())
+    v.update(model_cfg["vision_cfg"])
+    t = dataclasses.asdict(CLIPTextCfg())
+    t.update(model_cfg["text_cfg"])
+    # open_clip's GELU is the exact erf form ("gelu" in transformers) unless the model uses QuickGELU.
+    act = "quick_gelu" if model_cfg.get("quick_gelu") else "gelu"
+    vision_config = dict(
+        hidden_size=v["width"], intermediate_size=int(v["width"] * v["mlp_ratio"]), num_hidden_layers=v["layers"],
+        num_attention_heads=v["width"] // v["head_width"], image_size=_as_int(v["image_size"]),
+        patch_size=_as_int(v["patch_size"]), hidden_act=act, layer_norm_eps=1e-5, num_channels=3)
+    text_config = dict(
+        vocab_size=t["vocab_size"], hidden_size=t["width"], intermediate_size=int(t["width"] * t["mlp_ratio"]),
+        num_hidden_layers=t["layers"], num_attention_heads=t["heads"], max_position_embeddings=t["context_length"],
+        hidden_act=act, layer_norm_eps=1e-5, bos_token_id=49406, eos_token_id=49407, pad_token_id=0)
+    return CLIPConfig(text_config=text_config, vision_config=vision_config, projection_dim=model_cfg["embed_dim"],
+                      logit_scale_init_value=float(model_cfg.get("init_logit_scale", 2.6592)))
+
+
+def _map_block(prefix_in: str, prefix_out: str, sd: Dict[str, torch.Tensor], out: Dict[str, torch.Tensor],
+               used: set) -> None:
+    """One open_clip ResidualAttentionBlock -> one transformers CLIPEncoderLayer."""
+    def take(name):
+        used.add(prefix_in + name)
+        return sd[prefix_in + name]
+
+    for src, dst in (("ln_1", "layer_norm1"), ("ln_2", "layer_norm2"), ("attn.out_proj", "self_attn.out_proj"),
+                     ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+        out[f"{prefix_out}{dst}.weight"] = take(f"{src}.weight")
+        out[f"{prefix_out}{dst}.bias"] = take(f"{src}.bias")
+    # nn.MultiheadAttention packs q, k, v row-wise into one projection; CLIPAttention keeps three.
+    for kind, w, b in zip("qkv", take("attn.in_proj_weight").chunk(3, dim=0), take("attn.in_proj_bias").chunk(3)):
+        out[f"{prefix_out}self_attn.{kind}_proj.weight"] = w.clone()
+        out[f"{prefix_out}self_attn.{kind}_proj.bias"] = b.clone()
+
+
+def hf_clip_state_dict(sd: Dict[str, torch.Tensor], n_vision_layers: int, n_text_layers: int
+                       ) -> Dict[str, torch.Tensor]:
+    """Rename and reshape an open_clip CLIP state dict into transformers ``CLIPModel``'s layout.
+
+    Raises `ConfigError` naming any open_clip parameter the mapping does not place (an unsupported feature).
+    """
+    out: Dict[str, torch.Tensor] = {}
+    used: set = set()
+
+    def take(name):
+        used.add(name)
+        return sd[name]
+
+    out["vision_model.embeddings.class_embedding"] = take("visual.class_embedding")
+    out["vision_model.embeddings.patch_embedding.weight"] = take("visual.conv1.weight")
+    out["vision_model.embeddings.position_embedding.weight"] = take("visual.positional_embedding")
+    for src, dst in (("visual.ln_pre", "vision_model.pre_layrnorm"), ("visual.ln_post", "vision_model.post_layernorm"),
+                     ("ln_final", "text_model.final_layer_norm")):
+        out[f"{dst}.weight"], out[f"{dst}.bias"] = take(f"{src}.weight"), take(f"{src}.bias")
+    # open_clip projects with x @ proj (width, embed); nn.Linear computes x @ W.T, so W = proj.T.
+    out["visual_projection.weight"] = take("visual.proj").t().contiguous()
+    out["text_projection.weight"] = take("text_projection").t().contiguous()
+    out["text_model.embeddings.token_embedding.weight"] = take("token_embedding.weight")
+    out["text_model.embeddings.position_embedding.weight"] = take("positional_embedding")
+    out["logit_scale"] = take("logit_scale")
+    for i in range(n_vision_layers):
+        _map_block(f"visual.transformer.resblocks.{i}.", f"vision_model.encoder.layers.{i}.", sd, out, used)
+    for i in range(n_text_layers):
+        _map_block(f"transformer.resblocks.{i}.", f"text_model.encoder.layers.{i}.", sd, out, used)
+    left = sorted(set(sd) - used - {"attn_mask"})
+    if left:
+        raise ConfigError(f"hf export cannot place {len(left)} parameters of this model in CLIPModel (e.g. "
+                          f"{', '.join(left[:3])}); export it as open_clip, safetensors or onnx")
+    return out
+
+
+def hf_clip_tokenizer(context_length: int):
+    """A transformers ``CLIPTokenizer`` over open_clip's BPE vocabulary that yields open_clip's token ids.
+
+    Padding uses id 0 (``"!"``) as open_clip does, and sequences are cut to `context_length` keeping the end token,
+    so ``tok(texts, padding="max_length", truncation=True, max_length=context_length)`` equals
+    ``open_clip.SimpleTokenizer(context_length)(texts)`` for text that needs no ftfy/HTML repair.
+    """
+    from open_clip.tokenizer import SimpleTokenizer
+    from transformers import CLIPTokenizer
+
+    oc = SimpleTokenizer(context_length=context_length)
+    vocab = {_HF_SPECIAL_TOKENS.get(tok, tok): idx for tok, idx in oc.encoder.items()}
+    merges = [pair for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
+    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token="!", model_max_length=context_length)
+
+
+def hf_image_processor(pp_cfg: Dict[str, Any]):
+    """transformers ``CLIPImageProcessor`` reproducing open_clip's eval transform for `pp_cfg`."""
+    from transformers import CLIPImageProcessor
+    from transformers.image_utils import PILImageResampling
+
+    size = pp_cfg.get("size", 224)
+    h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    resample = {"bicubic": PILImageResampling.BICUBIC, "bilinear": PILImageResampling.BILINEAR,
+                "nearest": PILImageResampling.NEAREST}[pp_cfg.get("interpolation", "bicubic")]
+    common = dict(image_mean=list(pp_cfg["mean"]), image_std=list(pp_cfg["std"]), resample=resample,
+                  do_rescale=True, rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True)
+    if pp_cfg.get("resize_mode", "shortest") == "squash":
+        return CLIPImageProcessor(do_resize=True, size={"height": h, "width": w}, do_center_crop=False, **common)
+    if h != w:
+        raise ConfigError(f"hf export needs a square image size for shortest-side resizing (got {size})")
+    return CLIPImageProcessor(do_resize=True, size={"shortest_edge": h}, do_center_crop=True,
+                              crop_size={"height": h, "width": w}, **common)
+
+
+def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
+    from transformers import CLIPModel, CLIPProcessor
+
+    config = hf_clip_config(model_cfg)
+    state = hf_clip_state_dict(model.state_dict(), config.vision_config.num_hidden_layers,
+                               config.text_config.num_hidden_layers)
+    hf_model = CLIPModel(config)
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]  # a non-persistent index buffer
+    if missing or unexpected:
+        raise CheckpointError(f"CLIPModel layout mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if model_cfg.get("init_logit_bias") is not None:
+        warnings.warn("CLIPModel has no logit bias: the exported model gives the same embeddings, but its "
+                      "logits_per_image lack the learned SigLIP bias")
+    hf_model.eval().save_pretrained(str(out))
+    context_length = model_cfg["text_cfg"].get("context_length", 77)
+    processor = CLIPProcessor(image_processor=hf_image_processor(pp_cfg), tokenizer=hf_clip_tokenizer(context_length))
+    processor.save_pretrained(str(out))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ONNX
+
+
+class _ImageEncoder(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, D)
+        return self.model.encode_image(image, normalize=True)
+
+
+class _TextEncoder(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, text: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, D)
+        return self.model.encode_text(text, normalize=True)
+
+
+def _example_inputs(model_cfg: Dict[str, Any], batch: int, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A random image batch (B,3,H,W) float32 and token ids (B,L) int64 shaped like real tokenizer output."""
+    size = model_cfg["vision_cfg"].get("image_size", 224)
+    h, w = (size, size) if isinstance(size, int) else size
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, h, w, generator=gen)
+    return images, _example_tokens(model_cfg, batch)
+
+
+def _example_tokens(model_cfg: Dict[str, Any], batch: int) -> torch.Tensor:
+    tokenizer = models.build_tokenizer(model_cfg)
+    captions = ["a photo of a red circle", "A BLUE square on a white background!", "two green triangles",
+                "a very long caption " + "with many repeated words " * 20]
+    return tokenizer([captions[i % len(captions)] for i in range(batch)])
+
+
+def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
+    images, tokens = _example_inputs(model_cfg, batch=2)
+    with warnings.catch_warnings():
+        # The TorchScript-based exporter is used on purpose: torch's dynamo exporter needs onnxscript, an extra
+        # dependency, and gives the same graph for these plain transformer towers.
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_ImageEncoder(model).eval(), (images,), str(out / ONNX_IMAGE_FILE), dynamo=False,
+                          input_names=["image"], output_names=["image_embeds"], opset_version=ONNX_OPSET,
+                          dynamic_axes={"image": {0: "batch"}, "image_embeds": {0: "batch"}})
+        torch.onnx.export(_TextEncoder(model).eval(), (tokens.long(),), str(out / ONNX_TEXT_FILE), dynamo=False,
+                          input_names=["text"], output_names=["text_embeds"], opset_version=ONNX_OPSET,
+                          dynamic_axes={"text": {0: "batch"}, "text_embeds": {0: "batch"}})
+    text_cfg = model_cfg.get("text_cfg", {})
+    meta = {"image_encoder": ONNX_IMAGE_FILE, "text_encoder": ONNX_TEXT_FILE, "embed_dim": model_cfg["embed_dim"],
+            "context_length": text_cfg.get("context_length", 77),
+            "tokenizer": text_cfg.get("hf_tokenizer_name") or "open_clip SimpleTokenizer (CLIP BPE)",
+            "preprocess_cfg": pp_cfg, "model_cfg": _portable_model_cfg(model_cfg), "outputs": "L2-normalised"}
+    (out / ONNX_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    _copy_tokenizer_files(model_cfg, src_dir, out)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Loading an export back with its own runtime
+
+
+def export_encoders(out: Path, fmt: str) -> Tuple[Callable, Callable]:
+    """(encode_image, encode_text) of an export, run by the format's own runtime, giving normalised (B, D).
+
+    ``encode_image`` takes (B,3,H,W) float32 pixels already preprocessed; ``encode_text`` takes open_clip token
+    ids (B,L) int64; for ``hf`` they go to ``CLIPModel`` with the attention mask transformers' tokenizer would
+    give (the exported tokenizer yields the same ids, see `hf_clip_tokenizer`).
+    """
+    out = Path(out)
+    if fmt == "open_clip":
+        import open_clip
+
+        oc_model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{out}")
+        oc_model.eval()
+        return (lambda x: oc_model.encode_image(x, normalize=True),
+                lambda t: oc_model.encode_text(t, normalize=True))
+    if fmt == "safetensors":
+        loaded, _, _ = models.load(out)
+        return (lambda x: loaded.encode_image(x, normalize=True), lambda t: loaded.encode_text(t, normalize=True))
+    if fmt == "hf":
+        from transformers import CLIPModel
+
+        hf_model = CLIPModel.from_pretrained(str(out)).eval()
+
+        def hf_image(x):
+            return torch.nn.functional.normalize(_features(hf_model.get_image_features(pixel_values=x)), dim=-1)
+
+        def hf_text(t):
+            mask = _hf_attention_mask(t)
+            feats = hf_model.get_text_features(input_ids=t, attention_mask=mask)
+            return torch.nn.functional.normalize(_features(feats), dim=-1)
+
+        return hf_image, hf_text
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = max(1, torch.get_num_threads())
+        img = ort.InferenceSession(str(out / ONNX_IMAGE_FILE), opts, providers=["CPUExecutionProvider"])
+        txt = ort.InferenceSession(str(out / ONNX_TEXT_FILE), opts, providers=["CPUExecutionProvider"])
+        return (lambda x: torch.from_numpy(img.run(None, {"image": x.numpy()})[0]),
+                lambda t: torch.from_numpy(txt.run(None, {"text": t.long().numpy()})[0]))
+    raise ConfigError(f"unknown export format '{fmt}' (expected one of {', '.join(FORMATS)})")
+
+
+def _features(output) -> torch.Tensor:
+    # transformers 5 returns a model output whose pooler_output holds the projected features; 4.x a tensor.
+    return output if isinstance(output, torch.Tensor) else output.pooler_output
+
+
+def _hf_attention_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """1 up to and including the first end-of-text token (49407), 0 on the padding after it."""
+    eot = (tokens == 49407).int()
+    after = (eot.cumsum(dim=1) - eot) > 0
+    return (~after).long()
+
+
+@torch.no_grad()
+def verify_export(model: nn.Module, model_cfg: Dict[str, Any], out: Path, fmt: str, batch: int = 3) -> float:
+    """Smallest cosine between the export's and the source model's normalised embeddings on random inputs.
+
+    Raises `CheckpointError` when it is below `MIN_COSINE`[fmt].
+    """
+    images, tokens = _example_inputs(model_cfg, batch, seed=1)
+    model = model.eval()
+    ref_img = model.encode_image(images, normalize=True).float()
+    ref_txt = model.encode_text(tokens, normalize=True).float()
+    enc_img, enc_txt = export_encoders(out, fmt)
+    cos_img = (enc_img(images).float() * ref_img).sum(-1).min().item()
+    cos_txt = (enc_txt(tokens).float() * ref_txt).sum(-1).min().item()
+    worst = min(cos_img, cos_txt)
+    if not worst >= MIN_COSINE[fmt]:
+        raise CheckpointError(f"{fmt} export does not reproduce the model (embedding cosine image {cos_img:.6f}, "
+                              f"text {cos_txt:.6f}; expected >= {MIN_COSINE[fmt]})")
+    return worst
