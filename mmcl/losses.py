@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import ConfigError, DataError
+from .errors import CheckpointError, ConfigError, DataError
 
 __all__ = [
     "TiledLogSumExp",
@@ -297,6 +297,401 @@ def clip_loss(
     return (image_to_text.mean() + text_to_image.mean()) / 2
 
 
+def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
+    if labels is None:
+        return torch.full((n,), -1, dtype=torch.long, device=device)
+    if labels.shape != (n,) or labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise DataError(
+            f"labels must be an integer tensor of shape ({n},) (got {labels.dtype} {tuple(labels.shape)}); "
+            "use -1 for pairs without a label"
+        )
+    return labels.long()
+
+
+def _supcon_rows_dense(queries, keys, logit_scale, q_labels, k_labels, offset):
+    n = queries.shape[0]
+    logits = logit_scale * (queries @ keys.T)
+    log_prob = torch.log_softmax(logits.to(_acc_dtype(logits.dtype)), dim=1)  # (n, M)
+    rows = torch.arange(n, device=queries.device)
+    positive = (q_labels[:, None] == k_labels[None, :]) & (q_labels[:, None] >= 0)
+    positive[rows, rows + offset] = True  # the pair itself, also for unlabelled (-1) pairs
+    return -(log_prob * positive).sum(dim=1) / positive.sum(dim=1)
+
+
+def _positive_means(keys, q_labels, k_labels, offset):
+    """Mean of each query's positive keys, (n, D): its class mean, or its own pair when unlabelled."""
+    n, d = q_labels.shape[0], keys.shape[1]
+    classes, inverse = torch.unique(torch.cat([q_labels, k_labels]), return_inverse=True)
+    q_cls, k_cls = inverse[:n], inverse[n:]
+    spare = classes.numel()  # bucket collecting unlabelled keys, never read
+    k_cls = torch.where(k_labels >= 0, k_cls, spare)
+    sums = keys.new_zeros(spare + 1, d).index_add(0, k_cls, keys)
+    counts = torch.zeros(spare + 1, dtype=keys.dtype, device=keys.device).index_add(
+        0, k_cls, torch.ones_like(k_cls, dtype=keys.dtype)
+    )
+    own = keys[offset:offset + n]
+    means = sums[q_cls] / counts[q_cls][:, None]
+    return torch.where((q_labels >= 0)[:, None], means, own)
+
+
+def supcon_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    labels: Optional[Tensor],
+    logit_scale: Tensor,
+    chunk_size: Optional[int] = None,
+    *,
+    all_image_features: Optional[Tensor] = None,
+    all_text_features: Optional[Tensor] = None,
+    all_labels: Optional[Tensor] = None,
+    offset: int = 0,
+) -> Tensor:
+    """Cross-modal supervised contrastive loss (Khosla et al. 2020, the L_out form).
+
+    The positives of an image are all texts with the same label (and its own caption); per anchor the loss is
+    the mean over its positives of ``-log softmax``; anchors are averaged and both directions averaged. A label
+    of -1 means "no label": that pair's only positive is its own caption, so with all labels distinct or -1
+    this equals `clip_loss`.
+
+    Args:
+        image_features, text_features: (n, D) float, L2-normalised.  labels: (n,) integer or None (all -1).
+        logit_scale: 0-dim tensor s.  chunk_size: None (dense) or block size of the tiled log-sum-exp; the
+            positive term is linear in the keys, so the tiled path needs O((n + M + classes) * D) memory.
+        all_image_features, all_text_features, all_labels, offset: the gathered global batch (see `clip_loss`).
+    Returns:
+        0-dim tensor.
+    """
+    _check_pair(image_features, text_features)
+    _check_chunk(chunk_size)
+    logit_scale = _as_scale(logit_scale, image_features)
+    n = image_features.shape[0]
+    labels = _check_labels(labels, n, image_features.device)
+    all_img, all_txt, offset, single = _columns(
+        image_features, text_features, all_image_features, all_text_features, offset
+    )
+    if single:
+        all_labels = labels
+    else:
+        all_labels = _check_labels(all_labels, all_img.shape[0], image_features.device)
+        if not torch.equal(all_labels[offset:offset + n], labels):
+            raise DataError(f"all_labels[{offset}:{offset + n}] must equal this rank's labels")
+    if chunk_size is None:
+        i2t = _supcon_rows_dense(image_features, all_txt, logit_scale, labels, all_labels, offset)
+        t2i = _supcon_rows_dense(text_features, all_img, logit_scale, labels, all_labels, offset)
+        return (i2t.mean() + t2i.mean()) / 2
+    if single:
+        lse_i2t, lse_t2i = TiledLogSumExp.apply(image_features, text_features, logit_scale, chunk_size, True)
+    else:
+        lse_i2t = TiledLogSumExp.apply(image_features, all_txt, logit_scale, chunk_size, False)
+        lse_t2i = TiledLogSumExp.apply(text_features, all_img, logit_scale, chunk_size, False)
+    # mean_{p in P(i)} -log softmax_ip = lse_i - s * q_i . mean_{p in P(i)} k_p
+    pos_i2t = logit_scale * (image_features * _positive_means(all_txt, labels, all_labels, offset)).sum(1)
+    pos_t2i = logit_scale * (text_features * _positive_means(all_img, labels, all_labels, offset)).sum(1)
+    return ((lse_i2t - pos_i2t).mean() + (lse_t2i - pos_t2i).mean()) / 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SigLIP (Zhai et al. 2023)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def siglip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor,
+    logit_bias: Tensor,
+    *,
+    all_text_features: Optional[Tensor] = None,
+    offset: int = 0,
+) -> Tensor:
+    """Pairwise sigmoid loss ``-1/n sum_ij log sigmoid(z_ij (s x_i.y_j + b))``, z = +1 on the diagonal, else -1.
+
+    Args:
+        image_features, text_features: (n, D) float.  logit_scale, logit_bias: 0-dim tensors (s, b).
+        all_text_features: (M, D) gathered texts of the global batch; then the rows are this rank's images
+            against every text and the positive of row i is column ``offset + i``. The sum over all pairs
+            divided by the global batch size is the mean of the per-rank values.
+    Returns:
+        0-dim tensor.
+    """
+    _check_pair(image_features, text_features)
+    logit_scale = _as_scale(logit_scale, image_features)
+    logit_bias = _as_scale(logit_bias, image_features)
+    keys = text_features if all_text_features is None else all_text_features
+    n, m = image_features.shape[0], keys.shape[0]
+    if all_text_features is None and offset != 0:
+        raise ConfigError(f"offset needs gathered features (got offset={offset} without all_text_features)")
+    if not 0 <= offset <= m - n:
+        raise ConfigError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
+    logits = logit_scale * (image_features @ keys.T) + logit_bias
+    logits = logits.to(_acc_dtype(logits.dtype))
+    rows = torch.arange(n, device=logits.device)
+    positive = logits[rows, rows + offset]
+    # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
+    # subtracted, which would cancel catastrophically for large logits. (F.softplus is avoided: it turns
+    # linear above its threshold of 20, an error of e^-20 per pair.)
+    negatives = logits.index_put((rows, rows + offset), torch.tensor(-math.inf, dtype=logits.dtype))
+    return -(F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()) / n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Debiased (Chuang et al. 2020) and hard-negative (Robinson et al. 2021) InfoNCE
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, accurate on both sides of -log 2 (Maechler 2012); NaN-free gradients."""
+    x = x.clamp(max=-torch.finfo(x.dtype).tiny)  # x == 0 would mean no negatives survived rounding
+    near = x > -math.log(2)
+    # Each branch only sees inputs where it is finite, so the unused branch cannot poison the gradient.
+    a = torch.log(-torch.expm1(torch.where(near, x, -1.0)))
+    b = torch.log1p(-torch.exp(torch.where(near, -1.0, x)))
+    return torch.where(near, a, b)
+
+
+def _negative_lse(queries, keys, logit_scale, gamma, offset, chunk_size):
+    """(n,) log sum over negatives j != offset+i of exp(gamma * s * q_i.k_j)."""
+    scale = logit_scale * gamma
+    if chunk_size is None:
+        logits = scale * (queries @ keys.T)
+        logits = logits.to(_acc_dtype(logits.dtype))
+        rows = torch.arange(queries.shape[0], device=queries.device)
+        logits = logits.index_put((rows, rows + offset), torch.tensor(-math.inf, dtype=logits.dtype))
+        return torch.logsumexp(logits, dim=1)
+    lse = TiledLogSumExp.apply(queries, keys, scale, chunk_size, False)
+    positive = _positive_logits(queries, keys, scale, offset).to(lse.dtype)
+    return lse + _log1mexp(positive - lse)
+
+
+def _reweighted_rows(queries, keys, logit_scale, offset, tau_plus, beta, chunk_size):
+    """Per-row loss of Robinson et al. (2021) eq. with beta; beta = 0 is Chuang et al. (2020)."""
+    m = keys.shape[0]
+    n_neg = m - 1
+    positive = _positive_logits(queries, keys, logit_scale, offset)
+    positive = positive.to(_acc_dtype(positive.dtype))
+    # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
+    # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
+    log_neg = _negative_lse(queries, keys, logit_scale, 1.0 + beta, offset, chunk_size)
+    if beta != 0:
+        log_neg = log_neg - _negative_lse(queries, keys, logit_scale, beta, offset, chunk_size) + math.log(n_neg)
+    shift = torch.maximum(positive, log_neg).detach()
+    pos_e = torch.exp(positive - shift)
+    neg_g = (torch.exp(log_neg - shift) - tau_plus * n_neg * pos_e) / (1 - tau_plus)
+    # The estimator is floored at its theoretical minimum N e^{-s} (all negatives at cosine -1); the floor is
+    # a safeguard, not something the temperature should be trained against, hence detached.
+    floor = (n_neg * torch.exp(-logit_scale.detach().to(shift.dtype) - shift)).detach()
+    neg_g = torch.maximum(neg_g, floor)
+    return torch.log(pos_e + neg_g) + shift - positive
+
+
+def _check_tau_beta(tau_plus: float, beta: float = 0.0) -> None:
+    if not 0 <= tau_plus < 1:
+        raise ConfigError(f"tau_plus must be in [0, 1) (got {tau_plus})")
+    if beta < 0:
+        raise ConfigError(f"hard-negative beta must be >= 0 (got {beta})")
+
+
+def hard_negative_clip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor,
+    tau_plus: float,
+    beta: float,
+    chunk_size: Optional[int] = None,
+    *,
+    all_image_features: Optional[Tensor] = None,
+    all_text_features: Optional[Tensor] = None,
+    offset: int = 0,
+) -> Tensor:
+    """Hard-negative reweighted debiased InfoNCE (Robinson et al. 2021), symmetric over both directions.
+
+    Per query with positive logit p and the N = M - 1 other keys as negatives (logits L_j = s q.k_j):
+    ``Ng = max((N * sum_j e^{(1+beta) L_j} / sum_j e^{beta L_j} - tau_plus N e^p) / (1 - tau_plus), N e^{-s})``
+    and ``loss = -log(e^p / (e^p + Ng))``; beta = 0 is the debiased loss of Chuang et al. (2020), and
+    beta = tau_plus = 0 is InfoNCE.
+
+    Args:
+        image_features, text_features: (n, D) float, L2-normalised.  logit_scale: 0-dim tensor s.
+        tau_plus: class prior in [0, 1).  beta: concentration >= 0.
+        chunk_size, all_image_features, all_text_features, offset: as in `clip_loss`.
+    Returns:
+        0-dim tensor.
+    """
+    _check_pair(image_features, text_features)
+    _check_chunk(chunk_size)
+    _check_tau_beta(tau_plus, beta)
+    logit_scale = _as_scale(logit_scale, image_features)
+    all_img, all_txt, offset, _ = _columns(image_features, text_features, all_image_features, all_text_features, offset)
+    if all_img.shape[0] < 2:
+        raise DataError(f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
+    i2t = _reweighted_rows(image_features, all_txt, logit_scale, offset, tau_plus, beta, chunk_size)
+    t2i = _reweighted_rows(text_features, all_img, logit_scale, offset, tau_plus, beta, chunk_size)
+    return (i2t.mean() + t2i.mean()) / 2
+
+
+def debiased_clip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor,
+    tau_plus: float,
+    chunk_size: Optional[int] = None,
+    *,
+    all_image_features: Optional[Tensor] = None,
+    all_text_features: Optional[Tensor] = None,
+    offset: int = 0,
+) -> Tensor:
+    """Debiased contrastive loss (Chuang et al. 2020), symmetric; `hard_negative_clip_loss` with beta = 0."""
+    return hard_negative_clip_loss(
+        image_features, text_features, logit_scale, tau_plus, 0.0, chunk_size,
+        all_image_features=all_image_features, all_text_features=all_text_features, offset=offset,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MoCHi (Kalantidis et al. 2020)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator):
+    """Per-row InfoNCE over [positive, real negatives, synthetic hard negatives] for one direction."""
+    n, m = queries.shape[0], keys.shape[0]
+    n_queue = 0 if queue is None else queue.shape[0]
+    k = min(n_hard, m - 1 + n_queue)
+    rows = torch.arange(n, device=queries.device)
+    # Draws are made for all M queries of the global batch and sliced at this rank's offset, so every rank
+    # (sharing one seed) synthesises exactly what a single process holding the global batch would.
+    pairs = torch.randint(0, max(k, 1), (m, s, 2), generator=generator)[offset:offset + n].to(queries.device)
+    alpha = torch.rand(m, s, 1, generator=generator)[offset:offset + n].to(queries.device, queries.dtype)
+    picks = torch.randint(0, max(k, 1), (m, s_prime), generator=generator)[offset:offset + n].to(queries.device)
+    beta = (torch.rand(m, s_prime, 1, generator=generator) * mix_max)[offset:offset + n].to(
+        queries.device, queries.dtype
+    )
+
+    logits = logit_scale * (queries @ keys.T)  # (n, M)
+    parts = [logits]
+    if queue is not None and n_queue > 0:
+        queue = queue.detach().to(queries.dtype)
+        parts.append(logit_scale * (queries @ queue.T))  # (n, Q)
+    if k > 0 and s + s_prime > 0:
+        with torch.no_grad():
+            q = queries.detach()
+            candidates = keys.detach() if queue is None else torch.cat([keys.detach(), queue])  # (M+Q, D)
+            sims = q @ candidates.T
+            sims[rows, rows + offset] = -math.inf  # the positive is not a negative
+            hard = sims.topk(k, dim=1).indices  # (n, k), hardest first
+            synthetic = []
+            if s > 0:
+                first = candidates[hard.gather(1, pairs[..., 0])]  # (n, s, D)
+                second = candidates[hard.gather(1, pairs[..., 1])]
+                synthetic.append(F.normalize(alpha * first + (1 - alpha) * second, dim=-1))
+            if s_prime > 0:
+                negative = candidates[hard.gather(1, picks)]  # (n, s', D)
+                synthetic.append(F.normalize(beta * q[:, None, :] + (1 - beta) * negative, dim=-1))
+            synthetic = torch.cat(synthetic, dim=1)  # (n, s + s', D)
+        # Synthetic features carry no gradient; their logits still push the query away from them.
+        parts.append(logit_scale * torch.einsum("nd,nkd->nk", queries, synthetic))
+    all_logits = torch.cat(parts, dim=1)
+    all_logits = all_logits.to(_acc_dtype(all_logits.dtype))
+    return F.cross_entropy(all_logits, rows + offset, reduction="none")
+
+
+def mochi_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor,
+    n_hard: int,
+    s: int,
+    s_prime: int,
+    mix_max: float,
+    generator: torch.Generator,
+    image_queue: Optional[Tensor] = None,
+    text_queue: Optional[Tensor] = None,
+    *,
+    all_image_features: Optional[Tensor] = None,
+    all_text_features: Optional[Tensor] = None,
+    offset: int = 0,
+) -> Tensor:
+    """InfoNCE with MoCHi synthetic hard negatives (Kalantidis et al. 2020), both directions averaged.
+
+    For each query (image->text against all texts and ``text_queue``; text->image against all images and
+    ``image_queue``), its negatives are ranked by similarity and the ``n_hard`` hardest kept; ``s`` synthetic
+    negatives are normalised mixes ``a h_i + (1 - a) h_j`` of two random hard ones (a ~ U(0, 1)) and
+    ``s_prime`` harder ones are normalised mixes ``b q + (1 - b) h_k`` with the query (b ~ U(0, mix_max)).
+    Synthetic features are detached. Random draws come from ``generator`` on the CPU, in this order for
+    image->text then text->image: pair indices (M, s, 2), a (M, s, 1), indices (M, s'), b (M, s', 1), where
+    M is the global batch size; rank-local rows use the slice at ``offset``.
+
+    Args:
+        image_features, text_features: (n, D) float, L2-normalised.  logit_scale: 0-dim tensor s.
+        n_hard, s, s_prime: counts (n_hard >= 1, s, s_prime >= 0).  mix_max: in (0, 1].
+        generator: CPU torch.Generator.  image_queue, text_queue: (Q, D) past features or None.
+        all_image_features, all_text_features, offset: as in `clip_loss`.
+    Returns:
+        0-dim tensor.
+    """
+    _check_pair(image_features, text_features)
+    if n_hard < 1 or s < 0 or s_prime < 0:
+        raise ConfigError(f"MoCHi needs n_hard >= 1 and s, s_prime >= 0 (got n_hard={n_hard}, s={s}, s_prime={s_prime})")
+    if not 0 < mix_max <= 1:
+        raise ConfigError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
+    logit_scale = _as_scale(logit_scale, image_features)
+    all_img, all_txt, offset, _ = _columns(image_features, text_features, all_image_features, all_text_features, offset)
+    i2t = _mochi_rows(image_features, all_txt, text_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator)
+    t2i = _mochi_rows(text_features, all_img, image_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator)
+    return (i2t.mean() + t2i.mean()) / 2
+
+
+class FeatureQueue(nn.Module):
+    """First-in-first-out store of past (detached) features, kept in buffers so checkpoints carry it.
+
+    The feature width is taken from the first `enqueue` (or from a loaded state dict), so the queue can be
+    built from the loss config alone.
+    """
+
+    def __init__(self, size: int):
+        super().__init__()
+        if size < 0:
+            raise ConfigError(f"queue size must be >= 0 (got {size})")
+        self.size = int(size)
+        self.register_buffer("features", torch.zeros(0, 0))  # (size, D) float32 once used
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def __len__(self) -> int:
+        return int(self.count)
+
+    @torch.no_grad()
+    def enqueue(self, x: Tensor) -> None:
+        """Append (B, D) features, overwriting the oldest once full."""
+        if self.size == 0:
+            return
+        if self.features.shape != (self.size, x.shape[1]):
+            if int(self.count) > 0:
+                raise DataError(f"queue holds width {self.features.shape[1]} features, got {x.shape[1]}")
+            self.features = torch.zeros(self.size, x.shape[1], dtype=torch.float32, device=x.device)
+        x = x.detach()[-self.size:].to(self.features)
+        idx = (int(self.ptr) + torch.arange(x.shape[0], device=x.device)) % self.size
+        self.features[idx] = x
+        self.ptr.fill_((int(self.ptr) + x.shape[0]) % self.size)
+        self.count.fill_(min(int(self.count) + x.shape[0], self.size))
+
+    def get(self) -> Optional[Tensor]:
+        """The stored (count, D) float32 features, or None when empty."""
+        count = int(self.count)
+        return self.features[:count] if count > 0 else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        saved = state_dict.get(prefix + "features")
+        if saved is not None and saved.shape != self.features.shape:
+            if saved.dim() != 2 or saved.shape[0] not in (0, self.size):
+                raise CheckpointError(
+                    f"saved queue has shape {tuple(saved.shape)}, expected ({self.size}, D) "
+                    "(loss.mochi.queue_size changed?)"
+                )
+            self.features = torch.zeros(saved.shape, dtype=torch.float32, device=self.features.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Alignment and uniformity (Wang & Isola 2020)
 # ----------------------------------------------------------------------------------------------------------
@@ -401,10 +796,17 @@ class ContrastiveObjective(nn.Module):
     """Weighted sum of the configured terms; holds the MoCHi queues and generator.
 
     ``forward(image_features, text_features, logit_scale, logit_bias=None, labels=None)`` returns
-    ``(total_loss, terms)``: ``total_loss`` is this rank's 0-dim loss to backpropagate (see the module
-    docstring for why its DDP-averaged gradient is the global-batch gradient); ``terms`` holds floats:
-    ``loss`` (the weighted total), ``loss/<name>`` for every active term, and the metrics ``align``,
-    ``uniform_image``, ``uniform_text``, all averaged over ranks so they describe the global batch.
+    ``(total_loss, terms)``. ``total_loss`` is this rank's 0-dim loss to backpropagate: when
+    ``torch.distributed`` is initialised with several ranks, features are gathered with gradient and each
+    rank's rows are scored against the global columns, so after DDP averages parameter gradients they equal
+    a single process's on the global batch (see the module docstring). ``terms`` holds floats, averaged over
+    ranks so they describe the global batch: ``loss`` (weighted total), ``loss/<name>`` for every active
+    term, and the metrics ``align``, ``uniform_image``, ``uniform_text`` (no gradient; each rank's first
+    4096 items, then averaged over ranks).
+
+    ``labels`` (B,) integer, -1 for "no label", feed the supervised term; without labels every pair is its
+    own class. In training mode, each call appends the global batch to the MoCHi queues after the loss.
+    ``state_dict`` holds the queues and the generator state.
     """
 
     def __init__(self, cfg):
@@ -415,6 +817,28 @@ class ContrastiveObjective(nn.Module):
             for name in ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative")
         }
         self.weights["mochi"] = float(cfg.mochi.weight)
+        problems = [f"loss.{name} must be >= 0 (got {w})" for name, w in self.weights.items() if w < 0]
+        if not any(w > 0 for w in self.weights.values()):
+            problems.append("no loss term is active (got all weights 0, expected at least one > 0)")
+        if cfg.chunk_size is not None and cfg.chunk_size <= 0:
+            problems.append(f"loss.chunk_size must be a positive integer or null (got {cfg.chunk_size})")
+        if (self.weights["debiased"] > 0 or self.weights["hard_negative"] > 0) and not 0 <= cfg.tau_plus < 1:
+            problems.append(f"loss.tau_plus must be in [0, 1) (got {cfg.tau_plus})")
+        if self.weights["hard_negative"] > 0 and cfg.hn_beta < 0:
+            problems.append(f"loss.hn_beta must be >= 0 (got {cfg.hn_beta})")
+        m = cfg.mochi
+        if self.weights["mochi"] > 0 and (m.n_hard < 1 or m.s < 0 or m.s_prime < 0 or not 0 < m.mix_max <= 1):
+            problems.append(
+                f"loss.mochi needs n_hard >= 1, s >= 0, s_prime >= 0, 0 < mix_max <= 1 (got n_hard={m.n_hard}, "
+                f"s={m.s}, s_prime={m.s_prime}, mix_max={m.mix_max})"
+            )
+        if m.queue_size < 0:
+            problems.append(f"loss.mochi.queue_size must be >= 0 (got {m.queue_size})")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        size = m.queue_size if self.weights["mochi"] > 0 else 0
+        self.image_queue = FeatureQueue(size)
+        self.text_queue = FeatureQueue(size)
         self.generator = torch.Generator()
         self.generator.manual_seed(0)
 
@@ -422,7 +846,14 @@ class ContrastiveObjective(nn.Module):
         """Seed the generator that draws MoCHi's mixing indices and coefficients (same seed on every rank)."""
         self.generator.manual_seed(int(seed))
 
+    def get_extra_state(self):
+        return {"generator": self.generator.get_state()}
+
+    def set_extra_state(self, state) -> None:
+        self.generator.set_state(state["generator"])
+
     def active_terms(self):
+        """Names of the terms with a positive weight."""
         return [name for name, w in self.weights.items() if w > 0]
 
     def forward(
@@ -434,8 +865,10 @@ class ContrastiveObjective(nn.Module):
         labels: Optional[Tensor] = None,
     ):
         _check_pair(image_features, text_features)
-        cfg = self.cfg
+        cfg, w = self.cfg, self.weights
         logit_scale = _as_scale(logit_scale, image_features).clamp(max=cfg.max_logit_scale)
+        if labels is not None:
+            labels = _check_labels(labels.to(image_features.device), image_features.shape[0], image_features.device)
         distributed = _distributed()
         if distributed:
             all_img, all_txt, all_labels, offset = gather_features(image_features, text_features, labels)
@@ -446,24 +879,76 @@ class ContrastiveObjective(nn.Module):
         chunk = cfg.chunk_size
 
         values: Dict[str, Tensor] = {}
-        if self.weights["clip"] > 0:
+        if w["clip"] > 0:
             values["clip"] = clip_loss(image_features, text_features, logit_scale, chunk, **cols)
-        if self.weights["align"] > 0:
+        if w["supcon"] > 0:
+            values["supcon"] = supcon_loss(
+                image_features, text_features, labels, logit_scale, chunk, **cols,
+                **({"all_labels": all_labels} if distributed else {}),
+            )
+        if w["siglip"] > 0:
+            if logit_bias is None:
+                raise ConfigError("loss.siglip > 0 needs a model with a logit bias (set model.init_logit_bias, e.g. -10)")
+            values["siglip"] = siglip_loss(
+                image_features, text_features, logit_scale, logit_bias,
+                **({"all_text_features": all_txt, "offset": offset} if distributed else {}),
+            )
+        if w["debiased"] > 0:
+            values["debiased"] = debiased_clip_loss(image_features, text_features, logit_scale, cfg.tau_plus, chunk, **cols)
+        if w["hard_negative"] > 0:
+            values["hard_negative"] = hard_negative_clip_loss(
+                image_features, text_features, logit_scale, cfg.tau_plus, cfg.hn_beta, chunk, **cols
+            )
+        if w["mochi"] > 0:
+            m = cfg.mochi
+            values["mochi"] = mochi_loss(
+                image_features, text_features, logit_scale, m.n_hard, m.s, m.s_prime, m.mix_max, self.generator,
+                self.image_queue.get(), self.text_queue.get(), **cols,
+            )
+        if w["align"] > 0:
             values["align"] = align_loss(image_features, text_features, cfg.align_alpha)
+        if w["uniform"] > 0:
+            values["uniform"] = (
+                self._uniform(image_features, all_img, offset, distributed)
+                + self._uniform(text_features, all_txt, offset, distributed)
+            ) / 2
 
-        total = sum(self.weights[name] * value for name, value in values.items())
+        total = sum(w[name] * value for name, value in values.items())
         with torch.no_grad():
-            logged = {f"loss/{name}": value.detach().float() for name, value in values.items()}
+            # float64 keeps the logged numbers exact for float64 inputs; MPS has no float64.
+            log_dtype = torch.float32 if image_features.device.type == "mps" else torch.float64
+            logged = {f"loss/{name}": value.detach().to(log_dtype) for name, value in values.items()}
             logged.update(self._metrics(image_features, text_features))
             names = list(logged)
-            stacked = torch.stack([logged[k].reshape(()) for k in names])
+            stacked = torch.stack([logged[k].reshape(()).to(log_dtype) for k in names])
             if distributed:
                 dist.all_reduce(stacked)
                 stacked /= dist.get_world_size()
             numbers = stacked.tolist()
         terms = dict(zip(names, numbers))
-        terms["loss"] = sum(self.weights[name] * terms[f"loss/{name}"] for name in values)
+        terms["loss"] = sum(w[name] * terms[f"loss/{name}"] for name in values)
+        if self.training and w["mochi"] > 0:
+            self.image_queue.enqueue(all_img)
+            self.text_queue.enqueue(all_txt)
         return total, terms
+
+    def _uniform(self, x: Tensor, all_x: Tensor, offset: int, distributed: bool) -> Tensor:
+        t = self.cfg.uniform_t
+        if not distributed:
+            return uniform_loss(x, t)
+        # Global uniformity is log(Z / P) with Z = sum_r Z_r summed over ranks' rows. Each rank returns the
+        # global value plus a zero-valued term whose gradient is W * dZ_r / Z, so that DDP's average over
+        # ranks gives d log Z exactly.
+        world = dist.get_world_size()
+        n_all = all_x.shape[0]
+        if n_all < 2:
+            raise DataError(f"uniform_loss needs at least 2 items (got {n_all})")
+        log_part = _uniform_log_partial(x, all_x, offset, t)  # log Z_r, 0-dim
+        parts = [torch.zeros(1, dtype=log_part.dtype, device=log_part.device) for _ in range(world)]
+        dist.all_gather(parts, log_part.detach().reshape(1))
+        log_total = torch.logsumexp(torch.cat(parts), dim=0)
+        value = log_total - math.log(n_all * (n_all - 1))
+        return value + world * (torch.exp(log_part - log_total) - torch.exp(log_part.detach() - log_total))
 
     @torch.no_grad()
     def _metrics(self, image_features: Tensor, text_features: Tensor) -> Dict[str, Tensor]:

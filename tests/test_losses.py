@@ -5,18 +5,25 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from open_clip.loss import ClipLoss
+from open_clip.loss import ClipLoss, SigLipLoss
 
 from mmcl.config import LossConfig
 from mmcl.errors import ConfigError, DataError
+from mmcl.config import MochiConfig
 from mmcl.losses import (
+    FeatureQueue,
     TiledLogSumExp,
     align_loss,
     build_objective,
     clip_loss,
+    debiased_clip_loss,
     gather_features,
+    hard_negative_clip_loss,
     infonce_rows,
     logsumexp_rows,
+    mochi_loss,
+    siglip_loss,
+    supcon_loss,
     uniform_loss,
 )
 
@@ -81,7 +88,7 @@ def test_clip_float32_close_to_float64_reference():
 # ---------------------------------------------------------------------- tiled == dense
 
 
-@pytest.mark.parametrize("n,chunk", [(96, 32), (100, 32), (100, 1), (100, 100), (100, 256), (37, 5)])
+@pytest.mark.parametrize("n,chunk", [(96, 32), (100, 32), (20, 1), (100, 100), (100, 256), (37, 5)])
 @pytest.mark.parametrize("scale", [1.0, 100.0])
 def test_tiled_matches_dense_float32(n, chunk, scale):
     img, txt = _features(n, 32, torch.float32, seed=n + chunk)
@@ -240,3 +247,369 @@ def test_bad_inputs_raise_clear_errors():
         clip_loss(img, txt, torch.tensor(1.0), chunk_size=0)
     with pytest.raises(ConfigError, match="offset"):
         clip_loss(img[:2], txt[:2], torch.tensor(1.0), all_image_features=img, all_text_features=txt, offset=3)
+
+
+# ---------------------------------------------------------------------- supervised contrastive
+
+
+def ref_supcon(img, txt, labels, s):
+    """Khosla et al. (2020) L_out, cross-modal, written per anchor in float64; label -1 = own caption only."""
+    img, txt = img.double(), txt.double()
+    n = img.shape[0]
+
+    def direction(q, k):
+        logits = float(s) * q @ k.T
+        total = 0.0
+        for i in range(n):
+            pos = [j for j in range(n) if j == i or (labels[i] >= 0 and labels[j] == labels[i])]
+            log_prob = logits[i] - torch.logsumexp(logits[i], 0)
+            total = total - sum(log_prob[j] for j in pos) / len(pos)
+        return total / n
+
+    return (direction(img, txt) + direction(txt, img)) / 2
+
+
+_LABELS = torch.tensor([0, 1, 0, 2, -1, 1, 0, 3, -1, 2, 5, 5, 7, 0, -1, 4, 4, 4, 9, 1])
+
+
+@pytest.mark.parametrize("chunk", [None, 6])
+def test_supcon_matches_float64_reference(chunk):
+    img, txt = _features(20, 8, torch.float64, seed=10)
+    s = torch.tensor(12.0, dtype=torch.float64)
+    got = supcon_loss(img, txt, _LABELS, s, chunk)
+    torch.testing.assert_close(got, ref_supcon(img, txt, _LABELS, 12.0), rtol=1e-12, atol=1e-12)  # float64
+
+
+def test_supcon_tiled_matches_dense_grads():
+    img, txt = _features(20, 8, torch.float32, seed=11)
+    s = torch.tensor(30.0)
+    a, b = _leaves(img, txt, s), _leaves(img, txt, s)
+    dense = supcon_loss(a[0], a[1], _LABELS, a[2])
+    tiled = supcon_loss(b[0], b[1], _LABELS, b[2], chunk_size=7)
+    floor = 30.0 * 2**-23  # float32 rounding of logits of size <= s, as in the clip test
+    torch.testing.assert_close(tiled, dense, rtol=1e-5, atol=floor)
+    for gd, gt in zip(_grads(dense, a), _grads(tiled, b)):
+        torch.testing.assert_close(gt, gd, rtol=1e-5, atol=floor)
+
+
+def test_supcon_with_distinct_labels_equals_clip():
+    img, txt = _features(33, 16, torch.float32, seed=12)
+    s = torch.tensor(20.0)
+    distinct = torch.randperm(33, generator=torch.Generator().manual_seed(0)) * 3
+    for labels in (distinct, None, torch.full((33,), -1)):
+        # Dense: the same float32 log-softmax values; only the order of the 33-term mean differs (~1 ulp each).
+        torch.testing.assert_close(supcon_loss(img, txt, labels, s), clip_loss(img, txt, s), rtol=1e-6, atol=0)
+        # Tiled: the positive logit comes from a row-wise dot product instead of the matmul; float32 rounding.
+        torch.testing.assert_close(supcon_loss(img, txt, labels, s, 8), clip_loss(img, txt, s, 8), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_supcon_local_rows_split_reproduces_global_batch(chunk):
+    img, txt = _features(20, 8, torch.float64, seed=13)
+    s = torch.tensor(9.0, dtype=torch.float64)
+    a, b = _leaves(img, txt, s), _leaves(img, txt, s)
+    ref = supcon_loss(a[0], a[1], _LABELS, a[2])
+    parts = [
+        supcon_loss(b[0][r * 5:(r + 1) * 5], b[1][r * 5:(r + 1) * 5], _LABELS[r * 5:(r + 1) * 5], b[2], chunk,
+                    all_image_features=b[0], all_text_features=b[1], all_labels=_LABELS, offset=r * 5)
+        for r in range(4)
+    ]
+    split = torch.stack(parts).mean()
+    torch.testing.assert_close(split, ref, rtol=1e-12, atol=1e-12)  # float64, summation order only
+    for ga, gb in zip(_grads(ref, a), _grads(split, b)):
+        torch.testing.assert_close(gb, ga, rtol=1e-10, atol=1e-12)
+
+
+def test_supcon_rejects_bad_labels():
+    img, txt = _features(4, 3)
+    with pytest.raises(DataError, match="labels"):
+        supcon_loss(img, txt, torch.zeros(3, dtype=torch.long), torch.tensor(1.0))
+    with pytest.raises(DataError, match="labels"):
+        supcon_loss(img, txt, torch.zeros(4), torch.tensor(1.0))
+
+
+# ---------------------------------------------------------------------- SigLIP
+
+
+@pytest.mark.parametrize("n,d,scale,bias", [(1, 4, 1.0, 0.0), (9, 16, 10.0, -10.0), (40, 8, 100.0, -3.0)])
+def test_siglip_matches_open_clip_and_float64_formula(n, d, scale, bias):
+    img, txt = _features(n, d, torch.float64, seed=n)
+    s = torch.tensor(scale, dtype=torch.float64)
+    b = torch.tensor(bias, dtype=torch.float64)
+    a1, a2 = _leaves(img, txt, s, b), _leaves(img, txt, s, b)
+    ours = siglip_loss(*a1)
+    theirs = SigLipLoss()(*a2)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)  # float64 both
+    for g1, g2 in zip(_grads(ours, a1), _grads(theirs, a2)):
+        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+    logits = scale * img @ txt.T + bias
+    ref = -sum(
+        math.log(1 / (1 + math.exp(-(1 if i == j else -1) * logits[i, j].item()))) for i in range(n) for j in range(n)
+    ) / n
+    assert abs(ours.item() - ref) <= 1e-10 * max(1.0, abs(ref))  # float64 vs Python floats
+
+
+def test_siglip_local_rows_split_reproduces_global_batch():
+    img, txt = _features(12, 8, torch.float64, seed=14)
+    s, bias = torch.tensor(10.0, dtype=torch.float64), torch.tensor(-10.0, dtype=torch.float64)
+    a, b = _leaves(img, txt, s, bias), _leaves(img, txt, s, bias)
+    ref = siglip_loss(*a)
+    split = torch.stack([
+        siglip_loss(b[0][r * 4:(r + 1) * 4], b[1][r * 4:(r + 1) * 4], b[2], b[3], all_text_features=b[1], offset=r * 4)
+        for r in range(3)
+    ]).mean()
+    torch.testing.assert_close(split, ref, rtol=1e-12, atol=1e-12)  # float64, summation order only
+    for ga, gb in zip(_grads(ref, a), _grads(split, b)):
+        torch.testing.assert_close(gb, ga, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- debiased / hard-negative
+
+
+def ref_reweighted(img, txt, s, tau_plus, beta):
+    """Robinson et al. (2021) eq. (with Chuang et al. 2020 at beta=0), float64, per query, both directions."""
+    img, txt = img.double(), txt.double()
+    n = img.shape[0]
+    big_n = n - 1
+
+    def direction(q, k):
+        total = 0.0
+        for i in range(n):
+            pos = math.exp(s * float(q[i] @ k[i]))
+            neg = [math.exp(s * float(q[i] @ k[j])) for j in range(n) if j != i]
+            imp = [x ** beta for x in neg]
+            reweighted = sum(w * x for w, x in zip(imp, neg)) / (sum(imp) / len(imp))
+            ng = (-tau_plus * big_n * pos + reweighted) / (1 - tau_plus)
+            ng = max(ng, big_n * math.exp(-s))
+            total += -math.log(pos / (pos + ng))
+        return total / n
+
+    return (direction(img, txt) + direction(txt, img)) / 2
+
+
+@pytest.mark.parametrize("tau_plus,beta", [(0.0, 0.0), (0.1, 0.0), (0.1, 1.0), (0.05, 0.5), (0.6, 2.0)])
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_hard_negative_matches_float64_formula(tau_plus, beta, chunk):
+    img, txt = _features(13, 8, torch.float64, seed=15, correlated=False)
+    got = hard_negative_clip_loss(img, txt, torch.tensor(5.0, dtype=torch.float64), tau_plus, beta, chunk)
+    ref = ref_reweighted(img, txt, 5.0, tau_plus, beta)
+    assert abs(got.item() - ref) <= 1e-10 * abs(ref)  # float64 log-space vs Python floats in linear space
+    if beta == 0:
+        deb = debiased_clip_loss(img, txt, torch.tensor(5.0, dtype=torch.float64), tau_plus, chunk)
+        assert torch.equal(deb, got)
+
+
+def test_debiased_floor_is_reached_and_matches_formula():
+    # tau_plus = 0.9 with tight clusters makes the debiased estimate negative: the floor N e^{-s} applies.
+    img, txt = _features(6, 4, torch.float64, seed=16)
+    got = debiased_clip_loss(img, txt, torch.tensor(3.0, dtype=torch.float64), 0.9)
+    assert abs(got.item() - ref_reweighted(img, txt, 3.0, 0.9, 0.0)) <= 1e-10
+
+
+def test_debiased_and_hard_negative_reduce_to_clip():
+    img, txt = _features(30, 16, torch.float32, seed=17)
+    s = torch.tensor(14.0)
+    a, b, c = _leaves(img, txt, s), _leaves(img, txt, s), _leaves(img, txt, s)
+    clip = clip_loss(*a)
+    deb = debiased_clip_loss(*b, tau_plus=0.0)
+    hn = hard_negative_clip_loss(*c, tau_plus=0.0, beta=0.0)
+    # float32: log-space formula vs cross-entropy, logits up to 14 rounded to ~1e-6.
+    torch.testing.assert_close(deb, clip, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hn, clip, rtol=1e-6, atol=1e-6)
+    for g1, g2, g3 in zip(_grads(clip, a), _grads(deb, b), _grads(hn, c)):
+        torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g3, g1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tau_plus,beta", [(0.1, 0.0), (0.1, 1.0)])
+def test_hard_negative_tiled_matches_dense(tau_plus, beta):
+    img, txt = _features(40, 8, torch.float64, seed=18, correlated=False)
+    s = torch.tensor(10.0, dtype=torch.float64)
+    a, b = _leaves(img, txt, s), _leaves(img, txt, s)
+    dense = hard_negative_clip_loss(*a, tau_plus=tau_plus, beta=beta)
+    tiled = hard_negative_clip_loss(*b, tau_plus=tau_plus, beta=beta, chunk_size=7)
+    # float64; the tiled path removes the positive by log(1 - e^x) instead of masking.
+    torch.testing.assert_close(tiled, dense, rtol=1e-10, atol=1e-12)
+    for ga, gb in zip(_grads(dense, a), _grads(tiled, b)):
+        torch.testing.assert_close(gb, ga, rtol=1e-8, atol=1e-10)
+
+
+def test_hard_negative_local_rows_split_reproduces_global_batch():
+    img, txt = _features(12, 8, torch.float64, seed=19, correlated=False)
+    s = torch.tensor(8.0, dtype=torch.float64)
+    a, b = _leaves(img, txt, s), _leaves(img, txt, s)
+    ref = hard_negative_clip_loss(*a, tau_plus=0.1, beta=0.5)
+    split = torch.stack([
+        hard_negative_clip_loss(b[0][r * 6:(r + 1) * 6], b[1][r * 6:(r + 1) * 6], b[2], 0.1, 0.5, 4,
+                                all_image_features=b[0], all_text_features=b[1], offset=r * 6)
+        for r in range(2)
+    ]).mean()
+    torch.testing.assert_close(split, ref, rtol=1e-10, atol=1e-12)  # float64
+    for ga, gb in zip(_grads(ref, a), _grads(split, b)):
+        torch.testing.assert_close(gb, ga, rtol=1e-8, atol=1e-10)
+
+
+# ---------------------------------------------------------------------- MoCHi
+
+
+def ref_mochi_direction(q, k, queue, s, n_hard, n_mix, n_query_mix, mix_max, gen):
+    """Kalantidis et al. (2020) for one direction, per query in float64; draws in the documented order."""
+    m = k.shape[0]
+    cand = k if queue is None else torch.cat([k, queue])
+    n_cand = cand.shape[0]
+    hard_k = min(n_hard, n_cand - 1)
+    pairs = torch.randint(0, hard_k, (m, n_mix, 2), generator=gen)
+    alpha = torch.rand(m, n_mix, 1, generator=gen).double()
+    picks = torch.randint(0, hard_k, (m, n_query_mix), generator=gen)
+    beta = (torch.rand(m, n_query_mix, 1, generator=gen) * mix_max).double()
+    total = 0.0
+    for i in range(m):
+        negatives = [j for j in range(n_cand) if j != i]
+        sims = torch.stack([cand[j] @ q[i] for j in negatives])
+        hard = [negatives[o] for o in torch.argsort(sims, descending=True)[:hard_k].tolist()]
+        synthetic = []
+        for t in range(n_mix):
+            mix = alpha[i, t] * cand[hard[pairs[i, t, 0]]] + (1 - alpha[i, t]) * cand[hard[pairs[i, t, 1]]]
+            synthetic.append(mix / mix.norm())
+        for t in range(n_query_mix):
+            mix = beta[i, t] * q[i] + (1 - beta[i, t]) * cand[hard[picks[i, t]]]
+            synthetic.append(mix / mix.norm())
+        keys = torch.cat([cand] + ([torch.stack(synthetic).detach()] if synthetic else []))
+        logits = s * keys @ q[i]
+        total = total + torch.logsumexp(logits, 0) - logits[i]
+    return total / m
+
+
+@pytest.mark.parametrize("with_queue", [False, True])
+def test_mochi_matches_float64_reference(with_queue):
+    img, txt = _features(10, 8, torch.float64, seed=20, correlated=False)
+    iq, tq = _features(7, 8, torch.float64, seed=21) if with_queue else (None, None)
+    s = torch.tensor(7.0, dtype=torch.float64)
+    a, b = _leaves(img, txt, s), _leaves(img, txt, s)
+    got = mochi_loss(a[0], a[1], a[2], 5, 4, 3, 0.5, torch.Generator().manual_seed(3), iq, tq)
+    gen = torch.Generator().manual_seed(3)
+    ref = (ref_mochi_direction(b[0], b[1], tq, b[2], 5, 4, 3, 0.5, gen)
+           + ref_mochi_direction(b[1], b[0], iq, b[2], 5, 4, 3, 0.5, gen)) / 2
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)  # float64 both
+    # The reference detaches the synthetic features too, so matching gradients shows none flows through them.
+    for ga, gb in zip(_grads(got, a), _grads(ref, b)):
+        torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-12)
+
+
+def test_mochi_without_synthesis_is_infonce():
+    img, txt = _features(16, 8, torch.float32, seed=22)
+    s = torch.tensor(20.0)
+    g = torch.Generator().manual_seed(0)
+    plain = mochi_loss(img, txt, s, 4, 0, 0, 0.5, g)
+    torch.testing.assert_close(plain, clip_loss(img, txt, s), rtol=1e-6, atol=1e-6)  # float32, same CE
+    iq, tq = _features(5, 8, torch.float32, seed=23)
+    queued = mochi_loss(img, txt, s, 4, 0, 0, 0.5, g, iq, tq)
+    expected = (infonce_rows(img, torch.cat([txt, tq]), s).mean() + infonce_rows(txt, torch.cat([img, iq]), s).mean()) / 2
+    torch.testing.assert_close(queued, expected, rtol=1e-6, atol=1e-6)  # float32, same CE
+
+
+def test_mochi_hard_negatives_raise_the_loss():
+    img, txt = _features(64, 16, torch.float32, seed=24)
+    s = torch.tensor(20.0)
+    plain = clip_loss(img, txt, s)
+    harder = mochi_loss(img, txt, s, 8, 16, 8, 0.5, torch.Generator().manual_seed(0))
+    assert harder.item() > plain.item() + 1e-3  # extra negatives, some near the query, can only add mass
+
+
+def test_mochi_local_rows_split_reproduces_global_batch():
+    img, txt = _features(12, 8, torch.float64, seed=25, correlated=False)
+    iq, tq = _features(5, 8, torch.float64, seed=26)
+    s = torch.tensor(6.0, dtype=torch.float64)
+    a, b = _leaves(img, txt, s), _leaves(img, txt, s)
+    ref = mochi_loss(*a, 4, 3, 2, 0.5, torch.Generator().manual_seed(5), iq, tq)
+    parts = []
+    for r in range(3):  # every rank seeds its generator identically
+        sl = slice(r * 4, (r + 1) * 4)
+        parts.append(mochi_loss(b[0][sl], b[1][sl], b[2], 4, 3, 2, 0.5, torch.Generator().manual_seed(5), iq, tq,
+                                all_image_features=b[0], all_text_features=b[1], offset=r * 4))
+    split = torch.stack(parts).mean()
+    torch.testing.assert_close(split, ref, rtol=1e-12, atol=1e-12)  # float64
+    for ga, gb in zip(_grads(ref, a), _grads(split, b)):
+        torch.testing.assert_close(gb, ga, rtol=1e-10, atol=1e-12)
+
+
+def test_feature_queue_fifo_and_state_dict():
+    q = FeatureQueue(5)
+    assert q.get() is None and len(q) == 0
+    x = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    q.enqueue(x[:3])
+    assert torch.equal(q.get(), x[:3])
+    q.enqueue(x[3:])  # 6 items into 5 slots: the oldest is overwritten
+    assert len(q) == 5 and sorted(q.get()[:, 0].tolist()) == [2.0, 4.0, 6.0, 8.0, 10.0]
+    fresh = FeatureQueue(5)
+    fresh.load_state_dict(q.state_dict())
+    assert torch.equal(fresh.get(), q.get()) and int(fresh.ptr) == int(q.ptr)
+    q.enqueue(x[:2])
+    fresh.enqueue(x[:2])
+    assert torch.equal(fresh.get(), q.get())
+    with pytest.raises(DataError, match="width"):
+        q.enqueue(torch.zeros(1, 3))
+
+
+def test_objective_state_dict_resumes_mochi_exactly():
+    cfg = LossConfig(clip=1.0, mochi=MochiConfig(weight=0.5, n_hard=4, s=3, s_prime=2, queue_size=16))
+    batches = [_features(8, 6, torch.float32, seed=30 + i) for i in range(4)]
+    s = torch.tensor(10.0)
+    run = build_objective(cfg)
+    run.reseed(7)
+    losses = [run(*b, s)[1]["loss/mochi"] for b in batches]
+    half = build_objective(cfg)
+    half.reseed(7)
+    for b in batches[:2]:
+        half(*b, s)
+    state = half.state_dict()
+    assert "image_queue.features" in state and "text_queue.features" in state and len(half.text_queue) == 16
+    resumed = build_objective(cfg)
+    resumed.load_state_dict(state)
+    after = [resumed(*b, s)[1]["loss/mochi"] for b in batches[2:]]
+    assert after == losses[2:]  # queue and generator both restored: bit-identical continuation
+    assert losses[2] != build_objective(cfg)(*batches[2], s)[1]["loss/mochi"]  # the queue mattered
+
+
+def test_objective_eval_mode_does_not_enqueue():
+    cfg = LossConfig(mochi=MochiConfig(weight=1.0, n_hard=2, s=1, s_prime=1, queue_size=8))
+    obj = build_objective(cfg).eval()
+    obj(*_features(4, 3), torch.tensor(5.0))
+    assert len(obj.image_queue) == 0
+
+
+def test_objective_all_terms():
+    cfg = LossConfig(clip=1.0, supcon=0.5, siglip=0.25, align=0.1, uniform=0.2, debiased=0.3, tau_plus=0.1,
+                     hard_negative=0.4, hn_beta=0.5, chunk_size=5,
+                     mochi=MochiConfig(weight=0.7, n_hard=4, s=2, s_prime=2, queue_size=0))
+    img, txt = _features(12, 8, torch.float64, seed=40)
+    s, b = torch.tensor(10.0, dtype=torch.float64), torch.tensor(-5.0, dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, -1, 2, 2, 2, 3, -1, 4, 5, 1])
+    obj = build_objective(cfg)
+    obj.reseed(1)
+    total, terms = obj(img, txt, s, b, labels)
+    expected = {
+        "clip": clip_loss(img, txt, s),
+        "supcon": supcon_loss(img, txt, labels, s),
+        "siglip": siglip_loss(img, txt, s, b),
+        "align": align_loss(img, txt),
+        "uniform": (uniform_loss(img) + uniform_loss(txt)) / 2,
+        "debiased": debiased_clip_loss(img, txt, s, 0.1),
+        "hard_negative": hard_negative_clip_loss(img, txt, s, 0.1, 0.5),
+        "mochi": mochi_loss(img, txt, s, 4, 2, 2, 0.5, torch.Generator().manual_seed(1)),
+    }
+    weights = {"clip": 1.0, "supcon": 0.5, "siglip": 0.25, "align": 0.1, "uniform": 0.2, "debiased": 0.3,
+               "hard_negative": 0.4, "mochi": 0.7}
+    for name, value in expected.items():
+        assert terms[f"loss/{name}"] == pytest.approx(value.item(), rel=1e-10), name  # float64, tiled vs dense
+    torch.testing.assert_close(total, sum(weights[k] * v for k, v in expected.items()), rtol=1e-10, atol=0)
+    assert terms["loss"] == pytest.approx(total.item(), rel=1e-12)
+
+
+def test_objective_config_errors():
+    with pytest.raises(ConfigError, match="logit bias"):
+        build_objective(LossConfig(clip=0.0, siglip=1.0))(*_features(4, 3), torch.tensor(1.0))
+    with pytest.raises(ConfigError, match="tau_plus"):
+        build_objective(LossConfig(debiased=1.0, tau_plus=1.0))
+    with pytest.raises(ConfigError, match="no loss term"):
+        build_objective(LossConfig(clip=0.0))
