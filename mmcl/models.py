@@ -1,9 +1,16 @@
 """Image and text towers, built with open_clip from a plain model-config dict.
 
 A model config is open_clip's own dict (``embed_dim``, ``vision_cfg``, ``text_cfg``, ...). Named configs are
-data: ``mmcl/model_configs/*.json`` first, then any architecture open_clip ships. A saved model directory is
-open_clip's local-dir layout (``open_clip_config.json`` + ``open_clip_model.safetensors``), so open_clip,
-CLIP_benchmark and `mmcl.load` all read the same files.
+data: ``mmcl/model_configs/*.json`` first, then any architecture open_clip ships (ViT, ResNet, timm ConvNeXt, ...).
+A Hugging Face text tower (``model.text.hf``) goes through open_clip's ``hf_model_name`` support.
+
+A saved model directory is open_clip's local-dir layout (``open_clip_config.json`` + ``open_clip_model.safetensors``),
+so open_clip, CLIP_benchmark and `mmcl.load` all read the same files. With a Hugging Face text tower the directory
+also holds that tower's ``config.json`` and tokenizer files, so it loads after the source checkpoint is gone.
+
+Locking follows LiT (Zhai et al. 2022): a locked tower's parameters get ``requires_grad=False`` (so no optimiser
+state), and a tower whose backbone is entirely locked runs that backbone under ``torch.no_grad`` in eval mode:
+no activations are kept for backward, dropout is off and normalisation statistics do not move.
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import shutil
 import tempfile
+import types
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -27,10 +36,18 @@ from .errors import CheckpointError, ConfigError
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
-_HF_POOLERS = {"mean": "mean_pooler", "cls": "cls_pooler", "max": "max_pooler"}
+HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside the weights
+# 'cls' is the [CLS] token's last hidden state; open_clip's 'cls_pooler' would instead use BERT's pooler head
+# (dense + tanh trained for next-sentence prediction), an extra layer that many sentence encoders never trained.
+_HF_POOLERS = {"mean": "mean_pooler", "cls": "cls_last_hidden_state_pooler", "max": "max_pooler"}
+# Weight files of a local directory, most preferred first (open_clip's names, then transformers').
+_DIR_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin",
+                "open_clip_pytorch_model.pth", "model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 
 
-def available_models() -> list:
+# ------------------------------------------------------------------------------------------------ configs
+def available_models() -> List[str]:
+    """mmcl model-config names followed by every open_clip architecture name."""
     import open_clip
 
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json")) + list(open_clip.list_models())
@@ -46,9 +63,13 @@ def named_config(name: str) -> Dict[str, Any]:
     cfg = open_clip.get_model_config(name)
     if cfg is None:
         close = difflib.get_close_matches(name, available_models(), n=4, cutoff=0.4)
-        hint = f"; did you mean {', '.join(close)}?" if close else "; see open_clip.list_models()"
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see mmcl.models.available_models()"
         raise ConfigError(f"unknown model.name '{name}'{hint}")
     return copy.deepcopy(cfg)
+
+
+def _is_local(name_or_path: str) -> bool:
+    return os.path.isdir(os.path.expanduser(name_or_path))
 
 
 def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
@@ -58,11 +79,15 @@ def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
     text_cfg = model_cfg.setdefault("text_cfg", {})
     if cfg.text.hf:
         # A Hugging Face text tower replaces open_clip's text transformer; open_clip's CustomTextCLIP runs it.
-        for key in ("width", "heads", "layers", "vocab_size", "mlp_ratio", "ls_init_value", "output_tokens"):
+        for key in ("width", "heads", "layers", "vocab_size", "mlp_ratio", "ls_init_value", "output_tokens",
+                    "pool_type", "proj_type", "proj_bias", "embed_cls", "no_causal_mask", "pad_id", "eos_id",
+                    "hf_model_pretrained"):
             text_cfg.pop(key, None)
+        # A local directory is stored absolute so a resumed run or a saved config works from any directory.
+        source = os.path.abspath(os.path.expanduser(cfg.text.hf)) if _is_local(cfg.text.hf) else cfg.text.hf
         text_cfg.update(
-            hf_model_name=cfg.text.hf,
-            hf_tokenizer_name=cfg.text.hf,
+            hf_model_name=source,
+            hf_tokenizer_name=source,
             hf_pooler_type=_HF_POOLERS[cfg.text.pooling],
             hf_proj_type=None if cfg.text.projection == "none" else cfg.text.projection,
         )
@@ -79,22 +104,67 @@ def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
     return model_cfg
 
 
+# ------------------------------------------------------------------------------------------------- models
+class MaskedMaxPooler(nn.Module):
+    """Max over the real (non-padding) tokens of a Hugging Face tower's last hidden state.
+
+    open_clip's ``MaxPooler`` fills the *kept* positions with -inf (and passes an integer mask to ``masked_fill``),
+    so it cannot be used; this module has no parameters, so state dicts are unchanged by the swap.
+    """
+
+    cls_token_position = 0
+
+    def forward(self, x, attention_mask: torch.Tensor) -> torch.Tensor:
+        """x.last_hidden_state (B, L, W) float, attention_mask (B, L) 0/1 -> (B, W)."""
+        hidden = x.last_hidden_state
+        pad = attention_mask.unsqueeze(-1) == 0  # (B, L, 1)
+        return hidden.masked_fill(pad, torch.finfo(hidden.dtype).min).max(dim=1).values
+
+
 def create(model_cfg: Dict[str, Any]) -> nn.Module:
-    """Instantiate an open_clip CLIP / CustomTextCLIP from a model-config dict (random init, fp32)."""
+    """Instantiate an open_clip CLIP / CustomTextCLIP from a model-config dict (fp32, ``output_dict=True``).
+
+    Weights are random except a Hugging Face text tower, which is read from its directory / the local
+    Hugging Face cache unless ``text_cfg.hf_model_pretrained`` is False.
+    """
     from open_clip.model import CLIP, CustomTextCLIP
 
     model_cfg = copy.deepcopy(model_cfg)
-    custom_text = model_cfg.pop("custom_text", False) or "hf_model_name" in model_cfg.get("text_cfg", {})
-    if "hf_model_name" in model_cfg.get("text_cfg", {}):
-        # Weights of a Hugging Face tower come from its directory at creation; an mmcl checkpoint overwrites them.
-        model_cfg["text_cfg"].setdefault("hf_model_pretrained", True)
+    text_cfg = model_cfg.get("text_cfg", {})
+    hf_name = text_cfg.get("hf_model_name")
+    custom_text = model_cfg.pop("custom_text", False) or bool(hf_name)
+    if hf_name:
+        text_cfg.setdefault("hf_model_pretrained", True)
     model_cls = CustomTextCLIP if custom_text else CLIP
     try:
         model = model_cls(**model_cfg)
     except TypeError as err:
         raise ConfigError(f"invalid model config: {err}") from None
+    except OSError as err:  # transformers cannot find the tower (offline, wrong path)
+        raise ConfigError(f"cannot load the Hugging Face text tower '{hf_name}' (not a local directory with "
+                          f"config.json and weights, nor in the local Hugging Face cache): "
+                          f"{str(err).splitlines()[0]}") from None
+    except RuntimeError as err:  # e.g. timm: unknown model name
+        raise ConfigError(f"invalid model config: {str(err).splitlines()[0]}") from None
+    if hf_name:
+        _check_hf_tower(model.text, model_cfg)
     model.output_dict = True
     return model
+
+
+def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:
+    if not hasattr(text, "proj"):
+        # open_clip leaves the projection unset when it is 'none' but the widths differ.
+        width = getattr(text.config, "hidden_size", "?")
+        raise ConfigError(f"model.text.projection=none needs model.embed_dim equal to the text tower's width "
+                          f"(got embed_dim {model_cfg['embed_dim']}, expected {width})")
+    if model_cfg["text_cfg"].get("hf_pooler_type") == "max_pooler":
+        text.pooler = MaskedMaxPooler()
+    context_length = model_cfg["text_cfg"].get("context_length", 77)
+    max_positions = getattr(text.config, "max_position_embeddings", None)
+    if max_positions and context_length > max_positions:
+        raise ConfigError(f"model.context_length {context_length} exceeds the text tower's "
+                          f"max_position_embeddings (got {context_length}, expected <= {max_positions})")
 
 
 def preprocess_config(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -108,7 +178,7 @@ def preprocess_config(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def build_transforms(preprocess_cfg: Dict[str, Any]):
-    """(train transform, eval transform) from open_clip."""
+    """(train transform, eval transform) from open_clip: PIL image -> (3, H, W) float tensor."""
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
     pp = PreprocessCfg(**{k: v for k, v in preprocess_cfg.items() if k in PreprocessCfg.__dataclass_fields__})
@@ -116,7 +186,10 @@ def build_transforms(preprocess_cfg: Dict[str, Any]):
 
 
 def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None):
-    """open_clip's tokenizer for the text tower: BPE SimpleTokenizer, or the Hugging Face tower's own."""
+    """open_clip's tokenizer for the text tower: BPE SimpleTokenizer, or the Hugging Face tower's own.
+
+    The returned callable maps a list of B strings to a (B, context_length) long tensor.
+    """
     from open_clip.tokenizer import HFTokenizer, SimpleTokenizer
 
     text_cfg = model_cfg.get("text_cfg", {})
@@ -125,12 +198,19 @@ def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None)
     if hf_name:
         if source_dir and (Path(source_dir) / "tokenizer_config.json").is_file():
             hf_name = source_dir
-        return HFTokenizer(hf_name, context_length=context_length)
+        try:
+            return HFTokenizer(hf_name, context_length=context_length)
+        except OSError as err:
+            raise ConfigError(f"cannot load the tokenizer '{hf_name}' (not a local directory with tokenizer "
+                              f"files, nor in the local Hugging Face cache): {str(err).splitlines()[0]}") from None
     return SimpleTokenizer(context_length=context_length)
 
 
 def build(cfg: ModelConfig):
-    """Model, its config dict, train/eval transforms and tokenizer for a `ModelConfig`."""
+    """Model, its config dict, preprocess config, train/eval transforms and tokenizer for a `ModelConfig`.
+
+    Returns ``(model, model_cfg, preprocess_cfg, train_transform, eval_transform, tokenizer)``.
+    """
     model_cfg = resolve_model_config(cfg)
     model = create(model_cfg)
     pp = preprocess_config(model_cfg)
@@ -141,14 +221,108 @@ def build(cfg: ModelConfig):
     return model, model_cfg, pp, train_tf, eval_tf, tokenizer
 
 
+# ------------------------------------------------------------------------------------------------ locking
+def _clip_text_modules(model: nn.Module) -> List[nn.Module]:
+    # open_clip's CLIP class keeps its text transformer's parts as attributes of the model itself.
+    return [model.token_embedding, model.transformer, model.ln_final]
+
+
+def _clip_text_params(model: nn.Module) -> List[nn.Parameter]:
+    params = [p for m in _clip_text_modules(model) for p in m.parameters()] + [model.positional_embedding]
+    if isinstance(model.text_projection, nn.Parameter):
+        params.append(model.text_projection)
+    elif model.text_projection is not None:
+        params += list(model.text_projection.parameters())
+    return params
+
+
+def _all_frozen(params) -> bool:
+    params = list(params)
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def _run_frozen(owner: Any, method: str, modules: Callable[[Any], List[nn.Module]]) -> None:
+    """Make ``owner.<method>`` run under ``torch.no_grad`` with ``modules(owner)`` in eval mode.
+
+    An instance attribute wraps the class's method; it is a bound method, so ``copy.deepcopy`` rebinds it to the
+    copy, and the state dict is unchanged.
+    """
+    original = getattr(type(owner), method)
+
+    def frozen(self, *args, **kwargs):
+        for module in modules(self):
+            module.eval()
+        with torch.no_grad():
+            return original(self, *args, **kwargs)
+
+    setattr(owner, method, types.MethodType(frozen, owner))
+
+
+def is_frozen_call(owner: Any, method: str = "forward") -> bool:
+    """Whether `apply_locks` made ``owner.<method>`` run without autograd."""
+    bound = owner.__dict__.get(method)
+    return isinstance(bound, types.MethodType) and bound.__func__.__name__ == "frozen"
+
+
+def _unfreeze_layer_norms(modules: List[nn.Module]) -> None:
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, nn.LayerNorm):
+                for p in sub.parameters():
+                    p.requires_grad = True
+
+
 def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
-    """Freeze towers as configured (open_clip's lock methods set requires_grad=False)."""
+    """Freeze towers as configured (``model.lock_image*``, ``model.lock_text*``).
+
+    Locked parameters get ``requires_grad=False``; a tower (or a Hugging Face / timm backbone) left with no
+    trainable parameter runs under ``torch.no_grad`` in eval mode. ``lock_text_freeze_layer_norm=False`` keeps the
+    text tower's LayerNorm gains and biases trainable, as open_clip does for Hugging Face towers.
+    """
+    from open_clip.modified_resnet import ModifiedResNet
+    from open_clip.transformer import lock_text_tower
+
     if cfg.lock_image:
-        model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
+        groups = cfg.lock_image_unlocked_groups
+        if groups < 0:
+            raise ConfigError(f"model.lock_image_unlocked_groups must be >= 0 (got {groups})")
+        if groups and isinstance(model.visual, ModifiedResNet):
+            raise ConfigError(f"model.lock_image_unlocked_groups must be 0 for ResNet image towers "
+                              f"(got {groups}; open_clip locks them only whole)")
+        model.lock_image_tower(groups, cfg.lock_image_freeze_bn_stats)
+        if _all_frozen(model.visual.parameters()):
+            _run_frozen(model.visual, "forward", lambda v: [v])
+        elif _all_frozen(getattr(model.visual, "trunk", nn.Module()).parameters()):
+            # A timm tower locks its trunk and keeps the projection head trainable.
+            _run_frozen(model.visual.trunk, "forward", lambda t: [t])
     if cfg.lock_text:
-        model.lock_text_tower(cfg.lock_text_unlocked_layers, cfg.lock_text_freeze_layer_norm)
+        layers = cfg.lock_text_unlocked_layers
+        if layers < 0:
+            raise ConfigError(f"model.lock_text_unlocked_layers must be >= 0 (got {layers})")
+        freeze_ln = cfg.lock_text_freeze_layer_norm
+        text = getattr(model, "text", None)
+        if text is None:  # open_clip CLIP: text parts live on the model
+            lock_text_tower(model, layers)
+            if not freeze_ln:
+                _unfreeze_layer_norms(_clip_text_modules(model))
+            if _all_frozen(_clip_text_params(model)):
+                _run_frozen(model, "encode_text", _clip_text_modules)
+        elif hasattr(text, "transformer") and hasattr(text, "config"):  # Hugging Face tower
+            text.lock(layers, freeze_ln)
+            if _all_frozen(text.parameters()):
+                _run_frozen(text, "forward", lambda t: [t])
+            elif _all_frozen(text.transformer.parameters()):
+                # The backbone is locked, the projection head trains: only the backbone runs without autograd.
+                _run_frozen(text.transformer, "forward", lambda t: [t])
+        else:  # open_clip TextTransformer inside CustomTextCLIP
+            lock_text_tower(text, layers)
+            if not freeze_ln:
+                _unfreeze_layer_norms([text])
+            if _all_frozen(text.parameters()):
+                _run_frozen(text, "forward", lambda t: [t])
 
 
+# ------------------------------------------------------------------------------------------- saving/loading
 def _state_dict_for_saving(model: nn.Module) -> Dict[str, torch.Tensor]:
     # safetensors refuses tensors that share storage (tied embeddings of some Hugging Face towers): clone them.
     seen, out = {}, {}
@@ -160,26 +334,48 @@ def _state_dict_for_saving(model: nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _save_hf_text_files(model: nn.Module, text_cfg: Dict[str, Any], dest: Path) -> None:
+    """The Hugging Face tower's config.json (from the live model) and its tokenizer files, written into `dest`."""
+    from transformers import AutoTokenizer
+
+    model.text.config.to_json_file(str(dest / HF_CONFIG_FILE))
+    source = text_cfg.get("hf_tokenizer_name") or text_cfg["hf_model_name"]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as err:
+        raise CheckpointError(f"cannot save the text tower's tokenizer: '{source}' is not readable "
+                              f"({str(err).splitlines()[0]})") from None
+    tokenizer.save_pretrained(str(dest))
+
+
 def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: Dict[str, Any], out_dir,
                    extra: Optional[Dict[str, Any]] = None) -> Path:
-    """Write open_clip's local-dir layout atomically: a temp dir beside `out_dir`, then a rename."""
+    """Write open_clip's local-dir layout atomically: a temp dir beside `out_dir`, then a rename.
+
+    With a Hugging Face text tower, its ``config.json`` and tokenizer files are written too, and when the tower
+    came from a local directory the saved ``hf_model_name`` points at `out_dir` itself, so neither mmcl nor
+    open_clip (``local-dir:``) needs the original directory. A hub name is kept as it is.
+    """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    model_cfg = copy.deepcopy(model_cfg)
+    text_cfg = model_cfg.get("text_cfg", {})
+    meta_extra = dict(extra or {})
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS_FILE))
+        if text_cfg.get("hf_model_name"):
+            _save_hf_text_files(model, text_cfg, tmp)
+            text_cfg.pop("hf_model_pretrained", None)
+            meta_extra.setdefault("text_source", text_cfg["hf_model_name"])
+            if _is_local(text_cfg["hf_model_name"]):
+                text_cfg["hf_model_name"] = text_cfg["hf_tokenizer_name"] = str(out_dir.resolve())
         meta = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
-        if extra:
-            meta["mmcl"] = extra
+        if meta_extra:
+            meta["mmcl"] = meta_extra
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        hf_name = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
-        if hf_name and os.path.isdir(hf_name):
-            # Keep the tokenizer files with the weights so the directory is self-contained.
-            for name in os.listdir(hf_name):
-                if name.startswith(("tokenizer", "vocab", "special_tokens", "merges")):
-                    shutil.copy2(os.path.join(hf_name, name), tmp / name)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, old)
@@ -206,19 +402,30 @@ def find_model_dir(path) -> Path:
 
 
 def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
-    """Load a saved model directory: (model in eval mode, model_cfg, preprocess_cfg)."""
+    """Load a saved model directory: (model in eval mode, model_cfg, preprocess_cfg).
+
+    A Hugging Face text tower is rebuilt from the ``config.json`` saved in the directory (no download, no
+    reference to where it first came from); the returned model_cfg then names the directory as its source.
+    """
     from safetensors.torch import load_file
 
     model_dir = find_model_dir(path)
     meta = json.loads((model_dir / CONFIG_FILE).read_text())
-    model_cfg = meta["model_cfg"]
-    cfg_for_create = copy.deepcopy(model_cfg)
-    if "hf_model_name" in cfg_for_create.get("text_cfg", {}):
-        cfg_for_create["text_cfg"]["hf_model_pretrained"] = False  # weights come from our file
-    model = create(cfg_for_create)
+    model_cfg = copy.deepcopy(meta.get("model_cfg", meta))
+    text_cfg = model_cfg.get("text_cfg", {})
+    if text_cfg.get("hf_model_name"):
+        if (model_dir / HF_CONFIG_FILE).is_file():
+            text_cfg["hf_model_name"] = str(model_dir.resolve())
+            if (model_dir / "tokenizer_config.json").is_file():
+                text_cfg["hf_tokenizer_name"] = str(model_dir.resolve())
+        text_cfg.pop("hf_model_pretrained", None)
     weights = model_dir / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{model_dir} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
+    cfg_for_create = copy.deepcopy(model_cfg)
+    if text_cfg.get("hf_model_name"):
+        cfg_for_create["text_cfg"]["hf_model_pretrained"] = False  # weights come from our file
+    model = create(cfg_for_create)
     state = load_file(str(weights))
     try:
         model.load_state_dict(state, strict=True)
@@ -238,3 +445,212 @@ def load(path):
     _, eval_tf = build_transforms(pp)
     tokenizer = build_tokenizer(model_cfg, source_dir=str(find_model_dir(path)))
     return model, eval_tf, tokenizer
+
+
+# ------------------------------------------------------------------------------------------------ init_from
+def hf_clip_to_open_clip(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Rename a transformers ``CLIPModel`` state dict to open_clip's ``CLIP`` layout.
+
+    q/k/v projections are concatenated into ``in_proj`` (open_clip uses ``nn.MultiheadAttention``, q then k then
+    v), and the two projections are transposed: transformers stores ``Linear`` weights (out, in), open_clip
+    multiplies ``x @ proj`` with proj (in, out).
+    """
+    out: Dict[str, torch.Tensor] = {}
+    layer_map = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
+                 "self_attn.out_proj": "attn.out_proj"}
+    fixed = {
+        "logit_scale": "logit_scale",
+        "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+        "text_model.embeddings.position_embedding.weight": "positional_embedding",
+        "text_model.final_layer_norm.weight": "ln_final.weight",
+        "text_model.final_layer_norm.bias": "ln_final.bias",
+        "vision_model.embeddings.class_embedding": "visual.class_embedding",
+        "vision_model.embeddings.patch_embedding.weight": "visual.conv1.weight",
+        "vision_model.embeddings.position_embedding.weight": "visual.positional_embedding",
+        "vision_model.pre_layrnorm.weight": "visual.ln_pre.weight",  # sic: transformers' spelling
+        "vision_model.pre_layrnorm.bias": "visual.ln_pre.bias",
+        "vision_model.post_layernorm.weight": "visual.ln_post.weight",
+        "vision_model.post_layernorm.bias": "visual.ln_post.bias",
+    }
+    qkv: Dict[str, Dict[str, torch.Tensor]] = {}
+    layer_re = re.compile(r"^(text|vision)_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    for key, value in state.items():
+        if key in fixed:
+            out[fixed[key]] = value
+        elif key == "visual_projection.weight":
+            out["visual.proj"] = value.t().contiguous()
+        elif key == "text_projection.weight":
+            out["text_projection"] = value.t().contiguous()
+        elif (m := layer_re.match(key)) is not None:
+            tower, idx, name, kind = m.groups()
+            prefix = f"{'visual.' if tower == 'vision' else ''}transformer.resblocks.{idx}"
+            if name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                qkv.setdefault(f"{prefix}.attn.in_proj_{kind}", {})[name[10]] = value
+            elif name in layer_map:
+                out[f"{prefix}.{layer_map[name]}.{kind}"] = value
+            else:
+                out[key] = value  # reported as unexpected
+        elif not key.endswith("position_ids"):
+            out[key] = value
+    for key, parts in qkv.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise CheckpointError(f"Hugging Face CLIP checkpoint lacks part of {key} (got {sorted(parts)}, "
+                                  f"expected q, k and v)")
+        out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    return out
+
+
+def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as err:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # unpickling errors come in many types
+        raise CheckpointError(f"cannot read {path} as a weights-only torch checkpoint: "
+                              f"{str(err).splitlines()[0]}") from None
+    if isinstance(obj, dict):
+        for key in ("state_dict", "model", "module"):  # open_clip_train, and other trainers' wrappers
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path} holds no state dict (expected a dict of tensors, or one under 'state_dict')")
+    return obj
+
+
+def _latest_train_checkpoint(run_dir: Path) -> Optional[Path]:
+    ckpt_dir = run_dir / "checkpoints"
+    pointer = ckpt_dir / "latest"
+    if pointer.is_file():
+        target = ckpt_dir / pointer.read_text().strip()
+        if target.is_dir():
+            return target
+    return None
+
+
+def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
+    """Weights from any supported source, in open_clip key layout; returns (state_dict, description).
+
+    Sources: a file (.pt/.pth/.bin torch checkpoint, open_clip_train's ``{'state_dict': ...}`` included, or
+    .safetensors); an open_clip local-dir / mmcl export / mmcl run (its ``model/``, else its latest training
+    checkpoint); a transformers CLIP directory (``config.json`` with model_type clip).
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"init_from path not found: {path}")
+    if path.is_file():
+        state, what = _read_weight_file(path), f"{path.suffix.lstrip('.')} file"
+    else:
+        weights_dir, what = None, ""
+        for candidate, label in ((path, "open_clip/mmcl model dir"), (path / "model", "mmcl run"),
+                                 (path / "open_clip", "mmcl export")):
+            if (candidate / CONFIG_FILE).is_file():
+                weights_dir, what = candidate, label
+                break
+        hf_config = path / HF_CONFIG_FILE
+        if weights_dir is None and hf_config.is_file():
+            model_type = json.loads(hf_config.read_text()).get("model_type")
+            if model_type != "clip":
+                raise CheckpointError(f"{path} is a Hugging Face '{model_type}' model, not CLIP (expected "
+                                      f"model_type 'clip', or an open_clip/mmcl model directory)")
+            weights_dir, what = path, "transformers CLIP dir"
+        if weights_dir is None and (ckpt := _latest_train_checkpoint(path)) is not None:
+            weights_dir, what = ckpt, "mmcl training checkpoint"
+        if weights_dir is None:
+            raise CheckpointError(f"no weights found in {path} (expected {CONFIG_FILE}, a model/ subdirectory, "
+                                  f"checkpoints/latest, or a transformers CLIP config.json)")
+        files = [weights_dir / name for name in _DIR_WEIGHTS if (weights_dir / name).is_file()]
+        if not files:
+            raise CheckpointError(f"{weights_dir} has no weights file (expected one of {', '.join(_DIR_WEIGHTS)})")
+        state = _read_weight_file(files[0])
+        what = f"{what}, {files[0].name}"
+    for prefix in ("module.", "_orig_mod."):  # DDP and torch.compile wrappers
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    if any(k.startswith(("vision_model.", "text_model.")) for k in state):
+        state, what = hf_clip_to_open_clip(state), f"{what}, transformers CLIP layout mapped to open_clip"
+    return state, what
+
+
+def _adapt_to_model(state: Dict[str, torch.Tensor], model: nn.Module) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """open_clip's layout fixes: CLIP -> CustomTextCLIP text keys, scalar vs 1-d scale, resized position grids."""
+    from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
+
+    notes = []
+    state = dict(state)
+    if "positional_embedding" in state and not hasattr(model, "positional_embedding"):
+        state = convert_to_custom_text_state_dict(state)
+    for key in ("logit_scale", "logit_bias"):
+        target = getattr(model, key, None)
+        if key in state and target is not None and state[key].numel() == target.numel():
+            state[key] = state[key].reshape(target.shape)
+    own = model.state_dict()
+    for key, label, resize in (("visual.positional_embedding", "image position grid", resize_pos_embed),
+                               ("positional_embedding", "text positions", resize_text_pos_embed),
+                               ("text.positional_embedding", "text positions", resize_text_pos_embed)):
+        if key in state and key in own and state[key].shape != own[key].shape \
+                and state[key].shape[-1] == own[key].shape[-1]:
+            before = tuple(state[key].shape)
+            resize(state, model)
+            notes.append(f"resized {label} {before} -> {tuple(state[key].shape)}")
+    return state, notes
+
+
+def _hf_activation_note(path: Path, model: nn.Module) -> Optional[str]:
+    from open_clip.transformer import QuickGELU
+
+    cfg_file = path / HF_CONFIG_FILE if path.is_dir() else None
+    if cfg_file is None or not cfg_file.is_file():
+        return None
+    vision = json.loads(cfg_file.read_text()).get("vision_config", {})
+    quick = vision.get("hidden_act") == "quick_gelu"
+    has_quick = any(isinstance(m, QuickGELU) for m in model.modules())
+    if quick != has_quick:
+        want = "a -quickgelu architecture" if quick else "an architecture without quick_gelu"
+        return f"WARNING: the checkpoint uses {vision.get('hidden_act')}, the model does not match (pick {want})"
+    return None
+
+
+def _preview(keys: List[str], n: int = 6) -> str:
+    return ", ".join(keys[:n]) + (f", ... (+{len(keys) - n})" if len(keys) > n else "")
+
+
+def init_from(model: nn.Module, path) -> str:
+    """Load pretrained weights into `model` in place; returns a one-paragraph report.
+
+    `path`: an open_clip checkpoint (.pt/.pth/.bin/.safetensors, or an open_clip_train ``epoch_N.pt``), an open_clip
+    local-dir, an mmcl run directory or export, or a transformers CLIP directory. Keys the model lacks are
+    reported as unexpected, model keys the checkpoint lacks keep their current values and are reported as
+    missing. A tensor whose shape differs from the model's raises `CheckpointError` (position grids are resized
+    as open_clip does).
+    """
+    state, what = read_checkpoint(path)
+    state, notes = _adapt_to_model(state, model)
+    own = model.state_dict()
+    mismatched = [k for k in state if k in own and state[k].shape != own[k].shape]
+    if mismatched:
+        k = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise CheckpointError(f"init_from {path}: {k} has shape {tuple(state[k].shape)} in the checkpoint, "
+                              f"expected {tuple(own[k].shape)} by the model{more}; check model.name and the "
+                              f"model.* overrides")
+    matched = {k: v for k, v in state.items() if k in own}
+    if not matched:
+        raise CheckpointError(f"init_from {path}: none of its {len(state)} tensors matches a model key "
+                              f"(got e.g. {_preview(sorted(state), 3)}; expected e.g. {_preview(sorted(own), 3)})")
+    model.load_state_dict(matched, strict=False)
+    missing = sorted(k for k in own if k not in state)
+    unexpected = sorted(k for k in state if k not in own)
+    parts = [f"init_from {path} ({what}): loaded {len(matched)}/{len(own)} tensors"]
+    parts.append(f"missing {len(missing)}" + (f": {_preview(missing)}" if missing else ""))
+    parts.append(f"unexpected {len(unexpected)}" + (f": {_preview(unexpected)}" if unexpected else ""))
+    parts += notes
+    note = _hf_activation_note(Path(path), model)
+    if note:
+        parts.append(note)
+    return "; ".join(parts)
