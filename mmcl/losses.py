@@ -952,8 +952,9 @@ class ContrastiveObjective(nn.Module):
 
     @torch.no_grad()
     def _metrics(self, image_features: Tensor, text_features: Tensor) -> Dict[str, Tensor]:
-        img = image_features[:_METRIC_MAX_ITEMS].detach().float()
-        txt = text_features[:_METRIC_MAX_ITEMS].detach().float()
+        acc = _acc_dtype(image_features.dtype)
+        img = image_features[:_METRIC_MAX_ITEMS].detach().to(acc)
+        txt = text_features[:_METRIC_MAX_ITEMS].detach().to(acc)
         out = {"align": align_loss(img, txt, self.cfg.align_alpha)}
         if img.shape[0] >= 2:
             out["uniform_image"] = uniform_loss(img, self.cfg.uniform_t)
