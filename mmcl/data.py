@@ -541,7 +541,13 @@ def _zero_skips() -> Dict[str, int]:
 
 
 def _fresh_position() -> Dict[str, Any]:
-    return {"epoch": 0, "shard": 0, "sample": 0, "emitted": 0, "skipped": _zero_skips()}
+    return {"epoch": 0, "shard": 0, "sample": 0, "emitted": 0, "skipped": _zero_skips(),
+            "skipped_before_epoch": _zero_skips()}
+
+
+def _copy_position(p: Dict[str, Any]) -> Dict[str, Any]:
+    before = p.get("skipped_before_epoch", p["skipped"])
+    return dict(p, skipped=dict(p["skipped"]), skipped_before_epoch=dict(before))
 
 
 class _SlotStreams(torch.utils.data.IterableDataset):
@@ -567,6 +573,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
     block_size = max(1, s["shuffle_buffer"])
     epoch, shard, sample, emitted = start["epoch"], start["shard"], start["sample"], start["emitted"]
     skipped = dict(_zero_skips(), **start["skipped"])
+    skipped_before_epoch = dict(_zero_skips(), **start.get("skipped_before_epoch", start["skipped"]))
     images: List[torch.Tensor] = []
     captions: List[str] = []
     labels: List[int] = []
@@ -608,7 +615,8 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                 if len(images) == s["batch_size"]:
                     batch = collate(images, captions, labels, keys, s["tokenizer"])
                     batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
-                                          "emitted": emitted, "skipped": dict(skipped)}
+                                          "emitted": emitted, "skipped": dict(skipped),
+                                          "skipped_before_epoch": dict(skipped_before_epoch)}
                     images, captions, labels, keys = [], [], [], []
                     yield batch
             emitted = 0
@@ -622,6 +630,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
             yield {"__error__": what}
             return
         epoch, shard, sample, emitted = epoch + 1, 0, 0, 0
+        skipped_before_epoch = dict(skipped)
 
 
 def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], keys: List[str],
@@ -676,7 +685,7 @@ class TrainStream:
                 "preprocess": self.preprocess, "tokenizer": self.tokenizer}
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
-        starts = [dict(p, skipped=dict(p["skipped"])) for p in self._positions]
+        starts = [_copy_position(p) for p in self._positions]
         if self.workers == 0:
             source: Iterable = role_batches(self._spec(), 0, starts[0])
         else:
@@ -718,7 +727,7 @@ class TrainStream:
     def state_dict(self) -> Dict[str, Any]:
         """The position after the last consumed batch (per worker: epoch, shard, sample, skips); plain types."""
         return {"version": _STATE_VERSION, "layout": self._layout(), "next_role": self._next_role,
-                "batches": self.batches, "positions": [dict(p, skipped=dict(p["skipped"])) for p in self._positions]}
+                "batches": self.batches, "positions": [_copy_position(p) for p in self._positions]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from `state`. With the same data, seed and layout the next batches equal those an
@@ -726,7 +735,8 @@ class TrainStream:
         stream restarts the earliest saved epoch and warns, since exact continuation is then impossible.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise DataError(f"unrecognised data stream state (got version {state.get('version') if isinstance(state, dict) else type(state).__name__}, expected {_STATE_VERSION})")
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise DataError(f"unrecognised data stream state (got version {got}, expected {_STATE_VERSION})")
         layout = self._layout()
         if state["layout"] != layout:
             changed = sorted(k for k in layout if state["layout"].get(k) != layout[k])
@@ -742,9 +752,10 @@ class TrainStream:
             for p in self._positions:
                 p["epoch"] = epoch
             self._positions[0]["skipped"] = totals
+            self._positions[0]["skipped_before_epoch"] = dict(totals)
             self._next_role = 0
         else:
-            self._positions = [dict(p, skipped=dict(p["skipped"])) for p in state["positions"]]
+            self._positions = [_copy_position(p) for p in state["positions"]]
             self._next_role = int(state["next_role"])
         self.batches = int(state.get("batches", 0))
 
@@ -765,3 +776,270 @@ def build_train_stream(cfg: DataConfig, preprocess: Callable, tokenizer: Callabl
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
                        pin_memory=pin_memory)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation datasets
+
+_FOLDER_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def _read_lines(path: str) -> Optional[List[str]]:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def _is_image_folder(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if any(name.endswith(_SHARD_SUFFIXES) for name in os.listdir(path)):
+        return False
+    return any(os.path.isdir(os.path.join(path, name)) for name in os.listdir(path))
+
+
+def _open_rgb(path: str) -> Image.Image:
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except Exception as err:  # pillow raises several types for unreadable files
+        raise DataError(f"cannot read image {path} ({type(err).__name__}: {err})")
+
+
+class ImageFolderDataset(torch.utils.data.Dataset):
+    """An ImageFolder (``root/<class>/<image>``) for evaluation: items (image (3,H,W) float, label, "", key).
+
+    Labels are the index of the class folder in sorted order; ``classnames`` are the folder names, or
+    the lines of ``root/classnames.txt`` when it has one line per folder (human-readable names for folders
+    such as WordNet ids). ``templates`` are the lines of ``root/templates.txt`` when present, else None.
+    """
+
+    def __init__(self, root: str, preprocess: Callable):
+        self.root, self.preprocess = root, preprocess
+        self.folders = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        self.items: List[Tuple[str, int]] = []
+        for label, folder in enumerate(self.folders):
+            for dirpath, _, names in sorted(os.walk(os.path.join(root, folder))):
+                for name in sorted(names):
+                    if name.lower().endswith(_FOLDER_IMAGE_EXTS):
+                        self.items.append((os.path.join(dirpath, name), label))
+        if not self.items:
+            raise DataError(f"no images found in ImageFolder {root} (expected {root}/<class>/<image>.jpg|png|...)")
+        names = _read_lines(os.path.join(root, "classnames.txt"))
+        self.classnames = names if names is not None and len(names) == len(self.folders) else list(self.folders)
+        self.templates = _read_lines(os.path.join(root, "templates.txt"))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, int, str, str]:
+        path, label = self.items[i]
+        return self.preprocess(_open_rgb(path)), label, "", os.path.relpath(path, self.root)
+
+
+class ShardEvalDataset(torch.utils.data.IterableDataset):
+    """WebDataset shards for evaluation: each sample once, in shard order; items (image, label, caption, key).
+
+    ``label`` is the ``.cls`` value (-1 when absent), ``caption`` the ``.txt`` text ("" when absent).
+    Samples without a readable image are skipped, counted in ``skipped`` and warned about. Under a
+    DataLoader with workers, shards (or, with fewer shards than workers, samples) are split across them.
+    ``classnames``/``templates`` come from ``classnames.txt`` and ``templates.txt`` (or CLIP_benchmark's
+    ``zeroshot_classification_templates.txt``) next to the shards, when present.
+    """
+
+    def __init__(self, spec: Any, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels):
+        self.urls = expand_urls(spec)
+        self.preprocess, self.max_pixels = preprocess, max_pixels
+        self.skipped = _zero_skips()
+        folder = os.path.dirname(self.urls[0]) if not _has_scheme(self.urls[0]) else None
+        self.classnames = _read_lines(os.path.join(folder, "classnames.txt")) if folder is not None else None
+        self.templates = None
+        if folder is not None:
+            self.templates = (_read_lines(os.path.join(folder, "templates.txt"))
+                              or _read_lines(os.path.join(folder, "zeroshot_classification_templates.txt")))
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, int, str, str]]:
+        info = torch.utils.data.get_worker_info()
+        n, k = (1, 0) if info is None else (info.num_workers, info.id)
+        if len(self.urls) >= n:
+            plan = [(u, None) for u in self.urls[k::n]]
+        else:
+            plan = [(u, (k, n)) for u in self.urls]
+        for item in read_raw_samples(plan):
+            if item.error is not None:
+                self.skipped[item.error] += 1
+                continue
+            files = item.files
+            try:
+                data = image_bytes(files)
+                if data is None:
+                    raise SkipSample("missing_image")
+                label = parse_label(files.get("cls"))
+                try:
+                    caption = parse_caption(files.get("txt"))
+                except SkipSample:
+                    caption = ""
+                img = decode_image(data, self.max_pixels)
+            except SkipSample as skip:
+                self.skipped[skip.reason] += 1
+                warnings.warn(f"skipping sample {item.key} of {item.url}: {skip}")
+                continue
+            yield self.preprocess(img), label, caption, item.key
+
+
+def build_eval_dataset(path: Any, preprocess: Callable):
+    """An evaluation dataset from an ImageFolder directory or a shard spec.
+
+    Returns a torch Dataset (ImageFolder) or IterableDataset (shards) yielding
+    (image FloatTensor (3,H,W), label int (-1 if none), caption str ("" if none), key str), with
+    ``classnames`` (list or None) and ``templates`` (list or None). Finite: each sample exactly once.
+    """
+    if isinstance(path, str) and _is_image_folder(path):
+        return ImageFolderDataset(path, preprocess)
+    return ShardEvalDataset(path, preprocess)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Converting folders and tables to shards
+
+_PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+
+
+def _load_for_shard(path: str) -> Tuple[bytes, str]:
+    """Read an image file for a shard: original bytes for JPEG/PNG/WebP, re-encoded PNG otherwise."""
+    with open(path, "rb") as f:
+        data = f.read()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(io.BytesIO(data)) as img:
+            fmt = img.format
+            img.load()  # a full decode: catches cut-off files that a header check would let through
+            if fmt in _PIL_TO_EXT:
+                return data, _PIL_TO_EXT[fmt]
+            buf = io.BytesIO()
+            img.convert("RGBA" if "A" in img.getbands() else "RGB").save(buf, format="PNG")
+            return buf.getvalue(), "png"
+
+
+def _rows_from_table(path: str) -> Iterator[Tuple[int, Any]]:
+    """Yield (line number, row dict or an error string) from a CSV or JSONL file."""
+    if path.lower().endswith(".csv"):
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames or []
+            if "image" not in fields or "caption" not in fields:
+                raise DataError(f"{path} needs columns 'image' and 'caption' (got {', '.join(fields) or 'none'})")
+            for row in reader:
+                yield reader.line_num, row
+        return
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield line_no, f"not JSON ({err.msg})"
+                continue
+            yield line_no, row if isinstance(row, dict) else f"not a JSON object (got {type(row).__name__})"
+
+
+def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
+                      caption_template: str = "a photo of a {}.", progress: bool = True) -> Dict[str, Any]:
+    """Convert an ImageFolder, a CSV or a JSONL file into WebDataset shards in `out_dir`.
+
+    ImageFolder: captions are `caption_template` filled with the class folder name (underscores as
+    spaces), ``.cls`` is the sorted folder index, and ``classnames.txt`` is written next to the shards.
+    CSV/JSONL: rows carry ``image`` (a path relative to the file), ``caption`` and optionally ``label``.
+    Unreadable images and bad rows are skipped, counted per reason and reported; a summary line is printed.
+
+    Returns:
+        {"out_dir", "shards", "n_shards", "n_samples", "n_skipped", "skipped": {reason: n},
+         "skipped_examples": [first few "item: reason" strings]}.
+    """
+    if not os.path.exists(input_path):
+        raise DataError(f"input not found: {input_path} (expected an ImageFolder directory, a .csv or a .jsonl)")
+    if "{}" not in caption_template:
+        raise DataError(f"caption_template needs a '{{}}' for the class name (got {caption_template!r})")
+    jobs: List[Tuple[str, str, Any, str]] = []  # (image path, caption, label, where) or problems
+    problems: List[Tuple[str, str]] = []
+    classnames: Optional[List[str]] = None
+    if os.path.isdir(input_path):
+        classnames = sorted(d for d in os.listdir(input_path) if os.path.isdir(os.path.join(input_path, d)))
+        if not classnames:
+            raise DataError(f"{input_path} has no class folders (expected {input_path}/<class>/<image>)")
+        for label, name in enumerate(classnames):
+            text = caption_template.format(name.replace("_", " "))
+            for dirpath, _, names in sorted(os.walk(os.path.join(input_path, name))):
+                for file in sorted(names):
+                    if file.lower().endswith(_FOLDER_IMAGE_EXTS):
+                        path = os.path.join(dirpath, file)
+                        jobs.append((path, text, label, os.path.relpath(path, input_path)))
+                    elif not file.startswith("."):
+                        problems.append((os.path.relpath(os.path.join(dirpath, file), input_path), "not_image"))
+    elif input_path.lower().endswith((".csv", ".jsonl", ".json", ".ndjson")):
+        base = os.path.dirname(os.path.abspath(input_path))
+        for line_no, row in _rows_from_table(input_path):
+            where = f"{os.path.basename(input_path)}:{line_no}"
+            if isinstance(row, str):
+                problems.append((where, "bad_row"))
+                continue
+            image, text, label = row.get("image"), row.get("caption"), row.get("label")
+            if not image:
+                problems.append((where, "missing_image"))
+                continue
+            if not isinstance(text, str) or not text.strip():
+                problems.append((where, "bad_caption"))
+                continue
+            if label in ("", None):
+                label = None
+            else:
+                try:
+                    label = int(label)
+                    if label < 0:
+                        raise ValueError
+                except (TypeError, ValueError):
+                    problems.append((where, "bad_label"))
+                    continue
+            jobs.append((os.path.join(base, str(image)), text.strip(), label, where))
+    else:
+        raise DataError(f"unsupported input {input_path} (expected an ImageFolder directory, a .csv or a .jsonl)")
+
+    def samples() -> Iterator[Dict[str, Any]]:
+        items: Iterable = jobs
+        if progress:
+            from tqdm import tqdm
+
+            items = tqdm(jobs, desc="shards", unit="img")
+        for path, text, label, where in items:
+            if not os.path.isfile(path):
+                problems.append((where, "missing_file"))
+                continue
+            try:
+                data, ext = _load_for_shard(path)
+            except Exception as err:  # pillow raises several types for unreadable files
+                problems.append((where, "decode" if not isinstance(err, Image.DecompressionBombError)
+                                 else "too_large"))
+                continue
+            yield {"key": f"{len(written):09d}", "image": data, "ext": ext, "caption": text, "label": label,
+                   "json": {"source": where}}
+            written.append(where)
+
+    written: List[str] = []
+    os.makedirs(out_dir, exist_ok=True)
+    summary = write_shards(samples(), out_dir, shard_size=shard_size, prefix="shard")
+    if classnames is not None:
+        with open(os.path.join(out_dir, "classnames.txt"), "w", encoding="utf-8") as f:
+            f.write("\n".join(n.replace("_", " ") for n in classnames) + "\n")
+    counts: Dict[str, int] = {}
+    for _, reason in problems:
+        counts[reason] = counts.get(reason, 0) + 1
+    summary.update(n_skipped=len(problems), skipped=counts,
+                   skipped_examples=[f"{where}: {reason}" for where, reason in problems[:10]])
+    detail = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+    print(f"wrote {summary['n_samples']} samples in {summary['n_shards']} shards to {out_dir}; "
+          f"skipped {len(problems)}" + (f" ({detail})" if detail else ""))
+    if summary["n_samples"] == 0:
+        raise DataError(f"no valid sample in {input_path} (skipped {len(problems)}: {detail or 'no images found'})")
+    return summary

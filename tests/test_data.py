@@ -1,0 +1,488 @@
+"""Tests for mmcl.data: URL expansion, shard writing, the training stream (splitting, bad data, resume),
+evaluation datasets and conversion of folders/tables to shards. Everything runs on tiny images."""
+
+import io
+import json
+import os
+import tarfile
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms as T
+
+from mmcl import data
+from mmcl.config import DataConfig
+from mmcl.errors import ConfigError, DataError
+
+SIDE = 8
+MAX_PIXELS = 10_000  # small, so a 120x120 PNG is a decompression bomb for the stream
+
+
+PREPROCESS = T.Compose([T.Resize(SIDE), T.CenterCrop(SIDE), T.ToTensor()])
+AUGMENT = T.Compose([T.RandomResizedCrop(SIDE, scale=(0.3, 1.0)), T.ToTensor()])
+
+
+def tokenizer(texts):
+    """Bytes of the caption, padded to 24: deterministic and picklable, like a real tokenizer's output."""
+    out = torch.zeros(len(texts), 24, dtype=torch.long)
+    for i, text in enumerate(texts):
+        raw = text.encode()[:24]
+        out[i, : len(raw)] = torch.tensor(list(raw))
+    return out
+
+
+def encode(img, fmt):
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def image_for(i, size=12):
+    rng = np.random.default_rng(i)
+    return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+
+
+def write_tar(path, members):
+    """Write (name, bytes) members into a tar, in order."""
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+
+
+def good_members(key, i, fmt="PNG", ext="png"):
+    return [(f"{key}.{ext}", encode(image_for(i), fmt)), (f"{key}.txt", f"caption {key}".encode()),
+            (f"{key}.cls", str(i % 5).encode())]
+
+
+# Each bad sample: (members, reason it is skipped for).
+def bad_samples():
+    jpeg = encode(image_for(99, 32), "JPEG")
+    return {
+        "bad_trunc": ([("bad_trunc.jpg", jpeg[: len(jpeg) // 2]), ("bad_trunc.txt", b"cut")], "decode"),
+        "bad_notimg": ([("bad_notimg.jpg", b"this is not an image"), ("bad_notimg.txt", b"x")], "decode"),
+        "bad_nocap": ([("bad_nocap.png", encode(image_for(1), "PNG"))], "missing_caption"),
+        "bad_noimg": ([("bad_noimg.txt", b"no image"), ("bad_noimg.cls", b"1")], "missing_image"),
+        "bad_empty": ([("bad_empty.png", encode(image_for(2), "PNG")), ("bad_empty.txt", b"  \n")], "bad_caption"),
+        "bad_utf8": ([("bad_utf8.png", encode(image_for(3), "PNG")), ("bad_utf8.txt", b"caf\xe9 \xff")],
+                     "bad_caption"),
+        "bad_label": ([("bad_label.png", encode(image_for(4), "PNG")), ("bad_label.txt", b"ok"),
+                       ("bad_label.cls", b"three")], "bad_label"),
+        "bad_bomb": ([("bad_bomb.png", encode(Image.new("RGB", (120, 120), (9, 9, 9)), "PNG")),
+                      ("bad_bomb.txt", b"big")], "too_large"),
+    }
+
+
+N_SHARDS, PER_SHARD, TRUNC_KEEP = 6, 10, 6
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Six shards of 10 good samples with the bad samples spread over them, a truncated tar and a non-tar.
+
+    Returns (spec, good keys, expected skip counts per reason).
+    """
+    root = tmp_path_factory.mktemp("corpus")
+    bad = list(bad_samples().items())
+    good, expected = [], {r: 0 for r in data.SKIP_REASONS}
+    for s in range(N_SHARDS):
+        members = []
+        for j in range(PER_SHARD):
+            key = f"s{s}_{j:02d}"
+            # One large JPEG (under MAX_PIXELS) goes through the draft-decoding path and must be kept.
+            if (s, j) == (0, 3):
+                members += [(f"{key}.jpg", encode(image_for(7, 96), "JPEG")), (f"{key}.txt", b"a big one")]
+            else:
+                members += good_members(key, s * PER_SHARD + j)
+            good.append(key)
+            if j % 3 == 1 and bad:
+                name, (bad_members, reason) = bad.pop()
+                members += bad_members
+                expected[reason] += 1
+        write_tar(root / f"part-{s:02d}.tar", members)
+    assert not bad
+    # A tar cut inside the image of its 7th sample: 6 samples survive, the 7th is lost.
+    members = [m for j in range(10) for m in good_members(f"t_{j:02d}", 100 + j)]
+    path = root / "part-98.tar"
+    write_tar(path, members)
+    with tarfile.open(path) as tar:
+        cut = [m for m in tar.getmembers() if m.name == f"t_{TRUNC_KEEP:02d}.png"][0].offset_data + 20
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+    good += [f"t_{j:02d}" for j in range(TRUNC_KEEP)]
+    expected["truncated_tar"] += 1
+    (root / "part-99.tar").write_bytes(b"\x00garbage, not a tar file" * 50)
+    expected["shard_open"] += 1
+    return str(root / "part-*.tar"), good, expected
+
+
+def cfg_for(spec, **kw):
+    base = dict(train=spec, batch_size=1, workers=2, shuffle_buffer=5, max_image_pixels=MAX_PIXELS)
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def one_epoch(stream):
+    """Consume batches of size 1 until every worker has finished epoch 0; return keys and epoch-0 skips."""
+    keys, skips = [], {}
+    n_roles = stream.n_roles
+    it = iter(stream)
+    while len(skips) < n_roles:
+        batch = next(it)
+        role = (stream.state_dict()["next_role"] - 1) % n_roles
+        pos = stream.state_dict()["positions"][role]
+        if pos["epoch"] == 0:
+            keys += batch["key"]
+        elif role not in skips:
+            skips[role] = pos["skipped_before_epoch"]
+    it.close()
+    total = {r: sum(s[r] for s in skips.values()) for r in data.SKIP_REASONS}
+    return keys, total
+
+
+def check_epoch(spec, good, expected, workers, seed=0):
+    keys, skips = [], {r: 0 for r in data.SKIP_REASONS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for rank in range(2):
+            stream = data.build_train_stream(cfg_for(spec, workers=workers), PREPROCESS, tokenizer, seed=seed,
+                                             rank=rank, world_size=2)
+            k, s = one_epoch(stream)
+            keys += k
+            for r in skips:
+                skips[r] += s[r]
+    assert len(keys) == len(set(keys)), "a sample was delivered twice in one epoch"
+    assert sorted(keys) == sorted(good)
+    assert skips == expected
+
+
+def test_every_good_sample_once_per_epoch_across_ranks_and_workers(corpus):
+    spec, good, expected = corpus
+    check_epoch(spec, good, expected, workers=2)
+
+
+def test_fewer_shards_than_slots_splits_within_shards(corpus, tmp_path):
+    spec, good, expected = corpus
+    folder = os.path.dirname(spec)
+    # Two shards for 2 ranks x 2 workers: samples are split by index modulo 4, counts stay exact.
+    two = [os.path.join(folder, "part-00.tar"), os.path.join(folder, "part-98.tar")]
+    keep = [k for k in good if k.startswith(("s0_", "t_"))]
+    exp = {r: 0 for r in data.SKIP_REASONS}
+    exp["truncated_tar"] = 1
+    for name, (members, reason) in bad_samples().items():
+        with tarfile.open(two[0]) as tar:
+            if members[0][0] in tar.getnames():
+                exp[reason] += 1
+    check_epoch(two, keep, exp, workers=2, seed=3)
+
+
+def test_stream_batches_have_contract_shapes_and_skip_totals(corpus):
+    spec, good, expected = corpus
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stream = data.build_train_stream(cfg_for(spec, batch_size=4, workers=0), PREPROCESS, tokenizer, seed=1)
+        it = iter(stream)
+        # One process, one worker: an epoch is 66 good samples; 20 batches of 4 run into epoch 1.
+        batches = [next(it) for _ in range(20)]
+    b = batches[0]
+    assert b["image"].shape == (4, 3, SIDE, SIDE) and b["image"].dtype == torch.float32
+    assert b["text"].shape == (4, 24) and b["text"].dtype == torch.long
+    assert b["label"].dtype == torch.long and b["label"].shape == (4,)
+    labels = {k: int(l) for bt in batches for k, l in zip(bt["key"], bt["label"])}
+    assert labels["s0_03"] == -1  # no .cls member
+    assert labels["s1_07"] == (10 + 7) % 5
+    assert stream.epoch == 1
+    assert stream.state_dict()["positions"][0]["skipped_before_epoch"] == expected
+    skipped = stream.skipped
+    assert skipped["total"] == sum(v for k, v in skipped.items() if k != "total")
+    assert all(skipped[r] >= n for r, n in expected.items())
+    # Captions reach the tokenizer intact.
+    first = batches[0]["text"][0]
+    text = bytes(int(c) for c in first if c).decode()
+    assert text == ("a big one" if batches[0]["key"][0] == "s0_03" else f"caption {batches[0]['key'][0]}")
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_resume_yields_identical_batches(corpus, resampled):
+    spec, _, _ = corpus
+    cfg = cfg_for(spec, batch_size=4, workers=2, shuffle_buffer=7, resampled=resampled)
+    # K + 1 = 11 batches consumed before saving: the next is due from worker 1; 22 batches of 4 = 88 samples
+    # cross the end of epoch 0 (66 good samples).
+    K, M = 10, 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref_stream = data.build_train_stream(cfg, AUGMENT, tokenizer, seed=5)
+        ref_it = iter(ref_stream)
+        reference = [next(ref_it) for _ in range(K + M)]
+        ref_it.close()
+        first = data.build_train_stream(cfg, AUGMENT, tokenizer, seed=5)
+        it = iter(first)
+        for _ in range(K):
+            next(it)
+        next(it)  # prefetched/consumed-after-save batches must not leak into the saved state
+        state = first.state_dict()
+        it.close()
+        state = json.loads(json.dumps(state))  # plain types only: survives any checkpoint format
+        resumed = data.build_train_stream(cfg, AUGMENT, tokenizer, seed=5)
+        resumed.load_state_dict(state)
+        it = iter(resumed)
+        after = [next(it) for _ in range(M - 1)]
+        it.close()
+    for ref, got in zip(reference[K + 1:], after):
+        assert ref["key"] == got["key"]
+        assert torch.equal(ref["image"], got["image"])
+        assert torch.equal(ref["text"], got["text"])
+        assert torch.equal(ref["label"], got["label"])
+    # Both consumed K + M batches, so both passed the same bad samples.
+    assert resumed.skipped == ref_stream.skipped
+    assert resumed.state_dict()["positions"] == ref_stream.state_dict()["positions"]
+
+
+def test_resume_restores_skip_counts_and_seeds_change_order(corpus):
+    spec, _, _ = corpus
+    cfg = cfg_for(spec, batch_size=4, workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = data.build_train_stream(cfg, PREPROCESS, tokenizer, seed=0)
+        it = iter(s)
+        keys0 = [k for _ in range(6) for k in next(it)["key"]]
+        it.close()
+        restored = data.build_train_stream(cfg, PREPROCESS, tokenizer, seed=0)
+        restored.load_state_dict(s.state_dict())
+        assert restored.skipped == s.skipped
+        other = data.build_train_stream(cfg, PREPROCESS, tokenizer, seed=1)
+        it = iter(other)
+        keys1 = [k for _ in range(6) for k in next(it)["key"]]
+        it.close()
+    assert keys0 != keys1
+
+
+def test_state_layout_change_warns_and_restarts_epoch(corpus):
+    spec, _, _ = corpus
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = data.build_train_stream(cfg_for(spec, workers=2), PREPROCESS, tokenizer, seed=0)
+        state = s.state_dict()
+    other = data.build_train_stream(cfg_for(spec, workers=1), PREPROCESS, tokenizer, seed=0)
+    with pytest.warns(UserWarning, match="workers: 2 -> 1"):
+        other.load_state_dict(state)
+    with pytest.raises(DataError, match="unrecognised data stream state"):
+        other.load_state_dict({"version": 99})
+
+
+def test_resampled_weights_pick_sources(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, tag in ((a, "a"), (b, "b")):
+        folder.mkdir()
+        for s in range(2):
+            write_tar(folder / f"{s}.tar", [m for j in range(5) for m in good_members(f"{tag}{s}_{j}", j)])
+    spec = f"{a}/{{0..1}}.tar::{b}/{{0..1}}.tar"
+    cfg = DataConfig(train=spec, batch_size=10, workers=0, shuffle_buffer=10, resampled=True, weights=[1.0, 0.0])
+    it = iter(data.build_train_stream(cfg, PREPROCESS, tokenizer, seed=0))
+    keys = [k for _ in range(8) for k in next(it)["key"]]
+    assert all(k.startswith("a") for k in keys)
+    with pytest.raises(ConfigError, match="one weight per"):
+        data.build_train_stream(DataConfig(train=spec, resampled=True, weights=[1.0]), PREPROCESS, tokenizer, seed=0)
+    with pytest.raises(ConfigError, match="resampled"):
+        data.build_train_stream(DataConfig(train=spec, weights=[1.0, 1.0]), PREPROCESS, tokenizer, seed=0)
+
+
+def test_empty_data_raises_instead_of_hanging(tmp_path):
+    with pytest.raises(DataError, match="no shards match"):
+        data.build_train_stream(DataConfig(train=str(tmp_path / "nothing-{0..3}.tar")), PREPROCESS, tokenizer,
+                                seed=0)
+    bad = tmp_path / "bad.tar"
+    write_tar(bad, [("x.txt", b"caption without image"), ("y.jpg", b"not a jpeg"), ("y.txt", b"y")])
+    for workers in (0, 2):
+        stream = data.build_train_stream(DataConfig(train=str(bad), workers=workers), PREPROCESS, tokenizer, seed=0)
+        # With 2 workers the 2 samples are split between them; worker 0 holds the image-less one.
+        expected = "decode=1, missing_image=1" if workers == 0 else "missing_image=1"
+        with pytest.raises(DataError, match=rf"no valid sample in an epoch of rank 0 worker 0 .*: {expected}\)"):
+            next(iter(stream))
+    # 2 samples for 2 ranks x 2 workers: two slots would never get a sample.
+    tiny = tmp_path / "tiny.tar"
+    write_tar(tiny, good_members("k0", 0) + good_members("k1", 1))
+    stream = data.build_train_stream(DataConfig(train=str(tiny), workers=2), PREPROCESS, tokenizer, seed=0, rank=1,
+                                     world_size=2)
+    with pytest.raises(DataError, match="no samples reach rank 1"):
+        next(iter(stream))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# stages
+
+
+def test_decode_image_limits_and_draft():
+    big = encode(Image.new("RGB", (800, 600), (200, 10, 10)), "JPEG")
+    assert data.decode_image(big, 10**7).size == (800, 600)
+    # Draft decoding picks the smallest DCT scale (1/2, 1/4, 1/8) that keeps both sides >= the request.
+    assert data.decode_image(big, 10**7, draft_size=(224, 224)).size == (400, 300)
+    assert data.decode_image(big, 10**7, draft_size=(64, 64)).size == (100, 75)
+    png = encode(Image.new("RGB", (800, 600)), "PNG")
+    assert data.decode_image(png, 10**7, draft_size=(64, 64)).size == (800, 600)  # draft is JPEG-only
+    with pytest.raises(data.SkipSample) as info:
+        data.decode_image(big, 800 * 600 - 1)
+    assert info.value.reason == "too_large"
+    with pytest.raises(data.SkipSample) as info:
+        data.decode_image(big[:500], 10**7)
+    assert info.value.reason == "decode"
+
+
+def test_draft_size_of_open_clip_transforms():
+    import open_clip
+
+    assert data.draft_size_of(open_clip.image_transform(224, is_train=False)) == (224, 224)
+    # RandomResizedCrop keeps >= 90% of the area, so sides may shrink by sqrt(0.9): 224 / sqrt(0.9) = 236.1.
+    assert data.draft_size_of(open_clip.image_transform(224, is_train=True)) == (237, 237)
+    assert data.draft_size_of(T.ToTensor()) is None
+
+
+def test_parse_caption_and_label():
+    assert data.parse_caption(" a cat \n".encode()) == "a cat"
+    assert data.parse_label(b" 7\n") == 7 and data.parse_label(None) == -1
+    for raw, fn, reason in ((None, data.parse_caption, "missing_caption"), (b"", data.parse_caption, "bad_caption"),
+                            (b"\xff\xfe", data.parse_caption, "bad_caption"), (b"1.5", data.parse_label, "bad_label"),
+                            (b"-2", data.parse_label, "bad_label")):
+        with pytest.raises(data.SkipSample) as info:
+            fn(raw)
+        assert info.value.reason == reason
+
+
+def test_epoch_shard_plan_partitions_and_reshuffles():
+    sources = [[f"s{i}" for i in range(10)]]
+    for epoch in range(3):
+        plans = [data.epoch_shard_plan(sources, epoch, 0, slot, 4) for slot in range(4)]
+        flat = [u for p in plans for u, _ in p]
+        assert sorted(flat) == sorted(sources[0])
+    orders = [[u for u, _ in data.epoch_shard_plan(sources, e, 0, 0, 1)] for e in range(3)]
+    assert orders[0] != orders[1] != orders[2]
+    assert orders[0] == [u for u, _ in data.epoch_shard_plan(sources, 0, 0, 0, 1)]
+
+
+def test_read_raw_samples_positions_and_pipe(tmp_path):
+    path = tmp_path / "p.tar"
+    write_tar(path, [m for j in range(5) for m in good_members(f"k{j}", j)])
+    items = list(data.read_raw_samples([(str(path), None)]))
+    assert [i.key for i in items] == [f"k{j}" for j in range(5)]
+    assert [i.pos for i in items] == [(0, j + 1) for j in range(5)]
+    assert set(items[0].files) == {"png", "txt", "cls"}
+    resumed = list(data.read_raw_samples([(str(path), None)], start=(0, 3)))
+    assert [i.key for i in resumed] == ["k3", "k4"]
+    piped = list(data.read_raw_samples([(f"pipe:cat {path}", None)]))
+    assert [i.files for i in piped] == [i.files for i in items]
+
+
+def test_expand_urls(tmp_path):
+    for name in ("a-000.tar", "a-001.tar", "a-002.tar", "b-000.tar"):
+        (tmp_path / name).write_bytes(b"")
+    d = str(tmp_path)
+    assert data.expand_urls(f"{d}/a-{{000..002}}.tar") == [f"{d}/a-00{i}.tar" for i in range(3)]
+    assert data.expand_urls(f"{d}/a-*.tar") == [f"{d}/a-00{i}.tar" for i in range(3)]
+    assert data.expand_urls(f"{d}/a-000.tar::{d}/b-000.tar") == [f"{d}/a-000.tar", f"{d}/b-000.tar"]
+    assert data.expand_sources(f"{d}/a-00[01].tar::{d}/b-*.tar") == [[f"{d}/a-000.tar", f"{d}/a-001.tar"],
+                                                                    [f"{d}/b-000.tar"]]
+    assert data.expand_urls(f"[{d}/a-000.tar, {d}/b-000.tar]") == [f"{d}/a-000.tar", f"{d}/b-000.tar"]
+    assert data.expand_urls([f"{d}/b-000.tar", f"{d}/a-00{{1..2}}.tar"]) == [f"{d}/b-000.tar", f"{d}/a-001.tar",
+                                                                             f"{d}/a-002.tar"]
+    (tmp_path / "list.yaml").write_text(f"- {d}/a-000.tar\n- {d}/b-*.tar\n")
+    assert data.expand_urls(str(tmp_path / "list.yaml")) == [f"{d}/a-000.tar", f"{d}/b-000.tar"]
+    assert len(data.expand_urls(d)) == 4  # a directory means its shards
+    assert data.expand_urls(f"file://{d}/b-000.tar") == [f"{d}/b-000.tar"]
+    assert data.expand_urls("pipe:curl -s https://host/s-{0..1}.tar") == [
+        "pipe:curl -s https://host/s-0.tar", "pipe:curl -s https://host/s-1.tar"]
+    assert data.expand_urls("https://host/x-{0..2}.tar")[2] == "https://host/x-2.tar"
+    with pytest.warns(UserWarning, match="1 of 4 shards"):
+        assert len(data.expand_urls(f"{d}/a-{{000..003}}.tar")) == 3
+    with pytest.raises(DataError, match="no shards match '.*/zz-\\*.tar'"):
+        data.expand_urls(f"{d}/a-000.tar::{d}/zz-*.tar")
+    with pytest.raises(DataError, match="no training data"):
+        data.expand_urls(None)
+
+
+def test_write_shards_roundtrip(tmp_path):
+    samples = [{"key": f"k{i}", "image": image_for(i), "caption": f"cap {i}", "label": i,
+                "json": {"i": i}} for i in range(5)]
+    samples.append({"key": "raw", "image": encode(image_for(9), "JPEG"), "ext": "jpg", "caption": "raw bytes"})
+    summary = data.write_shards(samples, str(tmp_path / "out"), shard_size=4, prefix="x")
+    assert summary["n_samples"] == 6 and summary["n_shards"] == 2
+    assert [os.path.basename(p) for p in summary["shards"]] == ["x-000000.tar", "x-000001.tar"]
+    items = list(data.read_raw_samples([(p, None) for p in summary["shards"]]))
+    assert [i.key for i in items] == ["k0", "k1", "k2", "k3", "k4", "raw"]
+    assert items[2].files["txt"] == b"cap 2" and items[2].files["cls"] == b"2"
+    assert json.loads(items[2].files["json"]) == {"i": 2}
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(items[2].files["png"]))), np.asarray(image_for(2)))
+    assert set(items[5].files) == {"jpg", "txt"}
+    again = data.write_shards(samples, str(tmp_path / "again"), shard_size=4, prefix="x")
+    assert open(again["shards"][0], "rb").read() == open(summary["shards"][0], "rb").read()
+    with pytest.raises(DataError, match="no '.'"):
+        data.write_shards([{"key": "a.b", "image": image_for(0), "caption": "c"}], str(tmp_path / "bad"))
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "bad"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# evaluation datasets and conversion
+
+
+@pytest.fixture()
+def image_folder(tmp_path):
+    root = tmp_path / "folder"
+    for c, name in enumerate(("dog", "cat_face")):
+        (root / name).mkdir(parents=True)
+        for i in range(3):
+            image_for(10 * c + i).save(root / name / f"{i}.png")
+    (root / "dog" / "broken.jpg").write_bytes(b"\xff\xd8 not really")
+    (root / "dog" / "notes.md").write_text("not an image")
+    return root
+
+
+def test_shards_from_image_folder_and_eval(image_folder, tmp_path, capsys):
+    out = tmp_path / "shards"
+    summary = data.shards_from_input(str(image_folder), str(out), shard_size=4, progress=False)
+    assert summary["n_samples"] == 6 and summary["n_shards"] == 2
+    assert summary["skipped"] == {"decode": 1, "not_image": 1}
+    assert "wrote 6 samples in 2 shards" in capsys.readouterr().out
+    ds = data.build_eval_dataset(str(out / "shard-{000000..000001}.tar"), PREPROCESS)
+    assert ds.classnames == ["cat face", "dog"]
+    items = list(ds)
+    assert [(lab, cap) for _, lab, cap, _ in items] == [(0, "a photo of a cat face.")] * 3 + [(1, "a photo of a dog.")] * 3
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2)
+    keys = [k for batch in loader for k in batch[3]]
+    assert sorted(keys) == sorted(k for *_, k in items)
+    folder = data.build_eval_dataset(str(image_folder), PREPROCESS)
+    assert folder.classnames == ["cat_face", "dog"] and len(folder) == 7
+    image, label, caption, key = folder[0]
+    assert image.shape == (3, SIDE, SIDE) and label == 0 and caption == "" and key == os.path.join("cat_face", "0.png")
+    with pytest.raises(DataError, match="broken.jpg"):
+        [folder[i] for i in range(len(folder))]
+
+
+def test_shards_from_csv_and_jsonl(image_folder, tmp_path):
+    table = tmp_path / "t.csv"
+    table.write_text("image,caption,label\n"
+                     "folder/dog/0.png,a dog,1\n"
+                     "folder/dog/missing.png,gone,1\n"
+                     "folder/cat_face/1.png,,0\n"
+                     "folder/cat_face/2.png,a cat,x\n"
+                     "folder/dog/broken.jpg,broken,1\n"
+                     "folder/cat_face/0.png,a cat,\n")
+    summary = data.shards_from_input(str(table), str(tmp_path / "csv"), progress=False)
+    assert summary["n_samples"] == 2
+    assert summary["skipped"] == {"missing_file": 1, "bad_caption": 1, "bad_label": 1, "decode": 1}
+    items = list(data.build_eval_dataset(str(tmp_path / "csv"), PREPROCESS))
+    assert [(lab, cap) for _, lab, cap, _ in items] == [(1, "a dog"), (-1, "a cat")]
+    lines = [json.dumps({"image": "folder/dog/1.png", "caption": "one dog", "label": 1}), "{not json",
+             json.dumps({"caption": "no image"}), json.dumps({"image": "folder/dog/2.png", "caption": "two"})]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    summary = data.shards_from_input(str(tmp_path / "t.jsonl"), str(tmp_path / "jl"), progress=False)
+    assert summary["n_samples"] == 2 and summary["skipped"] == {"bad_row": 1, "missing_image": 1}
+    assert summary["skipped_examples"][0] == "t.jsonl:2: bad_row"
+    with pytest.raises(DataError, match="needs columns 'image' and 'caption'"):
+        (tmp_path / "bad.csv").write_text("path,text\nx,y\n")
+        data.shards_from_input(str(tmp_path / "bad.csv"), str(tmp_path / "b"), progress=False)
+    (tmp_path / "t.txt").write_text("x")
+    with pytest.raises(DataError, match="unsupported input"):
+        data.shards_from_input(str(tmp_path / "t.txt"), str(tmp_path / "c"), progress=False)
