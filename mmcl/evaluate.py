@@ -1,10 +1,18 @@
-"""Zero-shot classification and image-text retrieval, with results in CLIP_benchmark's JSON shape."""
+"""Zero-shot classification, image-text retrieval and linear probes, with results in CLIP_benchmark's JSON shape.
+
+Every task returns ``{"dataset", "model", "task", "metrics": {...}}`` plus a few counts. Metric definitions follow
+CLIP_benchmark: features are L2-normalised; ``acc1``/``acc5`` are top-k accuracies (``acc5`` only with at least
+5 classes); ``mean_per_class_recall`` is the recall averaged over the classes present in the labels (sklearn's
+balanced accuracy); ``image_retrieval_recall@K`` is text->image (the text's own image in its top K) and
+``text_retrieval_recall@K`` is image->text (any of the image's captions in its top K).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -12,63 +20,113 @@ from . import data as data_mod
 from .errors import DataError
 
 TEMPLATE_SETS = ("openai_imagenet_template", "simple_imagenet_template")
+# Files looked for next to the data (and one level up, for CLIP_benchmark's DIR/test/*.tar layout).
+TEMPLATE_FILES = ("templates.txt", "zeroshot_classification_templates.txt")
+CLASSNAME_FILES = ("classnames.txt",)
+DEFAULT_CS = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)  # inverse L2 strengths swept by the linear probe
+_SPLIT_DIRS = ("test", "train", "val", "valid", "validation")
 
 
 def load_templates(templates) -> List:
-    """Prompt templates: a name of open_clip's sets, a file with one ``{}`` template per line, or a list."""
+    """Prompt templates: a name of open_clip's sets, a file with one template per line, or a list.
+
+    A template holds ``{}`` (or CLIP_benchmark's ``{c}``) where the class name goes; open_clip's sets are callables.
+    """
     import open_clip
 
     if isinstance(templates, (list, tuple)):
-        out = list(templates)
+        out = [t.strip().replace("{c}", "{}") if isinstance(t, str) else t for t in templates]
     elif templates in ("openai_imagenet_template", "openai", "imagenet"):
         out = list(open_clip.OPENAI_IMAGENET_TEMPLATES)
     elif templates in ("simple_imagenet_template", "simple"):
         out = list(open_clip.SIMPLE_IMAGENET_TEMPLATES)
     elif isinstance(templates, str) and os.path.isfile(templates):
         out = [ln.strip().replace("{c}", "{}") for ln in Path(templates).read_text().splitlines() if ln.strip()]
-        bad = [t for t in out if "{}" not in t]
-        if bad:
-            raise DataError(f"template file {templates}: every line needs '{{}}' for the class name (got {bad[0]!r})")
     else:
         raise DataError(f"unknown templates '{templates}' (expected a file or one of {', '.join(TEMPLATE_SETS)})")
     if not out:
-        raise DataError(f"no templates in {templates}")
+        raise DataError(f"no templates in {templates} (expected at least one line such as 'a photo of a {{}}.')")
+    bad = [t for t in out if isinstance(t, str) and "{}" not in t]
+    if bad:
+        raise DataError(f"templates {templates}: every template needs '{{}}' for the class name (got {bad[0]!r})")
     return out
 
 
 def load_classnames(path: str) -> List[str]:
+    """Class names, one per line, in label order."""
     if not os.path.isfile(path):
         raise DataError(f"classnames file not found: {path}")
     names = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
     if not names:
-        raise DataError(f"classnames file {path} is empty")
+        raise DataError(f"classnames file {path} is empty (expected one class name per line)")
     return names
 
 
-def _dataset_name(path: str) -> str:
-    p = Path(str(path).split("::")[0].split("{")[0].rstrip("/"))
-    return p.name if p.suffix != ".tar" else p.parent.name
+def _data_dir(data) -> Path:
+    """The folder a data spec lives in: the ImageFolder itself, or the folder of its (first) shard."""
+    first = str(data).split("::")[0].strip()
+    first = re.split(r"[{*?\[]", first)[0]
+    path = Path(first)
+    return path if path.is_dir() else path.parent
 
 
-def _default_templates(data_path: str) -> Optional[str]:
-    """A ``templates.txt`` next to the data (as the demo data ships) is used when no templates are given."""
-    candidate = Path(str(data_path)) / "templates.txt"
-    return str(candidate) if candidate.is_file() else None
+def _dataset_name(data) -> str:
+    folder = _data_dir(data).resolve()
+    if folder.name in _SPLIT_DIRS and folder.parent.name:
+        return folder.parent.name
+    return folder.name or str(data)
+
+
+def _find_beside(data, names: Sequence[str]) -> Optional[str]:
+    """The first of `names` in the data's folder or its parent (CLIP_benchmark keeps them above test/)."""
+    folder = _data_dir(data)
+    for candidate_dir in (folder, folder.parent):
+        for name in names:
+            candidate = candidate_dir / name
+            if candidate.is_file():
+                return str(candidate)
+    return None
+
+
+def _progress(iterable, progress: bool, desc: str, total: Optional[int] = None):
+    if not progress:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, unit="batch", total=total, dynamic_ncols=True)
+
+
+def _input_dtype(model) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def eval_loader(data, preprocess, batch_size: int, workers: int):
+    """DataLoader over `data_mod.build_eval_dataset`: batches of (images, labels, captions, keys)."""
+    if batch_size <= 0:
+        raise DataError(f"batch size must be > 0 (got {batch_size})")
+    if workers < 0:
+        raise DataError(f"workers must be >= 0 (got {workers})")
+    ds = data_mod.build_eval_dataset(data, preprocess)
+    return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
 
 
 @torch.no_grad()
 def encode_images(model, loader, device, progress: bool, desc: str):
-    """(features (N, D) normalised float32, labels (N,), captions, keys) over an eval DataLoader."""
-    feats, labels, captions, keys = [], [], [], []
-    it = loader
-    if progress:
-        from tqdm import tqdm
+    """Encode an eval DataLoader's images.
 
-        it = tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True)
-    for images, lab, cap, key in it:
-        f = model.encode_image(images.to(device), normalize=True).float()
+    Returns:
+        features (N, D) float32 L2-normalised on the CPU, labels (N,) int64 (-1 where a sample has none),
+        captions (list of N str) and keys (list of N str), in loader order.
+    """
+    feats, labels, captions, keys = [], [], [], []
+    dtype = _input_dtype(model)
+    for images, lab, cap, key in _progress(loader, progress, desc):
+        f = model.encode_image(images.to(device=device, dtype=dtype), normalize=True).float()
         feats.append(f.cpu())
-        labels.append(torch.as_tensor(lab))
+        labels.append(torch.as_tensor(lab, dtype=torch.long).reshape(-1))
         captions += list(cap)
         keys += list(key)
     if not feats:
@@ -76,85 +134,267 @@ def encode_images(model, loader, device, progress: bool, desc: str):
     return torch.cat(feats), torch.cat(labels), captions, keys
 
 
+@torch.no_grad()
+def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int, device, progress: bool = False
+                 ) -> torch.Tensor:
+    """Encode captions in batches: (T, D) float32 L2-normalised on the CPU."""
+    out = []
+    starts = range(0, len(texts), batch_size)
+    for start in _progress(starts, progress, "texts", total=len(starts)):
+        tokens = tokenizer(list(texts[start:start + batch_size])).to(device)
+        out.append(model.encode_text(tokens, normalize=True).float().cpu())
+    return torch.cat(out) if out else torch.zeros(0, 0)
+
+
+def _fraction(hits: torch.Tensor) -> float:
+    """Share of True in a bool tensor, as an exact ratio of counts (a float32 mean would round it)."""
+    return hits.sum().item() / hits.numel()
+
+
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
-    """acc1, acc5 and mean per-class recall for logits (N, C) and integer labels (N,)."""
+    """acc1, acc5 (only for >= 5 classes, as CLIP_benchmark) and mean per-class recall.
+
+    Args:
+        logits: (N, C) float scores; labels: (N,) int64 in [0, C).
+    """
     n, c = logits.shape
-    topk = logits.topk(min(5, c), dim=1).indices
+    topk = logits.topk(min(5, c), dim=1).indices  # (N, min(5, C))
     correct = topk == labels[:, None]
     pred = topk[:, 0]
-    recalls = [(pred[labels == k] == k).float().mean().item() for k in range(c) if (labels == k).any()]
-    return {"acc1": correct[:, :1].any(1).float().mean().item(), "acc5": correct.any(1).float().mean().item(),
-            "mean_per_class_recall": float(sum(recalls) / len(recalls))}
+    recalls = [_fraction(pred[labels == k] == k) for k in range(c) if (labels == k).any()]
+    out = {"acc1": _fraction(correct[:, 0])}
+    if c >= 5:
+        out["acc5"] = _fraction(correct.any(1))
+    out["mean_per_class_recall"] = float(sum(recalls) / len(recalls))
+    return out
+
+
+def _resolve_classnames(data, ds, classnames) -> List[str]:
+    if isinstance(classnames, (list, tuple)):
+        names = [str(c) for c in classnames]
+    elif isinstance(classnames, str):
+        names = load_classnames(classnames)
+    else:
+        names = list(getattr(ds, "classnames", None) or [])
+        if not names:
+            found = _find_beside(data, CLASSNAME_FILES)
+            names = load_classnames(found) if found else []
+    if not names:
+        raise DataError(f"no class names for {data} (expected classnames.txt next to the data, or "
+                        f"--classnames FILE with one name per line in label order)")
+    return names
+
+
+def _check_labels(labels: torch.Tensor, n_classes: int, data, what: str) -> None:
+    if (labels < 0).any():
+        raise DataError(f"{int((labels < 0).sum())} of {labels.numel()} samples in {data} have no label "
+                        f"(expected a .cls file or an ImageFolder class for every sample of a {what})")
+    if labels.max().item() >= n_classes:
+        raise DataError(f"labels in {data} go up to {labels.max().item()} but there are {n_classes} class names "
+                        f"(expected labels in 0..{n_classes - 1})")
 
 
 def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates=None, batch_size: int = 128,
              workers: int = 0, device="cpu", progress: bool = True, model_name: str = "") -> Dict[str, Any]:
-    """Zero-shot classification of an ImageFolder or labelled shards; CLIP_benchmark-shaped result dict."""
+    """Zero-shot classification of an ImageFolder or labelled shards.
+
+    Args:
+        model: open_clip-style model with ``encode_image``/``encode_text(..., normalize=True)``.
+        preprocess: PIL image -> (3, H, W) float tensor.
+        tokenizer: list of str -> (B, L) int64 token ids.
+        data: ImageFolder directory or shard spec whose samples carry ``.cls`` labels.
+        classnames: list, file, or None for the dataset's own names (or ``classnames.txt`` beside the data).
+        templates: list, file, open_clip set name, or None / ``"auto"``: the dataset's own (``templates.txt`` or
+            CLIP_benchmark's ``zeroshot_classification_templates.txt`` beside the data or one folder up), else
+            ``openai_imagenet_template``.
+    Returns:
+        ``{"dataset", "model", "task": "zeroshot_classification", "metrics": {acc1, [acc5], mean_per_class_recall},
+        "n_samples", "n_classes"}``.
+    """
     import open_clip
 
-    ds = data_mod.build_eval_dataset(data, preprocess)
-    if classnames is None:
-        classnames = getattr(ds, "classnames", None)
-    elif isinstance(classnames, str):
-        classnames = load_classnames(classnames)
-    if not classnames:
-        raise DataError(f"no class names for {data}: pass --classnames FILE (one name per line, in label order)")
+    ds, loader = eval_loader(data, preprocess, batch_size, workers)
+    names = _resolve_classnames(data, ds, classnames)
     if templates is None or templates == "auto":
-        templates = _default_templates(data) or "openai_imagenet_template"
+        templates = (getattr(ds, "templates", None) or _find_beside(data, TEMPLATE_FILES)
+                     or "openai_imagenet_template")
     template_list = load_templates(templates)
     model = model.to(device).eval()
-    classifier = open_clip.build_zero_shot_classifier(model, tokenizer, classnames, template_list,
-                                                      num_classes_per_batch=10, device=device, use_tqdm=False)
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    classifier = open_clip.build_zero_shot_classifier(model, tokenizer, names, template_list,
+                                                      num_classes_per_batch=10, device=device, use_tqdm=progress)
     feats, labels, _, _ = encode_images(model, loader, device, progress, "zeroshot")
-    if labels.max().item() >= len(classnames) or labels.min().item() < 0:
-        raise DataError(f"labels in {data} range over {labels.min().item()}..{labels.max().item()} "
-                        f"but there are {len(classnames)} class names")
-    logits = feats @ classifier.float().cpu()
+    _check_labels(labels, len(names), data, "zero-shot classification")
+    logits = feats @ classifier.float().cpu()  # (N, C)
     return {"dataset": _dataset_name(data), "model": model_name, "task": "zeroshot_classification",
             "metrics": classification_metrics(logits, labels), "n_samples": int(labels.numel()),
-            "n_classes": len(classnames)}
+            "n_classes": len(names)}
 
 
-def retrieval_metrics(similarity: torch.Tensor, text_to_image: torch.Tensor, ks: Sequence[int] = (1, 5, 10)):
+def retrieval_metrics(similarity: torch.Tensor, text_to_image: torch.Tensor, ks: Sequence[int] = (1, 5, 10)
+                      ) -> Dict[str, float]:
     """Recall@K for a similarity matrix (n_texts, n_images) where text j belongs to image ``text_to_image[j]``.
 
-    Text->image ("image_retrieval"): a text's own image within its top K. Image->text ("text_retrieval"): any of
-    the image's captions within its top K.
+    Text->image ("image_retrieval"): the text's own image within its top K, averaged over texts. Image->text
+    ("text_retrieval"): any of the image's captions within its top K, averaged over the images that have at
+    least one caption (captionless images still compete as text->image candidates).
     """
     n_texts, n_images = similarity.shape
+    has_text = torch.zeros(n_images, dtype=torch.bool)
+    has_text[text_to_image] = True
     out = {}
     for k in ks:
-        kk = min(k, n_images)
-        top_images = similarity.topk(kk, dim=1).indices  # (T, K)
-        out[f"image_retrieval_recall@{k}"] = (top_images == text_to_image[:, None]).any(1).float().mean().item()
-        kt = min(k, n_texts)
-        top_texts = similarity.t().topk(kt, dim=1).indices  # (I, K)
-        hit = text_to_image[top_texts] == torch.arange(n_images)[:, None]
-        out[f"text_retrieval_recall@{k}"] = hit.any(1).float().mean().item()
+        top_images = similarity.topk(min(k, n_images), dim=1).indices  # (T, K)
+        out[f"image_retrieval_recall@{k}"] = _fraction((top_images == text_to_image[:, None]).any(1))
+    sim_t = similarity.t()[has_text]  # (I', T)
+    image_ids = torch.arange(n_images)[has_text]
+    for k in ks:
+        top_texts = sim_t.topk(min(k, n_texts), dim=1).indices  # (I', K)
+        hit = text_to_image[top_texts] == image_ids[:, None]
+        out[f"text_retrieval_recall@{k}"] = _fraction(hit.any(1))
     return out
+
+
+def retrieval_recalls(text_features: torch.Tensor, image_features: torch.Tensor, text_to_image: torch.Tensor,
+                      ks: Sequence[int] = (1, 5, 10), chunk: int = 4096) -> Dict[str, float]:
+    """`retrieval_metrics` of ``text_features @ image_features.T`` computed in row blocks.
+
+    Each block of texts (or images) is scored against all candidates, so results equal the full-matrix version
+    while memory stays at ``chunk x max(T, I)`` floats.
+
+    Args:
+        text_features: (T, D) float; image_features: (I, D) float; text_to_image: (T,) int64 owner image per text.
+    """
+    n_texts, n_images = text_features.shape[0], image_features.shape[0]
+    kmax_i, kmax_t = min(max(ks), n_images), min(max(ks), n_texts)
+    img_hits = {k: 0 for k in ks}
+    for s in range(0, n_texts, chunk):
+        top = (text_features[s:s + chunk] @ image_features.t()).topk(kmax_i, dim=1).indices  # (c, Kmax)
+        match = top == text_to_image[s:s + chunk, None]
+        for k in ks:
+            img_hits[k] += match[:, :min(k, n_images)].any(1).sum().item()
+    has_text = torch.zeros(n_images, dtype=torch.bool)
+    has_text[text_to_image] = True
+    image_ids = torch.arange(n_images)[has_text]
+    txt_hits = {k: 0 for k in ks}
+    for s in range(0, image_ids.numel(), chunk):
+        ids = image_ids[s:s + chunk]
+        top = (image_features[ids] @ text_features.t()).topk(kmax_t, dim=1).indices  # (c, Kmax)
+        match = text_to_image[top] == ids[:, None]
+        for k in ks:
+            txt_hits[k] += match[:, :min(k, n_texts)].any(1).sum().item()
+    out = {f"image_retrieval_recall@{k}": img_hits[k] / n_texts for k in ks}
+    out.update({f"text_retrieval_recall@{k}": txt_hits[k] / image_ids.numel() for k in ks})
+    return out
+
+
+def split_captions(captions: Sequence[str]) -> Tuple[List[str], torch.Tensor]:
+    """One text per non-empty caption line: (texts, owner image index per text (T,) int64)."""
+    texts, owner = [], []
+    for i, cap in enumerate(captions):
+        for line in cap.splitlines():
+            if line.strip():
+                texts.append(line.strip())
+                owner.append(i)
+    return texts, torch.tensor(owner, dtype=torch.long)
 
 
 @torch.no_grad()
 def retrieval(model, preprocess, tokenizer, data: str, batch_size: int = 128, workers: int = 0, device="cpu",
-              progress: bool = True, model_name: str = "") -> Dict[str, Any]:
-    """Image<->text retrieval over shards; several captions per image are read from ``KEY.txt`` lines."""
-    ds = data_mod.build_eval_dataset(data, preprocess)
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+              progress: bool = True, model_name: str = "", ks: Sequence[int] = (1, 5, 10)) -> Dict[str, Any]:
+    """Image<->text retrieval over shards; each line of ``KEY.txt`` is one caption of the image.
+
+    Returns:
+        ``{"dataset", "model", "task": "zeroshot_retrieval", "metrics": {image_retrieval_recall@K,
+        text_retrieval_recall@K for K in ks}, "n_images", "n_texts"}``.
+    """
+    _, loader = eval_loader(data, preprocess, batch_size, workers)
     model = model.to(device).eval()
-    img_feats, _, captions, _ = encode_images(model, loader, device, progress, "retrieval")
-    texts, owner = [], []
-    for i, cap in enumerate(captions):
-        for line in [c.strip() for c in cap.splitlines() if c.strip()]:
-            texts.append(line)
-            owner.append(i)
+    img_feats, _, captions, _ = encode_images(model, loader, device, progress, "retrieval images")
+    texts, owner = split_captions(captions)
     if not texts:
-        raise DataError(f"no captions in {data}: retrieval needs KEY.txt for each image")
-    txt_feats = []
-    for start in range(0, len(texts), batch_size):
-        tokens = tokenizer(texts[start:start + batch_size]).to(device)
-        txt_feats.append(model.encode_text(tokens, normalize=True).float().cpu())
-    sim = torch.cat(txt_feats) @ img_feats.t()
+        raise DataError(f"no captions in {data} (retrieval needs a KEY.txt caption, one per line, for the images)")
+    txt_feats = encode_texts(model, tokenizer, texts, batch_size, device, progress)
     return {"dataset": _dataset_name(data), "model": model_name, "task": "zeroshot_retrieval",
-            "metrics": retrieval_metrics(sim, torch.tensor(owner)), "n_images": int(img_feats.shape[0]),
+            "metrics": retrieval_recalls(txt_feats, img_feats, owner, ks), "n_images": int(img_feats.shape[0]),
             "n_texts": len(texts)}
+
+
+def fit_linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
+                     n_classes: int, Cs: Sequence[float] = DEFAULT_CS, val_fraction: float = 0.2, seed: int = 0,
+                     max_iter: int = 1000) -> Dict[str, Any]:
+    """Logistic regression on fixed features, C chosen on a held-out part of the training set.
+
+    The training features are split (stratified when every class has two samples) into fit/validation parts;
+    each C is fitted on the first and scored by validation accuracy (ties go to the smaller C, the stronger
+    regulariser); the chosen C is refitted on the whole training set and scored on the test set.
+
+    Args:
+        train_x: (N, D) float; train_y: (N,) int64 in [0, n_classes); test_x: (M, D); test_y: (M,).
+    Returns:
+        {"metrics": classification metrics on the test set, "C": chosen C, "val_acc1": {C: accuracy}}.
+    """
+    import numpy as np
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import train_test_split
+
+    x, y = train_x.double().numpy(), train_y.numpy()
+    if len(np.unique(y)) < 2:
+        raise DataError(f"the linear probe needs at least 2 classes in the training data (got {len(np.unique(y))})")
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction must be in (0, 1) (got {val_fraction})")
+    present = len(np.unique(y))
+    n_val = max(1, int(round(len(y) * val_fraction)))
+    if len(y) - n_val < 2:
+        raise DataError(f"the linear probe needs at least 3 training samples (got {len(y)})")
+    counts = np.bincount(y)
+    # sklearn can stratify only when every class has 2 samples and each part can hold one of every class.
+    can_stratify = counts[counts > 0].min() >= 2 and min(n_val, len(y) - n_val) >= present
+    stratify = y if can_stratify else None
+    fit_x, val_x, fit_y, val_y = train_test_split(x, y, test_size=n_val, random_state=seed, stratify=stratify)
+    val_acc: Dict[float, float] = {}
+    best_c, best_acc = None, -1.0
+    if len(np.unique(fit_y)) < 2:
+        raise DataError("the linear probe's fitting split holds a single class (expected more training data)")
+    for c in sorted(Cs):
+        clf = LogisticRegression(C=c, max_iter=max_iter, random_state=seed).fit(fit_x, fit_y)
+        acc = float((clf.predict(val_x) == val_y).mean())
+        val_acc[float(c)] = acc
+        if acc > best_acc:
+            best_c, best_acc = float(c), acc
+    clf = LogisticRegression(C=best_c, max_iter=max_iter, random_state=seed).fit(x, y)
+    proba = clf.predict_proba(test_x.double().numpy())  # (M, classes seen in training)
+    # Classes absent from the training data can never be predicted: they score below every seen class.
+    logits = torch.full((proba.shape[0], n_classes), -1.0, dtype=torch.float64)
+    logits[:, torch.as_tensor(clf.classes_)] = torch.from_numpy(proba)
+    return {"metrics": classification_metrics(logits, test_y), "C": best_c, "val_acc1": val_acc}
+
+
+def linear_probe(model, preprocess, train: str, test: str, batch_size: int = 128, workers: int = 0, device="cpu",
+                 model_name: str = "", Cs: Sequence[float] = DEFAULT_CS, val_fraction: float = 0.2, seed: int = 0,
+                 progress: bool = True) -> Dict[str, Any]:
+    """Linear probe: frozen L2-normalised image features + scikit-learn logistic regression (see `fit_linear_probe`).
+
+    Args:
+        train, test: ImageFolders or labelled shard specs with the same classes.
+    Returns:
+        ``{"dataset", "model", "task": "linear_probe", "metrics": {acc1, [acc5], mean_per_class_recall}, "C",
+        "val_acc1", "n_train", "n_test", "n_classes"}``.
+    """
+    train_ds, train_loader = eval_loader(train, preprocess, batch_size, workers)
+    test_ds, test_loader = eval_loader(test, preprocess, batch_size, workers)
+    model = model.to(device).eval()
+    train_x, train_y, _, _ = encode_images(model, train_loader, device, progress, "linear-probe train")
+    test_x, test_y, _, _ = encode_images(model, test_loader, device, progress, "linear-probe test")
+    train_names = getattr(train_ds, "classnames", None)
+    test_names = getattr(test_ds, "classnames", None)
+    if train_names and test_names and list(train_names) != list(test_names):
+        raise DataError(f"train and test data name their classes differently (got {list(train_names)[:5]} vs "
+                        f"{list(test_names)[:5]}; expected the same classes in the same order)")
+    n_classes = max(len(train_names or test_names or []), int(train_y.max()) + 1, int(test_y.max()) + 1)
+    _check_labels(train_y, n_classes, train, "linear probe")
+    _check_labels(test_y, n_classes, test, "linear probe")
+    fit = fit_linear_probe(train_x, train_y, test_x, test_y, n_classes, Cs=Cs, val_fraction=val_fraction,
+                           seed=seed)
+    return {"dataset": _dataset_name(test), "model": model_name, "task": "linear_probe", "metrics": fit["metrics"],
+            "C": fit["C"], "val_acc1": {str(k): v for k, v in fit["val_acc1"].items()},
+            "n_train": int(train_y.numel()), "n_test": int(test_y.numel()), "n_classes": n_classes}
