@@ -311,9 +311,13 @@ def hf_clip_state_dict(sd: Dict[str, torch.Tensor], n_vision_layers: int, n_text
 def hf_clip_tokenizer(context_length: int):
     """A transformers ``CLIPTokenizer`` over open_clip's BPE vocabulary that yields open_clip's token ids.
 
-    Padding uses id 0 (``"!"``) as open_clip does, and sequences are cut to `context_length` keeping the end token,
-    so ``tok(texts, padding="max_length", truncation=True, max_length=context_length)`` equals
-    ``open_clip.SimpleTokenizer(context_length)(texts)`` for text that needs no ftfy/HTML repair.
+    ``tok(texts, padding="max_length", truncation=True, max_length=context_length)`` equals
+    ``open_clip.SimpleTokenizer(context_length)(texts)`` from the start token through the end token, truncation
+    included, for text that needs no ftfy/HTML repair. Padding after the end token follows the transformers CLIP
+    convention (the end token, 49407, with attention mask 0) where open_clip writes 0: id 0 is the vocabulary's
+    "!", and registering it as the padding token would make transformers split every "!" of the text out as a
+    special token. Neither model reads past the first end token (causal attention, pooling at that token), so
+    the embeddings are the same.
     """
     from open_clip.tokenizer import SimpleTokenizer
     from transformers import CLIPTokenizer
@@ -321,7 +325,7 @@ def hf_clip_tokenizer(context_length: int):
     oc = SimpleTokenizer(context_length=context_length)
     vocab = {_HF_SPECIAL_TOKENS.get(tok, tok): idx for tok, idx in oc.encoder.items()}
     merges = [pair for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
-    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token="!", model_max_length=context_length)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=context_length)
 
 
 def hf_image_processor(pp_cfg: Dict[str, Any]):
