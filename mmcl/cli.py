@@ -31,8 +31,10 @@ def cmd_train(args) -> int:
     from .config import load_config
     from .train import train
 
-    config = args.config or args.config_pos
-    cfg = load_config(config, args.overrides)
+    config, overrides = args.config, list(args.overrides)
+    if config is None and overrides and "=" not in overrides[0]:
+        config, overrides = overrides[0], overrides[1:]  # `mmcl train CONFIG key=value ...`
+    cfg = load_config(config, overrides)
     train(cfg)
     return 0
 
@@ -40,7 +42,8 @@ def cmd_train(args) -> int:
 def cmd_demo_data(args) -> int:
     from .demo import make_demo_data
 
-    paths = make_demo_data(args.out, seed=args.seed, n_train=args.n_train)
+    kwargs = {"n_train": args.n_train} if args.n_train is not None else {}
+    paths = make_demo_data(args.out, seed=args.seed, **kwargs)
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
     return 0
 
@@ -128,9 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     t = sub.add_parser("train", help="train (single process, or several under `accelerate launch`)")
-    t.add_argument("config_pos", nargs="?", metavar="CONFIG", help="YAML config (same as --config)")
     t.add_argument("--config", "-c", help="YAML config file")
-    t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.batch_size=32")
+    t.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides, e.g. data.batch_size=32 (a first argument without '=' is the config)")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo-data", help="write the embedded synthetic dataset as WebDataset shards")

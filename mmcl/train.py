@@ -331,10 +331,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     max_log_scale = math.log(cfg.loss.max_logit_scale)
     global_batch = cfg.data.batch_size * accelerator.num_processes * cfg.train.accum_steps
     bar = None
-    if main and cfg.train.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=progress.step, desc="train", unit="step", dynamic_ncols=True)
+    show_bar = main and cfg.train.progress
     data_iter = iter(stream)
     last: Dict[str, Any] = {}
     window_t, window_samples = time.perf_counter(), 0
@@ -369,6 +366,11 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         progress.step += 1
         progress.samples += global_batch
         window_samples += global_batch
+        if show_bar and bar is None:
+            # Created after the first step, so a data or config error is not preceded by an empty bar.
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, initial=progress.step - 1, desc="train", unit="step", dynamic_ncols=True)
         if bar is not None:
             bar.update(1)
 

@@ -1,0 +1,58 @@
+"""User errors end in one line on stderr and exit code 2, with no traceback; every subcommand is reachable."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmcl.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--config", "nope.yaml"], "config file not found: nope.yaml"),
+    (["train", "--config", TINY, "data.batchsize=3"], "did you mean data.batch_size"),
+    (["train", "--config", TINY, "data.batch_size=abc"], "data.batch_size"),
+    (["train", "--config", TINY, "data.train=/does/not/exist/shard-{000000..000003}.tar", "train.output_dir=OUT"],
+     "/does/not/exist"),
+    (["zeroshot", "--model", "/no/such/model", "--data", "x"], "model path not found"),
+])
+def test_user_errors_are_one_line_with_exit_code_2(capsys, tmp_path, argv, expected):
+    argv = [a.replace("OUT", str(tmp_path / "run")) for a in argv]
+    code, err = run_main(capsys, *argv)
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("mmcl: error: ") and expected in err[0], err
+
+
+def test_empty_shards_are_a_clear_error(capsys, tmp_path):
+    empty = tmp_path / "shards"
+    empty.mkdir()
+    (empty / "shard-000000.tar").write_bytes(b"")
+    code, err = run_main(capsys, "train", "--config", TINY, f"data.train={empty}/shard-000000.tar",
+                         f"train.output_dir={tmp_path / 'run'}", "data.workers=0", "train.steps=1")
+    assert code == 2 and len(err) == 1 and err[0].startswith("mmcl: error: "), err
+
+
+def test_python_dash_m_prints_no_traceback(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "mmcl", "train", TINY, "trian.steps=3"], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert p.stderr.strip() == ("mmcl: error: override trian.steps: unknown config key 'trian'; "
+                                "did you mean train or train.seed or train.plot?")
+
+
+def test_every_documented_subcommand_exists():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) >= {"train", "demo-data", "shards", "zeroshot", "retrieval", "export", "linear-probe",
+                                "index", "search", "plot"}
