@@ -1,0 +1,206 @@
+"""An image-embedding index for text-to-image and image-to-image search, built with faiss.
+
+An index directory holds::
+
+    index.faiss    faiss inner-product index over L2-normalised image embeddings (inner product = cosine)
+    items.jsonl    one line per indexed image, in index order: key, caption, label (when the data has one)
+    index.json     the model that built it (absolute path, to embed queries), its weights' size and mtime,
+                   the data spec, the index kind and its search parameters
+
+Up to ``exact_max`` images (100,000 by default) the index is exact (``IndexFlatIP``, brute force: about
+0.5 ms per query per 100k 512-d vectors on one core). Above that it is an inverted-file index (``IndexIVFFlat``,
+``nlist = 4 sqrt(N)`` k-means cells trained on a sample of at most 256 points per cell, ``nprobe = nlist / 8``
+cells visited per query): approximate, with recall@10 typically above 0.95 at a fraction of the cost. It still
+keeps every vector in memory (4 D bytes each); past ~100M vectors a compressed index (IVF-PQ) would be the next
+step, which this module does not build.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import models
+from .errors import CheckpointError, DataError
+
+INDEX_FILE = "index.faiss"
+ITEMS_FILE = "items.jsonl"
+META_FILE = "index.json"
+EXACT_MAX = 100_000
+_MIN_POINTS_PER_CELL = 39  # faiss warns below 39 training points per k-means centroid
+_TRAIN_POINTS_PER_CELL = 256  # faiss's own default cap on k-means training points per centroid
+
+
+def make_index(features: np.ndarray, exact_max: int = EXACT_MAX, nlist: Optional[int] = None, seed: int = 0):
+    """A faiss inner-product index holding `features` (N, D) float32 (rows L2-normalised by the caller).
+
+    Returns:
+        (index, params): ``params`` is ``{"kind": "flat"}`` or ``{"kind": "ivf", "nlist", "nprobe"}``.
+    """
+    import faiss
+
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    n, dim = features.shape
+    if n <= exact_max:
+        index = faiss.IndexFlatIP(dim)
+        index.add(features)
+        return index, {"kind": "flat"}
+    if nlist is None:
+        nlist = int(4 * math.sqrt(n))
+    nlist = max(1, min(nlist, n // _MIN_POINTS_PER_CELL))
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    n_train = min(n, nlist * _TRAIN_POINTS_PER_CELL)
+    rng = np.random.default_rng(seed)
+    sample = features[np.sort(rng.choice(n, size=n_train, replace=False))] if n_train < n else features
+    index.cp.seed = seed
+    index.train(sample)
+    index.add(features)
+    index.nprobe = max(1, nlist // 8)
+    return index, {"kind": "ivf", "nlist": nlist, "nprobe": int(index.nprobe)}
+
+
+def _weights_stamp(model_dir: Path) -> Dict[str, Any]:
+    weights = model_dir / models.WEIGHTS_FILE
+    st = weights.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int = 0, device="cpu",
+                exact_max: int = EXACT_MAX, progress: bool = True) -> Path:
+    """Embed every image of `data` with the model at `model_path` and write an index directory to `out_dir`.
+
+    Args:
+        model_path: anything `mmcl.load` accepts; its resolved absolute path is stored for `search`.
+        data: shard spec or ImageFolder (see `data.build_eval_dataset`); keys and captions are kept.
+        exact_max: largest image count indexed exactly (IndexFlatIP); larger sets get an IVF index.
+    Returns:
+        The index directory (written to a temporary directory first, then moved into place).
+    """
+    from . import evaluate
+
+    model_dir = models.find_model_dir(model_path).resolve()
+    model, preprocess, _ = models.load(model_dir)
+    _, loader = evaluate.eval_loader(data, preprocess, batch_size, workers)
+    model = model.to(device).eval()
+    feats, labels, captions, keys = evaluate.encode_images(model, loader, device, progress, "index")
+    index, params = make_index(feats.numpy(), exact_max=exact_max)
+    meta = {"model": str(model_dir), "weights": _weights_stamp(model_dir), "data": str(data),
+            "n": int(feats.shape[0]), "dim": int(feats.shape[1]), "metric": "inner_product",
+            "normalized": True, **params}
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
+        raise DataError(f"index target {out_dir} is not empty and holds no mmcl index (expected a new or empty "
+                        f"directory; choose another --out)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        import faiss
+
+        faiss.write_index(index, str(tmp / INDEX_FILE))
+        with open(tmp / ITEMS_FILE, "w") as f:
+            for key, caption, label in zip(keys, captions, labels.tolist()):
+                item = {"key": key, "caption": caption}
+                if label >= 0:
+                    item["label"] = label
+                f.write(json.dumps(item) + "\n")
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_index(index_dir) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
+    """(faiss index, items, meta) of an index directory written by `build_index`."""
+    import faiss
+
+    index_dir = Path(index_dir)
+    missing = [n for n in (INDEX_FILE, ITEMS_FILE, META_FILE) if not (index_dir / n).is_file()]
+    if missing:
+        raise DataError(f"{index_dir} is not an mmcl index (missing {', '.join(missing)}; build one with "
+                        f"`mmcl index --model M --data SHARDS --out DIR`)")
+    meta = json.loads((index_dir / META_FILE).read_text())
+    index = faiss.read_index(str(index_dir / INDEX_FILE))
+    if meta.get("kind") == "ivf":
+        index.nprobe = int(meta["nprobe"])
+    with open(index_dir / ITEMS_FILE) as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    if len(items) != index.ntotal:
+        raise DataError(f"{index_dir} is inconsistent: {index.ntotal} vectors but {len(items)} items")
+    return index, items, meta
+
+
+def _load_query_model(meta: Dict[str, Any], index_dir):
+    model_dir = Path(meta["model"])
+    if not (model_dir / models.CONFIG_FILE).is_file():
+        raise CheckpointError(f"the model that built {index_dir} is gone (got {model_dir}, expected the model "
+                              f"directory there; rebuild the index or restore the model)")
+    if meta.get("weights") and _weights_stamp(model_dir) != meta["weights"]:
+        warnings.warn(f"the model at {model_dir} changed since {index_dir} was built; query embeddings may not "
+                      f"match the indexed ones (rebuild the index)")
+    return models.load(model_dir)
+
+
+@torch.no_grad()
+def embed_query(model, preprocess, tokenizer, query: Optional[str] = None, image: Optional[str] = None
+                ) -> np.ndarray:
+    """A (1, D) float32 L2-normalised query embedding from a text or an image file."""
+    if image is not None:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(image) as img:
+                pixels = preprocess(img.convert("RGB"))[None]
+        except (FileNotFoundError, IsADirectoryError):
+            raise DataError(f"query image not found: {image}") from None
+        except (UnidentifiedImageError, OSError) as err:
+            raise DataError(f"cannot read query image {image} ({err})") from None
+        feats = model.encode_image(pixels, normalize=True)
+    else:
+        feats = model.encode_text(tokenizer([query]), normalize=True)
+    return np.ascontiguousarray(feats.float().numpy(), dtype=np.float32)
+
+
+def search(index_dir, query: Optional[str] = None, image: Optional[str] = None, k: int = 10
+           ) -> List[Dict[str, Any]]:
+    """Top-k indexed images for a text `query` or an `image` file (exactly one of them).
+
+    Returns:
+        Up to k dicts, best first: ``{"rank", "key", "caption", "score"}`` (+ ``"label"`` when indexed), where
+        score is the cosine similarity between the query and the image embedding.
+    """
+    if (query is None) == (image is None):
+        raise DataError("search needs exactly one query (got " + ("both a text and --image" if query is not None
+                        else "neither a text nor --image") + "; e.g. mmcl search --index DIR \"a red circle\")")
+    if query is not None and not query.strip():
+        raise DataError("the text query is empty (expected words to search for)")
+    if k < 1:
+        raise DataError(f"k must be >= 1 (got {k})")
+    index, items, meta = load_index(index_dir)
+    model, preprocess, tokenizer = _load_query_model(meta, index_dir)
+    q = embed_query(model, preprocess, tokenizer, query=query, image=image)
+    if q.shape[1] != index.d:
+        raise DataError(f"query embedding has {q.shape[1]} dims but {index_dir} holds {index.d}-dim vectors "
+                        f"(the model at {meta['model']} is not the one that built it)")
+    scores, ids = index.search(q, min(k, index.ntotal))
+    hits = []
+    for rank, (i, s) in enumerate((int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0):
+        hits.append({"rank": rank + 1, **items[i], "score": s})
+    return hits
