@@ -124,7 +124,7 @@ class EvalConfig:
     every: int = 0  # steps between evaluations during training; 0 evaluates only at the end if data is set
     zeroshot: Optional[str] = None  # ImageFolder or shards with .cls
     classnames: Optional[str] = None
-    templates: str = "openai_imagenet_template"
+    templates: str = "auto"  # templates.txt beside the data, else open_clip's openai_imagenet_template
     retrieval: Optional[str] = None  # shards
     batch_size: int = 128
 
