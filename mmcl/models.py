@@ -136,6 +136,8 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     if hf_name:
         text_cfg.setdefault("hf_model_pretrained", True)
     model_cls = CustomTextCLIP if custom_text else CLIP
+    if hf_name:
+        _register_hf_arch(hf_name)
     try:
         model = model_cls(**model_cfg)
     except TypeError as err:
@@ -150,6 +152,28 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
         _check_hf_tower(model.text, model_cfg)
     model.output_dict = True
     return model
+
+
+def _register_hf_arch(hf_name: str) -> None:
+    """Let open_clip's HFTextEncoder size the projection of model types its table lacks (e.g. DistilBERT, MPNet).
+
+    open_clip reads the tower width from ``arch_dict[model_type]``; an entry is added, once, naming the config
+    attribute that holds the width. Known types are left as open_clip defines them.
+    """
+    from open_clip.hf_configs import arch_dict
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(hf_name)
+    except (OSError, ValueError):
+        return  # create() reports the unreadable tower
+    if config.model_type in arch_dict:
+        return
+    width = next((a for a in ("hidden_size", "d_model", "dim", "n_embd") if hasattr(config, a)), None)
+    if width is None:
+        raise ConfigError(f"cannot find the width of Hugging Face model type '{config.model_type}' "
+                          f"(expected one of hidden_size, d_model, dim in its config)")
+    arch_dict[config.model_type] = {"config_names": {"width": width}, "pooler": "mean_pooler"}
 
 
 def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:
@@ -272,6 +296,43 @@ def _unfreeze_layer_norms(modules: List[nn.Module]) -> None:
                     p.requires_grad = True
 
 
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+
+
+def _hf_layers(backbone: nn.Module) -> Tuple[nn.Module, nn.ModuleList]:
+    """(embeddings, layer list) of a Hugging Face encoder: BERT/RoBERTa/MiniLM, DistilBERT, T5, BART-style."""
+    for emb_path, layers_path in (("embeddings", "encoder.layer"), ("embeddings", "transformer.layer"),
+                                  ("embed_tokens", "block"), ("embed_tokens", "layers"),
+                                  ("embeddings", "encoder.layers")):
+        try:
+            embeddings, layers = backbone.get_submodule(emb_path), backbone.get_submodule(layers_path)
+        except AttributeError:
+            continue
+        if isinstance(layers, nn.ModuleList):
+            return embeddings, layers
+    raise ConfigError(f"model.lock_text_unlocked_layers > 0 is not supported for {type(backbone).__name__} "
+                      f"(its layer list was not found; lock the whole tower with lock_text_unlocked_layers=0)")
+
+
+def _lock_hf_backbone(backbone: nn.Module, unlocked_layers: int, freeze_layer_norm: bool) -> None:
+    """Freeze a Hugging Face backbone except its last `unlocked_layers` layers (open_clip's HF semantics:
+    the embeddings count as the first layer; with ``freeze_layer_norm=False`` norms in frozen layers train)."""
+    if unlocked_layers:
+        embeddings, layers = _hf_layers(backbone)
+        frozen = [embeddings, *layers][:-unlocked_layers]
+    else:
+        frozen = [backbone]
+    for module in frozen:
+        for p in module.parameters():
+            p.requires_grad = False
+        if not freeze_layer_norm:
+            for sub in module.modules():
+                if _is_norm(sub):
+                    for p in sub.parameters():
+                        p.requires_grad = True
+
+
 def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
     """Freeze towers as configured (``model.lock_image*``, ``model.lock_text*``).
 
@@ -308,7 +369,7 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
             if _all_frozen(_clip_text_params(model)):
                 _run_frozen(model, "encode_text", _clip_text_modules)
         elif hasattr(text, "transformer") and hasattr(text, "config"):  # Hugging Face tower
-            text.lock(layers, freeze_ln)
+            _lock_hf_backbone(text.transformer, layers, freeze_ln)
             if _all_frozen(text.parameters()):
                 _run_frozen(text, "forward", lambda t: [t])
             elif _all_frozen(text.transformer.parameters()):

