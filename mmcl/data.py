@@ -28,6 +28,7 @@ import io
 import json
 import math
 import os
+import random
 import re
 import tarfile
 import warnings
@@ -491,11 +492,17 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
     label = parse_label(files.get("cls"))
     img = decode_image(data, max_pixels, draft_size)
     if aug_seed is None:
-        tensor = preprocess(img)
-    else:
+        return preprocess(img), caption, label
+    # Only the CPU generator and Python's `random` (used by some open_clip transforms) are reseeded, and
+    # both are restored, so the caller's RNG streams (including CUDA's) are untouched.
+    py_state = random.getstate()
+    try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(aug_seed)
+            torch.default_generator.manual_seed(aug_seed)
+            random.seed(aug_seed)
             tensor = preprocess(img)
+    finally:
+        random.setstate(py_state)
     return tensor, caption, label
 
 
@@ -578,6 +585,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
     captions: List[str] = []
     labels: List[int] = []
     keys: List[str] = []
+    empty_epochs = 0
     while True:
         plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
         full_epoch = (shard, sample, emitted) == (0, 0, 0)
@@ -622,15 +630,58 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
             emitted = 0
             shard, sample = block[-1].pos
         if full_epoch and good_seen == 0:
-            n_urls = sum(len(src) for src in s["sources"])
-            what = (f"no samples reach rank {rank} worker {role} ({n_urls} shards for {n_slots} rank x worker "
-                    f"slots; use fewer workers or more data)" if raw_seen == 0 else
-                    f"no valid sample in an epoch of rank {rank} worker {role} ({raw_seen} read, all skipped: "
-                    + ", ".join(f"{k}={v}" for k, v in skipped.items() if v) + ")")
-            yield {"__error__": what}
-            return
+            empty_epochs += 1
+            problem = _empty_epoch_problem(s, rank, role, n_slots, raw_seen, skipped, plan, empty_epochs)
+            if problem is not None:
+                yield {"__error__": problem}
+                return
+        elif good_seen:
+            empty_epochs = 0
         epoch, shard, sample, emitted = epoch + 1, 0, 0, 0
         skipped_before_epoch = dict(skipped)
+
+
+_MAX_EMPTY_EPOCHS = 50  # a slot that drew only bad shards this often, while good ones exist, stops the run
+
+
+def _first_valid_sample(s: Dict[str, Any]) -> Optional[str]:
+    """The key of the first sample that decodes, over all shards in order; None when no shard has one."""
+    urls = [(u, None) for src in s["sources"] for u in src]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the slots' own reading already warned about these shards
+        for item in read_raw_samples(urls):
+            if item.error is None:
+                try:
+                    decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"])
+                    return item.key
+                except SkipSample:
+                    continue
+    return None
+
+
+def _empty_epoch_problem(s: Dict[str, Any], rank: int, role: int, n_slots: int, raw_seen: int,
+                         skipped: Dict[str, int], plan: Sequence, empty_epochs: int) -> Optional[str]:
+    """Why a slot's epoch without a valid sample must stop the stream, or None to go on to the next epoch.
+
+    Going on is right when other shards hold valid samples and the next epoch's shard draw may reach them;
+    stopping is right when no shard holds one, or when the split gives this slot the same samples every
+    epoch (fewer shards than slots), since it would otherwise spin forever without a batch.
+    """
+    n_urls = sum(len(src) for src in s["sources"])
+    counts = ", ".join(f"{k}={v}" for k, v in skipped.items() if v) or "none"
+    if _first_valid_sample(s) is None:
+        return f"no valid sample in any of the {n_urls} shards (skipped so far: {counts})"
+    within_shards = any(modulo is not None for _, modulo in plan)
+    if within_shards and raw_seen == 0:
+        return (f"no samples reach rank {rank} worker {role}: {n_urls} shards for {n_slots} rank x worker slots "
+                f"and too few samples to split within shards; use fewer workers or more data")
+    if within_shards:
+        return (f"no valid sample reaches rank {rank} worker {role} ({raw_seen} read, all skipped: {counts}); "
+                f"with {n_urls} shards for {n_slots} rank x worker slots each slot always gets the same samples")
+    if empty_epochs >= _MAX_EMPTY_EPOCHS:
+        return (f"rank {rank} worker {role} found no valid sample in {empty_epochs} consecutive passes over its "
+                f"shards (skipped so far: {counts}); most shards are unreadable")
+    return None
 
 
 def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], keys: List[str],

@@ -19,17 +19,19 @@ from PIL import Image, ImageDraw
 from .data import ShardWriter
 from .errors import DataError
 
+# Alphabetical, so that a class's index is the same in `.cls`, classnames.txt and the ImageFolder's sorted
+# folder order.
 COLOURS: Dict[str, Tuple[int, int, int]] = {
-    "red": (220, 30, 30),
-    "orange": (255, 140, 0),
-    "yellow": (245, 225, 30),
-    "green": (30, 170, 50),
-    "blue": (30, 70, 225),
-    "purple": (140, 40, 190),
-    "white": (250, 250, 250),
     "black": (10, 10, 10),
+    "blue": (30, 70, 225),
+    "green": (30, 170, 50),
+    "orange": (255, 140, 0),
+    "purple": (140, 40, 190),
+    "red": (220, 30, 30),
+    "white": (250, 250, 250),
+    "yellow": (245, 225, 30),
 }
-SHAPES = ("circle", "square", "triangle", "diamond", "star", "cross")
+SHAPES = ("circle", "cross", "diamond", "square", "star", "triangle")
 SHAPE_WORDS = {  # a shape is sometimes called by a synonym; classnames use the first word
     "circle": ("circle", "disc", "round dot"),
     "square": ("square", "box"),

@@ -301,7 +301,7 @@ def test_empty_data_raises_instead_of_hanging(tmp_path):
         stream = data.build_train_stream(DataConfig(train=str(bad), workers=workers), PREPROCESS, tokenizer, seed=0)
         # With 2 workers the 2 samples are split between them; worker 0 holds the image-less one.
         expected = "decode=1, missing_image=1" if workers == 0 else "missing_image=1"
-        with pytest.raises(DataError, match=rf"no valid sample in an epoch of rank 0 worker 0 .*: {expected}\)"):
+        with pytest.raises(DataError, match=rf"no valid sample in any of the 1 shards \(skipped so far: {expected}\)"):
             next(iter(stream))
     # 2 samples for 2 ranks x 2 workers: two slots would never get a sample.
     tiny = tmp_path / "tiny.tar"
@@ -310,6 +310,25 @@ def test_empty_data_raises_instead_of_hanging(tmp_path):
                                      world_size=2)
     with pytest.raises(DataError, match="no samples reach rank 1"):
         next(iter(stream))
+
+
+def test_unreadable_shard_is_counted_and_training_goes_on(tmp_path):
+    good, junk = tmp_path / "good.tar", tmp_path / "junk.tar"
+    write_tar(good, [m for j in range(4) for m in good_members(f"g{j}", j)])
+    junk.write_bytes(b"not a tar" * 100)
+    # One shard per rank and epoch: whichever rank draws the junk shard must move on to later epochs.
+    opened = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rank in range(2):
+            stream = data.build_train_stream(DataConfig(train=[str(good), str(junk)], batch_size=2, workers=0),
+                                             PREPROCESS, tokenizer, seed=0, rank=rank, world_size=2)
+            it = iter(stream)
+            batches = [next(it) for _ in range(6)]  # 3 epochs of this rank's good samples
+            assert all(k.startswith("g") for b in batches for k in b["key"])
+            opened += stream.skipped["shard_open"]
+    assert opened >= 1
+    assert any("cannot open shard" in str(w.message) and "junk.tar" in str(w.message) for w in caught)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+"""Training-loader throughput: mmcl's stream against a plain webdataset pipeline on the same JPEG shards.
+
+Both loaders decode with pillow, apply open_clip's 224 px transform, tokenize captions with open_clip's
+tokenizer, batch in the workers and run under a torch DataLoader with the same number of workers. The
+shards hold photo-like JPEGs of about 500 px (smooth gradients, shapes and noise, quality 90).
+
+    python bench/bench_data.py [--samples 1536] [--workers 2] [--batch 64] [--rounds 2]
+
+Prints one JSON line per loader and round, then one line of ratios (best round of each loader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+
+def photo_like(rng: np.random.Generator, width: int, height: int) -> bytes:
+    """A JPEG that compresses like a photo: gradient, a few blurred-edge shapes and sensor-like noise."""
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = rng.uniform(0, 255, size=3)
+    slope = rng.uniform(-0.3, 0.3, size=(2, 3))
+    img = base + xx[..., None] * slope[0] + yy[..., None] * slope[1]
+    pil = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(pil)
+    for _ in range(6):
+        x0, y0 = rng.uniform(0, width), rng.uniform(0, height)
+        r = rng.uniform(20, 150)
+        draw.ellipse([x0 - r, y0 - r, x0 + r, y0 + r], fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+    arr = np.asarray(pil, dtype=np.float32) + rng.normal(0, 6, size=(height, width, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def make_shards(folder: str, n: int, per_shard: int) -> str:
+    from mmcl.data import write_shards
+
+    rng = np.random.default_rng(0)
+
+    def samples():
+        for i in range(n):
+            w, h = int(rng.integers(420, 640)), int(rng.integers(380, 560))
+            yield {"key": f"{i:07d}", "image": photo_like(rng, w, h), "ext": "jpg",
+                   "caption": f"a photo number {i} of some shapes on a gradient", "label": i % 10}
+
+    summary = write_shards(samples(), folder, shard_size=per_shard)
+    return os.path.join(folder, "shard-{000000..%06d}.tar" % (summary["n_shards"] - 1))
+
+
+def reference_loader(spec, preprocess, tokenizer, batch, workers, shuffle):
+    import webdataset as wds
+
+    def collate(samples):
+        images, captions = zip(*samples)
+        return torch.stack(images), tokenizer(list(captions))
+
+    pipeline = (wds.WebDataset(spec, shardshuffle=False, empty_check=False).shuffle(shuffle).decode("pil")
+                .to_tuple("jpg", "txt").map_tuple(preprocess, lambda t: t).batched(batch, collation_fn=collate,
+                                                                                   partial=False))
+    return torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=workers)
+
+
+def ours_loader(spec, preprocess, tokenizer, batch, workers, shuffle, fast):
+    from mmcl.config import DataConfig
+    from mmcl.data import build_train_stream
+
+    cfg = DataConfig(train=spec, batch_size=batch, workers=workers, shuffle_buffer=shuffle, fast_decode=fast)
+    return build_train_stream(cfg, preprocess, tokenizer, seed=0)
+
+
+def measure(loader, n_batches: int, batch: int):
+    """Samples/s over n_batches after the first batch (worker start-up and the first shuffle fill excluded)."""
+    it = iter(loader)
+    first = next(it)
+    assert first[0 if isinstance(first, (tuple, list)) else "image"].shape[-1] == 224
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        next(it)
+    elapsed = time.perf_counter() - t0
+    if hasattr(it, "close"):
+        it.close()
+    del it
+    return n_batches * batch / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1536)
+    parser.add_argument("--per-shard", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--shuffle", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="where to write the shards (default: a temporary folder)")
+    args = parser.parse_args()
+
+    import open_clip
+
+    warnings.filterwarnings("ignore")
+    preprocess = open_clip.image_transform(224, is_train=False)
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")
+    # Both loaders stop before a shard pass ends: the reference pipeline is finite.
+    n_batches = args.samples // args.batch - args.workers - 1
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        t0 = time.perf_counter()
+        spec = make_shards(tmp, args.samples, args.per_shard)
+        print(json.dumps({"bench": "data", "event": "shards_written", "samples": args.samples,
+                          "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+        loaders = {
+            "webdataset": lambda: reference_loader(spec, preprocess, tokenizer, args.batch, args.workers, args.shuffle),
+            "mmcl": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers, args.shuffle, False),
+            "mmcl_fast_decode": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers,
+                                                    args.shuffle, True),
+        }
+        best = {}
+        for rnd in range(args.rounds):
+            for name, make in loaders.items():
+                rate = measure(make(), n_batches, args.batch)
+                best[name] = max(best.get(name, 0.0), rate)
+                print(json.dumps({"bench": "data", "loader": name, "round": rnd, "device": "cpu", "cpu": cpu,
+                                  "workers": args.workers, "batch": args.batch, "image_size": 224,
+                                  "samples_per_s": round(rate, 1)}), flush=True)
+        ref = best["webdataset"]
+        print(json.dumps({"bench": "data", "reference": "webdataset.WebDataset(...).decode('pil')",
+                          "ratio_mmcl": round(best["mmcl"] / ref, 3),
+                          "ratio_mmcl_fast_decode": round(best["mmcl_fast_decode"] / ref, 3),
+                          "best_samples_per_s": {k: round(v, 1) for k, v in best.items()}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
