@@ -66,41 +66,64 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _online_lse(queries: Tensor, keys: Tensor, chunk_size: int) -> Tensor:
+    """Exact (n,) row log-sum-exp of ``queries @ keys.T`` with a running max per row (queries pre-scaled)."""
+    out = torch.empty(queries.shape[0], dtype=queries.dtype, device=queries.device)
+    for i0 in range(0, queries.shape[0], chunk_size):
+        q = queries[i0:i0 + chunk_size]
+        r_max = torch.full((q.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
+        r_sum = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)
+        for j0 in range(0, keys.shape[0], chunk_size):
+            logits = q @ keys[j0:j0 + chunk_size].T
+            new_max = torch.maximum(r_max, logits.amax(dim=1))
+            r_sum = r_sum * torch.exp(r_max - new_max) + torch.exp(logits - new_max[:, None]).sum(dim=1)
+            r_max = new_max
+        out[i0:i0 + chunk_size] = r_max + torch.log(r_sum)
+    return out
+
+
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
 
-    Forward visits ``chunk x chunk`` blocks once, keeping an online (max, sum) pair per row and per column.
-    Backward recomputes each block once and applies ``g_row * softmax_row + g_col * softmax_col`` to it,
-    since d lse_row_i / d L_ij = softmax_row_ij and d lse_col_j / d L_ij = softmax_col_ij.
+    Every logit is at most ``sigma = |s| max|q_i| max|k_j|`` (Cauchy-Schwarz), so one shift serves every row,
+    column and block: a block costs a matmul with the shift fused in (addmm), one exp, and a row and a column
+    sum; no running maxima. Rows or columns whose shifted sum falls below ``M * tiny`` (where terms lost to
+    underflow could exceed one ulp of the sum; in float32 only when a whole row sits some 80 below sigma) are
+    recomputed exactly with a running max.
+
+    Backward recomputes each block once and applies ``G = g_row * softmax_row + g_col * softmax_col``: with
+    E = exp(L - sigma) and S the shifted sums, softmax_row_ij = E_ij / S_i, so ``G = E * (g_row/S_row + g_col/S_col)``
+    and both directions cost one elementwise product. Half-precision inputs are computed in float32.
     """
 
     @staticmethod
     def forward(ctx, queries: Tensor, keys: Tensor, logit_scale: Tensor, chunk_size: int, with_cols: bool):
-        n, m = queries.shape[0], keys.shape[0]
         acc = _acc_dtype(queries.dtype)
-        scale = logit_scale.to(queries.dtype)
-        row_lse = torch.empty(n, dtype=acc, device=queries.device)
-        col_max = torch.full((m,), -math.inf, dtype=acc, device=queries.device)
-        col_sum = torch.zeros(m, dtype=acc, device=queries.device)
+        q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
+        n, m = q32.shape[0], k32.shape[0]
+        neg_sigma = -(scale.abs() * q32.norm(dim=1).max() * k32.norm(dim=1).max())
+        row_sum = torch.zeros(n, dtype=acc, device=q32.device)
+        col_sum = torch.zeros(m if with_cols else 0, dtype=acc, device=q32.device)
         for i0 in range(0, n, chunk_size):
-            q = queries[i0:i0 + chunk_size] * scale  # (c, D), the scale folded into the smaller operand
-            r_max = torch.full((q.shape[0],), -math.inf, dtype=acc, device=queries.device)
-            r_sum = torch.zeros(q.shape[0], dtype=acc, device=queries.device)
+            qs = q32[i0:i0 + chunk_size] * scale  # (c, D): the scale folded into the smaller operand
             for j0 in range(0, m, chunk_size):
-                logits = (q @ keys[j0:j0 + chunk_size].T).to(acc)  # (c, c')
-                new_max = torch.maximum(r_max, logits.amax(dim=1))
-                r_sum = r_sum * torch.exp(r_max - new_max) + torch.exp(logits - new_max[:, None]).sum(dim=1)
-                r_max = new_max
+                e = torch.addmm(neg_sigma, qs, k32[j0:j0 + chunk_size].T).exp_()  # exp(L - sigma), (c, c')
+                row_sum[i0:i0 + chunk_size] += e.sum(dim=1)
                 if with_cols:
-                    cm, cs = col_max[j0:j0 + chunk_size], col_sum[j0:j0 + chunk_size]
-                    new_cmax = torch.maximum(cm, logits.amax(dim=0))
-                    cs.mul_(torch.exp(cm - new_cmax)).add_(torch.exp(logits - new_cmax[None, :]).sum(dim=0))
-                    cm.copy_(new_cmax)
-            row_lse[i0:i0 + chunk_size] = r_max + torch.log(r_sum)
-        col_lse = col_max + torch.log(col_sum) if with_cols else None
-        ctx.chunk_size = chunk_size
-        ctx.with_cols = with_cols
-        ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse if with_cols else row_lse)
+                    col_sum[j0:j0 + chunk_size] += e.sum(dim=0)
+        tiny = torch.finfo(acc).tiny
+        row_lse = torch.log(row_sum) - neg_sigma
+        row_bad = row_sum < m * tiny
+        if row_bad.any():
+            row_lse[row_bad] = _online_lse(q32[row_bad] * scale, k32, chunk_size)
+        col_lse, col_bad = row_lse, row_bad  # placeholders, unused without columns
+        if with_cols:
+            col_lse = torch.log(col_sum) - neg_sigma
+            col_bad = col_sum < n * tiny
+            if col_bad.any():
+                col_lse[col_bad] = _online_lse(k32[col_bad] * scale, q32, chunk_size)
+        ctx.chunk_size, ctx.with_cols = chunk_size, with_cols
+        ctx.save_for_backward(queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad)
         if with_cols:
             return row_lse, col_lse
         return row_lse
@@ -108,40 +131,56 @@ class TiledLogSumExp(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_row: Optional[Tensor], grad_col: Optional[Tensor] = None):
-        queries, keys, logit_scale, row_lse, col_lse = ctx.saved_tensors
-        c, with_cols = ctx.chunk_size, ctx.with_cols
+        queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad = ctx.saved_tensors
+        c = ctx.chunk_size
         acc = _acc_dtype(queries.dtype)
-        scale = logit_scale.to(queries.dtype)
-        if grad_row is None:
-            grad_row = torch.zeros_like(row_lse)
-        use_cols = with_cols and grad_col is not None
-        grad_q = torch.zeros(queries.shape, dtype=acc, device=queries.device)  # sum_j G_ij k_j
-        grad_k = torch.zeros(keys.shape, dtype=acc, device=keys.device)  # sum_i G_ij q_i
-        for i0 in range(0, queries.shape[0], c):
-            q_raw = queries[i0:i0 + c]
-            q = q_raw * scale
-            lse_r, g_r = row_lse[i0:i0 + c, None], grad_row[i0:i0 + c, None]
-            q_raw_acc = q_raw.to(acc)
-            for j0 in range(0, keys.shape[0], c):
-                k = keys[j0:j0 + c]
-                logits = (q @ k.T).to(acc)
+        q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
+        use_cols = ctx.with_cols and grad_col is not None
+        grad_row = torch.zeros_like(row_lse) if grad_row is None else grad_row.to(acc)
+        # softmax_row_ij = exp(L_ij - sigma) / S_i; rows needing the exact path are handled after the main loop.
+        row_coef = torch.where(row_bad, 0.0, grad_row / row_sum)
+        col_coef = torch.where(col_bad, 0.0, grad_col.to(acc) / col_sum) if use_cols else None
+        grad_q = torch.zeros_like(q32)  # sum_j G_ij k_j
+        grad_k = torch.zeros_like(k32)  # sum_i G_ij q_i
+        for i0 in range(0, q32.shape[0], c):
+            q_raw = q32[i0:i0 + c]
+            qs = q_raw * scale
+            for j0 in range(0, k32.shape[0], c):
+                k = k32[j0:j0 + c]
+                g = torch.addmm(neg_sigma, qs, k.T).exp_()
                 if use_cols:
-                    grad_logits = torch.exp(logits - col_lse[None, j0:j0 + c]).mul_(grad_col[None, j0:j0 + c])
-                    grad_logits.add_(torch.exp(logits.sub_(lse_r)).mul_(g_r))
+                    g.mul_(row_coef[i0:i0 + c, None] + col_coef[None, j0:j0 + c])
                 else:
-                    grad_logits = torch.exp(logits.sub_(lse_r)).mul_(g_r)
-                grad_q[i0:i0 + c].addmm_(grad_logits, k.to(acc))
-                grad_k[j0:j0 + c].addmm_(grad_logits.T, q_raw_acc)
+                    g.mul_(row_coef[i0:i0 + c, None])
+                grad_q[i0:i0 + c].addmm_(g, k)
+                grad_k[j0:j0 + c].addmm_(g.T, q_raw)
+        if row_bad.any():
+            rows = row_bad.nonzero().squeeze(1)
+            _exact_softmax_grad(q32[rows], k32, scale, row_lse[rows], grad_row[rows], c, grad_q, grad_k, rows)
+        if use_cols and col_bad.any():
+            cols = col_bad.nonzero().squeeze(1)
+            _exact_softmax_grad(k32[cols], q32, scale, col_lse[cols], grad_col.to(acc)[cols], c, grad_k, grad_q, cols)
         # dL/ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G K)_i, which reuses the unscaled query gradient.
-        grad_scale = (queries.to(acc) * grad_q).sum()
-        scale_acc = logit_scale.to(acc)
+        grad_scale = torch.dot(q32.reshape(-1), grad_q.reshape(-1))
         return (
-            (grad_q * scale_acc).to(queries.dtype),
-            (grad_k * scale_acc).to(keys.dtype),
+            grad_q.mul_(scale).to(queries.dtype),
+            grad_k.mul_(scale).to(keys.dtype),
             grad_scale.to(logit_scale.dtype).reshape(logit_scale.shape),
             None,
             None,
         )
+
+
+def _exact_softmax_grad(a, b, scale, lse, grad, chunk_size, grad_a, grad_b, a_index):
+    """Add the unscaled gradients of ``sum_i grad_i * lse_i`` (lse over rows of s * a @ b.T) into grad_a/grad_b."""
+    ga = torch.zeros_like(a)
+    as_ = a * scale
+    for j0 in range(0, b.shape[0], chunk_size):
+        bj = b[j0:j0 + chunk_size]
+        p = torch.addmm(-lse[:, None], as_, bj.T).exp_().mul_(grad[:, None])  # g_i * softmax_ij
+        ga.addmm_(p, bj)
+        grad_b[j0:j0 + chunk_size].addmm_(p.T, a)
+    grad_a.index_add_(0, a_index, ga)
 
 
 def _check_chunk(chunk_size: Optional[int]) -> None:
@@ -430,7 +469,7 @@ def siglip_loss(
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
     # subtracted, which would cancel catastrophically for large logits. (F.softplus is avoided: it turns
     # linear above its threshold of 20, an error of e^-20 per pair.)
-    negatives = logits.index_put((rows, rows + offset), torch.tensor(-math.inf, dtype=logits.dtype))
+    negatives = logits.index_put((rows, rows + offset), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
     return -(F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()) / n
 
 
@@ -456,7 +495,7 @@ def _negative_lse(queries, keys, logit_scale, gamma, offset, chunk_size):
         logits = scale * (queries @ keys.T)
         logits = logits.to(_acc_dtype(logits.dtype))
         rows = torch.arange(queries.shape[0], device=queries.device)
-        logits = logits.index_put((rows, rows + offset), torch.tensor(-math.inf, dtype=logits.dtype))
+        logits = logits.index_put((rows, rows + offset), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
         return torch.logsumexp(logits, dim=1)
     lse = TiledLogSumExp.apply(queries, keys, scale, chunk_size, False)
     positive = _positive_logits(queries, keys, scale, offset).to(lse.dtype)

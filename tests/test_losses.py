@@ -114,6 +114,50 @@ def test_tiled_logsumexp_gradcheck():
             assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q, k, s, chunk, with_cols), (q, k, s))
 
 
+def _mixed_norms(dtype, big):
+    """One query far longer than the rest: the shared shift sigma then leaves the other rows' and many
+    columns' shifted sums below M * tiny, so both the fast and the exact fallback paths run."""
+    q, k = _features(9, 4, dtype, seed=3, correlated=False)
+    k = k[:7]
+    q, k = q.clone(), k.clone()
+    k[0] = q[0]  # row 0 and column 0 reach sigma and stay on the fast path
+    q[0] *= big
+    return q, k
+
+
+def _underflowing(q, k, s):
+    sigma = s * q.norm(dim=1).max() * k.norm(dim=1).max()
+    e = torch.exp(s * q.double() @ k.double().T - sigma)
+    tiny = torch.finfo(q.dtype).tiny
+    return (e.sum(1) < k.shape[0] * tiny).sum().item(), (e.sum(0) < q.shape[0] * tiny).sum().item()
+
+
+def test_tiled_logsumexp_gradcheck_with_exact_fallback():
+    q, k = _mixed_norms(torch.float64, 900.0)
+    bad_rows, bad_cols = _underflowing(q, k, 1.0)
+    assert 0 < bad_rows < q.shape[0] and 0 < bad_cols < k.shape[0]
+    q, k = q.requires_grad_(True), k.requires_grad_(True)
+    s = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+    for with_cols in (False, True):
+        assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q, k, s, 4, with_cols), (q, k, s))
+
+
+def test_tiled_exact_fallback_matches_dense_float32():
+    q, k = _mixed_norms(torch.float32, 60.0)
+    s = torch.tensor(3.0)
+    bad_rows, bad_cols = _underflowing(q, k, 3.0)
+    assert 0 < bad_rows < q.shape[0] and 0 < bad_cols < k.shape[0]
+    a, b = _leaves(q, k, s), _leaves(q, k, s)
+    dense = logsumexp_rows(*a, with_cols=True)
+    tiled = logsumexp_rows(*b, chunk_size=4, with_cols=True)
+    for d, t in zip(dense, tiled):
+        torch.testing.assert_close(t, d, rtol=1e-6, atol=1e-5)  # float32 log-sum-exps of size up to ~180
+    (dense[0].sum() + dense[1].sum()).backward()
+    (tiled[0].sum() + tiled[1].sum()).backward()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y.grad, x.grad, rtol=1e-5, atol=1e-6)  # float32 softmax sums
+
+
 def test_logsumexp_rows_dense_and_tiled_agree_with_torch():
     q, k = _features(20, 8, torch.float64, seed=1)
     k = k[:13]

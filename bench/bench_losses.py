@@ -1,0 +1,153 @@
+"""Peak memory and fwd+bwd time of open_clip's ClipLoss vs mmcl's tiled clip_loss, float32 on CPU.
+
+Each case runs in a fresh subprocess so its peak RSS is its own: the growth of ``ru_maxrss`` over the level
+reached after the inputs exist (and after a small warm-up that loads kernels and thread pools). Time is the
+median over repeats of one forward+backward, which produces the gradients of both feature sets and of the
+logit scale. Prints one JSON line per measurement, then one per N with the ratios tiled / ClipLoss.
+
+    nice python bench/bench_losses.py [--sizes 4096 16384 65536] [--dim 512] [--chunk 1024] [--repeats 3]
+                                      [--threads T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+# ClipLoss holds several N x N float32 matrices (two logits, two log-softmaxes and their gradients); beyond
+# this size that exceeds the memory of the machines these numbers are taken on.
+CLIPLOSS_MAX_N = 32768
+
+
+def _cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+    if impl == "open_clip":
+        from open_clip.loss import ClipLoss
+
+        clip = ClipLoss()
+
+        def loss_fn(i, t, s):
+            return clip(i, t, s)
+    else:
+        from mmcl.losses import clip_loss
+
+        def loss_fn(i, t, s):
+            return clip_loss(i, t, s, chunk_size=chunk)
+
+    g = torch.Generator().manual_seed(0)
+    # Warm-up at a small size: kernels, thread pools and allocator arenas are not the loss's memory.
+    w_img = F.normalize(torch.randn(256, dim, generator=g), dim=1).requires_grad_(True)
+    w_txt = F.normalize(torch.randn(256, dim, generator=g), dim=1).requires_grad_(True)
+    loss_fn(w_img, w_txt, torch.tensor(14.3, requires_grad=True)).backward()
+    del w_img, w_txt
+
+    img = F.normalize(torch.randn(n, dim, generator=g), dim=1).requires_grad_(True)
+    txt = F.normalize(0.5 * img.detach() + torch.randn(n, dim, generator=g), dim=1).requires_grad_(True)
+    scale = torch.tensor(14.3, requires_grad=True)
+    baseline = _max_rss_bytes()
+
+    times, value = [], None
+    for _ in range(repeats):
+        img.grad = txt.grad = scale.grad = None
+        start = time.perf_counter()
+        loss = loss_fn(img, txt, scale)
+        loss.backward()
+        times.append(time.perf_counter() - start)
+        value = loss.item()
+        del loss
+    return {
+        "bench": "clip_loss_fwd_bwd",
+        "impl": impl if impl == "open_clip" else f"mmcl_tiled_chunk{chunk}",
+        "device": "cpu",
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "load_avg_1min": os.getloadavg()[0],
+        "dtype": "float32",
+        "batch": n,
+        "dim": dim,
+        "repeats": repeats,
+        "time_s_median": statistics.median(times),
+        "time_s_all": [round(t, 4) for t in times],
+        "pairs_per_s": n / statistics.median(times),
+        "peak_mem_growth_mib": (_max_rss_bytes() - baseline) / 2**20,
+        "loss": value,
+        "grad_scale": float(scale.grad),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-repeats-65536", type=int, default=1,
+                        help="repeats at N >= 65536, where one fwd+bwd takes minutes on 2 cores")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per case (0: torch's default)")
+    parser.add_argument("--case", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.case:  # child process: one measurement
+        impl, n = args.case[0], int(args.case[1])
+        print(json.dumps(run_case(impl, n, args.dim, args.chunk, args.repeats, args.threads)), flush=True)
+        return
+
+    for n in args.sizes:
+        repeats = args.repeats if n < 65536 else min(args.repeats, args.max_repeats_65536)
+        results = {}
+        for impl in ("open_clip", "tiled"):
+            if impl == "open_clip" and n > CLIPLOSS_MAX_N:
+                gib = 6 * n * n * 4 / 2**30
+                print(json.dumps({"bench": "clip_loss_fwd_bwd", "impl": "open_clip", "batch": n, "skipped":
+                                  f"ClipLoss needs about {gib:.0f} GiB for N={n} (six N x N float32 matrices); "
+                                  "more than this machine has"}), flush=True)
+                continue
+            cmd = [sys.executable, __file__, "--case", impl, str(n), "--dim", str(args.dim),
+                   "--chunk", str(args.chunk), "--repeats", str(repeats), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                print(json.dumps({"bench": "clip_loss_fwd_bwd", "impl": impl, "batch": n,
+                                  "error": out.stderr.strip().splitlines()[-1:]}), flush=True)
+                continue
+            line = out.stdout.strip().splitlines()[-1]
+            print(line, flush=True)
+            results[impl] = json.loads(line)
+        if len(results) == 2:
+            ref, ours = results["open_clip"], results["tiled"]
+            print(json.dumps({
+                "bench": "clip_loss_ratio", "batch": n, "dim": args.dim, "chunk": args.chunk,
+                "time_ratio_tiled_over_open_clip": ours["time_s_median"] / ref["time_s_median"],
+                "mem_ratio_tiled_over_open_clip": ours["peak_mem_growth_mib"] / ref["peak_mem_growth_mib"],
+                "loss_rel_diff": abs(ours["loss"] - ref["loss"]) / abs(ref["loss"]),
+            }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
