@@ -12,10 +12,11 @@ Each rank's loss is the mean over its own rows, so the mean over ranks equals th
 the summing all-gather backward each rank holds ``W`` times the global gradient of its own features and
 DDP's averaging of parameter gradients turns that into exactly the global-batch gradient.
 
-Memory. ``chunk_size`` switches the softmax losses to a tiled computation (`TiledLogSumExp`): blocks of
-``chunk_size x chunk_size`` logits are formed, reduced into running log-sum-exps and dropped; backward
-recomputes each block once. Extra memory is O((n + M) * D + chunk_size**2) instead of O(n * M), with the
-same value and gradients as the dense computation, which stays in this module as the specification.
+Memory. ``chunk_size`` switches the softmax losses (clip, supcon, debiased, hard-negative) to a tiled
+computation (`TiledLogSumExp`): blocks of ``chunk_size x chunk_size`` logits are formed, reduced into row
+and column sums and dropped; backward recomputes each block once. Extra memory is
+O((n + M) * D + chunk_size**2) instead of O(n * M), with the same value and gradients as the dense
+computation, which stays in this module as the specification. SigLIP and MoCHi stay dense (n x M).
 
 `ContrastiveObjective` (built by `build_objective` from `mmcl.config.LossConfig`) combines the weighted
 terms, gathers across ranks when ``torch.distributed`` is initialised, and holds the only state: the MoCHi
@@ -123,7 +124,9 @@ class TiledLogSumExp(torch.autograd.Function):
             if col_bad.any():
                 col_lse[col_bad] = _online_lse(k32[col_bad] * scale, q32, chunk_size)
         ctx.chunk_size, ctx.with_cols = chunk_size, with_cols
-        ctx.save_for_backward(queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad)
+        ctx.save_for_backward(
+            queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad
+        )
         if with_cols:
             return row_lse, col_lse
         return row_lse
@@ -469,7 +472,8 @@ def siglip_loss(
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
     # subtracted, which would cancel catastrophically for large logits. (F.softplus is avoided: it turns
     # linear above its threshold of 20, an error of e^-20 per pair.)
-    negatives = logits.index_put((rows, rows + offset), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
+    minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+    negatives = logits.index_put((rows, rows + offset), minus_inf)
     return -(F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()) / n
 
 
@@ -495,7 +499,8 @@ def _negative_lse(queries, keys, logit_scale, gamma, offset, chunk_size):
         logits = scale * (queries @ keys.T)
         logits = logits.to(_acc_dtype(logits.dtype))
         rows = torch.arange(queries.shape[0], device=queries.device)
-        logits = logits.index_put((rows, rows + offset), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
+        minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+        logits = logits.index_put((rows, rows + offset), minus_inf)
         return torch.logsumexp(logits, dim=1)
     lse = TiledLogSumExp.apply(queries, keys, scale, chunk_size, False)
     positive = _positive_logits(queries, keys, scale, offset).to(lse.dtype)
@@ -670,7 +675,9 @@ def mochi_loss(
     """
     _check_pair(image_features, text_features)
     if n_hard < 1 or s < 0 or s_prime < 0:
-        raise ConfigError(f"MoCHi needs n_hard >= 1 and s, s_prime >= 0 (got n_hard={n_hard}, s={s}, s_prime={s_prime})")
+        raise ConfigError(
+            f"MoCHi needs n_hard >= 1 and s, s_prime >= 0 (got n_hard={n_hard}, s={s}, s_prime={s_prime})"
+        )
     if not 0 < mix_max <= 1:
         raise ConfigError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
     logit_scale = _as_scale(logit_scale, image_features)
@@ -927,13 +934,17 @@ class ContrastiveObjective(nn.Module):
             )
         if w["siglip"] > 0:
             if logit_bias is None:
-                raise ConfigError("loss.siglip > 0 needs a model with a logit bias (set model.init_logit_bias, e.g. -10)")
+                raise ConfigError(
+                    "loss.siglip > 0 needs a model with a logit bias (got none; set model.init_logit_bias, e.g. -10)"
+                )
             values["siglip"] = siglip_loss(
                 image_features, text_features, logit_scale, logit_bias,
                 **({"all_text_features": all_txt, "offset": offset} if distributed else {}),
             )
         if w["debiased"] > 0:
-            values["debiased"] = debiased_clip_loss(image_features, text_features, logit_scale, cfg.tau_plus, chunk, **cols)
+            values["debiased"] = debiased_clip_loss(
+                image_features, text_features, logit_scale, cfg.tau_plus, chunk, **cols
+            )
         if w["hard_negative"] > 0:
             values["hard_negative"] = hard_negative_clip_loss(
                 image_features, text_features, logit_scale, cfg.tau_plus, cfg.hn_beta, chunk, **cols

@@ -548,7 +548,8 @@ def test_mochi_without_synthesis_is_infonce():
     torch.testing.assert_close(plain, clip_loss(img, txt, s), rtol=1e-6, atol=1e-6)  # float32, same CE
     iq, tq = _features(5, 8, torch.float32, seed=23)
     queued = mochi_loss(img, txt, s, 4, 0, 0, 0.5, g, iq, tq)
-    expected = (infonce_rows(img, torch.cat([txt, tq]), s).mean() + infonce_rows(txt, torch.cat([img, iq]), s).mean()) / 2
+    expected = (infonce_rows(img, torch.cat([txt, tq]), s).mean()
+                + infonce_rows(txt, torch.cat([img, iq]), s).mean()) / 2
     torch.testing.assert_close(queued, expected, rtol=1e-6, atol=1e-6)  # float32, same CE
 
 
