@@ -41,8 +41,9 @@ HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside
 # (dense + tanh trained for next-sentence prediction), an extra layer that many sentence encoders never trained.
 _HF_POOLERS = {"mean": "mean_pooler", "cls": "cls_last_hidden_state_pooler", "max": "max_pooler"}
 # Weight files of a local directory, most preferred first (open_clip's names, then transformers').
-_DIR_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin",
-                "open_clip_pytorch_model.pth", "model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
+_DIR_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
+                "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth",
+                "model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 
 
 # ------------------------------------------------------------------------------------------------ configs
