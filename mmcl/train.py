@@ -293,6 +293,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         log(report)
     models.apply_locks(model, cfg.model)
     objective = losses.build_objective(cfg.loss)
+    objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     optimizer = build_optimizer(model, cfg.optim)
     stream = data_mod.build_train_stream(cfg.data, train_tf, tokenizer, seed=cfg.train.seed,
                                          rank=accelerator.process_index, world_size=accelerator.num_processes)
