@@ -17,8 +17,8 @@ Formats (``export(model_path, fmt, out_dir)``):
                  ``text_encoder.onnx`` (``text`` (B,L) int64 token ids -> ``text_embeds`` (B,D)), both with a
                  dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json`` with the preprocessing.
 
-Every export is written to a temporary directory beside ``out_dir`` and moved into place only after its
-embeddings have been checked against the source model (`verify`), so a failed export leaves nothing behind.
+Every export is written to a temporary directory beside ``out_dir``, moved into place, and checked there against the
+source model (`verify`); a failed export is removed and an earlier export in ``out_dir`` is put back.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -53,6 +53,8 @@ MIN_COSINE = {"open_clip": 0.9999, "safetensors": 0.9999, "hf": 0.9999, "onnx": 
 
 # open_clip's SimpleTokenizer names its special tokens differently from the CLIP tokenizer transformers ships;
 # the ids are the same, so the HF files use the transformers names and keep open_clip's ids.
+_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "special_tokens", "merges", "spiece", "sentencepiece",
+                            "added_tokens")
 _HF_SPECIAL_TOKENS = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
 
 
@@ -82,16 +84,26 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
     writer = {"open_clip": _write_open_clip, "safetensors": _write_safetensors, "hf": _write_hf,
               "onnx": _write_onnx}[fmt]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    final = out_dir.resolve()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        writer(model, model_cfg, pp_cfg, src_dir, tmp)
-        cosine = verify_export(model, model_cfg, tmp, fmt) if verify else None
-        marker = {"format": fmt, "source": str(src_dir.resolve()), "min_cosine_vs_source": cosine}
-        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-        _replace_dir(tmp, out_dir)
+        writer(model, model_cfg, pp_cfg, src_dir, tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # Verified in its final place: an export may name its own directory (a Hugging Face text tower's config).
+    old = _swap_in(tmp, out_dir)
+    try:
+        cosine = verify_export(model, model_cfg, out_dir, fmt) if verify else None
+        marker = {"format": fmt, "source": str(src_dir.resolve()), "min_cosine_vs_source": cosine}
+        (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if old is not None:
+            os.replace(old, out_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -103,47 +115,59 @@ def _check_out_dir(out_dir: Path) -> None:
                           f"(expected a new or empty directory; choose another --out)")
 
 
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
+def _swap_in(tmp: Path, out_dir: Path) -> Optional[Path]:
+    """Move `tmp` to `out_dir`; an earlier export there is moved aside and returned (None if there was none)."""
+    old = None
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
+    os.replace(tmp, out_dir)
+    return old
 
 
 # ------------------------------------------------------------------------------------------------------------
 # open_clip and safetensors
 
 
-def _portable_model_cfg(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """The model config with a local Hugging Face tower path made absolute, so the export loads from any cwd."""
+def _portable_model_cfg(model_cfg: Dict[str, Any], final: Path) -> Dict[str, Any]:
+    """The model config as the export stores it: a Hugging Face text tower is read from the export itself.
+
+    The export holds the tower's ``config.json`` and tokenizer files (`_write_text_tower_files`), so
+    ``hf_model_name`` names the export's absolute path and open_clip's ``local-dir:`` loader needs nothing else.
+    A tower known only by a hub id without local files keeps that id.
+    """
     cfg = copy.deepcopy(model_cfg)
     text_cfg = cfg.get("text_cfg", {})
-    for key in ("hf_model_name", "hf_tokenizer_name"):
-        name = text_cfg.get(key)
-        if name and os.path.isdir(name):
-            text_cfg[key] = str(Path(name).resolve())
+    text_cfg.pop("hf_model_pretrained", None)
+    if text_cfg.get("hf_model_name"):
+        text_cfg["hf_model_name"] = str(final)
+        if text_cfg.get("hf_tokenizer_name"):
+            text_cfg["hf_tokenizer_name"] = str(final)
     return cfg
 
 
-def _copy_tokenizer_files(model_cfg: Dict[str, Any], src_dir: Path, out: Path) -> None:
-    """open_clip's get_tokenizer('local-dir:...') reads a Hugging Face tokenizer from the directory itself."""
-    hf_name = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
-    if not hf_name:
+def _write_text_tower_files(model, model_cfg: Dict[str, Any], src_dir: Path, out: Path,
+                            config: bool = True) -> None:
+    """A Hugging Face text tower's ``config.json`` (from the live model) and tokenizer files, into `out`."""
+    text_cfg = model_cfg.get("text_cfg", {})
+    if not text_cfg.get("hf_model_name"):
         return
-    sources = [src_dir] + ([Path(hf_name)] if os.path.isdir(hf_name) else [])
-    for folder in sources:
-        names = [n for n in os.listdir(folder) if n.startswith(("tokenizer", "vocab", "special_tokens", "merges",
-                                                                  "spiece", "sentencepiece"))]
+    if config:
+        model.text.config.to_json_file(str(out / "config.json"))
+    hf_name = text_cfg.get("hf_tokenizer_name") or text_cfg["hf_model_name"]
+    for folder in [src_dir] + ([Path(hf_name)] if os.path.isdir(hf_name) else []):
+        names = [n for n in os.listdir(folder) if n.startswith(_TOKENIZER_FILE_PREFIXES)]
         if names:
             for name in names:
                 shutil.copy2(folder / name, out / name)
             return
-    # A hub id with no local files: open_clip will fetch it by name, which works only where the hub is reachable.
-    warnings.warn(f"tokenizer files of the text tower '{hf_name}' are not local; the open_clip export refers to "
-                  f"them by name")
+    from transformers import AutoTokenizer
+
+    try:  # a hub id already in the local cache
+        AutoTokenizer.from_pretrained(hf_name).save_pretrained(str(out))
+    except OSError as err:
+        raise CheckpointError(f"cannot find the text tower's tokenizer files (got '{hf_name}', not in {src_dir} "
+                              f"nor in the local Hugging Face cache: {str(err).splitlines()[0]})") from None
 
 
 def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Dict[str, str] = None) -> None:
@@ -155,18 +179,17 @@ def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Dic
     (out / models.CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def _write_open_clip(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
-    cfg = _portable_model_cfg(model_cfg)
-    _write_weights_and_config(model, cfg, pp_cfg, out)
-    _copy_tokenizer_files(cfg, src_dir, out)
+def _write_open_clip(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
+    _write_weights_and_config(model, _portable_model_cfg(model_cfg, final), pp_cfg, out)
+    _write_text_tower_files(model, model_cfg, src_dir, out)
 
 
-def _write_safetensors(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
-    cfg = _portable_model_cfg(model_cfg)
+def _write_safetensors(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
+    cfg = _portable_model_cfg(model_cfg, final)
     # safetensors metadata is str -> str; JSON keeps the nested config readable by any safetensors reader.
     metadata = {"format": "pt", "mmcl_model_cfg": json.dumps(cfg), "mmcl_preprocess_cfg": json.dumps(pp_cfg)}
     _write_weights_and_config(model, cfg, pp_cfg, out, metadata)
-    _copy_tokenizer_files(cfg, src_dir, out)
+    _write_text_tower_files(model, model_cfg, src_dir, out)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -347,7 +370,7 @@ def hf_image_processor(pp_cfg: Dict[str, Any]):
                               crop_size={"height": h, "width": w}, **common)
 
 
-def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
+def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
     from transformers import CLIPModel, CLIPProcessor
 
     config = hf_clip_config(model_cfg)
@@ -405,7 +428,7 @@ def _example_tokens(model_cfg: Dict[str, Any], batch: int) -> torch.Tensor:
     return tokenizer([captions[i % len(captions)] for i in range(batch)])
 
 
-def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
+def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
     images, tokens = _example_inputs(model_cfg, batch=2)
     with warnings.catch_warnings():
         # The TorchScript-based exporter is used on purpose: torch's dynamo exporter needs onnxscript, an extra
@@ -421,9 +444,10 @@ def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path) -> None:
     meta = {"image_encoder": ONNX_IMAGE_FILE, "text_encoder": ONNX_TEXT_FILE, "embed_dim": model_cfg["embed_dim"],
             "context_length": text_cfg.get("context_length", 77),
             "tokenizer": text_cfg.get("hf_tokenizer_name") or "open_clip SimpleTokenizer (CLIP BPE)",
-            "preprocess_cfg": pp_cfg, "model_cfg": _portable_model_cfg(model_cfg), "outputs": "L2-normalised"}
+            "preprocess_cfg": pp_cfg, "model_cfg": _portable_model_cfg(model_cfg, final),
+            "outputs": "L2-normalised"}
     (out / ONNX_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    _copy_tokenizer_files(model_cfg, src_dir, out)
+    _write_text_tower_files(model, model_cfg, src_dir, out, config=False)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -196,3 +196,46 @@ def test_cli_export(model_dir, tmp_path, capsys):
     assert "exported safetensors" in capsys.readouterr().out
     assert cli.main(["export", "--model", str(tmp_path / "missing"), "--format", "onnx", "--out",
                      str(tmp_path / "d")]) == 2
+
+
+def test_hugging_face_text_tower_exports_are_self_contained(tmp_path):
+    """A CustomTextCLIP (BERT-like text tower) exports to open_clip and ONNX; the exports outlive their sources."""
+    import shutil
+
+    import open_clip
+    import onnxruntime as ort
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    from mmcl.config import ModelConfig, TextTowerConfig
+
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "a red green blue circle square photo of".split()
+    (bert / "vocab.txt").write_text("\n".join(words + list("abcdefghijklmnopqrstuvwxyz")) + "\n")
+    BertTokenizerFast(vocab_file=str(bert / "vocab.txt")).save_pretrained(str(bert))
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(words) + 26, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=32)).save_pretrained(str(bert))
+    cfg = models.resolve_model_config(ModelConfig(name="tiny", text=TextTowerConfig(hf=str(bert)), context_length=16))
+    cfg["vision_cfg"].update(layers=1, image_size=32)
+    src = models.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg), tmp_path / "src")
+    model, preprocess, tokenizer = models.load(src)
+    pixels = torch.rand(2, 3, 32, 32)
+    tokens = tokenizer(["a red circle", "blue square photo"])
+    with torch.no_grad():
+        ref_img, ref_txt = model.encode_image(pixels, normalize=True), model.encode_text(tokens, normalize=True)
+    oc_dir = export_mod.export(src, "open_clip", tmp_path / "oc")
+    onnx_dir = export_mod.export(src, "onnx", tmp_path / "onnx")
+    with pytest.raises(ConfigError, match="Hugging Face text tower"):
+        export_mod.export(src, "hf", tmp_path / "hf")
+    shutil.rmtree(bert)
+    shutil.rmtree(src)
+    oc_model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{oc_dir}")
+    oc_tok = open_clip.get_tokenizer(f"local-dir:{oc_dir}")
+    assert torch.equal(oc_tok(["a red circle", "blue square photo"]), tokens)
+    with torch.no_grad():
+        oc_model.eval()
+        assert _cos(oc_model.encode_text(tokens, normalize=True), ref_txt).min() >= COS_SAME_MATH
+        assert _cos(oc_model.encode_image(pixels, normalize=True), ref_img).min() >= COS_SAME_MATH
+    txt = ort.InferenceSession(str(onnx_dir / export_mod.ONNX_TEXT_FILE), providers=["CPUExecutionProvider"])
+    assert _cos(txt.run(None, {"text": tokens.numpy()})[0], ref_txt).min() >= COS_ONNX
