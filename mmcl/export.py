@@ -170,7 +170,8 @@ def _write_text_tower_files(model, model_cfg: Dict[str, Any], src_dir: Path, out
                               f"nor in the local Hugging Face cache: {str(err).splitlines()[0]})") from None
 
 
-def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Dict[str, str] = None) -> None:
+def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Optional[Dict[str, str]] = None
+                              ) -> None:
     from safetensors.torch import save_file
 
     state = models._state_dict_for_saving(model)

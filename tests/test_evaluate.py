@@ -1,7 +1,6 @@
 """Zero-shot, retrieval and linear-probe evaluation on hand-built cases with known answers."""
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
