@@ -95,13 +95,21 @@ class TiledLogSumExp(torch.autograd.Function):
     Backward recomputes each block once and applies ``G = g_row * softmax_row + g_col * softmax_col``: with
     E = exp(L - sigma) and S the shifted sums, softmax_row_ij = E_ij / S_i, so ``G = E * (g_row/S_row + g_col/S_col)``
     and both directions cost one elementwise product. Half-precision inputs are computed in float32.
+
+    With ``positive_offset`` set, the outputs are per-row InfoNCE losses ``lse_i - L[i, offset + i]`` (and for
+    columns ``col_lse_j - L[j, j]``, which needs offset 0 and n == M): folding the positive logit in here keeps
+    its gradient in the same buffers instead of two more (n, D) tensors.
+
+    Args (apply): queries (n, D), keys (M, D), logit_scale 0-dim, chunk_size int, with_cols bool,
+    positive_offset int or None. Returns (n,) [and (M,)] in float32 for half inputs, else the input dtype.
     """
 
     @staticmethod
-    def forward(ctx, queries: Tensor, keys: Tensor, logit_scale: Tensor, chunk_size: int, with_cols: bool):
+    def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None):
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
+        assert positive_offset is None or not with_cols or (positive_offset == 0 and n == m), "square batch expected"
         neg_sigma = -(scale.abs() * q32.norm(dim=1).max() * k32.norm(dim=1).max())
         row_sum = torch.zeros(n, dtype=acc, device=q32.device)
         col_sum = torch.zeros(m if with_cols else 0, dtype=acc, device=q32.device)
@@ -123,10 +131,14 @@ class TiledLogSumExp(torch.autograd.Function):
             col_bad = col_sum < n * tiny
             if col_bad.any():
                 col_lse[col_bad] = _online_lse(k32[col_bad] * scale, q32, chunk_size)
-        ctx.chunk_size, ctx.with_cols = chunk_size, with_cols
+        ctx.chunk_size, ctx.with_cols, ctx.positive_offset = chunk_size, with_cols, positive_offset
         ctx.save_for_backward(
             queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad
         )
+        if positive_offset is not None:
+            positive = scale * torch.linalg.vecdot(q32, k32[positive_offset:positive_offset + n])  # (n,)
+            row_lse = row_lse - positive
+            col_lse = col_lse - positive if with_cols else None
         if with_cols:
             return row_lse, col_lse
         return row_lse
@@ -163,12 +175,20 @@ class TiledLogSumExp(torch.autograd.Function):
         if use_cols and col_bad.any():
             cols = col_bad.nonzero().squeeze(1)
             _exact_softmax_grad(k32[cols], q32, scale, col_lse[cols], grad_col.to(acc)[cols], c, grad_k, grad_q, cols)
+        off = ctx.positive_offset
+        if off is not None:
+            # d(-L[i, off+i]) / dL = -1 at the positive, from the row loss and (with columns) the column loss.
+            diag = grad_row + grad_col.to(acc) if use_cols else grad_row
+            n = q32.shape[0]
+            grad_q.addcmul_(k32[off:off + n], diag[:, None], value=-1)
+            grad_k[off:off + n].addcmul_(q32, diag[:, None], value=-1)
         # dL/ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G K)_i, which reuses the unscaled query gradient.
         grad_scale = torch.dot(q32.reshape(-1), grad_q.reshape(-1))
         return (
             grad_q.mul_(scale).to(queries.dtype),
             grad_k.mul_(scale).to(keys.dtype),
             grad_scale.to(logit_scale.dtype).reshape(logit_scale.shape),
+            None,
             None,
             None,
         )
@@ -291,8 +311,7 @@ def infonce_rows(
         logits = logit_scale * (queries @ keys.T)
         target = torch.arange(offset, offset + n, device=queries.device)
         return F.cross_entropy(logits.to(_acc_dtype(logits.dtype)), target, reduction="none")
-    lse = TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, False)
-    return lse - _positive_logits(queries, keys, logit_scale, offset)
+    return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, False, offset)
 
 
 def clip_loss(
@@ -331,9 +350,10 @@ def clip_loss(
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
     if single:
         # One pass over the blocks gives both directions: the text->image rows are the image->text columns.
-        row_lse, col_lse = TiledLogSumExp.apply(image_features, text_features, logit_scale, chunk_size, True)
-        positive = _positive_logits(image_features, text_features, logit_scale, 0)
-        return (row_lse.mean() + col_lse.mean()) / 2 - positive.mean()
+        image_to_text, text_to_image = TiledLogSumExp.apply(
+            image_features, text_features, logit_scale, chunk_size, True, 0
+        )
+        return (image_to_text.mean() + text_to_image.mean()) / 2
     image_to_text = infonce_rows(image_features, all_txt, logit_scale, offset, chunk_size)
     text_to_image = infonce_rows(text_features, all_img, logit_scale, offset, chunk_size)
     return (image_to_text.mean() + text_to_image.mean()) / 2

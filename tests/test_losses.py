@@ -112,6 +112,9 @@ def test_tiled_logsumexp_gradcheck():
     for with_cols in (False, True):
         for chunk in (2, 3, 16):
             assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q, k, s, chunk, with_cols), (q, k, s))
+    # With the positive logit folded in: rows against a longer key set at an offset, and the square case.
+    assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q[:3], k, s, 2, False, 1), (q, k, s))
+    assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q[:5], k, s, 2, True, 0), (q, k, s))
 
 
 def _mixed_norms(dtype, big):
@@ -140,6 +143,7 @@ def test_tiled_logsumexp_gradcheck_with_exact_fallback():
     s = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
     for with_cols in (False, True):
         assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q, k, s, 4, with_cols), (q, k, s))
+    assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q[:7], k, s, 4, True, 0), (q, k, s))
 
 
 def test_tiled_exact_fallback_matches_dense_float32():
