@@ -57,20 +57,25 @@ print(f"wrote {n} samples, {len(names)} classes, {len(templates)} templates to {
 EOF
 
 # 3. CLIP_benchmark, fp32 (--no_amp: on a CPU its default autocast computes in bfloat16).
+T0=$(date +%s.%N)
 ( cd "$WORK" && "$CB_VENV/bin/clip_benchmark" eval --model_type open_clip --model "local-dir:$WORK/export" \
     --pretrained "" --dataset wds/colour --dataset_root "$WORK/wds_colour" --task zeroshot_classification \
     --no_amp --batch_size 64 --num_workers 0 --quiet --output "$WORK/cb_colour.json" >&2 )
+T1=$(date +%s.%N)
 
 # 4. mmcl on the same shards (CLIP_benchmark layout) and on the original ImageFolder.
 "$PY" -m mmcl zeroshot --model "$WORK/export" --data "$WORK/wds_colour/test/0.tar" --out "$WORK/mmcl_wds.json" \
-    > /dev/null
+    --batch-size 64 > /dev/null
+T2=$(date +%s.%N)
 "$PY" -m mmcl zeroshot --model "$MODEL" --data "$FOLDER" --out "$WORK/mmcl_folder.json" > /dev/null
 
-# 5. One JSON line per measurement, then the comparison; non-zero exit when acc1 differs by more than 0.5 points.
-"$PY" - "$WORK" <<'EOF'
+# 5. One JSON line per measurement, the wall times, then the comparison; non-zero exit when acc1 differs by more than
+#    0.5 points.
+"$PY" - "$WORK" "$T0" "$T1" "$T2" <<'EOF'
 import json, sys
 
 work = sys.argv[1]
+t0, t1, t2 = map(float, sys.argv[2:5])
 cb = json.load(open(f"{work}/cb_colour.json"))
 rows = {"clip_benchmark": cb["metrics"], "mmcl_shards": json.load(open(f"{work}/mmcl_wds.json"))["metrics"],
         "mmcl_imagefolder": json.load(open(f"{work}/mmcl_folder.json"))["metrics"]}
@@ -79,6 +84,10 @@ for name, m in rows.items():
 ref = rows["clip_benchmark"]["acc1"]
 diffs = {k: 100 * abs(v["acc1"] - ref) for k, v in rows.items() if k != "clip_benchmark"}
 ok = all(d <= 0.5 for d in diffs.values())
+# wall time of each whole command (process start, model load, data, metrics), same batch size, one process
+print(json.dumps({"bench": "clip_benchmark_check", "wall_s_clip_benchmark": round(t1 - t0, 1),
+                  "wall_s_mmcl": round(t2 - t1, 1),
+                  "ratio_wall_mmcl_over_clip_benchmark": round((t2 - t1) / (t1 - t0), 3)}))
 print(json.dumps({"bench": "clip_benchmark_check", "acc1_diff_points_vs_clip_benchmark": diffs,
                   "ratio_acc1_mmcl_over_clip_benchmark": rows["mmcl_shards"]["acc1"] / ref if ref else None,
                   "agree_within_0.5_points": ok}))
