@@ -437,6 +437,9 @@ def decode_image(data: bytes, max_pixels: int, draft_size: Optional[Tuple[int, i
         try:
             if draft_size is not None and img.format == "JPEG":
                 img.draft("RGB", draft_size)
+            if img.mode == "RGB":
+                img.load()  # decode now, so a cut-off file is reported here; convert() would only copy
+                return img
             return img.convert("RGB")
         except Exception as err:
             raise SkipSample("decode", f"{type(err).__name__}: {err}")
@@ -495,21 +498,28 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
         return preprocess(img), caption, label
     # Only the CPU generator and Python's `random` (used by some open_clip transforms) are reseeded, and
     # both are restored, so the caller's RNG streams (including CUDA's) are untouched.
-    py_state = random.getstate()
+    py_state, torch_state = random.getstate(), torch.get_rng_state()
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(aug_seed)
-            random.seed(aug_seed)
-            tensor = preprocess(img)
+        torch.default_generator.manual_seed(aug_seed)
+        random.seed(aug_seed)
+        tensor = preprocess(img)
     finally:
         random.setstate(py_state)
+        torch.set_rng_state(torch_state)
     return tensor, caption, label
 
 
 def _mix(*values: int) -> int:
-    """A 63-bit seed from integers (order matters), for per-sample and per-block RNGs."""
-    return int(np.random.SeedSequence([v & 0xFFFFFFFF for v in values] + [len(values)]).generate_state(2,
-               dtype=np.uint64)[0] >> np.uint64(1))
+    """A 63-bit seed from integers (order matters), for per-sample RNGs: splitmix64 (Steele et al. 2014)
+    folded over the values; a few integer operations, so it costs nothing next to decoding."""
+    mask = (1 << 64) - 1
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & mask)) + 0x9E3779B97F4A7C15 & mask
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & mask
+        h ^= h >> 31
+    return h >> 1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -690,8 +700,12 @@ def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], 
     text = tokenizer(captions)
     if not isinstance(text, torch.Tensor):
         text = torch.as_tensor(text)
-    return {"image": torch.stack(images), "text": text.long(), "label": torch.tensor(labels, dtype=torch.long),
-            "key": list(keys)}
+    out = None
+    if torch.utils.data.get_worker_info() is not None:
+        # Stacking straight into shared memory saves the copy the DataLoader's queue would make to send it.
+        out = torch.empty((len(images),) + tuple(images[0].shape), dtype=images[0].dtype).share_memory_()
+    return {"image": torch.stack(images, out=out), "text": text.long(),
+            "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
 
 
 class TrainStream:
