@@ -136,3 +136,152 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path):
     assert single.keys() == ddp["grads"].keys()
     for name in single:
         torch.testing.assert_close(ddp["grads"][name], single[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from mmcl.demo import make_demo_data
+
+    root = tmp_path_factory.mktemp("demo")
+    return make_demo_data(str(root), n_train=768, n_val=32, n_zeroshot=8, shard_size=96, progress=False)
+
+
+def run_args(demo, out, *extra):
+    return ["--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}", f"train.output_dir={out}",
+            "eval.zeroshot=null", "train.progress=false", "train.plot=false", "data.shuffle_buffer=64", *MICRO,
+            *extra]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "model" / "open_clip_model.safetensors"))
+
+
+def metrics(run_dir):
+    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_learns_on_demo_data(demo, tmp_path):
+    from mmcl.cli import main
+
+    out = tmp_path / "run"
+    args = run_args(demo, out, "train.steps=60", "data.batch_size=32", "train.log_every=5", "optim.lr=2e-3",
+                    "optim.warmup_steps=5", f"eval.zeroshot={demo['zeroshot_colour']}", "train.save_every=0")
+    assert main(["train", *args]) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(5, 61, 5))
+    for key in ("samples", "loss", "loss/clip", "lr", "logit_scale", "samples_per_s", "align", "uniform_image",
+                "uniform_text", "data/skipped"):
+        assert key in rows[0], key
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    # ln(32) = 3.47 is the loss of a model that has learned nothing; a learning model goes well below it.
+    assert first > 3.0 and last < first - 0.5, (first, last)
+    acc = rows[-1]["eval/zeroshot_classification/colour/acc1"]
+    # 8 colours: chance is 0.125; this 60-step micro model reaches about 0.4 (the tiny config's demo: see README).
+    assert acc >= 0.25, acc
+    assert (out / "config.yaml").is_file() and (out / "model" / "open_clip_model.safetensors").is_file()
+
+    import mmcl
+
+    model, preprocess, tokenizer = mmcl.load(out)
+    with torch.no_grad():
+        f = model.encode_text(tokenizer(["a red circle"]), normalize=True)
+    assert f.shape == (1, 32) and torch.allclose(f.norm(dim=-1), torch.ones(1))
+
+
+def _python_mmcl(args, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "mmcl", "train", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(demo, tmp_path):
+    common = ["train.steps=16", "train.save_every=2", "train.keep_checkpoints=2", "data.batch_size=16",
+              "data.workers=2", "train.log_every=2"]
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    p = _python_mmcl(run_args(demo, ref, *common))
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+
+    p = _python_mmcl(run_args(demo, killed, *common))
+    deadline = time.time() + 600
+    while latest_checkpoint(killed / "checkpoints") is None and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert not (killed / "model").exists(), "the run finished before it could be killed"
+    ckpt = latest_checkpoint(killed / "checkpoints")
+    assert ckpt is not None
+
+    p = _python_mmcl(run_args(demo, killed, *common))
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    resumed = [ln for ln in out.splitlines() if "resuming from" in ln]
+    assert len(resumed) == 1 and "at step" in resumed[0], out
+
+    a, b = final_weights(ref), final_weights(killed)
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-5, worst
+    steps = [r["step"] for r in metrics(killed)]
+    assert steps == sorted(set(steps)) and steps[-1] == 16  # no step logged twice after the resume
+
+
+def test_half_written_checkpoints_are_never_picked(demo, tmp_path):
+    out = tmp_path / "run"
+    cfg = load_config(None, run_args(demo, out, "train.steps=4", "train.save_every=2", "data.batch_size=8",
+                                     "data.workers=0")[2:])
+    train(cfg)
+    ckpts = out / "checkpoints"
+    good = latest_checkpoint(ckpts)
+    assert good is not None and good.name == "step-00000004"
+    # What a kill during saving leaves behind: a temp dir, a renamed dir without its marker, a stale pointer.
+    (ckpts / ".tmp-step-00000006").mkdir()
+    (ckpts / "step-00000008").mkdir()
+    (ckpts / "step-00000008" / "model.safetensors").write_bytes(b"\0" * 10)
+    (ckpts / "latest").write_text("step-00000008")
+    assert latest_checkpoint(ckpts) == good
+    assert [c.name for c in list_checkpoints(ckpts)] == ["step-00000002", "step-00000004"]
+
+    # Resuming goes on from the complete checkpoint (step 4) to the new end.
+    cfg2 = load_config(None, run_args(demo, out, "train.steps=6", "train.save_every=2", "data.batch_size=8",
+                                      "data.workers=0")[2:])
+    train(cfg2)
+    assert [r["step"] for r in metrics(out)] == [4, 6]  # log_every=10: the last step of each run is logged
+    assert latest_checkpoint(ckpts).name == "step-00000006"
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
+    import mmcl.train as train_mod
+
+    real = train_mod.train_step
+    calls = {"n": 0}
+
+    def poisoned(model, objective, batches, accelerator):
+        loss, terms, backward = real(model, objective, batches, accelerator)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            loss = loss * float("nan")
+        return loss, terms, backward
+
+    monkeypatch.setattr(train_mod, "train_step", poisoned)
+    out = tmp_path / "run"
+    cfg = load_config(None, run_args(demo, out, "train.steps=4", "train.save_every=2", "data.batch_size=8",
+                                     "data.workers=0", "train.log_every=1", f"train.nan_policy={policy}")[2:])
+    if policy == "stop":
+        with pytest.raises(TrainingError, match=r"at step 3; last good checkpoint: .*step-00000002"):
+            train(cfg)
+        assert latest_checkpoint(out / "checkpoints").name == "step-00000002"
+        assert not (out / "model").exists()
+    else:
+        train(cfg)
+        rows = metrics(out)
+        assert [r["step"] for r in rows] == [1, 2, 4]  # step 3 was skipped, not logged as a number
+        assert all(math.isfinite(r["loss"]) for r in rows)
+        state = torch.load(latest_checkpoint(out / "checkpoints") / "custom_checkpoint_0.pkl", weights_only=False)
+        assert state["skipped_steps"] == 1 and state["step"] == 4
