@@ -6,7 +6,9 @@ shards hold photo-like JPEGs of about 500 px (smooth gradients, shapes and noise
 
     python bench/bench_data.py [--samples 1536] [--workers 2] [--batch 64] [--rounds 2]
 
-Prints one JSON line per loader and round, then one line of ratios (best round of each loader).
+Prints one JSON line per loader and round, then one line of ratios: best round of each loader, the
+median over rounds of the ratio within a round, and the ratio of median samples per CPU second (the
+loaders' own cost, which the load of a shared machine does not change).
 """
 
 from __future__ import annotations
@@ -79,19 +81,42 @@ def ours_loader(spec, preprocess, tokenizer, batch, workers, shuffle, fast):
     return build_train_stream(cfg, preprocess, tokenizer, seed=0)
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its live children (the DataLoader workers), from /proc.
+
+    On a shared machine wall time depends on what else runs; CPU time per sample measures the loader's
+    own cost.
+    """
+    me = os.getpid()
+    total = sum(os.times()[:2])
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[1]) == me:  # fields[1] is the parent pid; utime and stime follow at 11 and 12
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def measure(loader, n_batches: int, batch: int):
-    """Samples/s over n_batches after the first batch (worker start-up and the first shuffle fill excluded)."""
+    """(samples per wall second, samples per CPU second) over n_batches after the first batch (worker
+    start-up and the first shuffle fill excluded)."""
     it = iter(loader)
     first = next(it)
     assert first[0 if isinstance(first, (tuple, list)) else "image"].shape[-1] == 224
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     for _ in range(n_batches):
         next(it)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     if hasattr(it, "close"):
         it.close()
     del it
-    return n_batches * batch / elapsed
+    return n_batches * batch / elapsed, n_batches * batch / cpu
 
 
 def main() -> None:
@@ -125,19 +150,32 @@ def main() -> None:
             "mmcl_fast_decode": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers,
                                                     args.shuffle, True),
         }
-        best = {}
+        best, rates, per_cpu = {}, {name: [] for name in loaders}, {name: [] for name in loaders}
         for rnd in range(args.rounds):
             for name, make in loaders.items():
-                rate = measure(make(), n_batches, args.batch)
+                rate, cpu_rate = measure(make(), n_batches, args.batch)
                 best[name] = max(best.get(name, 0.0), rate)
+                rates[name].append(rate)
+                per_cpu[name].append(cpu_rate)
                 print(json.dumps({"bench": "data", "loader": name, "round": rnd, "device": "cpu", "cpu": cpu,
                                   "workers": args.workers, "batch": args.batch, "image_size": 224,
-                                  "samples_per_s": round(rate, 1)}), flush=True)
+                                  "samples_per_s": round(rate, 1), "samples_per_cpu_s": round(cpu_rate, 2)}),
+                      flush=True)
         ref = best["webdataset"]
         print(json.dumps({"bench": "data", "reference": "webdataset.WebDataset(...).decode('pil')",
                           "ratio_mmcl": round(best["mmcl"] / ref, 3),
                           "ratio_mmcl_fast_decode": round(best["mmcl_fast_decode"] / ref, 3),
-                          "best_samples_per_s": {k: round(v, 1) for k, v in best.items()}}), flush=True)
+                          "best_samples_per_s": {k: round(v, 1) for k, v in best.items()},
+                          # Ratios within each round (loaders run back to back) are less exposed to load drift.
+                          "median_round_ratio_mmcl": round(float(np.median(
+                              np.array(rates["mmcl"]) / np.array(rates["webdataset"]))), 3),
+                          "median_round_ratio_mmcl_fast_decode": round(float(np.median(
+                              np.array(rates["mmcl_fast_decode"]) / np.array(rates["webdataset"]))), 3),
+                          "cpu_cost_ratio_mmcl": round(float(np.median(per_cpu["mmcl"]) /
+                                                             np.median(per_cpu["webdataset"])), 3),
+                          "cpu_cost_ratio_mmcl_fast_decode": round(float(np.median(per_cpu["mmcl_fast_decode"]) /
+                                                                         np.median(per_cpu["webdataset"])), 3)}),
+              flush=True)
 
 
 if __name__ == "__main__":

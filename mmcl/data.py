@@ -6,18 +6,23 @@ sample (``KEY.jpg|jpeg|png|webp`` image, ``KEY.txt`` caption, optional ``KEY.cls
 the standard library's streaming tar reader, which lets the loader skip already-consumed samples by their
 position without reading their image bytes into the decoder, and turn a cut-off tar into a counted skip.
 
-Training pipeline, one stage per function (see `TrainStream`)::
+Training pipeline, one stage per function, chained by `role_batches` (see `TrainStream`)::
 
     expand_sources        spec -> shard URLs per '::'-separated source
     epoch_shard_plan      (seed, epoch, slot) -> this slot's shards, in this epoch's order
     read_raw_samples      shards -> raw samples (bytes per extension), position after each
-    shuffle_blocks        raw samples -> blocks of `shuffle_buffer`, permuted by a seeded RNG
+    shuffle_block         blocks of `shuffle_buffer` raw samples -> a permutation from a seeded RNG
     decode_sample         raw sample -> (image tensor, caption, label) or a skip reason
     collate               samples -> batch dict, captions tokenized
 
 A *slot* is one (rank, worker) pair: ``slot = rank * workers + worker``. Each slot reads a disjoint set
 of shards per epoch, or, when there are fewer shards than slots, every shard with sample index modulo the
 number of slots, so that each sample is seen once per epoch across all ranks and workers.
+
+Shuffling permutes fixed blocks rather than sampling from a rolling buffer, so a worker's position is
+three numbers: the epoch, where its current block starts (shard ordinal, sample index) and how many
+samples of the block it has emitted. Resuming re-reads that one block from its start (tar headers only
+for what comes before it) and drops the emitted part before decoding; nothing else is replayed.
 """
 
 from __future__ import annotations
@@ -583,6 +588,15 @@ class _SlotStreams(torch.utils.data.IterableDataset):
         yield from role_batches(self.s, role, self.starts[role])
 
 
+def shuffle_block(n: int, seed: int, slot: int, epoch: int, start: Tuple[int, int]) -> np.ndarray:
+    """The order (int64 (n,), a permutation) in which a block of n raw samples is emitted.
+
+    Seeded by the block's identity (seed, slot, epoch, start position), so a resumed stream that re-reads
+    the block from `start` emits it in the same order.
+    """
+    return np.random.default_rng([seed & 0xFFFFFFFF, slot, epoch, start[0], start[1], 2]).permutation(n)
+
+
 def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
     """Infinite batches of one worker role, starting at position `start`; each carries ``__state__``."""
     rank, n_roles = s["rank"], s["n_roles"]
@@ -609,8 +623,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                     break
             if not block:
                 break
-            perm = np.random.default_rng(
-                [s["seed"] & 0xFFFFFFFF, slot, epoch, shard, sample, 2]).permutation(len(block))
+            perm = shuffle_block(len(block), s["seed"], slot, epoch, (shard, sample))
             for j in range(emitted, len(block)):
                 item = block[perm[j]]
                 emitted = j + 1

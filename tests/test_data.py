@@ -382,6 +382,15 @@ def test_epoch_shard_plan_partitions_and_reshuffles():
     assert orders[0] == [u for u, _ in data.epoch_shard_plan(sources, 0, 0, 0, 1)]
 
 
+def test_shuffle_block_is_a_seeded_permutation():
+    a = data.shuffle_block(50, 0, 1, 2, (3, 4))
+    assert sorted(a.tolist()) == list(range(50))
+    assert np.array_equal(a, data.shuffle_block(50, 0, 1, 2, (3, 4)))
+    others = [data.shuffle_block(50, *args) for args in ((1, 1, 2, (3, 4)), (0, 2, 2, (3, 4)), (0, 1, 3, (3, 4)),
+                                                        (0, 1, 2, (3, 5)))]
+    assert all(not np.array_equal(a, o) for o in others)
+
+
 def test_read_raw_samples_positions_and_pipe(tmp_path):
     path = tmp_path / "p.tar"
     write_tar(path, [m for j in range(5) for m in good_members(f"k{j}", j)])
@@ -467,7 +476,8 @@ def test_shards_from_image_folder_and_eval(image_folder, tmp_path, capsys):
     ds = data.build_eval_dataset(str(out / "shard-{000000..000001}.tar"), PREPROCESS)
     assert ds.classnames == ["cat face", "dog"]
     items = list(ds)
-    assert [(lab, cap) for _, lab, cap, _ in items] == [(0, "a photo of a cat face.")] * 3 + [(1, "a photo of a dog.")] * 3
+    expected = [(0, "a photo of a cat face.")] * 3 + [(1, "a photo of a dog.")] * 3
+    assert [(lab, cap) for _, lab, cap, _ in items] == expected
     loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2)
     keys = [k for batch in loader for k in batch[3]]
     assert sorted(keys) == sorted(k for *_, k in items)
