@@ -477,6 +477,7 @@ def parse_label(data: Optional[bytes]) -> int:
 
 
 def image_bytes(files: Dict[str, bytes]) -> Optional[bytes]:
+    """The encoded image of a raw sample (first of jpg, jpeg, png, webp), or None when it has none."""
     for ext in IMAGE_EXTS:
         if ext in files:
             return files[ext]
@@ -920,7 +921,7 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
     """WebDataset shards for evaluation: each sample once, in shard order; items (image, label, caption, key).
 
     ``label`` is the ``.cls`` value (-1 when absent), ``caption`` the ``.txt`` text ("" when absent).
-    Samples without a readable image are skipped, counted in ``skipped`` and warned about. Under a
+    Samples without a readable image are skipped, counted in ``skipped`` (of this process) and warned about. Under a
     DataLoader with workers, shards (or, with fewer shards than workers, samples) are split across them.
     ``classnames``/``templates`` come from ``classnames.txt`` and ``templates.txt`` (or CLIP_benchmark's
     ``zeroshot_classification_templates.txt``) next to the shards, when present.
