@@ -13,9 +13,9 @@ the summing all-gather backward each rank holds ``W`` times the global gradient 
 DDP's averaging of parameter gradients turns that into exactly the global-batch gradient.
 
 Memory. ``chunk_size`` switches the softmax losses (clip, supcon, debiased, hard-negative) to a tiled
-computation (`TiledLogSumExp`): blocks of ``chunk_size x chunk_size`` logits are formed, reduced into row
-and column sums and dropped; backward recomputes each block once. Extra memory is
-O((n + M) * D + chunk_size**2) instead of O(n * M), with the same value and gradients as the dense
+computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to 2^23 / chunk_size columns) of the
+logits are formed, reduced into row and column sums and dropped; backward recomputes each tile once. Extra
+memory is O((n + M) * D) plus two tiles instead of O(n * M), with the same value and gradients as the dense
 computation, which stays in this module as the specification. SigLIP and MoCHi stay dense (n x M).
 
 `ContrastiveObjective` (built by `build_objective` from `mmcl.config.LossConfig`) combines the weighted
@@ -55,6 +55,13 @@ __all__ = [
 
 # Logged metrics only need a sample of the batch; pairwise uniformity is quadratic in it.
 _METRIC_MAX_ITEMS = 4096
+# Tiles of the logit matrix span chunk_size rows and enough columns to hold about this many logits (32 MiB in
+# float32): few, large elementwise kernels (each a thread barrier on CPU, a launch on GPU) at bounded memory.
+_TILE_ELEMENTS = 1 << 23
+
+
+def _tile_width(chunk_size: int, n_cols: int) -> int:
+    return min(n_cols, max(chunk_size, _TILE_ELEMENTS // chunk_size))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -70,12 +77,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _online_lse(queries: Tensor, keys: Tensor, chunk_size: int) -> Tensor:
     """Exact (n,) row log-sum-exp of ``queries @ keys.T`` with a running max per row (queries pre-scaled)."""
     out = torch.empty(queries.shape[0], dtype=queries.dtype, device=queries.device)
+    width = _tile_width(chunk_size, keys.shape[0])
     for i0 in range(0, queries.shape[0], chunk_size):
         q = queries[i0:i0 + chunk_size]
         r_max = torch.full((q.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
         r_sum = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)
-        for j0 in range(0, keys.shape[0], chunk_size):
-            logits = q @ keys[j0:j0 + chunk_size].T
+        for j0 in range(0, keys.shape[0], width):
+            logits = q @ keys[j0:j0 + width].T
             new_max = torch.maximum(r_max, logits.amax(dim=1))
             r_sum = r_sum * torch.exp(r_max - new_max) + torch.exp(logits - new_max[:, None]).sum(dim=1)
             r_max = new_max
@@ -85,6 +93,9 @@ def _online_lse(queries: Tensor, keys: Tensor, chunk_size: int) -> Tensor:
 
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
+
+    Tiles are ``chunk_size`` rows by ``max(chunk_size, 2^23 / chunk_size)`` columns (at most M), so memory is
+    bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size.
 
     Every logit is at most ``sigma = |s| max|q_i| max|k_j|`` (Cauchy-Schwarz), so one shift serves every row,
     column and block: a block costs a matmul with the shift fused in (addmm), one exp, and a row and a column
@@ -113,13 +124,14 @@ class TiledLogSumExp(torch.autograd.Function):
         neg_sigma = -(scale.abs() * q32.norm(dim=1).max() * k32.norm(dim=1).max())
         row_sum = torch.zeros(n, dtype=acc, device=q32.device)
         col_sum = torch.zeros(m if with_cols else 0, dtype=acc, device=q32.device)
+        width = _tile_width(chunk_size, m)
         for i0 in range(0, n, chunk_size):
             qs = q32[i0:i0 + chunk_size] * scale  # (c, D): the scale folded into the smaller operand
-            for j0 in range(0, m, chunk_size):
-                e = torch.addmm(neg_sigma, qs, k32[j0:j0 + chunk_size].T).exp_()  # exp(L - sigma), (c, c')
+            for j0 in range(0, m, width):
+                e = torch.addmm(neg_sigma, qs, k32[j0:j0 + width].T).exp_()  # exp(L - sigma), (c, w)
                 row_sum[i0:i0 + chunk_size] += e.sum(dim=1)
                 if with_cols:
-                    col_sum[j0:j0 + chunk_size] += e.sum(dim=0)
+                    col_sum[j0:j0 + width] += e.sum(dim=0)
         tiny = torch.finfo(acc).tiny
         row_lse = torch.log(row_sum) - neg_sigma
         row_bad = row_sum < m * tiny
@@ -157,18 +169,19 @@ class TiledLogSumExp(torch.autograd.Function):
         col_coef = torch.where(col_bad, 0.0, grad_col.to(acc) / col_sum) if use_cols else None
         grad_q = torch.zeros_like(q32)  # sum_j G_ij k_j
         grad_k = torch.zeros_like(k32)  # sum_i G_ij q_i
+        width = _tile_width(c, k32.shape[0])
         for i0 in range(0, q32.shape[0], c):
             q_raw = q32[i0:i0 + c]
             qs = q_raw * scale
-            for j0 in range(0, k32.shape[0], c):
-                k = k32[j0:j0 + c]
+            for j0 in range(0, k32.shape[0], width):
+                k = k32[j0:j0 + width]
                 g = torch.addmm(neg_sigma, qs, k.T).exp_()
                 if use_cols:
-                    g.mul_(row_coef[i0:i0 + c, None] + col_coef[None, j0:j0 + c])
+                    g.mul_(row_coef[i0:i0 + c, None] + col_coef[None, j0:j0 + width])
                 else:
                     g.mul_(row_coef[i0:i0 + c, None])
                 grad_q[i0:i0 + c].addmm_(g, k)
-                grad_k[j0:j0 + c].addmm_(g.T, q_raw)
+                grad_k[j0:j0 + width].addmm_(g.T, q_raw)
         if row_bad.any():
             rows = row_bad.nonzero().squeeze(1)
             _exact_softmax_grad(q32[rows], k32, scale, row_lse[rows], grad_row[rows], c, grad_q, grad_k, rows)
@@ -198,11 +211,12 @@ def _exact_softmax_grad(a, b, scale, lse, grad, chunk_size, grad_a, grad_b, a_in
     """Add the unscaled gradients of ``sum_i grad_i * lse_i`` (lse over rows of s * a @ b.T) into grad_a/grad_b."""
     ga = torch.zeros_like(a)
     as_ = a * scale
-    for j0 in range(0, b.shape[0], chunk_size):
-        bj = b[j0:j0 + chunk_size]
+    width = _tile_width(chunk_size, b.shape[0])
+    for j0 in range(0, b.shape[0], width):
+        bj = b[j0:j0 + width]
         p = torch.addmm(-lse[:, None], as_, bj.T).exp_().mul_(grad[:, None])  # g_i * softmax_ij
         ga.addmm_(p, bj)
-        grad_b[j0:j0 + chunk_size].addmm_(p.T, a)
+        grad_b[j0:j0 + width].addmm_(p.T, a)
     grad_a.index_add_(0, a_index, ga)
 
 
@@ -329,8 +343,8 @@ def clip_loss(
     Args:
         image_features, text_features: (n, D) float, L2-normalised, row i of each is a pair.
         logit_scale: 0-dim tensor s (already exponentiated); logits are ``s * image @ text.T``.
-        chunk_size: None is the dense reference; an int computes it in ``chunk x chunk`` blocks with the same
-            value and gradients and O((n + M) * D) extra memory.
+        chunk_size: None is the dense reference; an int computes it in tiles of that many rows with the same
+            value and gradients and O((n + M) * D) extra memory plus two tiles.
         all_image_features, all_text_features: (M, D) gathered features of the whole global batch (columns);
             None when this process holds the whole batch.
         offset: global index of local row 0 within the gathered features.

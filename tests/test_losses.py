@@ -9,6 +9,7 @@ from open_clip.loss import ClipLoss, SigLipLoss
 
 from mmcl.config import LossConfig
 from mmcl.errors import ConfigError, DataError
+from mmcl import losses
 from mmcl.config import MochiConfig
 from mmcl.losses import (
     FeatureQueue,
@@ -45,6 +46,15 @@ def _grads(loss, tensors):
     return torch.autograd.grad(loss, tensors)
 
 
+@pytest.fixture(params=["default_tiles", "small_tiles"])
+def tiles(request, monkeypatch):
+    """Run a tiled test with the production tile area (whole rows at these sizes) and with tiles of 64
+    logits, so several column tiles per row block are exercised too."""
+    if request.param == "small_tiles":
+        monkeypatch.setattr(losses, "_TILE_ELEMENTS", 64)
+    return request.param
+
+
 # ---------------------------------------------------------------------- float64 references written from the papers
 
 
@@ -63,7 +73,7 @@ def ref_clip(img, txt, s):
 @pytest.mark.parametrize("n,d", [(1, 4), (7, 16), (64, 32), (130, 8)])
 @pytest.mark.parametrize("scale", [1.0, 14.3, 100.0])
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_clip_matches_open_clip_value_and_grads(n, d, scale, chunk):
+def test_clip_matches_open_clip_value_and_grads(n, d, scale, chunk, tiles):
     img, txt = _features(n, d, torch.float64, seed=n)
     s = torch.tensor(scale, dtype=torch.float64)
     a = _leaves(img, txt, s)
@@ -90,7 +100,7 @@ def test_clip_float32_close_to_float64_reference():
 
 @pytest.mark.parametrize("n,chunk", [(96, 32), (100, 32), (20, 1), (100, 100), (100, 256), (37, 5)])
 @pytest.mark.parametrize("scale", [1.0, 100.0])
-def test_tiled_matches_dense_float32(n, chunk, scale):
+def test_tiled_matches_dense_float32(n, chunk, scale, tiles):
     img, txt = _features(n, 32, torch.float32, seed=n + chunk)
     s = torch.tensor(scale)
     a, b = _leaves(img, txt, s), _leaves(img, txt, s)
@@ -104,7 +114,7 @@ def test_tiled_matches_dense_float32(n, chunk, scale):
         torch.testing.assert_close(gt, gd, rtol=1e-5, atol=floor)
 
 
-def test_tiled_logsumexp_gradcheck():
+def test_tiled_logsumexp_gradcheck(tiles):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(5, 3, dtype=torch.float64, generator=g, requires_grad=True)
@@ -135,7 +145,7 @@ def _underflowing(q, k, s):
     return (e.sum(1) < k.shape[0] * tiny).sum().item(), (e.sum(0) < q.shape[0] * tiny).sum().item()
 
 
-def test_tiled_logsumexp_gradcheck_with_exact_fallback():
+def test_tiled_logsumexp_gradcheck_with_exact_fallback(tiles):
     q, k = _mixed_norms(torch.float64, 900.0)
     bad_rows, bad_cols = _underflowing(q, k, 1.0)
     assert 0 < bad_rows < q.shape[0] and 0 < bad_cols < k.shape[0]
@@ -146,7 +156,7 @@ def test_tiled_logsumexp_gradcheck_with_exact_fallback():
     assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q[:7], k, s, 4, True, 0), (q, k, s))
 
 
-def test_tiled_exact_fallback_matches_dense_float32():
+def test_tiled_exact_fallback_matches_dense_float32(tiles):
     q, k = _mixed_norms(torch.float32, 60.0)
     s = torch.tensor(3.0)
     bad_rows, bad_cols = _underflowing(q, k, 3.0)
@@ -197,7 +207,7 @@ def test_half_precision_accumulates_in_float32():
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
-def test_local_rows_split_reproduces_global_batch(chunk):
+def test_local_rows_split_reproduces_global_batch(chunk, tiles):
     """Splitting rows over W simulated ranks: mean of the per-rank losses and its gradient are global."""
     n, w = 24, 3
     img, txt = _features(n, 8, torch.float64, seed=5)
@@ -328,7 +338,7 @@ def test_supcon_matches_float64_reference(chunk):
     torch.testing.assert_close(got, ref_supcon(img, txt, _LABELS, 12.0), rtol=1e-12, atol=1e-12)  # float64
 
 
-def test_supcon_tiled_matches_dense_grads():
+def test_supcon_tiled_matches_dense_grads(tiles):
     img, txt = _features(20, 8, torch.float32, seed=11)
     s = torch.tensor(30.0)
     a, b = _leaves(img, txt, s), _leaves(img, txt, s)
@@ -470,7 +480,7 @@ def test_debiased_and_hard_negative_reduce_to_clip():
 
 
 @pytest.mark.parametrize("tau_plus,beta", [(0.1, 0.0), (0.1, 1.0)])
-def test_hard_negative_tiled_matches_dense(tau_plus, beta):
+def test_hard_negative_tiled_matches_dense(tau_plus, beta, tiles):
     img, txt = _features(40, 8, torch.float64, seed=18, correlated=False)
     s = torch.tensor(10.0, dtype=torch.float64)
     a, b = _leaves(img, txt, s), _leaves(img, txt, s)
