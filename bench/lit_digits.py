@@ -8,7 +8,7 @@ The same towers, data split, captions, optimiser and schedule are trained twice:
 Both trained models are evaluated by the same code (`mmcl.evaluate.zeroshot`) on the same held-out images, with
 class names "zero" .. "nine" that never occur in a training caption as words alone.
 
-    nice .venv/bin/python bench/lit_digits.py --work-dir /tmp/lit-digits [--epochs 10] [--seeds 0]
+    nice .venv/bin/python bench/lit_digits.py --work-dir /tmp/lit-digits [--epochs 10] [--seeds 0] [--reuse]
 
 Prints one JSON line per trained model and a summary line with both accuracies. Not a test; CPU minutes.
 """
@@ -80,24 +80,34 @@ def make_data(work: Path, image_size: int, seed: int) -> dict:
         w = csv.writer(f, delimiter="\t")
         w.writerow(["filepath", "title"])
         w.writerows(rows)
-    for k, word in enumerate(WORDS):
-        (test_dir / word).mkdir(parents=True)
+    # ImageFolder numbers classes in sorted folder order: folders "0".."9" keep label k = digit k, and the
+    # class names (words) are given in that order.
+    for k in range(10):
+        (test_dir / str(k)).mkdir(parents=True)
     for n, i in enumerate(idx_test):
-        image(i).save(test_dir / WORDS[int(digits.target[i])] / f"{n:05d}.png")
+        image(i).save(test_dir / str(int(digits.target[i])) / f"{n:05d}.png")
     (test_dir / "classnames.txt").write_text("\n".join(WORDS) + "\n")
     (work / "templates.txt").write_text("\n".join(ZS_TEMPLATES) + "\n")
     return {"n_train": len(idx_train), "n_test": len(idx_test), "shards": str(train_dir / "train-*.tar"),
             "csv": str(work / "train.csv"), "test": str(test_dir), "templates": str(work / "templates.txt")}
 
 
-def run(cmd, log: Path) -> float:
+def run(cmd, log: Path, reuse: bool, done: Path) -> float:
+    """Run a training command; with `reuse`, a finished earlier run (its `done` record) is taken instead."""
+    record = done.with_suffix(".done.json")
+    if reuse and record.is_file() and done.exists():
+        saved = json.loads(record.read_text())
+        if saved["command"] == [str(c) for c in cmd]:
+            return saved["train_s"]
     t0 = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if proc.returncode != 0:
         sys.exit(f"command failed ({proc.returncode}), see {log}: {' '.join(map(str, cmd))}")
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    record.write_text(json.dumps({"command": [str(c) for c in cmd], "train_s": seconds}))
+    return seconds
 
 
 def zeroshot(model, preprocess, tokenizer, data: dict) -> dict:
@@ -112,7 +122,8 @@ def train_mmcl(work: Path, data: dict, args, seed: int) -> dict:
     import mmcl
 
     out = work / f"mmcl-seed{seed}"
-    shutil.rmtree(out, ignore_errors=True)
+    if not args.reuse:
+        shutil.rmtree(out, ignore_errors=True)
     steps = args.epochs * (data["n_train"] // args.batch_size)
     cmd = [sys.executable, "-m", "mmcl", "train", "--config", "configs/lit-minilm.yaml",
            f"model.text.hf={minilm_dir()}", f"model.image_size={args.image_size}",
@@ -123,7 +134,7 @@ def train_mmcl(work: Path, data: dict, args, seed: int) -> dict:
            f"optim.lr={args.lr}", f"optim.weight_decay={args.wd}", f"optim.warmup_steps={args.warmup}",
            "optim.beta1=0.9", "optim.beta2=0.98", "optim.eps=1e-6", "optim.grad_clip=null",
            "eval.zeroshot=null"]
-    seconds = run(cmd, work / f"mmcl-seed{seed}.log")
+    seconds = run(cmd, work / f"mmcl-seed{seed}.log", args.reuse, out / "model")
     model, preprocess, tokenizer = mmcl.load(out)
     return {"trainer": "mmcl", "seed": seed, "steps": steps, "train_s": round(seconds, 1),
             **zeroshot(model, preprocess, tokenizer, data), "command": " ".join(map(str, cmd))}
@@ -151,8 +162,10 @@ def train_open_clip(work: Path, data: dict, args, seed: int) -> dict:
     models.build_tokenizer(model_cfg).save_pretrained(str(model_dir))
 
     logs = work / f"open_clip-seed{seed}"
-    shutil.rmtree(logs, ignore_errors=True)
     epochs = args.epochs
+    ckpt = logs / "checkpoints" / f"epoch_{epochs}.pt"
+    if not args.reuse:
+        shutil.rmtree(logs, ignore_errors=True)
     cmd = [sys.executable, "-m", "open_clip_train.main", "--model", f"local-dir:{model_dir}",
            "--train-data", data["csv"], "--dataset-type", "csv", "--csv-img-key", "filepath",
            "--csv-caption-key", "title", "--batch-size", str(args.batch_size), "--epochs", str(epochs),
@@ -161,8 +174,7 @@ def train_open_clip(work: Path, data: dict, args, seed: int) -> dict:
            "--workers", "1", "--seed", str(seed), "--device", "cpu", "--precision", "fp32",
            "--save-frequency", str(epochs), "--zeroshot-frequency", "0", "--val-frequency", "0",
            "--report-to", "", "--logs", str(logs.parent), "--name", logs.name, "--log-every-n-steps", "20"]
-    seconds = run(cmd, work / f"open_clip-seed{seed}.log")
-    ckpt = logs / "checkpoints" / f"epoch_{epochs}.pt"
+    seconds = run(cmd, work / f"open_clip-seed{seed}.log", args.reuse, ckpt)
     model = open_clip.create_model(f"local-dir:{model_dir}", pretrained=None)
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
@@ -186,6 +198,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--only", choices=["mmcl", "open_clip"], default=None)
+    parser.add_argument("--reuse", action="store_true",
+                        help="evaluate finished runs in --work-dir again instead of retraining (same commands only)")
     args = parser.parse_args()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
