@@ -276,6 +276,28 @@ def test_lit_locked_image_trained_text(minilm_dir):
         assert any(n.startswith(f"text.transformer.encoder.layer.{i}.") for n in changed)
 
 
+@pytest.mark.parametrize("name, vision_cfg, frozen_part, trained", [
+    ("RN50", {"layers": [1, 1, 1, 1]}, "visual", ()),                              # whole tower locked
+    ("convnext_tiny", {}, "visual.trunk", ("visual.head.proj.weight",)),             # timm: trunk locked, head trains
+])
+def test_locked_tower_norm_statistics_do_not_move(name, vision_cfg, frozen_part, trained):
+    cfg = ModelConfig(name=name, image_size=64, vision_cfg=vision_cfg, text_cfg={"layers": 1}, lock_image=True)
+    model, _, _, _, _, tokenizer = models.build(cfg)
+    models.apply_locks(model, cfg)
+    assert models.is_frozen_call(model.get_submodule(frozen_part))
+    buffers = {n: b.clone() for n, b in model.named_buffers() if n.startswith("visual.")}
+    if name == "RN50":  # BatchNorm statistics; ConvNeXt's LayerNorms keep none
+        assert any("running_mean" in n for n in buffers)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = _train_steps(model, tokenizer)
+    for n, b in model.named_buffers():
+        if n in buffers:
+            assert torch.equal(b, buffers[n]), f"{n} moved in a locked tower"
+    locked = tuple(n for n, p in model.named_parameters() if n.startswith("visual.") and n not in trained)
+    changed = _check_locked(model, before, optimizer, locked)
+    assert set(trained) <= set(changed)
+
+
 def test_lock_errors():
     with pytest.raises(ConfigError, match="lock_image_unlocked_groups must be 0 for ResNet.*got 1"):
         cfg = ModelConfig(name="RN50", image_size=64, vision_cfg={"layers": [1, 1, 1, 1]}, text_cfg={"layers": 1},
