@@ -182,6 +182,11 @@ def _resolve_classnames(data, ds, classnames) -> List[str]:
     if not names:
         raise DataError(f"no class names for {data} (expected classnames.txt next to the data, or "
                         f"--classnames FILE with one name per line in label order)")
+    folders = list(getattr(ds, "folders", None) or [])
+    if classnames is not None and folders and names != folders and sorted(names) == sorted(folders):
+        # Names given for an ImageFolder are its folder names in another order: labels follow the sorted
+        # folders, so the given order would pair every image with the wrong name.
+        names = list(folders)
     return names
 
 

@@ -335,3 +335,15 @@ def test_training_loop_call_and_cli(tiny_model_dir, tmp_path):
                      "--out", str(out)]) == 0
     assert json.loads(out.read_text())["task"] == "linear_probe"
     assert cli.main(["retrieval", "--model", str(tiny_model_dir), "--data", str(tmp_path / "nothing.tar")]) == 2
+
+
+def test_classnames_given_in_another_order_follow_the_folder_labels(tmp_path):
+    from types import SimpleNamespace
+
+    from mmcl.evaluate import _resolve_classnames
+
+    ds = SimpleNamespace(folders=["blue", "green", "red"], classnames=["blue", "green", "red"])
+    # Labels index the sorted folders; names given as red, blue, green must not be paired by position.
+    assert _resolve_classnames(str(tmp_path), ds, ["red", "blue", "green"]) == ["blue", "green", "red"]
+    # Human-readable names that are not the folder names are taken in the order given.
+    assert _resolve_classnames(str(tmp_path), ds, ["sky", "grass", "fire"]) == ["sky", "grass", "fire"]
