@@ -1,0 +1,474 @@
+"""End-to-end training throughput of mmcl against open_clip's own training script, on the same tiny model and data.
+
+Measured in one run, round by round; each figure is the median over rounds.
+
+1. ``mmcl``: ``python -m mmcl train configs/tiny.yaml`` on the demo shards.
+2. ``open_clip``: ``open_clip_train.main`` (open-clip-torch's training script, which needs pandas for CSV data)
+   on the same images written as files + a tab-separated CSV (its webdataset path does not run with the
+   installed webdataset), the model config registered with ``open_clip.add_model_config`` from a copy of
+   ``mmcl/model_configs/tiny.json``. The files hold the shards' own JPEG bytes, so both decode the same input.
+3. ``pure``: the same model and objective trained on one batch held in memory (no data loading, no logging):
+   forward, loss, backward, gradient clipping and the AdamW step, i.e. what a training step cannot avoid; a
+   forward + loss + backward figure is printed too.
+
+Both tools run as subprocesses with the same batch size, data workers, number of steps, fp32, learning-rate
+schedule, weight decay, AdamW betas/eps and gradient clipping. Throughput is timed the same way for both, from
+outside: the arrival times of their periodic log records (mmcl's metrics.jsonl, open_clip's out.log) are taken
+by polling the files, and samples/s = (samples at the last record - samples at the first record at or after
+``--skip-steps``) / (time between them). That steady-state window excludes start-up and the final save and
+includes everything else a step costs (data loading, logging, open_clip's per-epoch work). At each record the
+CPU seconds of the process and its data-loader workers are read from /proc too, giving CPU ms per sample.
+
+By default the tools run one after the other, alternating the order each round. On a machine shared with other
+jobs whose load swings, ``--concurrent`` runs mmcl and open_clip at the same time instead, so both see the same
+load; each window then ends when the first of the two exits, and the ratio of their throughputs is the result.
+
+Usage::
+
+    nice .venv/bin/python bench/bench_train.py [--concurrent] [--rounds 3] [--steps 25] [--batch-size 64]
+
+Prints one JSON line per measurement, then one summary line with the medians and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_NAME = "mmcl-tiny"  # the name under which the copy of tiny.json is registered with open_clip
+OPEN_CLIP_LINE = re.compile(r"Train Epoch: (\d+) \[\s*(\d+)/(\d+)")
+
+OPEN_CLIP_WRAPPER = """\
+import sys
+
+import open_clip
+
+open_clip.add_model_config(sys.argv[1])
+from open_clip_train.main import main
+
+main(sys.argv[2:])
+"""
+
+
+def cpu_name() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# ----------------------------------------------------------------------------------------------------- data
+def prepare_data(work: Path, n_train: int) -> Tuple[str, Path, int]:
+    """Demo shards for mmcl and the very same encoded images as files + a tab-separated CSV for open_clip."""
+    from mmcl.demo import make_demo_data
+
+    # Eight shards, so that every mmcl worker reads its own shards (as with real data) for any worker count <= 8.
+    paths = make_demo_data(str(work / "shards"), n_train=n_train, n_val=1, n_zeroshot=1,
+                           shard_size=-(-n_train // 8), progress=False)
+    img_dir = work / "files"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    rows = ["filepath\ttitle"]
+    from mmcl.data import expand_urls
+
+    for url in expand_urls(paths["train"]):
+        with tarfile.open(url) as tar:
+            members = {m.name: m for m in tar.getmembers() if m.isfile()}
+            for name in sorted(members):
+                key, ext = name.split(".", 1)
+                if ext not in ("jpg", "png", "webp", "jpeg"):
+                    continue
+                # The shard's own bytes, so both tools decode identical files with the same decoder.
+                target = img_dir / f"{key}.{ext}"
+                target.write_bytes(tar.extractfile(members[name]).read())
+                caption = tar.extractfile(members[f"{key}.txt"]).read().decode("utf-8").strip()
+                assert "\t" not in caption and "\n" not in caption
+                rows.append(f"{target}\t{caption}")
+    csv = work / "train.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    return paths["train"], csv, len(rows) - 1
+
+
+# ------------------------------------------------------------------------------------------ log-arrival timer
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu_seconds(root: int) -> Tuple[float, float]:
+    """User + system CPU seconds of process `root` and of all its live descendants (its data-loader workers).
+
+    Read from /proc; on a machine shared with other jobs this measures the work a tool does per sample,
+    independent of how much of the CPU the scheduler happened to give it.
+    """
+    parent, cpu = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        # After the command name: state ppid ... utime (11th) stime (12th), counted from the state field.
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+    members, frontier = {root}, [root]
+    while frontier:
+        nxt = [p for p, pp in parent.items() if pp in frontier and p not in members]
+        members.update(nxt)
+        frontier = nxt
+    return cpu.get(root, 0.0), sum(cpu.get(p, 0.0) for p in members if p != root)
+
+
+class LineTimer:
+    """Polls a growing text file; stamps each complete new line with the monotonic time it was first seen
+    and the CPU seconds used so far by the process tree of `pid`."""
+
+    def __init__(self, path: Path, pid: int, interval: float = 0.005):
+        self.path, self.pid, self.interval = path, pid, interval
+        self.lines: List[Tuple[float, Tuple[float, float], str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "LineTimer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()  # the thread reads the file once more after the stop flag, so nothing is missed
+
+    def _run(self) -> None:
+        offset, partial = 0, b""
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except FileNotFoundError:
+                chunk = b""
+            if chunk:
+                now = time.monotonic()
+                cpu = tree_cpu_seconds(self.pid) if not stopping else (float("nan"), float("nan"))
+                offset += len(chunk)
+                data = partial + chunk
+                *complete, partial = data.split(b"\n")
+                self.lines += [(now, cpu, ln.decode("utf-8", "replace")) for ln in complete if ln.strip()]
+            if stopping:
+                return
+            time.sleep(self.interval)
+
+
+def steady_rate(points: List[Tuple[float, Tuple[float, float], int]], skip_samples: int,
+                interval: Optional[Tuple[float, float]] = None) -> Dict[str, float]:
+    """samples/s and CPU ms per sample over the steady-state window of one run's log records.
+
+    Without `interval`: from the first record with samples >= skip_samples to the last record. With `interval`
+    (t0, t1): over exactly that span, the samples and CPU seconds at t0 and t1 interpolated linearly between
+    the records around them (used to give two concurrent runs the same window).
+    """
+    # A line first seen after the process exited has no CPU reading; such a line only ends a run.
+    window = sorted((p for p in points if p[2] >= skip_samples and math.isfinite(p[1][0])), key=lambda p: p[0])
+    if len(window) < 2:
+        raise RuntimeError(f"too few log records after the warm-up window ({len(window)}): {points}")
+    if interval is None:
+        (t0, c0, s0), (t1, c1, s1) = window[0], window[-1]
+    else:
+        t0, t1 = interval
+
+        def at(t: float) -> Tuple[Tuple[float, float], float]:
+            for (ta, ca, sa), (tb, cb, sb) in zip(window, window[1:]):
+                if ta <= t <= tb:
+                    w = (t - ta) / (tb - ta) if tb > ta else 0.0
+                    return (ca[0] + w * (cb[0] - ca[0]), ca[1] + w * (cb[1] - ca[1])), sa + w * (sb - sa)
+            raise RuntimeError(f"time {t} outside the records' span {window[0][0]}..{window[-1][0]}")
+
+        (c0, s0), (c1, s1) = at(t0), at(t1)
+    main_ms = 1000.0 * (c1[0] - c0[0]) / (s1 - s0)
+    workers_ms = 1000.0 * (c1[1] - c0[1]) / (s1 - s0)
+    return {"samples_per_s": (s1 - s0) / (t1 - t0), "cpu_ms_per_sample": main_ms + workers_ms,
+            "main_cpu_ms_per_sample": main_ms, "workers_cpu_ms_per_sample": workers_ms,
+            "window_samples": s1 - s0, "window_s": t1 - t0}
+
+
+def common_interval(runs_points: List[List[Tuple[float, Tuple[float, float], int]]], skip_samples: int
+                    ) -> Tuple[float, float]:
+    """The span in which every run is past its warm-up and still logging: (latest first, earliest last) time."""
+    spans = []
+    for points in runs_points:
+        ts = [p[0] for p in points if p[2] >= skip_samples and math.isfinite(p[1][0])]
+        if len(ts) < 2:
+            raise RuntimeError(f"too few log records after the warm-up window ({len(ts)})")
+        spans.append((min(ts), max(ts)))
+    t0, t1 = max(s[0] for s in spans), min(s[1] for s in spans)
+    if t1 <= t0:
+        raise RuntimeError("the concurrent runs' steady-state windows do not overlap; use more --steps")
+    return t0, t1
+
+
+class Run:
+    """A training subprocess whose log records are being timed (see `LineTimer`)."""
+
+    def __init__(self, name: str, cmd: List[str], log_path: Path, env: Dict[str, str], out: Path):
+        self.name, self.cmd, self.out = name, cmd, out
+        self.t0 = time.monotonic()
+        self.sink = open(out, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.sink, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.timer = LineTimer(log_path, self.proc.pid).__enter__()
+
+    def finish(self) -> Tuple[List[Tuple[float, Tuple[float, float], str]], float]:
+        """Wait for the process; returns (stamped log lines, wall seconds from start to exit)."""
+        code = self.proc.wait()
+        wall = time.monotonic() - self.t0
+        self.timer.__exit__(None, None, None)
+        self.sink.close()
+        if code != 0:
+            raise RuntimeError(f"{self.name} failed with exit code {code}:\n{self.out.read_text()[-3000:]}")
+        return self.timer.lines, wall
+
+
+# ------------------------------------------------------------------------------------------------- the runs
+def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str]) -> Run:
+    run_dir = work / f"mmcl-{tag}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "mmcl", "train", str(REPO / "configs" / "tiny.yaml"),
+           f"data.train={shards}", f"data.batch_size={args.batch_size}", f"data.workers={args.workers}",
+           f"train.steps={args.steps}", f"train.output_dir={run_dir}", f"train.log_every={args.log_every}",
+           "train.precision=fp32", "train.save_every=0", "train.plot=false", "train.progress=false",
+           "eval.zeroshot=null", "eval.retrieval=null"]
+    run = Run("mmcl", cmd, run_dir / "metrics.jsonl", env, work / f"mmcl-{tag}.out")
+    run.run_dir = run_dir
+    return run
+
+
+def mmcl_points(run: Run, lines) -> List[Tuple[float, Tuple[float, float], int]]:
+    """(time, (main CPU s, workers CPU s), samples) per metrics.jsonl record."""
+    shutil.rmtree(run.run_dir, ignore_errors=True)
+    return [(t, cpu, int(json.loads(line)["samples"])) for t, cpu, line in lines]
+
+
+def start_open_clip(args, work: Path, csv: Path, n_train: int, tag: str, env: Dict[str, str]) -> Run:
+    logs = work / "oc-logs"
+    name = f"open_clip-{tag}"
+    shutil.rmtree(logs / name, ignore_errors=True)
+    steps_per_epoch = n_train // args.batch_size
+    epochs = -(-args.steps // steps_per_epoch)
+    cmd = [sys.executable, str(work / "run_open_clip.py"), str(work / "oc-models"),
+           "--model", MODEL_NAME, "--train-data", str(csv), "--dataset-type", "csv", "--csv-img-key", "filepath",
+           "--csv-caption-key", "title", "--csv-separator", "\t", "--batch-size", str(args.batch_size),
+           "--workers", str(args.workers), "--epochs", str(epochs), "--precision", "fp32",
+           "--lr", "1e-3", "--wd", "0.1", "--warmup", "15", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
+           "--grad-clip-norm", "1.0", "--seed", "0", "--log-every-n-steps", str(args.log_every),
+           "--save-frequency", "0", "--logs", str(logs), "--name", name, "--report-to", ""]
+    run = Run("open_clip", cmd, logs / name / "out.log", env, work / f"{name}.out")
+    run.run_dir = logs / name
+    return run
+
+
+def open_clip_points(run: Run, lines) -> List[Tuple[float, Tuple[float, float], int]]:
+    """(time, (main CPU s, workers CPU s), samples) per 'Train Epoch' log line of open_clip."""
+    points = []
+    for t, cpu, line in lines:
+        m = OPEN_CLIP_LINE.search(line)
+        if m:
+            epoch, seen, per_epoch = (int(g) for g in m.groups())
+            points.append((t, cpu, epoch * per_epoch + seen))
+    if not points:
+        raise RuntimeError(f"no training log lines in {run.run_dir / 'out.log'}")
+    shutil.rmtree(run.run_dir, ignore_errors=True)
+    return points
+
+
+def run_pure(args, work: Path, env: Dict[str, str]) -> Dict[str, float]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", "--batch-size", str(args.batch_size),
+           "--pure-steps", str(args.pure_steps), "--oc-models", str(work / "oc-models")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pure step child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def pure_step_child(args) -> None:
+    """Time the model's training step on one in-memory batch; prints one JSON line (seconds per step)."""
+    import open_clip
+    import torch
+
+    from mmcl import losses, models
+    from mmcl.config import load_config
+    from mmcl.train import build_optimizer
+
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"data.batch_size={args.batch_size}"])
+    torch.manual_seed(0)
+    model, model_cfg, _, _, _, tokenizer = models.build(cfg.model)
+    # The model open_clip builds from the registered copy must be the one mmcl trains: same parameter shapes.
+    open_clip.add_model_config(args.oc_models)
+    oc_model = open_clip.create_model(MODEL_NAME, precision="fp32", device="cpu")
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in oc_model.state_dict().items()}
+    if ours != theirs:
+        diff = sorted(set(ours.items()) ^ set(theirs.items()))[:6]
+        raise SystemExit(f"mmcl and open_clip build different models: {diff}")
+    n_params = sum(p.numel() for p in model.parameters())
+    del oc_model
+
+    objective = losses.build_objective(cfg.loss)
+    optimizer = build_optimizer(model, cfg.optim)
+    b = args.batch_size
+    size = model_cfg["vision_cfg"]["image_size"]
+    images = torch.randn(b, 3, size, size)
+    from mmcl.demo import COLOURS, SHAPES
+
+    captions = [f"a {list(COLOURS)[i % len(COLOURS)]} {SHAPES[i % len(SHAPES)]} in the top left" for i in range(b)]
+    texts = tokenizer(captions)
+    labels = torch.full((b,), -1, dtype=torch.long)
+    model.train()
+
+    def fwd_bwd():
+        out = model(images, texts)
+        loss, _ = objective(out["image_features"], out["text_features"], out["logit_scale"], None, labels)
+        loss.backward()
+        return loss
+
+    def full_step():
+        fwd_bwd()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(cfg.loss.max_logit_scale))
+
+    for _ in range(3):  # allocator and kernel warm-up
+        full_step()
+    # The two variants alternate step by step, so a burst of load from elsewhere hits both alike.
+    wall = {"step": [], "fwd_bwd": []}
+    cpu = {"step": [], "fwd_bwd": []}
+    for _ in range(args.pure_steps):
+        for name, fn in (("step", full_step), ("fwd_bwd", fwd_bwd)):
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+            optimizer.zero_grad(set_to_none=True)
+    # Means, as the training runs' windows are means over their steps.
+    print(json.dumps({"step_s": statistics.fmean(wall["step"]), "fwd_bwd_s": statistics.fmean(wall["fwd_bwd"]),
+                      "cpu_ms_per_sample": 1000 * statistics.fmean(cpu["step"]) / b,
+                      "fwd_bwd_cpu_ms_per_sample": 1000 * statistics.fmean(cpu["fwd_bwd"]) / b,
+                      "params": n_params, "threads": torch.get_num_threads()}))
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=25, help="optimiser steps per training run")
+    p.add_argument("--skip-steps", type=int, default=5, help="steps before the timed window")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--pure-steps", type=int, default=6, help="timed steps of each pure variant")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run mmcl and open_clip at the same time in each round, so both see the same load from "
+                        "other jobs (the throughputs are then shares of the machine; their ratio is the result)")
+    p.add_argument("--work-dir", default=None, help="keep data and logs here (default: a temporary directory)")
+    p.add_argument("--pure-step-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--oc-models", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.pure_step_child:
+        pure_step_child(args)
+        return
+    if args.skip_steps >= args.steps - args.log_every:
+        raise SystemExit(f"--steps ({args.steps}) must exceed --skip-steps + --log-every")
+
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="mmcl-bench-train-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "oc-models").mkdir(exist_ok=True)
+    shutil.copy(REPO / "mmcl" / "model_configs" / "tiny.json", work / "oc-models" / f"{MODEL_NAME}.json")
+    (work / "run_open_clip.py").write_text(OPEN_CLIP_WRAPPER)
+    # One epoch of open_clip covers the whole run, so neither tool restarts its loader inside the window.
+    shards, csv, n_train = prepare_data(work, n_train=args.steps * args.batch_size)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    common = {"device": "cpu", "concurrent": args.concurrent, "cpu": cpu_name(), "cores": os.cpu_count(), "dtype": "fp32",
+              "batch": args.batch_size, "workers": args.workers, "steps": args.steps, "window_from_step": args.skip_steps}
+
+    results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": []}
+    for r in range(args.rounds):
+        order = ["mmcl", "open_clip", "pure"] if r % 2 == 0 else ["pure", "open_clip", "mmcl"]
+        if args.concurrent:
+            order = ["pure", "both"] if r % 2 else ["both", "pure"]
+        for what in order:
+            if what == "pure":
+                res = run_pure(args, work, env)
+                res["samples_per_s"] = args.batch_size / res["step_s"]
+                done = [("pure", res)]
+            else:
+                runs = []
+                if what in ("mmcl", "both"):
+                    runs.append(("mmcl", start_mmcl(args, work, shards, str(r), env), mmcl_points))
+                if what in ("open_clip", "both"):
+                    runs.append(("open_clip", start_open_clip(args, work, csv, n_train, str(r), env),
+                                 open_clip_points))
+                finished = [run.finish() for _, run, _ in runs]
+                points = [parse(run, lines) for (_, run, parse), (lines, _) in zip(runs, finished)]
+                skip = args.skip_steps * args.batch_size
+                # Running together, both are timed over the same span, so both see the same load.
+                interval = common_interval(points, skip) if len(runs) > 1 else None
+                done = []
+                for (name, _, _), (_, wall), pts in zip(runs, finished, points):
+                    res = steady_rate(pts, skip, interval)
+                    res["wall_s"] = wall
+                    res["last_step"] = max(p[2] for p in pts) // args.batch_size
+                    done.append((name, res))
+            for name, res in done:
+                results[name].append(res)
+                print(json.dumps({"measurement": name, "round": r, **common, **res}), flush=True)
+
+    def median(what: str, key: str) -> float:
+        return statistics.median(x[key] for x in results[what])
+
+    mmcl_sps, oc_sps = median("mmcl", "samples_per_s"), median("open_clip", "samples_per_s")
+    per_round = [m["samples_per_s"] / o["samples_per_s"] for m, o in zip(results["mmcl"], results["open_clip"])]
+    mmcl_cpu, oc_cpu = median("mmcl", "cpu_ms_per_sample"), median("open_clip", "cpu_ms_per_sample")
+    mmcl_step = args.batch_size / mmcl_sps
+    pure_step, pure_fb = median("pure", "step_s"), median("pure", "fwd_bwd_s")
+    pure_cpu, pure_fb_cpu = median("pure", "cpu_ms_per_sample"), median("pure", "fwd_bwd_cpu_ms_per_sample")
+    summary = {
+        "measurement": "summary", **common, "rounds": args.rounds,
+        "mmcl_samples_per_s": mmcl_sps, "open_clip_samples_per_s": oc_sps,
+        # Rounds pair the two tools under similar load: the median of the per-round ratios is the result.
+        "speedup_vs_open_clip": statistics.median(per_round),
+        "per_round_speedup": per_round, "ratio_of_median_throughputs": mmcl_sps / oc_sps,
+        "mmcl_cpu_ms_per_sample": mmcl_cpu, "open_clip_cpu_ms_per_sample": oc_cpu,
+        "cpu_efficiency_vs_open_clip": oc_cpu / mmcl_cpu,
+        "mmcl_step_s": mmcl_step, "pure_step_s": pure_step, "pure_fwd_bwd_s": pure_fb,
+        # Running beside open_clip, mmcl has half the machine: its step time is then not comparable to the
+        # pure step, which runs alone.
+        "step_over_pure_step": None if args.concurrent else mmcl_step / pure_step,
+        "step_over_pure_fwd_bwd": None if args.concurrent else mmcl_step / pure_fb,
+        "cpu_over_pure_step": None if args.concurrent else mmcl_cpu / pure_cpu,
+        "cpu_over_pure_fwd_bwd": None if args.concurrent else mmcl_cpu / pure_fb_cpu,
+    }
+    print(json.dumps(summary), flush=True)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
