@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -38,6 +37,7 @@ from torch import nn
 
 from . import models
 from .errors import CheckpointError, ConfigError
+from .fsutil import new_temp_dir, swap_in
 
 FORMATS = ("open_clip", "hf", "onnx", "safetensors")
 MARKER_FILE = "mmcl_export.json"
@@ -85,14 +85,14 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
               "onnx": _write_onnx}[fmt]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     final = out_dir.resolve()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = new_temp_dir(out_dir)
     try:
         writer(model, model_cfg, pp_cfg, src_dir, tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # Verified in its final place: an export may name its own directory (a Hugging Face text tower's config).
-    old = _swap_in(tmp, out_dir)
+    old = swap_in(tmp, out_dir)
     try:
         cosine = verify_export(model, model_cfg, out_dir, fmt) if verify else None
         marker = {"format": fmt, "source": str(src_dir.resolve()), "min_cosine_vs_source": cosine}
@@ -113,16 +113,6 @@ def _check_out_dir(out_dir: Path) -> None:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MARKER_FILE).is_file():
         raise ConfigError(f"export target {out_dir} is not empty and holds no earlier mmcl export "
                           f"(expected a new or empty directory; choose another --out)")
-
-
-def _swap_in(tmp: Path, out_dir: Path) -> Optional[Path]:
-    """Move `tmp` to `out_dir`; an earlier export there is moved aside and returned (None if there was none)."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    return old
 
 
 # ------------------------------------------------------------------------------------------------------------

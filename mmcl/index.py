@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -31,6 +29,7 @@ import torch
 
 from . import models
 from .errors import CheckpointError, DataError
+from .fsutil import new_temp_dir, replace_dir
 
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.jsonl"
@@ -102,7 +101,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
         raise DataError(f"index target {out_dir} is not empty and holds no mmcl index (expected a new or empty "
                         f"directory; choose another --out)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = new_temp_dir(out_dir)
     try:
         import faiss
 
@@ -114,13 +113,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
                     item["label"] = label
                 f.write(json.dumps(item) + "\n")
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -32,6 +31,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
+from .fsutil import new_temp_dir, replace_dir
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 CONFIG_FILE = "open_clip_config.json"
@@ -425,7 +425,7 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     model_cfg = copy.deepcopy(model_cfg)
     text_cfg = model_cfg.get("text_cfg", {})
     meta_extra = dict(extra or {})
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = new_temp_dir(out_dir)
     try:
         save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS_FILE))
         if text_cfg.get("hf_model_name"):
@@ -438,13 +438,7 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
         if meta_extra:
             meta["mmcl"] = meta_extra
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

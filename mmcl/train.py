@@ -21,6 +21,7 @@ import torch
 from . import data as data_mod
 from . import losses, models
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
+from .fsutil import atomic_write_text
 from .errors import CheckpointError, ConfigError, TrainingError
 
 CKPT_PREFIX = "step-"
@@ -106,15 +107,6 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
     return complete[-1] if complete else None
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(accelerator, ckpt_dir: Path, progress: TrainProgress, rank_state: Dict[str, Any],
                     keep: int) -> Path:
     """All processes call this. Writes into ``.tmp-step-N`` then renames to ``step-N`` and moves ``latest``."""
@@ -133,7 +125,7 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: TrainProgress, rank_s
         (tmp / COMPLETE).write_text(json.dumps({**progress.state_dict(), "world_size": accelerator.num_processes}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _atomic_write(ckpt_dir / LATEST, name)
+        atomic_write_text(ckpt_dir / LATEST, name)
         for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -177,7 +169,7 @@ class MetricsLog:
         if self.path.exists():  # a resumed run continues the file without duplicated steps
             kept = [ln for ln in self.path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            _atomic_write(self.path, "".join(ln + "\n" for ln in kept))
+            atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
         self.file = open(self.path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -323,7 +315,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     elif main:
         out_dir.mkdir(parents=True, exist_ok=True)
     if main:
-        _atomic_write(out_dir / "config.yaml", to_yaml(cfg))
+        atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     accelerator.wait_for_everyone()
 
     metrics = MetricsLog(out_dir, progress.step, main)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from mmcl import models
-from mmcl.config import LossConfig, ModelConfig, OptimConfig, load_config
+from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.errors import TrainingError
 from mmcl.losses import build_objective
-from mmcl.train import (TrainProgress, latest_checkpoint, list_checkpoints, lr_at, param_groups, train,
+from mmcl.train import (latest_checkpoint, list_checkpoints, lr_at, param_groups, train,
                         train_step)
 
 ROOT = Path(__file__).resolve().parents[1]
