@@ -267,7 +267,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     from accelerate.utils import set_seed
 
     precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
-    accelerator = Accelerator(mixed_precision=precision)
+    accelerator = Accelerator(mixed_precision=precision, cpu=_cpu_processes())
     main = accelerator.is_main_process
     out_dir = Path(cfg.train.output_dir)
     ckpt_dir = out_dir / "checkpoints"
@@ -415,6 +415,18 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return last
+
+
+def _cpu_processes() -> bool:
+    """True for several launched processes on a machine without an accelerator device.
+
+    accelerate only treats processes as a CPU group (gloo) when asked to; otherwise each of them would run as a
+    lone single process on its own data, silently training W separate models.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    has_device = getattr(torch, "accelerator", None)
+    return not (has_device.is_available() if has_device is not None else torch.cuda.is_available())
 
 
 def _has_eval(cfg: TrainConfig) -> bool:

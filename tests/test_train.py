@@ -285,3 +285,20 @@ def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
         assert all(math.isfinite(r["loss"]) for r in rows)
         state = torch.load(latest_checkpoint(out / "checkpoints") / "custom_checkpoint_0.pkl", weights_only=False)
         assert state["skipped_steps"] == 1 and state["step"] == 4
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_two_cooperating_processes(demo, tmp_path):
+    """`accelerate launch --config_file launch/cpu-2proc.yaml` must give one run of 2 processes, not 2 lone ones."""
+    out = tmp_path / "run"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(ROOT / "launch" / "cpu-2proc.yaml"), "-m", "mmcl", "train",
+           *run_args(demo, out, "train.steps=2", "train.log_every=1", "data.batch_size=4", "data.workers=1",
+                     "train.save_every=2")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = metrics(out)
+    assert [r["samples"] for r in rows] == [8, 16]  # global batch = 2 processes x 4
+    ckpt = latest_checkpoint(out / "checkpoints")
+    assert sorted(f.name for f in ckpt.glob("rank_state_*.pt")) == ["rank_state_0.pt", "rank_state_1.pt"]
