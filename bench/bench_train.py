@@ -208,11 +208,11 @@ def steady_rate(points: List[Tuple[float, Tuple[float, float], int]], skip_sampl
             "window_samples": s1 - s0, "window_s": t1 - t0}
 
 
-def common_interval(runs_points: List[List[Tuple[float, Tuple[float, float], int]]], skip_samples: int
+def common_interval(runs_points: List[List[Tuple[float, Tuple[float, float], int]]], skips: List[int]
                     ) -> Tuple[float, float]:
     """The span in which every run is past its warm-up and still logging: (latest first, earliest last) time."""
     spans = []
-    for points in runs_points:
+    for points, skip_samples in zip(runs_points, skips):
         ts = [p[0] for p in points if p[2] >= skip_samples and math.isfinite(p[1][0])]
         if len(ts) < 2:
             raise RuntimeError(f"too few log records after the warm-up window ({len(ts)})")
@@ -233,8 +233,14 @@ class Run:
         self.proc = subprocess.Popen(cmd, stdout=self.sink, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.timer = LineTimer(log_path, self.proc.pid).__enter__()
 
-    def finish(self) -> Tuple[List[Tuple[float, Tuple[float, float], str]], float]:
-        """Wait for the process; returns (stamped log lines, wall seconds from start to exit)."""
+    def finish(self, stop: bool = False) -> Tuple[List[Tuple[float, Tuple[float, float], str]], float]:
+        """Wait for the process (or end it when `stop`); returns (stamped log lines, wall seconds)."""
+        if stop:
+            self.timer.__exit__(None, None, None)  # the last reading is taken while the process still runs
+            self.proc.terminate()
+            self.proc.wait()
+            self.sink.close()
+            return self.timer.lines, time.monotonic() - self.t0
         code = self.proc.wait()
         wall = time.monotonic() - self.t0
         self.timer.__exit__(None, None, None)
@@ -306,6 +312,33 @@ def run_pure(args, work: Path, env: Dict[str, str]) -> Dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def paired_pure(args, work: Path, shards: str, tag: str, env: Dict[str, str]) -> List[Tuple[str, Dict[str, float]]]:
+    """mmcl training and the pure in-memory step loop at the same time, timed over the same span.
+
+    Both then see the same load from other jobs; the ratio of their throughputs is mmcl's step time over the pure
+    step time. The pure loop runs until mmcl's run has ended.
+    """
+    log = work / f"pure-{tag}.jsonl"
+    log.unlink(missing_ok=True)
+    pure = Run("pure", [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", "--batch-size",
+                        str(args.batch_size), "--log-every", str(args.log_every), "--oc-models",
+                        str(work / "oc-models"), "--pure-log", str(log)], log, env, work / f"pure-{tag}.out")
+    mmcl = start_mmcl(args, work, shards, f"paired-{tag}", env)
+    m_lines, m_wall = mmcl.finish()
+    p_lines, p_wall = pure.finish(stop=True)
+    m_points = mmcl_points(mmcl, m_lines)
+    p_points = [(t, cpu, int(json.loads(line)["samples"])) for t, cpu, line in p_lines]
+    skips = [args.skip_steps * args.batch_size, 0]  # the pure loop logs only after its warm-up steps
+    interval = common_interval([m_points, p_points], skips)
+    out = []
+    for name, pts, skip, wall in (("mmcl_beside_pure", m_points, skips[0], m_wall),
+                                  ("pure_beside_mmcl", p_points, skips[1], p_wall)):
+        res = steady_rate(pts, skip, interval)
+        res["wall_s"] = wall
+        out.append((name, res))
+    return out
+
+
 def pure_step_child(args) -> None:
     """Time the model's training step on one in-memory batch; prints one JSON line (seconds per step)."""
     import open_clip
@@ -357,6 +390,15 @@ def pure_step_child(args) -> None:
 
     for _ in range(3):  # allocator and kernel warm-up
         full_step()
+    if args.pure_log:
+        # Paired mode: full steps until the parent stops us, logging samples like a training run does.
+        with open(args.pure_log, "a") as log:
+            for i in range(100_000):
+                if i % args.log_every == 0:
+                    log.write(json.dumps({"samples": i * b}) + "\n")
+                    log.flush()
+                full_step()
+        return
     # The two variants alternate step by step, so a burst of load from elsewhere hits both alike.
     wall = {"step": [], "fwd_bwd": []}
     cpu = {"step": [], "fwd_bwd": []}
@@ -390,6 +432,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--work-dir", default=None, help="keep data and logs here (default: a temporary directory)")
     p.add_argument("--pure-step-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--oc-models", help=argparse.SUPPRESS)
+    p.add_argument("--pure-log", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.pure_step_child:
         pure_step_child(args)
@@ -408,13 +451,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     common = {"device": "cpu", "concurrent": args.concurrent, "cpu": cpu_name(), "cores": os.cpu_count(), "dtype": "fp32",
               "batch": args.batch_size, "workers": args.workers, "steps": args.steps, "window_from_step": args.skip_steps}
 
-    results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": []}
+    results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": [], "mmcl_beside_pure": [],
+                                                  "pure_beside_mmcl": []}
     for r in range(args.rounds):
         order = ["mmcl", "open_clip", "pure"] if r % 2 == 0 else ["pure", "open_clip", "mmcl"]
         if args.concurrent:
-            order = ["pure", "both"] if r % 2 else ["both", "pure"]
+            order = ["paired_pure", "both"] if r % 2 else ["both", "paired_pure"]
         for what in order:
-            if what == "pure":
+            if what == "paired_pure":
+                done = paired_pure(args, work, shards, str(r), env)
+            elif what == "pure":
                 res = run_pure(args, work, env)
                 res["samples_per_s"] = args.batch_size / res["step_s"]
                 done = [("pure", res)]
@@ -429,7 +475,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 points = [parse(run, lines) for (_, run, parse), (lines, _) in zip(runs, finished)]
                 skip = args.skip_steps * args.batch_size
                 # Running together, both are timed over the same span, so both see the same load.
-                interval = common_interval(points, skip) if len(runs) > 1 else None
+                interval = common_interval(points, [skip] * len(runs)) if len(runs) > 1 else None
                 done = []
                 for (name, _, _), (_, wall), pts in zip(runs, finished, points):
                     res = steady_rate(pts, skip, interval)
@@ -440,31 +486,38 @@ def main(argv: Optional[List[str]] = None) -> None:
                 results[name].append(res)
                 print(json.dumps({"measurement": name, "round": r, **common, **res}), flush=True)
 
-    def median(what: str, key: str) -> float:
-        return statistics.median(x[key] for x in results[what])
+    def median(what: str, key: str) -> Optional[float]:
+        return statistics.median(x[key] for x in results[what]) if results[what] else None
+
+    def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+        return None if a is None or b is None else a / b
 
     mmcl_sps, oc_sps = median("mmcl", "samples_per_s"), median("open_clip", "samples_per_s")
     per_round = [m["samples_per_s"] / o["samples_per_s"] for m, o in zip(results["mmcl"], results["open_clip"])]
     mmcl_cpu, oc_cpu = median("mmcl", "cpu_ms_per_sample"), median("open_clip", "cpu_ms_per_sample")
-    mmcl_step = args.batch_size / mmcl_sps
-    pure_step, pure_fb = median("pure", "step_s"), median("pure", "fwd_bwd_s")
-    pure_cpu, pure_fb_cpu = median("pure", "cpu_ms_per_sample"), median("pure", "fwd_bwd_cpu_ms_per_sample")
+    paired = [p["samples_per_s"] / m["samples_per_s"]
+              for m, p in zip(results["mmcl_beside_pure"], results["pure_beside_mmcl"])]
     summary = {
         "measurement": "summary", **common, "rounds": args.rounds,
         "mmcl_samples_per_s": mmcl_sps, "open_clip_samples_per_s": oc_sps,
         # Rounds pair the two tools under similar load: the median of the per-round ratios is the result.
         "speedup_vs_open_clip": statistics.median(per_round),
-        "per_round_speedup": per_round, "ratio_of_median_throughputs": mmcl_sps / oc_sps,
+        "per_round_speedup": per_round, "ratio_of_median_throughputs": ratio(mmcl_sps, oc_sps),
         "mmcl_cpu_ms_per_sample": mmcl_cpu, "open_clip_cpu_ms_per_sample": oc_cpu,
-        "cpu_efficiency_vs_open_clip": oc_cpu / mmcl_cpu,
-        "mmcl_step_s": mmcl_step, "pure_step_s": pure_step, "pure_fwd_bwd_s": pure_fb,
-        # Running beside open_clip, mmcl has half the machine: its step time is then not comparable to the
-        # pure step, which runs alone.
-        "step_over_pure_step": None if args.concurrent else mmcl_step / pure_step,
-        "step_over_pure_fwd_bwd": None if args.concurrent else mmcl_step / pure_fb,
-        "cpu_over_pure_step": None if args.concurrent else mmcl_cpu / pure_cpu,
-        "cpu_over_pure_fwd_bwd": None if args.concurrent else mmcl_cpu / pure_fb_cpu,
+        "cpu_efficiency_vs_open_clip": ratio(oc_cpu, mmcl_cpu),
     }
+    if args.concurrent:
+        # mmcl and the pure loop side by side, timed over the same span: mmcl step time / pure step time.
+        summary.update({"step_over_pure_step": statistics.median(paired), "per_round_step_over_pure_step": paired})
+    else:
+        mmcl_step = args.batch_size / mmcl_sps
+        pure_step, pure_fb = median("pure", "step_s"), median("pure", "fwd_bwd_s")
+        summary.update({
+            "mmcl_step_s": mmcl_step, "pure_step_s": pure_step, "pure_fwd_bwd_s": pure_fb,
+            "step_over_pure_step": mmcl_step / pure_step, "step_over_pure_fwd_bwd": mmcl_step / pure_fb,
+            "cpu_over_pure_step": ratio(mmcl_cpu, median("pure", "cpu_ms_per_sample")),
+            "cpu_over_pure_fwd_bwd": ratio(mmcl_cpu, median("pure", "fwd_bwd_cpu_ms_per_sample")),
+        })
     print(json.dumps(summary), flush=True)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
