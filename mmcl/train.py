@@ -266,6 +266,11 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps its state process-wide; a second train() in one Python session (notebooks, tests) may ask
+    # for another precision. The process group and device (PartialState) are kept.
+    AcceleratorState._reset_state()
     precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
     accelerator = Accelerator(mixed_precision=precision, cpu=_cpu_processes())
     main = accelerator.is_main_process
@@ -448,11 +453,11 @@ def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator) -> Dict[st
             res = evaluate.zeroshot(model, eval_tf, tokenizer, cfg.eval.zeroshot, classnames=cfg.eval.classnames,
                                     templates=cfg.eval.templates, batch_size=cfg.eval.batch_size,
                                     device=accelerator.device, progress=False)
-            out.update({f"eval/zeroshot_classification/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
+            out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
         if cfg.eval.retrieval:
             res = evaluate.retrieval(model, eval_tf, tokenizer, cfg.eval.retrieval, batch_size=cfg.eval.batch_size,
                                      device=accelerator.device, progress=False)
-            out.update({f"eval/zero_shot_retrieval/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
+            out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
     finally:
         model.train(was_training)
     return out
