@@ -921,6 +921,9 @@ class ContrastiveObjective(nn.Module):
         self.text_queue = FeatureQueue(size)
         self.generator = torch.Generator()
         self.generator.manual_seed(0)
+        # The align/uniform metrics cost a pairwise pass over the batch; a trainer may turn them off on steps it
+        # does not log (same value on every rank, since the logged numbers are reduced together).
+        self.report_metrics = True
 
     def reseed(self, seed: int) -> None:
         """Seed the generator that draws MoCHi's mixing indices and coefficients (same seed on every rank)."""
@@ -1002,7 +1005,8 @@ class ContrastiveObjective(nn.Module):
             # float64 keeps the logged numbers exact for float64 inputs; MPS has no float64.
             log_dtype = torch.float32 if image_features.device.type == "mps" else torch.float64
             logged = {f"loss/{name}": value.detach().to(log_dtype) for name, value in values.items()}
-            logged.update(self._metrics(image_features, text_features))
+            if self.report_metrics:
+                logged.update(self._metrics(image_features, text_features))
             names = list(logged)
             stacked = torch.stack([logged[k].reshape(()).to(log_dtype) for k in names])
             if distributed:

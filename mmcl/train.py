@@ -66,7 +66,13 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     groups = param_groups(model, cfg.weight_decay)
     if not any(g["params"] for g in groups):
         raise ConfigError("no trainable parameters: both towers are locked")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    try:
+        # The fused kernel updates all tensors in one pass: about 4x faster than the default per-tensor loop on
+        # CPU for the tiny model (BENCHMARKS.md, Training); same update rule.
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):  # a device or dtype without a fused kernel
+        return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -342,6 +348,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         t0 = time.perf_counter()
         batches = [next(data_iter) for _ in range(cfg.train.accum_steps)]
         data_time += time.perf_counter() - t0
+        objective.report_metrics = (progress.step + 1) % cfg.train.log_every == 0 or progress.step + 1 == total
         loss, terms, backward = train_step(model, objective, batches, accelerator)
         if not torch.isfinite(loss.detach()):
             good = latest_checkpoint(ckpt_dir)
