@@ -50,6 +50,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,bench]"
 	$(PY) bench/bench_losses.py
 	$(PY) bench/bench_data.py
 	$(PY) bench/bench_train.py

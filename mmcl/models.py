@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
@@ -122,13 +124,47 @@ class MaskedMaxPooler(nn.Module):
         return hidden.masked_fill(pad, torch.finfo(hidden.dtype).min).max(dim=1).values
 
 
+@functools.lru_cache(maxsize=None)
+def _clip_class():
+    """open_clip's CLIP whose text tower, in training, skips the padding after the longest caption of a batch.
+
+    With a causal attention mask and pooling at the end-of-text token (the highest token id, open_clip's
+    ``argmax`` pooling), no position sees the positions after it, so the tokens after the last end-of-text token
+    of a batch cannot change any output: running the text transformer on the batch cut there is exact, and
+    captions are usually far shorter than the context length. Anything else runs open_clip's code unchanged.
+    """
+    from open_clip.model import CLIP
+
+    class ShortTextCLIP(CLIP):
+        def encode_text(self, text, normalize: bool = False):
+            full = self.positional_embedding.shape[0]
+            # Only while training: evaluation and exports keep open_clip's exact full-context numbers, and a traced
+            # graph (ONNX, TorchScript) must not bake in a data-dependent cut.
+            tracing = torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+            if tracing or not self.training or self.attn_mask is None or self.text_pool_type != "argmax" or text.shape[1] != full:
+                return super().encode_text(text, normalize=normalize)
+            eot = text.argmax(dim=-1)  # (B,)
+            n = int(eot.max()) + 1
+            if n >= full:
+                return super().encode_text(text, normalize=normalize)
+            cast_dtype = self.transformer.get_cast_dtype()
+            x = self.token_embedding(text[:, :n]).to(cast_dtype) + self.positional_embedding[:n].to(cast_dtype)
+            x = self.ln_final(self.transformer(x, attn_mask=self.attn_mask[:n, :n]))
+            x = x[torch.arange(x.shape[0], device=x.device), eot]  # (B, width)
+            if self.text_projection is not None:
+                x = self.text_projection(x) if isinstance(self.text_projection, nn.Linear) else x @ self.text_projection
+            return F.normalize(x, dim=-1) if normalize else x
+
+    return ShortTextCLIP
+
+
 def create(model_cfg: Dict[str, Any]) -> nn.Module:
     """Instantiate an open_clip CLIP / CustomTextCLIP from a model-config dict (fp32, ``output_dict=True``).
 
     Weights are random except a Hugging Face text tower, which is read from its directory / the local
     Hugging Face cache unless ``text_cfg.hf_model_pretrained`` is False.
     """
-    from open_clip.model import CLIP, CustomTextCLIP
+    from open_clip.model import CustomTextCLIP
 
     model_cfg = copy.deepcopy(model_cfg)
     text_cfg = model_cfg.get("text_cfg", {})
@@ -136,7 +172,7 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     custom_text = model_cfg.pop("custom_text", False) or bool(hf_name)
     if hf_name:
         text_cfg.setdefault("hf_model_pretrained", True)
-    model_cls = CustomTextCLIP if custom_text else CLIP
+    model_cls = CustomTextCLIP if custom_text else _clip_class()
     if hf_name:
         _register_hf_arch(hf_name)
     try:

@@ -462,3 +462,33 @@ def test_image_position_grid_is_resized(tmp_path, open_clip_reference):
     model = models.build(ModelConfig(name="tiny", image_size=96))[0]
     report = models.init_from(model, path)
     assert "resized image position grid (65, 128) -> (145, 128)" in report
+
+
+def test_text_tower_skips_padding_exactly():
+    """In training, the causal text tower runs on the batch cut after its last end-of-text token: same features
+    and gradients as open_clip's full-context computation (which evaluation keeps, bit for bit)."""
+    from open_clip.model import CLIP
+
+    from mmcl.config import load_config
+
+    torch.manual_seed(0)
+    model, *_ , tokenizer = models.build(load_config(None, []).model)
+    model.train()
+    tokens = tokenizer(["a red circle", "there is a small purple triangle in the top left corner", "x"])
+    assert tokens.argmax(-1).max() + 1 < tokens.shape[1]  # the cut really happens
+    ours, ref = model.encode_text(tokens), CLIP.encode_text(model, tokens)
+    # Same float32 kernels on fewer columns: agreement to rounding (~1e-6 on features of norm ~10).
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    grads = []
+    for fn in (model.encode_text, lambda t: CLIP.encode_text(model, t)):
+        model.zero_grad()
+        (fn(tokens) ** 2).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[1]:
+        # float32 sums over differently shaped matmuls: differences are rounding, small against the largest entry.
+        worst = (grads[0][name] - grads[1][name]).abs().max()
+        assert worst <= 1e-5 * grads[1][name].abs().max() + 1e-8, name
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model.encode_text(tokens), CLIP.encode_text(model, tokens))
