@@ -79,6 +79,9 @@ def _worker(rank, port, path):
     try:
         _check_gather(rank, path)
         torch.save(_run(DistributedDataParallel, rank, WORLD), f"{path}/rank{rank}.pt")
+        # Both ranks finish all communication before either tears down its gloo threads; a rank that destroys
+        # the group while its peer is still sending can abort in gloo's C++ teardown.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
