@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from proc_cpu import tree_cpu_seconds  # bench/proc_cpu.py
+
 
 def photo_like(rng: np.random.Generator, width: int, height: int) -> bytes:
     """A JPEG that compresses like a photo: gradient, a few blurred-edge shapes and sensor-like noise."""
@@ -73,45 +75,36 @@ def reference_loader(spec, preprocess, tokenizer, batch, workers, shuffle):
     return torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=workers)
 
 
-def ours_loader(spec, preprocess, tokenizer, batch, workers, shuffle, fast):
+def ours_loader(spec, preprocess, tokenizer, batch, workers, shuffle, fast, uint8):
     from mmcl.config import DataConfig
     from mmcl.data import build_train_stream
 
-    cfg = DataConfig(train=spec, batch_size=batch, workers=workers, shuffle_buffer=shuffle, fast_decode=fast)
+    cfg = DataConfig(train=spec, batch_size=batch, workers=workers, shuffle_buffer=shuffle, fast_decode=fast,
+                     uint8_transfer=uint8)
     return build_train_stream(cfg, preprocess, tokenizer, seed=0)
 
 
 def cpu_seconds() -> float:
-    """CPU time (user + system) of this process and its live children (the DataLoader workers), from /proc.
+    """CPU time of this process and its DataLoader workers: the loader's own cost, whatever else runs."""
+    return sum(tree_cpu_seconds(os.getpid()))
 
-    On a shared machine wall time depends on what else runs; CPU time per sample measures the loader's
-    own cost.
-    """
-    me = os.getpid()
-    total = sum(os.times()[:2])
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[1]) == me:  # fields[1] is the parent pid; utime and stime follow at 11 and 12
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+
+def model_input(loader, batch) -> torch.Tensor:
+    """The float images a model would get from `batch`: mmcl's uint8 batches are finished here (counted)."""
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    return loader.finish_images(batch["image"])
 
 
 def measure(loader, n_batches: int, batch: int):
     """(samples per wall second, samples per CPU second) over n_batches after the first batch (worker
     start-up and the first shuffle fill excluded)."""
     it = iter(loader)
-    first = next(it)
-    assert first[0 if isinstance(first, (tuple, list)) else "image"].shape[-1] == 224
+    first = model_input(loader, next(it))
+    assert first.shape[-1] == 224 and first.dtype == torch.float32
     c0, t0 = cpu_seconds(), time.perf_counter()
     for _ in range(n_batches):
-        next(it)
+        model_input(loader, next(it))
     elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     if hasattr(it, "close"):
         it.close()
@@ -146,9 +139,13 @@ def main() -> None:
                           "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
         loaders = {
             "webdataset": lambda: reference_loader(spec, preprocess, tokenizer, args.batch, args.workers, args.shuffle),
-            "mmcl": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers, args.shuffle, False),
+            "mmcl": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers, args.shuffle, False,
+                                        False),
             "mmcl_fast_decode": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers,
-                                                    args.shuffle, True),
+                                                    args.shuffle, True, False),
+            # The default: draft decoding, and uint8 images finished in the main process (on the GPU in training).
+            "mmcl_fast_decode_uint8": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers,
+                                                          args.shuffle, True, True),
         }
         best, rates, per_cpu = {}, {name: [] for name in loaders}, {name: [] for name in loaders}
         for rnd in range(args.rounds):
@@ -174,7 +171,11 @@ def main() -> None:
                           "cpu_cost_ratio_mmcl": round(float(np.median(per_cpu["mmcl"]) /
                                                              np.median(per_cpu["webdataset"])), 3),
                           "cpu_cost_ratio_mmcl_fast_decode": round(float(np.median(per_cpu["mmcl_fast_decode"]) /
-                                                                         np.median(per_cpu["webdataset"])), 3)}),
+                                                                         np.median(per_cpu["webdataset"])), 3),
+                          "median_round_ratio_mmcl_fast_decode_uint8": round(float(np.median(
+                              np.array(rates["mmcl_fast_decode_uint8"]) / np.array(rates["webdataset"]))), 3),
+                          "cpu_cost_ratio_mmcl_fast_decode_uint8": round(float(
+                              np.median(per_cpu["mmcl_fast_decode_uint8"]) / np.median(per_cpu["webdataset"])), 3)}),
               flush=True)
 
 

@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from proc_cpu import tree_cpu_seconds  # bench/proc_cpu.py
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "mmcl-tiny"  # the name under which the copy of tiny.json is registered with open_clip
 OPEN_CLIP_LINE = re.compile(r"Train Epoch: (\d+) \[\s*(\d+)/(\d+)")
@@ -107,35 +109,6 @@ def prepare_data(work: Path, n_train: int) -> Tuple[str, Path, int]:
 
 
 # ------------------------------------------------------------------------------------------ log-arrival timer
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def tree_cpu_seconds(root: int) -> Tuple[float, float]:
-    """User + system CPU seconds of process `root` and of all its live descendants (its data-loader workers).
-
-    Read from /proc; on a machine shared with other jobs this measures the work a tool does per sample,
-    independent of how much of the CPU the scheduler happened to give it.
-    """
-    parent, cpu = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the process ended while we looked
-        # After the command name: state ppid ... utime (11th) stime (12th), counted from the state field.
-        parent[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
-    members, frontier = {root}, [root]
-    while frontier:
-        nxt = [p for p, pp in parent.items() if pp in frontier and p not in members]
-        members.update(nxt)
-        frontier = nxt
-    return cpu.get(root, 0.0), sum(cpu.get(p, 0.0) for p in members if p != root)
-
-
 class LineTimer:
     """Polls a growing text file; stamps each complete new line with the monotonic time it was first seen
     and the CPU seconds used so far by the process tree of `pid`."""

@@ -60,6 +60,9 @@ class DataConfig:
     resampled: bool = False
     max_image_pixels: int = 89_478_485  # pillow's decompression-bomb limit
     fast_decode: bool = True  # JPEG draft-mode decoding at reduced size
+    # Images travel from the workers as uint8 and are scaled/normalised on the training device (exact, 4x less
+    # shared and device memory traffic); used when the transform ends in ToTensor [+ Normalize].
+    uint8_transfer: bool = True
 
 
 @dataclass
@@ -106,6 +109,7 @@ class OptimConfig:
 @dataclass
 class TrainSection:
     steps: int = 150
+    samples: Optional[int] = None  # a budget in samples (all processes); when set it gives the number of steps
     output_dir: str = "runs/tiny"
     seed: int = 0
     log_every: int = 10
@@ -146,7 +150,7 @@ _CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.nan_policy": ("stop", "skip"),
 }
-_POSITIVE = ("data.batch_size", "train.steps", "train.log_every", "train.accum_steps", "eval.batch_size")
+_POSITIVE = ("data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size")
 _NON_NEGATIVE = (
     "data.workers", "data.shuffle_buffer", "train.save_every", "train.keep_checkpoints", "optim.warmup_steps",
     "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",
@@ -281,7 +285,7 @@ def validate(cfg: TrainConfig) -> List[str]:
         if value not in choices:
             problems.append(f"{key} must be one of {', '.join(choices)} (got {value!r})")
     for key in _POSITIVE:
-        if get(cfg, key) <= 0:
+        if get(cfg, key) is not None and get(cfg, key) <= 0:
             problems.append(f"{key} must be > 0 (got {get(cfg, key)})")
     for key in _NON_NEGATIVE:
         if get(cfg, key) < 0:

@@ -486,13 +486,15 @@ def image_bytes(files: Dict[str, bytes]) -> Optional[bytes]:
 
 def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
                   draft_size: Optional[Tuple[int, int]] = None,
-                  aug_seed: Optional[int] = None) -> Tuple[torch.Tensor, str, int]:
-    """Raw files of one sample -> (image FloatTensor (3, H, W), caption str, label int (-1 if none)).
+                  aug_seed: Optional[int] = None, as_uint8: bool = False) -> Tuple[torch.Tensor, str, int]:
+    """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
 
     Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
     `aug_seed` is given, random transforms in `preprocess` draw from torch's RNG seeded with it, so a sample
-    gets the same augmentation when it is replayed after a resume; the caller's RNG state is restored.
-    Raises `SkipSample` for bad samples.
+    gets the same augmentation when it is replayed after a resume; outside a DataLoader worker the caller's RNG
+    state is restored (a worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a
+    split transform (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad
+    samples and `TransformOutputError` when the PIL stage gives no RGB image.
     """
     data = image_bytes(files)
     if data is None:
@@ -501,18 +503,93 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
     label = parse_label(files.get("cls"))
     img = decode_image(data, max_pixels, draft_size)
     if aug_seed is None:
-        return preprocess(img), caption, label
-    # Only the CPU generator and Python's `random` (used by some open_clip transforms) are reseeded, and
-    # both are restored, so the caller's RNG streams (including CUDA's) are untouched.
-    py_state, torch_state = random.getstate(), torch.get_rng_state()
-    try:
+        out = preprocess(img)
+    elif torch.utils.data.get_worker_info() is not None:
         torch.default_generator.manual_seed(aug_seed)
         random.seed(aug_seed)
-        tensor = preprocess(img)
-    finally:
-        random.setstate(py_state)
-        torch.set_rng_state(torch_state)
-    return tensor, caption, label
+        out = preprocess(img)
+    else:
+        # Only the CPU generator and Python's `random` (used by some open_clip transforms) are reseeded, and
+        # both are restored, so the caller's RNG streams (including CUDA's) are untouched.
+        py_state, torch_state = random.getstate(), torch.get_rng_state()
+        try:
+            torch.default_generator.manual_seed(aug_seed)
+            random.seed(aug_seed)
+            out = preprocess(img)
+        finally:
+            random.setstate(py_state)
+            torch.set_rng_state(torch_state)
+    return (pil_to_uint8(out) if as_uint8 else out), caption, label
+
+
+class TransformOutputError(Exception):
+    """The PIL stage of a split transform returned something other than an RGB PIL image."""
+
+
+def pil_to_uint8(img: Any) -> torch.Tensor:
+    """RGB PIL image -> uint8 tensor (3, H, W), the pixels `ToTensor` would scale by 1/255."""
+    if not isinstance(img, Image.Image) or img.mode != "RGB":
+        what = f"a PIL image of mode {img.mode}" if isinstance(img, Image.Image) else type(img).__name__
+        raise TransformOutputError(
+            f"the image transform before ToTensor gave {what}, not an RGB PIL image, so images cannot travel as "
+            f"uint8; set data.uint8_transfer=false")
+    return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
+
+
+class ImageFinish:
+    """The tail of an image transform, ToTensor [+ Normalize], applied to a batch of uint8 images (B, 3, H, W)
+    where the model runs. Elementwise the same float32 operations in the same order as torchvision's, so the
+    result is bitwise equal to transforming each image in the data worker. Float input is returned unchanged.
+    """
+
+    def __init__(self, mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None):
+        self.mean = None if mean is None else [float(m) for m in mean]
+        self.std = None if std is None else [float(s) for s in std]
+        self._cache: Dict[Tuple[Any, Any], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            return images
+        x = images.to(torch.get_default_dtype()).div_(255)
+        if self.mean is not None:
+            key = (x.device, x.dtype)
+            if key not in self._cache:
+                self._cache[key] = (torch.as_tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1),
+                                    torch.as_tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1))
+            mean, std = self._cache[key]
+            x.sub_(mean).div_(std)
+        return x
+
+    def __repr__(self) -> str:
+        return f"ImageFinish(mean={self.mean}, std={self.std})"
+
+
+def split_transform(preprocess: Callable) -> Tuple[Callable, Optional[ImageFinish]]:
+    """Split a torchvision ``Compose`` ending in ToTensor [+ Normalize] into (PIL stage, `ImageFinish`).
+
+    Workers then run only the PIL stage and send uint8 images; the float conversion and normalisation run on
+    the batch where the model is. Returns ``(preprocess, None)`` for transforms of any other shape.
+    """
+    from torchvision import transforms as T
+
+    to_tensor_types: Tuple[type, ...] = (T.ToTensor,)
+    try:
+        from open_clip.transform import MaybeToTensor
+
+        to_tensor_types += (MaybeToTensor,)
+    except ImportError:  # an older open_clip without it
+        pass
+    if not isinstance(preprocess, T.Compose):
+        return preprocess, None
+    steps = list(preprocess.transforms)
+    normalize = steps.pop() if steps and type(steps[-1]) is T.Normalize else None
+    if not steps or type(steps[-1]) not in to_tensor_types:
+        return preprocess, None
+    steps.pop()
+    if normalize is not None and any(float(s) == 0 for s in normalize.std):
+        return preprocess, None  # torchvision raises on a zero std; keep its error
+    finish = ImageFinish(normalize.mean, normalize.std) if normalize is not None else ImageFinish()
+    return T.Compose(steps), finish
 
 
 def _mix(*values: int) -> int:
@@ -635,10 +712,13 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                 try:
                     tensor, caption, label = decode_sample(
                         item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
-                        aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index))
+                        aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"])
                 except SkipSample as skip:
                     skipped[skip.reason] += 1
                     continue
+                except TransformOutputError as err:
+                    yield {"__error__": str(err)}
+                    return
                 good_seen += 1
                 images.append(tensor)
                 captions.append(caption)
@@ -676,7 +756,8 @@ def _first_valid_sample(s: Dict[str, Any]) -> Optional[str]:
         for item in read_raw_samples(urls):
             if item.error is None:
                 try:
-                    decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"])
+                    decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
+                                  as_uint8=s["as_uint8"])
                     return item.key
                 except SkipSample:
                     continue
@@ -722,11 +803,17 @@ def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], 
             "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class TrainStream:
     """An infinite stream of training batches for one process (see `build_train_stream`).
 
-    Iterating yields dicts ``image`` FloatTensor (B,3,H,W), ``text`` LongTensor (B,L), ``label``
-    LongTensor (B,) (-1 where a sample has no ``.cls``) and ``key`` (list of B sample keys). Each new
+    Iterating yields dicts ``image`` (B,3,H,W), ``text`` LongTensor (B,L), ``label`` LongTensor (B,) (-1 where
+    a sample has no ``.cls``) and ``key`` (list of B sample keys). ``image`` is what the transform gives, or,
+    with ``data.uint8_transfer`` and a transform ending in ToTensor [+ Normalize], uint8 pixels:
+    `finish_images` turns either into the float model input (call it where the model runs). Each new
     iteration continues after the last batch consumed. `skipped`, `epoch` and `state_dict` describe the
     batches consumed so far, not those prefetched by workers.
     """
@@ -751,6 +838,10 @@ class TrainStream:
         self.n_roles = max(1, self.workers)
         self.pin_memory = pin_memory
         self.draft_size = draft_size_of(preprocess) if cfg.fast_decode else None
+        self.sample_transform, finish = (split_transform(preprocess) if cfg.uint8_transfer
+                                         else (preprocess, None))
+        self.uint8 = finish is not None
+        self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
         self._positions = [_fresh_position() for _ in range(self.n_roles)]
         self._next_role = 0
         self.batches = 0
@@ -761,7 +852,7 @@ class TrainStream:
                 "weights": None if self.cfg.weights is None else list(self.cfg.weights),
                 "shuffle_buffer": int(self.cfg.shuffle_buffer), "batch_size": int(self.cfg.batch_size),
                 "max_pixels": int(self.cfg.max_image_pixels), "draft_size": self.draft_size,
-                "preprocess": self.preprocess, "tokenizer": self.tokenizer}
+                "preprocess": self.sample_transform, "as_uint8": self.uint8, "tokenizer": self.tokenizer}
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [_copy_position(p) for p in self._positions]
@@ -846,7 +937,8 @@ def build_train_stream(cfg: DataConfig, preprocess: Callable, tokenizer: Callabl
     Args:
         cfg: data config (train spec, batch_size per process, workers, shuffle_buffer, resampled, weights,
             max_image_pixels, fast_decode).
-        preprocess: PIL.Image -> FloatTensor (3, H, W), e.g. open_clip's train transform.
+        preprocess: PIL.Image -> FloatTensor (3, H, W), e.g. open_clip's train transform (with
+            ``cfg.uint8_transfer`` its ToTensor/Normalize tail runs in `TrainStream.finish_images` instead).
         tokenizer: list[str] (B) -> LongTensor (B, L).
         seed: base seed; shard order, shuffling and augmentation derive from (seed, rank, worker, epoch).
         rank, world_size: this process's place among data-parallel processes.

@@ -156,7 +156,8 @@ def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None
         raise CheckpointError(
             "cannot resume: the checkpoint's model differs in " + ", ".join(f"{k} (saved {a.get(k)!r}, now {b.get(k)!r})"
                                                                          for k in arch))
-    changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in ("train.steps",)]
+    changed = [k for k in sorted(set(a) | set(b))
+               if a.get(k) != b.get(k) and k not in ("train.steps", "train.samples")]
     if changed:
         log("config differs from the checkpoint's in: " + ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})"
                                                                     for k in changed))
@@ -203,24 +204,42 @@ class MetricsLog:
 
 
 # ------------------------------------------------------------------------------------------------- steps
+def global_batch_size(cfg: TrainConfig, processes: int) -> int:
+    """Samples per optimiser step over all processes and micro-batches."""
+    return cfg.data.batch_size * processes * cfg.train.accum_steps
+
+
+def total_steps(cfg: TrainConfig, processes: int) -> int:
+    """``train.steps``, or, when ``train.samples`` is set, the steps that see at least that many samples."""
+    if cfg.train.samples is None:
+        return cfg.train.steps
+    return -(-cfg.train.samples // global_batch_size(cfg, processes))
+
+
 def _forward(model, images, texts):
     out = model(images, texts)
     return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias")
 
 
-def train_step(model, objective, batches, accelerator):
+def _images(b, device, finish_images):
+    x = b["image"].to(device, non_blocking=True)
+    return x if finish_images is None else finish_images(x)
+
+
+def train_step(model, objective, batches, accelerator, finish_images=None):
     """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
 
     With several micro-batches the features of all of them form one contrastive problem (GradCache, Gao et al.
     2021): features are computed without autograd, the loss and its gradient w.r.t. the features are taken on the
     concatenation, then each micro-batch is re-run with autograd and back-propagated with its slice of that
-    gradient. Loss and parameter gradients equal those of the single large batch.
+    gradient. Loss and parameter gradients equal those of the single large batch. `finish_images` turns a
+    batch's images into model input on the device (`TrainStream.finish_images`: uint8 -> normalised float).
     """
     device = accelerator.device
     if len(batches) == 1:
         b = batches[0]
         with accelerator.autocast():
-            img, txt, scale, bias = _forward(model, b["image"].to(device), b["text"].to(device))
+            img, txt, scale, bias = _forward(model, _images(b, device, finish_images), b["text"].to(device))
             loss, terms = objective(img.float(), txt.float(), scale.float(),
                                     None if bias is None else bias.float(), b["label"].to(device))
         return loss, terms, lambda: accelerator.backward(loss)
@@ -232,7 +251,7 @@ def train_step(model, objective, batches, accelerator):
         for b in batches:
             rng_states.append(torch.get_rng_state())
             with accelerator.autocast():
-                img, txt, scale, bias = _forward(model, b["image"].to(device), b["text"].to(device))
+                img, txt, scale, bias = _forward(model, _images(b, device, finish_images), b["text"].to(device))
             feats.append((img.float(), txt.float()))
     img_all = torch.cat([f[0] for f in feats]).requires_grad_(True)
     txt_all = torch.cat([f[1] for f in feats]).requires_grad_(True)
@@ -254,7 +273,8 @@ def train_step(model, objective, batches, accelerator):
                 cur = torch.get_rng_state()
                 torch.set_rng_state(rng_states[i])
                 with accelerator.autocast():
-                    img, txt, scale_out, bias_out = _forward(model, b["image"].to(device), b["text"].to(device))
+                    img, txt, scale_out, bias_out = _forward(model, _images(b, device, finish_images),
+                                                             b["text"].to(device))
                 torch.set_rng_state(cur)
                 surrogate = (img.float() * g_img[start:start + n]).sum() + (txt.float() * g_txt[start:start + n]).sum()
                 # Zero-weighted so the scale/bias stay in DDP's graph: their gradient, accumulated above, is then
@@ -299,7 +319,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     optimizer = build_optimizer(model, cfg.optim)
     stream = data_mod.build_train_stream(cfg.data, train_tf, tokenizer, seed=cfg.train.seed,
-                                         rank=accelerator.process_index, world_size=accelerator.num_processes)
+                                         rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                         pin_memory=accelerator.device.type == "cuda")
     if cfg.train.compile:
         model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -330,10 +351,13 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     accelerator.wait_for_everyone()
 
     metrics = MetricsLog(out_dir, progress.step, main)
-    total = cfg.train.steps
+    total = total_steps(cfg, accelerator.num_processes)
+    if cfg.train.samples is not None:
+        log(f"train.samples={cfg.train.samples}: {total} steps of {global_batch_size(cfg, accelerator.num_processes)} "
+            f"samples")
     raw_model = accelerator.unwrap_model(model)
     max_log_scale = math.log(cfg.loss.max_logit_scale)
-    global_batch = cfg.data.batch_size * accelerator.num_processes * cfg.train.accum_steps
+    global_batch = global_batch_size(cfg, accelerator.num_processes)
     bar = None
     show_bar = main and cfg.train.progress
     data_iter = iter(stream)
@@ -349,7 +373,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         batches = [next(data_iter) for _ in range(cfg.train.accum_steps)]
         data_time += time.perf_counter() - t0
         objective.report_metrics = (progress.step + 1) % cfg.train.log_every == 0 or progress.step + 1 == total
-        loss, terms, backward = train_step(model, objective, batches, accelerator)
+        loss, terms, backward = train_step(model, objective, batches, accelerator, stream.finish_images)
         if not torch.isfinite(loss.detach()):
             good = latest_checkpoint(ckpt_dir)
             if cfg.train.nan_policy == "stop":

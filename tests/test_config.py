@@ -47,6 +47,9 @@ def test_semantic_validation():
         load_config(None, ["loss.clip=0"])
     with pytest.raises(ConfigError, match=r"data.batch_size must be > 0.*train.steps must be > 0"):
         load_config(None, ["data.batch_size=0", "train.steps=0"])
+    with pytest.raises(ConfigError, match=r"train.samples must be > 0 \(got -5\)"):
+        load_config(None, ["train.samples=-5"])
+    assert load_config(None, ["train.samples=1000"]).train.samples == 1000
 
 
 def test_missing_file_and_bad_override_syntax(tmp_path):

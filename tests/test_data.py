@@ -189,7 +189,9 @@ def test_stream_batches_have_contract_shapes_and_skip_totals(corpus):
         # One process, one worker: an epoch is 66 good samples; 20 batches of 4 run into epoch 1.
         batches = [next(it) for _ in range(20)]
     b = batches[0]
-    assert b["image"].shape == (4, 3, SIDE, SIDE) and b["image"].dtype == torch.float32
+    # Images travel as uint8 (data.uint8_transfer) and become the float model input in finish_images.
+    assert b["image"].shape == (4, 3, SIDE, SIDE) and b["image"].dtype == torch.uint8
+    assert stream.finish_images(b["image"]).dtype == torch.float32
     assert b["text"].shape == (4, 24) and b["text"].dtype == torch.long
     assert b["label"].dtype == torch.long and b["label"].shape == (4,)
     labels = {k: int(l) for bt in batches for k, l in zip(bt["key"], bt["label"])}
@@ -204,6 +206,61 @@ def test_stream_batches_have_contract_shapes_and_skip_totals(corpus):
     first = batches[0]["text"][0]
     text = bytes(int(c) for c in first if c).decode()
     assert text == ("a big one" if batches[0]["key"][0] == "s0_03" else f"caption {batches[0]['key'][0]}")
+
+
+NORMALIZED_AUGMENT = T.Compose([T.RandomResizedCrop(SIDE, scale=(0.3, 1.0)), T.RandomHorizontalFlip(),
+                                T.ToTensor(), T.Normalize((0.48, 0.45, 0.40), (0.27, 0.26, 0.28))])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_uint8_transfer_is_bitwise_equal_to_transforming_in_the_worker(corpus, workers):
+    spec, _, _ = corpus
+    batches = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for uint8 in (True, False):
+            stream = data.build_train_stream(cfg_for(spec, batch_size=4, workers=workers, uint8_transfer=uint8),
+                                             NORMALIZED_AUGMENT, tokenizer, seed=3)
+            it = iter(stream)
+            batches[uint8] = [(b, stream.finish_images(b["image"])) for b in (next(it) for _ in range(12))]
+            it.close()
+    for (raw, fast), (ref, slow) in zip(batches[True], batches[False]):
+        assert raw["image"].dtype == torch.uint8 and ref["image"].dtype == torch.float32
+        assert raw["key"] == ref["key"]
+        assert torch.equal(fast, slow)  # bitwise: same float32 operations in the same order
+        assert torch.equal(slow, ref["image"])  # the float path's finish is the identity
+
+
+def test_split_transform_recognises_open_clip_transforms_and_leaves_others_whole():
+    import open_clip
+
+    _, train_tf, eval_tf = open_clip.create_model_and_transforms("ViT-B-32", pretrained=None)
+    img = image_for(0, size=300)
+    for tf in (train_tf, eval_tf):
+        pil_stage, finish = data.split_transform(tf)
+        assert finish is not None and finish.mean == [float(m) for m in tf.transforms[-1].mean]
+        torch.manual_seed(0)
+        want = tf(img)
+        torch.manual_seed(0)
+        got = finish(data.pil_to_uint8(pil_stage(img))[None])[0]
+        assert torch.equal(got, want)
+    odd = T.Compose([T.Resize(SIDE), T.ToTensor(), T.Lambda(lambda x: x * 2)])
+    assert data.split_transform(odd) == (odd, None)
+    assert data.split_transform(T.ToTensor())[1] is None  # not a Compose
+
+
+def test_uint8_transfer_with_a_transform_that_drops_rgb_is_one_clear_error(corpus):
+    spec, _, _ = corpus
+    gray = T.Compose([T.Resize(SIDE), T.CenterCrop(SIDE), T.Grayscale(1), T.ToTensor()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stream = data.build_train_stream(cfg_for(spec, batch_size=4, workers=0), gray, tokenizer, seed=0)
+        with pytest.raises(DataError, match="uint8_transfer=false"):
+            next(iter(stream))
+        # Without the uint8 path the transform's own output is used as before.
+        stream = data.build_train_stream(cfg_for(spec, batch_size=4, workers=0, uint8_transfer=False), gray,
+                                         tokenizer, seed=0)
+        assert next(iter(stream))["image"].shape == (4, 1, SIDE, SIDE)
 
 
 @pytest.mark.parametrize("resampled", [False, True])

@@ -260,6 +260,18 @@ def test_half_written_checkpoints_are_never_picked(demo, tmp_path):
     assert latest_checkpoint(ckpts).name == "step-00000006"
 
 
+def test_samples_budget_sets_the_number_of_steps(demo, tmp_path, capsys):
+    out = tmp_path / "run"
+    # 20 samples at 8 per step: 3 steps (24 samples), the smallest number that covers the budget.
+    cfg = load_config(None, run_args(demo, out, "train.samples=20", "train.steps=1000", "data.batch_size=8",
+                                     "data.workers=0", "train.log_every=1", "train.save_every=0")[2:])
+    train(cfg)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["samples"] == 24
+    assert "train.samples=20: 3 steps of 8 samples" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
     import mmcl.train as train_mod
@@ -267,8 +279,8 @@ def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
     real = train_mod.train_step
     calls = {"n": 0}
 
-    def poisoned(model, objective, batches, accelerator):
-        loss, terms, backward = real(model, objective, batches, accelerator)
+    def poisoned(*args):
+        loss, terms, backward = real(*args)
         calls["n"] += 1
         if calls["n"] == 3:
             loss = loss * float("nan")
