@@ -572,3 +572,82 @@ def test_shards_from_csv_and_jsonl(image_folder, tmp_path):
     (tmp_path / "t.txt").write_text("x")
     with pytest.raises(DataError, match="unsupported input"):
         data.shards_from_input(str(tmp_path / "t.txt"), str(tmp_path / "c"), progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- tar reader
+def _tar_bytes(members, fmt=tarfile.USTAR_FORMAT, compression=""):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:" + compression, format=fmt) as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+        d = tarfile.TarInfo("a-folder")
+        d.type = tarfile.DIRTYPE
+        tar.addfile(d)
+    return buf.getvalue()
+
+
+class _Pipe(io.RawIOBase):
+    """A non-seekable stream that returns short reads, like a pipe."""
+
+    def __init__(self, data):
+        self.data, self.pos = data, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, buf):
+        n = min(len(buf), 700, len(self.data) - self.pos)
+        buf[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def _read_all(stream, keep=lambda name: True):
+    reader = data.TarReader(stream)
+    return [(name, reader.read()) for name in reader if keep(name)]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("compression", ["", "gz", "bz2", "xz"])
+def test_tar_reader_matches_tarfile(fmt, compression):
+    long_dir = "d" * 120 if fmt != tarfile.USTAR_FORMAT else "d" * 90  # ustar splits paths <= 255 into prefix/name
+    members = [(f"{long_dir}/k{i:03d}.{ext}", os.urandom(int(n)))
+               for i, n in enumerate(np.random.default_rng(0).integers(0, 3000, 12)) for ext in ("jpg", "txt")]
+    members.append(("ünïcode/naïve.txt", b"x"))
+    raw = _tar_bytes(members, fmt, compression)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        want = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
+    assert want == members
+    assert _read_all(io.BytesIO(raw)) == want
+    assert _read_all(io.BufferedReader(_Pipe(raw))) == want
+    # Members that are not read are passed over, on seekable streams and pipes alike.
+    txt_only = [m for m in want if m[0].endswith(".txt")]
+    assert _read_all(io.BytesIO(raw), lambda n: n.endswith(".txt")) == txt_only
+    assert _read_all(io.BufferedReader(_Pipe(raw)), lambda n: n.endswith(".txt")) == txt_only
+
+
+def test_tar_reader_reports_damage_that_tarfile_would_hide():
+    members = [(f"k{i}.txt", bytes([i]) * 600) for i in range(5)]
+    raw = bytearray(_tar_bytes(members))
+    with tarfile.open(fileobj=io.BytesIO(bytes(raw))) as tar:
+        third = [m for m in tar.getmembers() if m.name == "k2.txt"][0]
+    raw[third.offset + 10] ^= 0xFF  # a damaged header in the middle of the archive
+    with tarfile.open(fileobj=io.BytesIO(bytes(raw)), mode="r|") as tar:
+        assert [m.name for m in tar] == ["k0.txt", "k1.txt"]  # tarfile silently stops here
+    reader = data.TarReader(io.BytesIO(bytes(raw)))
+    got = []
+    with pytest.raises(data.TarFormatError, match="bad header checksum"):
+        for name in reader:
+            got.append(name)
+    assert got == ["k0.txt", "k1.txt"]
+    # Cut inside a member that is skipped (not read): still an error, seekable or not.
+    cut = bytes(_tar_bytes(members))[:third.offset_data + 100]
+    for stream in (io.BytesIO(cut), io.BufferedReader(_Pipe(cut))):
+        with pytest.raises(data.TarFormatError, match="unexpected end of data"):
+            for _ in data.TarReader(stream):
+                pass
+    for bad, why in ((b"", "empty file"), (b"not a tar" * 100, "not a tar file")):
+        with pytest.raises(data.TarFormatError, match=why):
+            data.TarReader(io.BytesIO(bad))
