@@ -7,9 +7,10 @@ Measured in one run, round by round; each figure is the median over rounds.
    on the same images written as files + a tab-separated CSV (its webdataset path does not run with the
    installed webdataset), the model config registered with ``open_clip.add_model_config`` from a copy of
    ``mmcl/model_configs/tiny.json``. The files hold the shards' own JPEG bytes, so both decode the same input.
-3. ``pure``: the same model and objective trained on one batch held in memory (no data loading, no logging):
-   forward, loss, backward, gradient clipping and the AdamW step, i.e. what a training step cannot avoid; a
-   forward + loss + backward figure is printed too.
+3. ``pure``: the same model and objective trained on real batches of the same shards, decoded once and held
+   in memory (no data loading, no logging): forward, loss, backward, gradient clipping and the AdamW step, i.e.
+   what a training step cannot avoid; a forward + loss + backward figure is printed too. Real batches matter:
+   the text tower's cost follows the batch's longest caption.
 
 Both tools run as subprocesses with the same batch size, data workers, number of steps, fp32, learning-rate
 schedule, weight decay, AdamW betas/eps and gradient clipping. Throughput is timed the same way for both, from
@@ -276,9 +277,10 @@ def open_clip_points(run: Run, lines) -> List[Tuple[float, Tuple[float, float], 
     return points
 
 
-def run_pure(args, work: Path, env: Dict[str, str]) -> Dict[str, float]:
+def run_pure(args, work: Path, shards: str, env: Dict[str, str]) -> Dict[str, float]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", "--batch-size", str(args.batch_size),
-           "--pure-steps", str(args.pure_steps), "--oc-models", str(work / "oc-models")]
+           "--pure-steps", str(args.pure_steps), "--pure-batches", str(args.pure_batches),
+           "--oc-models", str(work / "oc-models"), "--shards", shards]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"pure step child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -295,7 +297,8 @@ def paired_pure(args, work: Path, shards: str, tag: str, env: Dict[str, str]) ->
     log.unlink(missing_ok=True)
     pure = Run("pure", [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", "--batch-size",
                         str(args.batch_size), "--log-every", str(args.log_every), "--oc-models",
-                        str(work / "oc-models"), "--pure-log", str(log)], log, env, work / f"pure-{tag}.out")
+                        str(work / "oc-models"), "--pure-log", str(log), "--shards", shards,
+                        "--pure-batches", str(args.pure_batches)], log, env, work / f"pure-{tag}.out")
     mmcl = start_mmcl(args, work, shards, f"paired-{tag}", env)
     m_lines, m_wall = mmcl.finish()
     p_lines, p_wall = pure.finish(stop=True)
@@ -323,7 +326,7 @@ def pure_step_child(args) -> None:
 
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"data.batch_size={args.batch_size}"])
     torch.manual_seed(0)
-    model, model_cfg, _, _, _, tokenizer = models.build(cfg.model)
+    model, _, _, train_tf, _, tokenizer = models.build(cfg.model)
     # The model open_clip builds from the registered copy must be the one mmcl trains: same parameter shapes.
     open_clip.add_model_config(args.oc_models)
     oc_model = open_clip.create_model(MODEL_NAME, precision="fp32", device="cpu")
@@ -338,16 +341,24 @@ def pure_step_child(args) -> None:
     objective = losses.build_objective(cfg.loss)
     optimizer = build_optimizer(model, cfg.optim)
     b = args.batch_size
-    size = model_cfg["vision_cfg"]["image_size"]
-    images = torch.randn(b, 3, size, size)
-    from mmcl.demo import COLOURS, SHAPES
+    # Real batches of the same data, decoded once and held in memory: the same images and captions (so the same
+    # text lengths after the padding cut) as the training runs, without any loading.
+    from mmcl.data import build_train_stream
 
-    captions = [f"a {list(COLOURS)[i % len(COLOURS)]} {SHAPES[i % len(SHAPES)]} in the top left" for i in range(b)]
-    texts = tokenizer(captions)
-    labels = torch.full((b,), -1, dtype=torch.long)
+    cfg.data.train, cfg.data.workers = args.shards, 0
+    stream = build_train_stream(cfg.data, train_tf, tokenizer, seed=0)
+    it = iter(stream)
+    held = []
+    for _ in range(args.pure_batches):
+        batch = next(it)
+        held.append((stream.finish_images(batch["image"]), batch["text"], batch["label"]))
+    it.close()
+    step_no = [0]
     model.train()
 
     def fwd_bwd():
+        images, texts, labels = held[step_no[0] % len(held)]
+        step_no[0] += 1
         out = model(images, texts)
         loss, _ = objective(out["image_features"], out["text_features"], out["logit_scale"], None, labels)
         loss.backward()
@@ -398,13 +409,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--pure-steps", type=int, default=6, help="timed steps of each pure variant")
+    p.add_argument("--pure-steps", type=int, default=8, help="timed steps of each pure variant")
+    p.add_argument("--pure-batches", type=int, default=8, help="real batches the pure step cycles through")
     p.add_argument("--concurrent", action="store_true",
                    help="run mmcl and open_clip at the same time in each round, so both see the same load from "
                         "other jobs (the throughputs are then shares of the machine; their ratio is the result)")
     p.add_argument("--work-dir", default=None, help="keep data and logs here (default: a temporary directory)")
     p.add_argument("--pure-step-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--oc-models", help=argparse.SUPPRESS)
+    p.add_argument("--shards", help=argparse.SUPPRESS)
     p.add_argument("--pure-log", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.pure_step_child:
@@ -434,7 +447,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             if what == "paired_pure":
                 done = paired_pure(args, work, shards, str(r), env)
             elif what == "pure":
-                res = run_pure(args, work, env)
+                res = run_pure(args, work, shards, env)
                 res["samples_per_s"] = args.batch_size / res["step_s"]
                 done = [("pure", res)]
             else:
