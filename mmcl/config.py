@@ -63,6 +63,9 @@ class DataConfig:
     # Images travel from the workers as uint8 and are scaled/normalised on the training device (exact, 4x less
     # shared and device memory traffic); used when the transform ends in ToTensor [+ Normalize].
     uint8_transfer: bool = True
+    # Niceness added to data workers: null = 19 when training on the CPU (workers then take only the CPU time the
+    # training threads leave, instead of stalling them), 0 with a GPU.
+    worker_nice: Optional[int] = None
 
 
 @dataclass
@@ -88,7 +91,7 @@ class LossConfig:
     hn_beta: float = 1.0  # concentration of Robinson et al. 2021
     align_alpha: float = 2.0
     uniform_t: float = 2.0
-    chunk_size: Optional[int] = None  # tiled (memory-linear) softmax losses when set
+    chunk_size: Optional[int] = None  # tiled (memory-linear) softmax and sigmoid losses when set
     max_logit_scale: float = 100.0
     mochi: MochiConfig = field(default_factory=MochiConfig)
 
@@ -295,6 +298,8 @@ def validate(cfg: TrainConfig) -> List[str]:
     terms = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative")
     if not any(getattr(cfg.loss, t) > 0 for t in terms) and cfg.loss.mochi.weight <= 0:
         problems.append("no loss term is active: set at least one of loss.clip, loss.supcon, loss.siglip, ... > 0")
+    if cfg.data.worker_nice is not None and not 0 <= cfg.data.worker_nice <= 19:
+        problems.append(f"data.worker_nice must be in [0, 19] or null (got {cfg.data.worker_nice})")
     if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):
         problems.append("data.weights must be non-negative")
     return problems

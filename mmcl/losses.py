@@ -16,7 +16,8 @@ Memory. ``chunk_size`` switches the softmax losses (clip, supcon, debiased, hard
 computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to 2^23 / chunk_size columns) of the
 logits are formed, reduced into row and column sums and dropped; backward recomputes each tile once. Extra
 memory is O((n + M) * D) plus two tiles instead of O(n * M), with the same value and gradients as the dense
-computation, which stays in this module as the specification. SigLIP and MoCHi stay dense (n x M).
+computation, which stays in this module as the specification. SigLIP's sum over pairs is tiled the same way
+(each tile recomputed in backward under activation checkpointing). MoCHi stays dense (n x M).
 
 `ContrastiveObjective` (built by `build_objective` from `mmcl.config.LossConfig`) combines the weighted
 terms, gathers across ranks when ``torch.distributed`` is initialised, and holds the only state: the MoCHi
@@ -479,6 +480,7 @@ def siglip_loss(
     *,
     all_text_features: Optional[Tensor] = None,
     offset: int = 0,
+    chunk_size: Optional[int] = None,
 ) -> Tensor:
     """Pairwise sigmoid loss ``-1/n sum_ij log sigmoid(z_ij (s x_i.y_j + b))``, z = +1 on the diagonal, else -1.
 
@@ -487,10 +489,15 @@ def siglip_loss(
         all_text_features: (M, D) gathered texts of the global batch; then the rows are this rank's images
             against every text and the positive of row i is column ``offset + i``. The sum over all pairs
             divided by the global batch size is the mean of the per-rank values.
+        chunk_size: None computes the (n, M) logits at once; an int sums tiles of ``chunk_size`` rows (by up to
+            2^23 / chunk_size columns), each recomputed in the backward pass instead of stored, so memory stays
+            one tile whatever the batch. The sum is separable over pairs, so tiling changes only the order of
+            the additions.
     Returns:
         0-dim tensor.
     """
     _check_pair(image_features, text_features)
+    _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
     logit_bias = _as_scale(logit_bias, image_features)
     keys = text_features if all_text_features is None else all_text_features
@@ -499,16 +506,36 @@ def siglip_loss(
         raise ConfigError(f"offset needs gathered features (got offset={offset} without all_text_features)")
     if not 0 <= offset <= m - n:
         raise ConfigError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
-    logits = logit_scale * (image_features @ keys.T) + logit_bias
+    if chunk_size is None:
+        return -_siglip_tile(image_features, keys, logit_scale, logit_bias, offset) / n
+    from torch.utils.checkpoint import checkpoint
+
+    width = _tile_width(chunk_size, m)
+    total = None
+    for i0 in range(0, n, chunk_size):
+        q = image_features[i0:i0 + chunk_size]
+        for j0 in range(0, m, width):
+            # The tile's positives sit at columns offset + i for its rows i; in tile coordinates:
+            part = checkpoint(_siglip_tile, q, keys[j0:j0 + width], logit_scale, logit_bias, offset + i0 - j0,
+                              use_reentrant=False)
+            total = part if total is None else total + part
+    return -total / n
+
+
+def _siglip_tile(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, shift: int) -> Tensor:
+    """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) over one tile; row i's positive is column i + shift (if inside)."""
+    logits = logit_scale * (queries @ keys.T) + logit_bias
     logits = logits.to(_acc_dtype(logits.dtype))
-    rows = torch.arange(n, device=logits.device)
-    positive = logits[rows, rows + offset]
+    rows = torch.arange(queries.shape[0], device=logits.device)
+    inside = (rows + shift >= 0) & (rows + shift < keys.shape[0])
+    rows = rows[inside]
+    positive = logits[rows, rows + shift]
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
     # subtracted, which would cancel catastrophically for large logits. (F.softplus is avoided: it turns
     # linear above its threshold of 20, an error of e^-20 per pair.)
     minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
-    negatives = logits.index_put((rows, rows + offset), minus_inf)
-    return -(F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()) / n
+    negatives = logits.index_put((rows, rows + shift), minus_inf)
+    return F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -828,13 +855,28 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _all_gather_with_grad(x: Tensor) -> Tensor:
+    """Concatenate `x` (n, ...) of every rank along dim 0, differentiably (backward: summing reduce-scatter).
+
+    torch's functional collective `all_gather_single` where this torch has it, else the older
+    `torch.distributed.nn.functional.all_gather`, which torch 2.14 deprecates.
+    """
+    try:
+        from torch.distributed._functional_collectives import all_gather_single, wait_tensor
+    except ImportError:
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(x.contiguous()), dim=0)
+    return wait_tensor(all_gather_single(x.contiguous(), 0, dist.group.WORLD))
+
+
 def gather_features(
     image_features: Tensor, text_features: Tensor, labels: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor, Optional[Tensor], int]:
     """All-gather features over the default process group, keeping the gradient.
 
-    Backward sums the gradients of every rank's copy into the owner's features
-    (`torch.distributed.nn.functional.all_gather`), which is what the local-rows / global-columns losses need.
+    Backward sums the gradients of every rank's copy into the owner's features (the all-gather's backward is a
+    summing reduce-scatter), which is what the local-rows / global-columns losses need.
 
     Args:
         image_features, text_features: (n, D) this rank's features; n must be equal on all ranks.
@@ -845,8 +887,6 @@ def gather_features(
     """
     if not _distributed():
         return image_features, text_features, labels, 0
-    from torch.distributed.nn.functional import all_gather
-
     world, rank = dist.get_world_size(), dist.get_rank()
     n = image_features.shape[0]
     sizes = [torch.zeros(1, dtype=torch.long, device=image_features.device) for _ in range(world)]
@@ -857,8 +897,8 @@ def gather_features(
             f"every rank must hold the same number of pairs (got per-rank batch sizes {sizes}; "
             "drop the last partial batch)"
         )
-    all_image = torch.cat(all_gather(image_features.contiguous()), dim=0)
-    all_text = torch.cat(all_gather(text_features.contiguous()), dim=0)
+    all_image = _all_gather_with_grad(image_features)
+    all_text = _all_gather_with_grad(text_features)
     all_labels = None
     if labels is not None:
         gathered = [torch.empty_like(labels) for _ in range(world)]
@@ -977,6 +1017,7 @@ class ContrastiveObjective(nn.Module):
             values["siglip"] = siglip_loss(
                 image_features, text_features, logit_scale, logit_bias,
                 **({"all_text_features": all_txt, "offset": offset} if distributed else {}),
+                chunk_size=cfg.chunk_size,
             )
         if w["debiased"] > 0:
             values["debiased"] = debiased_clip_loss(

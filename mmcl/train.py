@@ -320,7 +320,10 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     optimizer = build_optimizer(model, cfg.optim)
     stream = data_mod.build_train_stream(cfg.data, train_tf, tokenizer, seed=cfg.train.seed,
                                          rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                         pin_memory=accelerator.device.type == "cuda")
+                                         pin_memory=accelerator.device.type == "cuda",
+                                         # On a CPU the workers and the training threads share the cores; the
+                                         # training threads go first (bench/bench_train.py: ~10 % faster).
+                                         worker_nice=19 if accelerator.device.type == "cpu" else 0)
     if cfg.train.compile:
         model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -387,7 +390,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         backward()
         grad_norm = None
         if cfg.optim.grad_clip:
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+            # Kept as a tensor: read (a device sync) only on logged steps.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -419,7 +423,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             if getattr(raw_model, "logit_bias", None) is not None:
                 record["logit_bias"] = float(raw_model.logit_bias.detach())
             if grad_norm is not None:
-                record["grad_norm"] = grad_norm
+                record["grad_norm"] = float(grad_norm)
             if cfg.eval.every and progress.step % cfg.eval.every == 0 or (progress.step == total and _has_eval(cfg)):
                 record.update(run_eval(cfg, raw_model, tokenizer, pp_cfg, accelerator))
             metrics.write(record)

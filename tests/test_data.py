@@ -651,3 +651,23 @@ def test_tar_reader_reports_damage_that_tarfile_would_hide():
     for bad, why in ((b"", "empty file"), (b"not a tar" * 100, "not a tar file")):
         with pytest.raises(data.TarFormatError, match=why):
             data.TarReader(io.BytesIO(bad))
+
+
+def niceness_tokenizer(texts):
+    """Records the niceness of the process that tokenizes (a DataLoader worker) in every token."""
+    return torch.full((len(texts), 4), os.nice(0), dtype=torch.long)
+
+
+@pytest.mark.parametrize("cfg_nice,arg_nice,want", [(None, 7, 7), (3, 7, 3), (None, 0, 0)])
+def test_workers_take_the_configured_niceness(corpus, cfg_nice, arg_nice, want):
+    spec, _, _ = corpus
+    base = os.nice(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stream = data.build_train_stream(cfg_for(spec, batch_size=2, workers=2, worker_nice=cfg_nice), PREPROCESS,
+                                         niceness_tokenizer, seed=0, worker_nice=arg_nice)
+        it = iter(stream)
+        got = {int(next(it)["text"][0, 0]) for _ in range(4)}
+        it.close()
+    assert got == {min(19, base + want)}
+    assert os.nice(0) == base  # the training process itself is untouched

@@ -421,6 +421,49 @@ def test_siglip_local_rows_split_reproduces_global_batch():
         torch.testing.assert_close(gb, ga, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_tiled_siglip_equals_dense_in_value_and_gradients(chunk, tiles):
+    img, txt = _features(13, 8, torch.float64, seed=21)
+    s, bias = torch.tensor(10.0, dtype=torch.float64), torch.tensor(-10.0, dtype=torch.float64)
+    a, b = _leaves(img, txt, s, bias), _leaves(img, txt, s, bias)
+    dense = siglip_loss(*a)
+    tiled = siglip_loss(*b, chunk_size=chunk)
+    torch.testing.assert_close(tiled, dense, rtol=1e-12, atol=1e-12)  # float64: summation order only
+    for gt, gd in zip(_grads(tiled, b), _grads(dense, a)):
+        torch.testing.assert_close(gt, gd, rtol=1e-10, atol=1e-12)
+    # Local rows against gathered columns: each row's positive may fall in any column tile.
+    for r, (lo, hi) in enumerate(((0, 5), (5, 9), (9, 13))):
+        a, b = _leaves(img[lo:hi], txt, s, bias), _leaves(img[lo:hi], txt, s, bias)
+        dense = siglip_loss(a[0], a[1][lo:hi], a[2], a[3], all_text_features=a[1], offset=lo)
+        tiled = siglip_loss(b[0], b[1][lo:hi], b[2], b[3], all_text_features=b[1], offset=lo, chunk_size=chunk)
+        torch.testing.assert_close(tiled, dense, rtol=1e-12, atol=1e-12)
+        for gt, gd in zip(_grads(tiled, b), _grads(dense, a)):
+            torch.testing.assert_close(gt, gd, rtol=1e-10, atol=1e-12)
+
+
+def test_tiled_siglip_memory_stays_one_tile():
+    """Saved activations: the dense loss keeps (n, n) logits for backward, the tiled one only (views of) its
+    inputs, never a tile of logits."""
+    n, d = 2048, 16
+    img, txt = _features(n, d, torch.float32, seed=3)
+    s, bias = torch.tensor(10.0), torch.tensor(-10.0)
+
+    def largest_saved(**kw):
+        leaves = _leaves(img, txt, s, bias)
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            siglip_loss(*leaves, **kw)
+        return max(sizes)
+
+    assert largest_saved() >= n * n  # the logits
+    assert largest_saved(chunk_size=256) <= n * d  # at most the (n, d) features
+
+
 # ---------------------------------------------------------------------- debiased / hard-negative
 
 
