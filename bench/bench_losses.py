@@ -1,4 +1,4 @@
-"""Peak memory and fwd+bwd time of open_clip's ClipLoss vs mmcl's tiled clip_loss, float32 on CPU.
+"""Peak memory and fwd+bwd time of open_clip's ClipLoss (or SigLipLoss) vs mmcl's tiled loss, float32 on CPU.
 
 Each case runs in a fresh subprocess so its peak RSS is its own: the growth of the peak RSS (VmHWM, reset
 once the inputs exist and after a small warm-up that loads kernels and thread pools; ``ru_maxrss`` where the
@@ -6,8 +6,8 @@ reset is unavailable) over the RSS at that point. Time is the
 median over repeats of one forward+backward, which produces the gradients of both feature sets and of the
 logit scale. Prints one JSON line per measurement, then one per N with the ratios tiled / ClipLoss.
 
-    nice python bench/bench_losses.py [--sizes 4096 16384 65536] [--dim 512] [--chunk 1024] [--repeats 3]
-                                      [--threads T]
+    nice python bench/bench_losses.py [--loss clip|siglip] [--sizes 4096 16384 65536] [--dim 512]
+                                      [--chunk 1024] [--repeats 3] [--threads T]
 """
 
 from __future__ import annotations
@@ -61,20 +61,33 @@ def _peak_rss_bytes(resettable: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int) -> dict:
+def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int, kind: str = "clip") -> dict:
     import torch
     import torch.nn.functional as F
 
     if threads > 0:
         torch.set_num_threads(threads)
 
-    if impl == "open_clip":
+    bias = torch.tensor(-10.0, requires_grad=True)  # SigLIP's learned bias at its usual initial value
+    if impl == "open_clip" and kind == "siglip":
+        from open_clip.loss import SigLipLoss
+
+        siglip = SigLipLoss()
+
+        def loss_fn(i, t, s):
+            return siglip(i, t, s, bias)
+    elif impl == "open_clip":
         from open_clip.loss import ClipLoss
 
         clip = ClipLoss()
 
         def loss_fn(i, t, s):
             return clip(i, t, s)
+    elif kind == "siglip":
+        from mmcl.losses import siglip_loss
+
+        def loss_fn(i, t, s):
+            return siglip_loss(i, t, s, bias, chunk_size=chunk)
     else:
         from mmcl.losses import clip_loss
 
@@ -106,7 +119,7 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
         value = loss.item()
         del loss
     return {
-        "bench": "clip_loss_fwd_bwd",
+        "bench": f"{kind}_loss_fwd_bwd",
         "impl": impl if impl == "open_clip" else f"mmcl_tiled_chunk{chunk}",
         "device": "cpu",
         "cpu": _cpu_name(),
@@ -128,6 +141,7 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loss", choices=("clip", "siglip"), default="clip")
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=1024)
@@ -140,7 +154,7 @@ def main() -> None:
 
     if args.case:  # child process: one measurement
         impl, n = args.case[0], int(args.case[1])
-        print(json.dumps(run_case(impl, n, args.dim, args.chunk, args.repeats, args.threads)), flush=True)
+        print(json.dumps(run_case(impl, n, args.dim, args.chunk, args.repeats, args.threads, args.loss)), flush=True)
         return
 
     for n in args.sizes:
@@ -150,15 +164,16 @@ def main() -> None:
             need = CLIPLOSS_MATRICES * n * n * 4
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             if impl == "open_clip" and need > 0.8 * have:
-                print(json.dumps({"bench": "clip_loss_fwd_bwd", "impl": "open_clip", "batch": n, "skipped":
-                                  f"ClipLoss needs about {need / 2**30:.0f} GiB for N={n} (four N x N float32 "
+                print(json.dumps({"bench": f"{args.loss}_loss_fwd_bwd", "impl": "open_clip", "batch": n, "skipped":
+                                  f"open_clip's loss needs about {need / 2**30:.0f} GiB for N={n} (four N x N float32 "
                                   f"matrices at its peak); this machine has {have / 2**30:.0f} GiB"}), flush=True)
                 continue
             cmd = [sys.executable, __file__, "--case", impl, str(n), "--dim", str(args.dim),
-                   "--chunk", str(args.chunk), "--repeats", str(repeats), "--threads", str(args.threads)]
+                   "--chunk", str(args.chunk), "--repeats", str(repeats), "--threads", str(args.threads),
+                   "--loss", args.loss]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
-                print(json.dumps({"bench": "clip_loss_fwd_bwd", "impl": impl, "batch": n,
+                print(json.dumps({"bench": f"{args.loss}_loss_fwd_bwd", "impl": impl, "batch": n,
                                   "error": out.stderr.strip().splitlines()[-1:]}), flush=True)
                 continue
             line = out.stdout.strip().splitlines()[-1]
@@ -167,7 +182,7 @@ def main() -> None:
         if len(results) == 2:
             ref, ours = results["open_clip"], results["tiled"]
             print(json.dumps({
-                "bench": "clip_loss_ratio", "batch": n, "dim": args.dim, "chunk": args.chunk,
+                "bench": f"{args.loss}_loss_ratio", "batch": n, "dim": args.dim, "chunk": args.chunk,
                 "time_ratio_tiled_over_open_clip": ours["time_s_median"] / ref["time_s_median"],
                 "mem_ratio_tiled_over_open_clip": ours["peak_mem_growth_mib"] / ref["peak_mem_growth_mib"],
                 "loss_rel_diff": abs(ours["loss"] - ref["loss"]) / abs(ref["loss"]),

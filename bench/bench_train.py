@@ -7,7 +7,8 @@ Measured in one run, round by round; each figure is the median over rounds.
    on the same images written as files + a tab-separated CSV (its webdataset path does not run with the
    installed webdataset), the model config registered with ``open_clip.add_model_config`` from a copy of
    ``mmcl/model_configs/tiny.json``. The files hold the shards' own JPEG bytes, so both decode the same input.
-3. ``pure``: the same model and objective trained on real batches of the same shards, decoded once and held
+3. ``pure`` (and mmcl's own step code on the same batches, ``mmcl_step_in_memory``, alternated with it in one
+   process): the same model and objective trained on real batches of the same shards, decoded once and held
    in memory (no data loading, no logging): forward, loss, backward, gradient clipping and the AdamW step, i.e.
    what a training step cannot avoid; a forward + loss + backward figure is printed too. Real batches matter:
    the text tower's cost follows the batch's longest caption.
@@ -233,7 +234,7 @@ def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str]) -> 
            f"data.train={shards}", f"data.batch_size={args.batch_size}", f"data.workers={args.workers}",
            f"train.steps={args.steps}", f"train.output_dir={run_dir}", f"train.log_every={args.log_every}",
            "train.precision=fp32", "train.save_every=0", "train.plot=false", "train.progress=false",
-           "eval.zeroshot=null", "eval.retrieval=null"]
+           "eval.zeroshot=null", "eval.retrieval=null", *args.mmcl_override]
     run = Run("mmcl", cmd, run_dir / "metrics.jsonl", env, work / f"mmcl-{tag}.out")
     run.run_dir = run_dir
     return run
@@ -348,9 +349,10 @@ def pure_step_child(args) -> None:
     cfg.data.train, cfg.data.workers = args.shards, 0
     stream = build_train_stream(cfg.data, train_tf, tokenizer, seed=0)
     it = iter(stream)
-    held = []
+    held, raw = [], []
     for _ in range(args.pure_batches):
         batch = next(it)
+        raw.append(batch)
         held.append((stream.finish_images(batch["image"]), batch["text"], batch["label"]))
     it.close()
     step_no = [0]
@@ -372,8 +374,32 @@ def pure_step_child(args) -> None:
         with torch.no_grad():
             model.logit_scale.clamp_(0, math.log(cfg.loss.max_logit_scale))
 
+    # mmcl's own step on the same batches: the training loop's code path (Accelerator-prepared model and
+    # optimiser, train_step with the uint8 -> float finish, finiteness check, accelerate's clipping), no data
+    # loading. Its time over full_step's is the step's code overhead.
+    from accelerate import Accelerator
+
+    from mmcl.train import train_step
+
+    accelerator = Accelerator(cpu=True)
+    acc_model, acc_optimizer = accelerator.prepare(model, optimizer)
+
+    def mmcl_step():
+        loss, _, backward = train_step(acc_model, objective, [raw[step_no[0] % len(raw)]], accelerator,
+                                       stream.finish_images)
+        step_no[0] += 1
+        if not torch.isfinite(loss.detach()):
+            raise SystemExit("non-finite loss in the step benchmark")
+        backward()
+        accelerator.clip_grad_norm_(acc_model.parameters(), cfg.optim.grad_clip)
+        acc_optimizer.step()
+        acc_optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(cfg.loss.max_logit_scale))
+
     for _ in range(3):  # allocator and kernel warm-up
         full_step()
+        mmcl_step()
     if args.pure_log:
         # Paired mode: full steps until the parent stops us, logging samples like a training run does.
         with open(args.pure_log, "a") as log:
@@ -384,10 +410,10 @@ def pure_step_child(args) -> None:
                 full_step()
         return
     # The two variants alternate step by step, so a burst of load from elsewhere hits both alike.
-    wall = {"step": [], "fwd_bwd": []}
-    cpu = {"step": [], "fwd_bwd": []}
+    wall = {"step": [], "fwd_bwd": [], "mmcl_step": []}
+    cpu = {"step": [], "fwd_bwd": [], "mmcl_step": []}
     for _ in range(args.pure_steps):
-        for name, fn in (("step", full_step), ("fwd_bwd", fwd_bwd)):
+        for name, fn in (("step", full_step), ("fwd_bwd", fwd_bwd), ("mmcl_step", mmcl_step)):
             t, c = time.perf_counter(), time.process_time()
             fn()
             wall[name].append(time.perf_counter() - t)
@@ -395,6 +421,7 @@ def pure_step_child(args) -> None:
             optimizer.zero_grad(set_to_none=True)
     # Means, as the training runs' windows are means over their steps.
     print(json.dumps({"step_s": statistics.fmean(wall["step"]), "fwd_bwd_s": statistics.fmean(wall["fwd_bwd"]),
+                      "mmcl_step_in_memory_s": statistics.fmean(wall["mmcl_step"]),
                       "cpu_ms_per_sample": 1000 * statistics.fmean(cpu["step"]) / b,
                       "fwd_bwd_cpu_ms_per_sample": 1000 * statistics.fmean(cpu["fwd_bwd"]) / b,
                       "params": n_params, "threads": torch.get_num_threads()}))
@@ -414,6 +441,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--concurrent", action="store_true",
                    help="run mmcl and open_clip at the same time in each round, so both see the same load from "
                         "other jobs (the throughputs are then shares of the machine; their ratio is the result)")
+    p.add_argument("--mmcl-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for the mmcl runs (repeatable), e.g. data.worker_nice=0")
     p.add_argument("--work-dir", default=None, help="keep data and logs here (default: a temporary directory)")
     p.add_argument("--pure-step-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--oc-models", help=argparse.SUPPRESS)
@@ -435,7 +464,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     shards, csv, n_train = prepare_data(work, n_train=args.steps * args.batch_size)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     common = {"device": "cpu", "concurrent": args.concurrent, "cpu": cpu_name(), "cores": os.cpu_count(), "dtype": "fp32",
-              "batch": args.batch_size, "workers": args.workers, "steps": args.steps, "window_from_step": args.skip_steps}
+              "batch": args.batch_size, "workers": args.workers, "steps": args.steps, "window_from_step": args.skip_steps,
+              "mmcl_overrides": args.mmcl_override}
 
     results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": [], "mmcl_beside_pure": [],
                                                   "pure_beside_mmcl": []}
@@ -501,6 +531,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         summary.update({
             "mmcl_step_s": mmcl_step, "pure_step_s": pure_step, "pure_fwd_bwd_s": pure_fb,
             "step_over_pure_step": mmcl_step / pure_step, "step_over_pure_fwd_bwd": mmcl_step / pure_fb,
+            # mmcl's step code on the same in-memory batches, alternated with the pure step in one process.
+            "in_memory_mmcl_step_over_pure_step": statistics.median(
+                r["mmcl_step_in_memory_s"] / r["step_s"] for r in results["pure"]),
             "cpu_over_pure_step": ratio(mmcl_cpu, median("pure", "cpu_ms_per_sample")),
             "cpu_over_pure_fwd_bwd": ratio(mmcl_cpu, median("pure", "fwd_bwd_cpu_ms_per_sample")),
         })

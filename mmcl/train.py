@@ -322,7 +322,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                                          rank=accelerator.process_index, world_size=accelerator.num_processes,
                                          pin_memory=accelerator.device.type == "cuda",
                                          # On a CPU the workers and the training threads share the cores; the
-                                         # training threads go first (bench/bench_train.py: ~10 % faster).
+                                         # training threads go first (~3 % faster, BENCHMARKS.md).
                                          worker_nice=19 if accelerator.device.type == "cpu" else 0)
     if cfg.train.compile:
         model = torch.compile(model)
