@@ -89,6 +89,30 @@ def cpu_seconds() -> float:
     return sum(tree_cpu_seconds(os.getpid()))
 
 
+def tar_member_costs(spec: str) -> dict:
+    """Microseconds per tar member to read every member's bytes of the shards: mmcl's reader vs tarfile."""
+    import tarfile
+
+    from mmcl.data import TarReader, expand_urls
+
+    def with_tarfile(url):
+        with open(url, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
+            return sum(len(tar.extractfile(m).read()) > -1 for m in tar if m.isfile())
+
+    def with_mmcl(url):
+        with open(url, "rb") as f:
+            reader = TarReader(f)
+            return sum(len(reader.read()) > -1 for _ in reader)
+
+    out = {}
+    for name, fn in (("tarfile", with_tarfile), ("mmcl", with_mmcl)):
+        t0 = time.perf_counter()
+        members = sum(fn(url) for url in expand_urls(spec))
+        out[f"{name}_us_per_member"] = round(1e6 * (time.perf_counter() - t0) / members, 2)
+    out["members"] = members
+    return out
+
+
 def model_input(loader, batch) -> torch.Tensor:
     """The float images a model would get from `batch`: mmcl's uint8 batches are finished here (counted)."""
     if isinstance(batch, (tuple, list)):
@@ -137,6 +161,7 @@ def main() -> None:
         spec = make_shards(tmp, args.samples, args.per_shard)
         print(json.dumps({"bench": "data", "event": "shards_written", "samples": args.samples,
                           "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+        print(json.dumps({"bench": "tar_read", **tar_member_costs(spec)}), flush=True)
         loaders = {
             "webdataset": lambda: reference_loader(spec, preprocess, tokenizer, args.batch, args.workers, args.shuffle),
             "mmcl": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers, args.shuffle, False,
