@@ -226,7 +226,7 @@ class Run:
 
 
 # ------------------------------------------------------------------------------------------------- the runs
-def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str]) -> Run:
+def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str], extra: Tuple[str, ...] = ()) -> Run:
     run_dir = work / f"mmcl-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -234,7 +234,7 @@ def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str]) -> 
            f"data.train={shards}", f"data.batch_size={args.batch_size}", f"data.workers={args.workers}",
            f"train.steps={args.steps}", f"train.output_dir={run_dir}", f"train.log_every={args.log_every}",
            "train.precision=fp32", "train.save_every=0", "train.plot=false", "train.progress=false",
-           "eval.zeroshot=null", "eval.retrieval=null", *args.mmcl_override]
+           "eval.zeroshot=null", "eval.retrieval=null", *args.mmcl_override, *extra]
     run = Run("mmcl", cmd, run_dir / "metrics.jsonl", env, work / f"mmcl-{tag}.out")
     run.run_dir = run_dir
     return run
@@ -443,6 +443,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "other jobs (the throughputs are then shares of the machine; their ratio is the result)")
     p.add_argument("--mmcl-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for the mmcl runs (repeatable), e.g. data.worker_nice=0")
+    p.add_argument("--mmcl-variant", action="append", default=[], metavar="KEY=VALUE",
+                   help="also run mmcl with these overrides in every round (next to the default run), e.g. "
+                        "data.worker_nice=0; the summary gives default / variant throughput per round")
     p.add_argument("--work-dir", default=None, help="keep data and logs here (default: a temporary directory)")
     p.add_argument("--pure-step-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--oc-models", help=argparse.SUPPRESS)
@@ -468,9 +471,11 @@ def main(argv: Optional[List[str]] = None) -> None:
               "mmcl_overrides": args.mmcl_override}
 
     results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": [], "mmcl_beside_pure": [],
-                                                  "pure_beside_mmcl": []}
+                                                  "pure_beside_mmcl": [], "mmcl_variant": []}
     for r in range(args.rounds):
         order = ["mmcl", "open_clip", "pure"] if r % 2 == 0 else ["pure", "open_clip", "mmcl"]
+        if args.mmcl_variant:  # next to mmcl, on the side that alternates with it
+            order.insert(order.index("mmcl") + (1 if r % 2 == 0 else 0), "mmcl_variant")
         if args.concurrent:
             order = ["paired_pure", "both"] if r % 2 else ["both", "paired_pure"]
         for what in order:
@@ -484,6 +489,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 runs = []
                 if what in ("mmcl", "both"):
                     runs.append(("mmcl", start_mmcl(args, work, shards, str(r), env), mmcl_points))
+                if what == "mmcl_variant":
+                    runs.append(("mmcl_variant", start_mmcl(args, work, shards, f"variant-{r}", env,
+                                                            tuple(args.mmcl_variant)), mmcl_points))
                 if what in ("open_clip", "both"):
                     runs.append(("open_clip", start_open_clip(args, work, csv, n_train, str(r), env),
                                  open_clip_points))
@@ -537,6 +545,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             "cpu_over_pure_step": ratio(mmcl_cpu, median("pure", "cpu_ms_per_sample")),
             "cpu_over_pure_fwd_bwd": ratio(mmcl_cpu, median("pure", "fwd_bwd_cpu_ms_per_sample")),
         })
+    if results["mmcl_variant"]:
+        per_round_variant = [m["samples_per_s"] / v["samples_per_s"]
+                             for m, v in zip(results["mmcl"], results["mmcl_variant"])]
+        summary.update({"variant_overrides": args.mmcl_variant, "mmcl_over_variant": statistics.median(
+            per_round_variant), "per_round_mmcl_over_variant": per_round_variant})
     print(json.dumps(summary), flush=True)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)

@@ -63,9 +63,9 @@ class DataConfig:
     # Images travel from the workers as uint8 and are scaled/normalised on the training device (exact, 4x less
     # shared and device memory traffic); used when the transform ends in ToTensor [+ Normalize].
     uint8_transfer: bool = True
-    # Niceness added to data workers: null = 19 when training on the CPU (workers then take only the CPU time the
-    # training threads leave, instead of stalling them), 0 with a GPU.
-    worker_nice: Optional[int] = None
+    # Niceness the data workers add to their own (0-19). On a CPU-only machine a higher value makes the workers
+    # yield to the training threads; measured on 2 cores it helped in some runs and hurt in others (BENCHMARKS.md).
+    worker_nice: int = 0
 
 
 @dataclass
@@ -298,8 +298,8 @@ def validate(cfg: TrainConfig) -> List[str]:
     terms = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative")
     if not any(getattr(cfg.loss, t) > 0 for t in terms) and cfg.loss.mochi.weight <= 0:
         problems.append("no loss term is active: set at least one of loss.clip, loss.supcon, loss.siglip, ... > 0")
-    if cfg.data.worker_nice is not None and not 0 <= cfg.data.worker_nice <= 19:
-        problems.append(f"data.worker_nice must be in [0, 19] or null (got {cfg.data.worker_nice})")
+    if not 0 <= cfg.data.worker_nice <= 19:
+        problems.append(f"data.worker_nice must be in [0, 19] (got {cfg.data.worker_nice})")
     if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):
         problems.append("data.weights must be non-negative")
     return problems

@@ -1026,7 +1026,7 @@ class TrainStream:
     """
 
     def __init__(self, cfg: DataConfig, preprocess: Callable, tokenizer: Callable, *, seed: int, rank: int = 0,
-                 world_size: int = 1, pin_memory: bool = False, worker_nice: int = 0):
+                 world_size: int = 1, pin_memory: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.sources = expand_sources(cfg.train)
@@ -1044,7 +1044,7 @@ class TrainStream:
         self.workers = int(cfg.workers)
         self.n_roles = max(1, self.workers)
         self.pin_memory = pin_memory
-        self.worker_nice = int(worker_nice if cfg.worker_nice is None else cfg.worker_nice)
+        self.worker_nice = int(cfg.worker_nice)
         self.draft_size = draft_size_of(preprocess) if cfg.fast_decode else None
         self.sample_transform, finish = (split_transform(preprocess) if cfg.uint8_transfer
                                          else (preprocess, None))
@@ -1140,7 +1140,7 @@ class TrainStream:
 
 
 def build_train_stream(cfg: DataConfig, preprocess: Callable, tokenizer: Callable, *, seed: int, rank: int = 0,
-                       world_size: int = 1, pin_memory: bool = False, worker_nice: int = 0) -> TrainStream:
+                       world_size: int = 1, pin_memory: bool = False) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
@@ -1152,12 +1152,11 @@ def build_train_stream(cfg: DataConfig, preprocess: Callable, tokenizer: Callabl
         seed: base seed; shard order, shuffling and augmentation derive from (seed, rank, worker, epoch).
         rank, world_size: this process's place among data-parallel processes.
         pin_memory: page-locked batches (for a GPU).
-        worker_nice: niceness the DataLoader workers add to their own, unless ``cfg.worker_nice`` sets it.
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
-                       pin_memory=pin_memory, worker_nice=worker_nice)
+                       pin_memory=pin_memory)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -320,10 +320,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     optimizer = build_optimizer(model, cfg.optim)
     stream = data_mod.build_train_stream(cfg.data, train_tf, tokenizer, seed=cfg.train.seed,
                                          rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                         pin_memory=accelerator.device.type == "cuda",
-                                         # On a CPU the workers and the training threads share the cores; the
-                                         # training threads go first (~3 % faster, BENCHMARKS.md).
-                                         worker_nice=19 if accelerator.device.type == "cpu" else 0)
+                                         pin_memory=accelerator.device.type == "cuda")
     if cfg.train.compile:
         model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
