@@ -17,7 +17,7 @@ computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to 2^23 / ch
 logits are formed, reduced into row and column sums and dropped; backward recomputes each tile once. Extra
 memory is O((n + M) * D) plus two tiles instead of O(n * M), with the same value and gradients as the dense
 computation, which stays in this module as the specification. SigLIP's sum over pairs is tiled the same way
-(each tile recomputed in backward under activation checkpointing). MoCHi stays dense (n x M).
+(`TiledSigmoidPairs`, each tile recomputed once in backward). MoCHi stays dense (n x M).
 
 `ContrastiveObjective` (built by `build_objective` from `mmcl.config.LossConfig`) combines the weighted
 terms, gathers across ranks when ``torch.distributed`` is initialised, and holds the only state: the MoCHi
@@ -490,9 +490,9 @@ def siglip_loss(
             against every text and the positive of row i is column ``offset + i``. The sum over all pairs
             divided by the global batch size is the mean of the per-rank values.
         chunk_size: None computes the (n, M) logits at once; an int sums tiles of ``chunk_size`` rows (by up to
-            2^23 / chunk_size columns), each recomputed in the backward pass instead of stored, so memory stays
-            one tile whatever the batch. The sum is separable over pairs, so tiling changes only the order of
-            the additions.
+            2^23 / chunk_size columns) with `TiledSigmoidPairs`, each recomputed in the backward pass instead of
+            stored, so memory stays a few tiles whatever the batch. The sum is separable over pairs, so tiling
+            changes only the order of the additions.
     Returns:
         0-dim tensor.
     """
@@ -508,18 +508,82 @@ def siglip_loss(
         raise ConfigError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
     if chunk_size is None:
         return -_siglip_tile(image_features, keys, logit_scale, logit_bias, offset) / n
-    from torch.utils.checkpoint import checkpoint
+    return -TiledSigmoidPairs.apply(image_features, keys, logit_scale, logit_bias, chunk_size, offset) / n
 
-    width = _tile_width(chunk_size, m)
-    total = None
-    for i0 in range(0, n, chunk_size):
-        q = image_features[i0:i0 + chunk_size]
-        for j0 in range(0, m, width):
-            # The tile's positives sit at columns offset + i for its rows i; in tile coordinates:
-            part = checkpoint(_siglip_tile, q, keys[j0:j0 + width], logit_scale, logit_bias, offset + i0 - j0,
-                              use_reentrant=False)
-            total = part if total is None else total + part
-    return -total / n
+
+def _signed_logit_tile(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, shift: int) -> Tensor:
+    """x_ij = z_ij (s q_i.k_j + b) for one tile, z = +1 where j = i + shift, else -1 (a new (c, w) tensor)."""
+    x = torch.mm(q, k.T).mul_(scale).add_(bias).neg_()
+    rows = torch.arange(q.shape[0], device=q.device)
+    rows = rows[(rows + shift >= 0) & (rows + shift < k.shape[0])]
+    if rows.numel():
+        cols = rows + shift
+        x[rows, cols] = -x[rows, cols]
+    return x
+
+
+class TiledSigmoidPairs(torch.autograd.Function):
+    """``sum_ij log sigmoid(z_ij (s q_i.k_j + b))`` over all pairs, in tiles, with a hand-written backward.
+
+    Forward keeps no tile: per tile of ``chunk_size`` rows by up to ``2^23 / chunk_size`` columns it forms
+    x = z (s q.k + b) and adds ``min(x, 0) - log1p(exp(-|x|))`` (log sigmoid without overflow). Backward
+    recomputes each tile once: ``d/dl log sigmoid(z l) = z sigmoid(-z l)`` gives the tile's logit gradient G,
+    then dq = s G k, dk = s G^T q, ds = sum_i q_i . (G k)_i and db = sum G. Sums accumulate in float32 at least.
+
+    Args (apply): queries (n, D), keys (m, D), logit_scale and logit_bias 0-dim, chunk_size int, offset int
+    (row i's positive is column ``offset + i``). Returns a 0-dim tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, queries, keys, logit_scale, logit_bias, chunk_size: int, offset: int):
+        acc = _acc_dtype(queries.dtype)
+        q, k = queries.to(acc), keys.to(acc)
+        scale, bias = logit_scale.to(acc), logit_bias.to(acc)
+        n, m = q.shape[0], k.shape[0]
+        width = _tile_width(chunk_size, m)
+        total = torch.zeros((), dtype=acc, device=q.device)
+        for i0 in range(0, n, chunk_size):
+            qi = q[i0:i0 + chunk_size]
+            for j0 in range(0, m, width):
+                x = _signed_logit_tile(qi, k[j0:j0 + width], scale, bias, offset + i0 - j0)
+                soft = x.abs().neg_().exp_().log1p_()
+                total += x.clamp_(max=0).sub_(soft).sum()
+        ctx.save_for_backward(queries, keys, logit_scale, logit_bias)
+        ctx.chunk_size, ctx.offset = chunk_size, offset
+        return total.to(queries.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        queries, keys, logit_scale, logit_bias = ctx.saved_tensors
+        acc = _acc_dtype(queries.dtype)
+        q, k = queries.to(acc), keys.to(acc)
+        scale, bias = logit_scale.to(acc), logit_bias.to(acc)
+        g = grad_out.to(acc)
+        n, m = q.shape[0], k.shape[0]
+        width = _tile_width(ctx.chunk_size, m)
+        dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+        ds = torch.zeros((), dtype=acc, device=q.device)
+        db = torch.zeros((), dtype=acc, device=q.device)
+        for i0 in range(0, n, ctx.chunk_size):
+            qi = q[i0:i0 + ctx.chunk_size]
+            for j0 in range(0, m, width):
+                kj = k[j0:j0 + width]
+                shift = ctx.offset + i0 - j0
+                x = _signed_logit_tile(qi, kj, scale, bias, shift)
+                # G = g z sigmoid(-x): sigmoid(-x) with the sign of z (-1 off the positives).
+                grad = x.neg_().sigmoid_().neg_()
+                rows = torch.arange(qi.shape[0], device=q.device)
+                rows = rows[(rows + shift >= 0) & (rows + shift < kj.shape[0])]
+                if rows.numel():
+                    grad[rows, rows + shift] = -grad[rows, rows + shift]
+                grad.mul_(g)
+                gk = grad @ kj
+                dq[i0:i0 + ctx.chunk_size] += gk * scale
+                dk[j0:j0 + width] += (grad.T @ qi) * scale
+                ds += (qi * gk).sum()
+                db += grad.sum()
+        return (dq.to(queries.dtype), dk.to(keys.dtype), ds.to(logit_scale.dtype).reshape(logit_scale.shape),
+                db.to(logit_bias.dtype).reshape(logit_bias.shape), None, None)
 
 
 def _siglip_tile(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, shift: int) -> Tensor:

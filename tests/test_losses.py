@@ -421,10 +421,11 @@ def test_siglip_local_rows_split_reproduces_global_batch():
         torch.testing.assert_close(gb, ga, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale,bias_value", [(10.0, -10.0), (100.0, -3.0)])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
-def test_tiled_siglip_equals_dense_in_value_and_gradients(chunk, tiles):
+def test_tiled_siglip_equals_dense_in_value_and_gradients(chunk, scale, bias_value, tiles):
     img, txt = _features(13, 8, torch.float64, seed=21)
-    s, bias = torch.tensor(10.0, dtype=torch.float64), torch.tensor(-10.0, dtype=torch.float64)
+    s, bias = torch.tensor(scale, dtype=torch.float64), torch.tensor(bias_value, dtype=torch.float64)
     a, b = _leaves(img, txt, s, bias), _leaves(img, txt, s, bias)
     dense = siglip_loss(*a)
     tiled = siglip_loss(*b, chunk_size=chunk)
