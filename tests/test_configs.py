@@ -85,6 +85,11 @@ def test_vit_b_32_is_open_clip_laion_recipe():
         defaults["lr"], defaults["beta1"], defaults["beta2"], defaults["eps"])
     assert cfg.optim.weight_decay == parse_args([]).wd
     assert cfg.optim.warmup_steps == 2000 and cfg.model.name == "ViT-B-32"
+    # 32 epochs of LAION-400M's ~407M pairs, as samples seen, so the length does not depend on the GPU count.
+    assert abs(cfg.train.samples - 32 * 407e6) / (32 * 407e6) < 0.01
+    from mmcl.train import total_steps
+
+    assert total_steps(cfg, processes) == -(-cfg.train.samples // 32768)
     model_cfg = models.resolve_model_config(cfg.model)
     assert model_cfg["embed_dim"] == 512 and model_cfg["vision_cfg"]["patch_size"] == 32
 
