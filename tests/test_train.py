@@ -317,6 +317,8 @@ def test_accelerate_launch_runs_two_cooperating_processes(demo, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     rows = metrics(out)
     assert [r["samples"] for r in rows] == [8, 16]  # global batch = 2 processes x 4
+    assert "mmcl: 2 process(es), MULTI_CPU on cpu, fp32; global batch 8" in p.stdout  # said once, by rank 0
+    assert p.stdout.count("process(es)") == 1
     ckpt = latest_checkpoint(out / "checkpoints")
     assert sorted(f.name for f in ckpt.glob("rank_state_*.pt")) == ["rank_state_0.pt", "rank_state_1.pt"]
 
