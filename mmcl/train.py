@@ -355,9 +355,10 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
         f"{cfg.train.precision}; global batch {global_batch_size(cfg, accelerator.num_processes)}")
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and dist_type != "FSDP":
-        log(f"warning: the launch config asks for FSDP but it is not in effect here ({dist_type}); "
-            f"the model is replicated on every process")
+    for mode, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
+        if os.environ.get(var, "").lower() in ("1", "true") and dist_type != mode:
+            log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
+                f"the model is replicated on every process")
     if cfg.train.samples is not None:
         log(f"train.samples={cfg.train.samples}: {total} steps of {global_batch_size(cfg, accelerator.num_processes)} "
             f"samples")
