@@ -446,6 +446,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--mmcl-variant", action="append", default=[], metavar="KEY=VALUE",
                    help="also run mmcl with these overrides in every round (next to the default run), e.g. "
                         "data.worker_nice=0; the summary gives default / variant throughput per round")
+    p.add_argument("--mmcl-variant-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment variable for the variant run (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
     p.add_argument("--work-dir", default=None, help="keep data and logs here (default: a temporary directory)")
     p.add_argument("--pure-step-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--oc-models", help=argparse.SUPPRESS)
@@ -474,7 +476,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                                                   "pure_beside_mmcl": [], "mmcl_variant": []}
     for r in range(args.rounds):
         order = ["mmcl", "open_clip", "pure"] if r % 2 == 0 else ["pure", "open_clip", "mmcl"]
-        if args.mmcl_variant:  # next to mmcl, on the side that alternates with it
+        if args.mmcl_variant or args.mmcl_variant_env:  # next to mmcl, on the side that alternates with it
             order.insert(order.index("mmcl") + (1 if r % 2 == 0 else 0), "mmcl_variant")
         if args.concurrent:
             order = ["paired_pure", "both"] if r % 2 else ["both", "paired_pure"]
@@ -490,7 +492,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 if what in ("mmcl", "both"):
                     runs.append(("mmcl", start_mmcl(args, work, shards, str(r), env), mmcl_points))
                 if what == "mmcl_variant":
-                    runs.append(("mmcl_variant", start_mmcl(args, work, shards, f"variant-{r}", env,
+                    variant_env = dict(env, **dict(kv.split("=", 1) for kv in args.mmcl_variant_env))
+                    runs.append(("mmcl_variant", start_mmcl(args, work, shards, f"variant-{r}", variant_env,
                                                             tuple(args.mmcl_variant)), mmcl_points))
                 if what in ("open_clip", "both"):
                     runs.append(("open_clip", start_open_clip(args, work, csv, n_train, str(r), env),
@@ -548,7 +551,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if results["mmcl_variant"]:
         per_round_variant = [m["samples_per_s"] / v["samples_per_s"]
                              for m, v in zip(results["mmcl"], results["mmcl_variant"])]
-        summary.update({"variant_overrides": args.mmcl_variant, "mmcl_over_variant": statistics.median(
+        summary.update({"variant_overrides": args.mmcl_variant, "variant_env": args.mmcl_variant_env,
+                        "mmcl_over_variant": statistics.median(
             per_round_variant), "per_round_mmcl_over_variant": per_round_variant})
     print(json.dumps(summary), flush=True)
     if not args.work_dir:
