@@ -17,7 +17,8 @@ computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to 2^23 / ch
 logits are formed, reduced into row and column sums and dropped; backward recomputes each tile once. Extra
 memory is O((n + M) * D) plus two tiles instead of O(n * M), with the same value and gradients as the dense
 computation, which stays in this module as the specification. SigLIP's sum over pairs is tiled the same way
-(`TiledSigmoidPairs`, each tile recomputed once in backward). MoCHi stays dense (n x M).
+(`TiledSigmoidPairs`, each tile recomputed once in backward), and MoCHi's real negatives and queue too (its
+synthetic negatives are n x (s + s') x D).
 
 `ContrastiveObjective` (built by `build_objective` from `mmcl.config.LossConfig`) combines the weighted
 terms, gathers across ranks when ``torch.distributed`` is initialised, and holds the only state: the MoCHi
@@ -721,8 +722,14 @@ def debiased_clip_loss(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator):
-    """Per-row InfoNCE over [positive, real negatives, synthetic hard negatives] for one direction."""
+def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
+                chunk_size=None):
+    """Per-row InfoNCE over [positive, real negatives, synthetic hard negatives] for one direction.
+
+    With `chunk_size` the (n, M + Q) logits are never formed: the hardest negatives are ranked in row blocks
+    without autograd, the log-sum-exp over real negatives and queue is tiled (`logsumexp_rows`), and it is
+    combined with the synthetic negatives' log-sum-exp; the same value and gradients as the dense form.
+    """
     n, m = queries.shape[0], keys.shape[0]
     n_queue = 0 if queue is None else queue.shape[0]
     k = min(n_hard, m - 1 + n_queue)
@@ -735,19 +742,24 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
     beta = (torch.rand(m, s_prime, 1, generator=generator) * mix_max)[offset:offset + n].to(
         queries.device, queries.dtype
     )
-
-    logits = logit_scale * (queries @ keys.T)  # (n, M)
-    parts = [logits]
     if queue is not None and n_queue > 0:
         queue = queue.detach().to(queries.dtype)
-        parts.append(logit_scale * (queries @ queue.T))  # (n, Q)
+    else:
+        queue = None
+
+    synthetic_logits = None
     if k > 0 and s + s_prime > 0:
         with torch.no_grad():
             q = queries.detach()
             candidates = keys.detach() if queue is None else torch.cat([keys.detach(), queue])  # (M+Q, D)
-            sims = q @ candidates.T
-            sims[rows, rows + offset] = -math.inf  # the positive is not a negative
-            hard = sims.topk(k, dim=1).indices  # (n, k), hardest first
+            block = n if chunk_size is None else chunk_size
+            hard = []
+            for i0 in range(0, n, block):
+                sims = q[i0:i0 + block] @ candidates.T
+                local = rows[i0:i0 + block] - i0
+                sims[local, rows[i0:i0 + block] + offset] = -math.inf  # the positive is not a negative
+                hard.append(sims.topk(k, dim=1).indices)  # hardest first
+            hard = torch.cat(hard)  # (n, k)
             synthetic = []
             if s > 0:
                 first = candidates[hard.gather(1, pairs[..., 0])]  # (n, s, D)
@@ -758,7 +770,21 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
                 synthetic.append(F.normalize(beta * q[:, None, :] + (1 - beta) * negative, dim=-1))
             synthetic = torch.cat(synthetic, dim=1)  # (n, s + s', D)
         # Synthetic features carry no gradient; their logits still push the query away from them.
-        parts.append(logit_scale * torch.einsum("nd,nkd->nk", queries, synthetic))
+        synthetic_logits = logit_scale * torch.einsum("nd,nkd->nk", queries, synthetic)
+
+    if chunk_size is not None:
+        real = keys if queue is None else torch.cat([keys, queue])
+        lse = logsumexp_rows(queries, real, logit_scale, chunk_size)
+        if synthetic_logits is not None:
+            lse = torch.logaddexp(lse, torch.logsumexp(synthetic_logits.to(lse.dtype), dim=1))
+        positive = logit_scale * (queries * keys[rows + offset]).sum(dim=1)
+        return lse - positive.to(lse.dtype)
+
+    parts = [logit_scale * (queries @ keys.T)]  # (n, M)
+    if queue is not None:
+        parts.append(logit_scale * (queries @ queue.T))  # (n, Q)
+    if synthetic_logits is not None:
+        parts.append(synthetic_logits)
     all_logits = torch.cat(parts, dim=1)
     all_logits = all_logits.to(_acc_dtype(all_logits.dtype))
     return F.cross_entropy(all_logits, rows + offset, reduction="none")
@@ -779,6 +805,7 @@ def mochi_loss(
     all_image_features: Optional[Tensor] = None,
     all_text_features: Optional[Tensor] = None,
     offset: int = 0,
+    chunk_size: Optional[int] = None,
 ) -> Tensor:
     """InfoNCE with MoCHi synthetic hard negatives (Kalantidis et al. 2020), both directions averaged.
 
@@ -795,10 +822,13 @@ def mochi_loss(
         n_hard, s, s_prime: counts (n_hard >= 1, s, s_prime >= 0).  mix_max: in (0, 1].
         generator: CPU torch.Generator.  image_queue, text_queue: (Q, D) past features or None.
         all_image_features, all_text_features, offset: as in `clip_loss`.
+        chunk_size: None for the dense (n, M + Q) logits; an int ranks and sums them in blocks of that many rows
+            (memory linear in M + Q; the synthetic negatives are still n x (s + s') x D).
     Returns:
         0-dim tensor.
     """
     _check_pair(image_features, text_features)
+    _check_chunk(chunk_size)
     if n_hard < 1 or s < 0 or s_prime < 0:
         raise ConfigError(
             f"MoCHi needs n_hard >= 1 and s, s_prime >= 0 (got n_hard={n_hard}, s={s}, s_prime={s_prime})"
@@ -807,8 +837,10 @@ def mochi_loss(
         raise ConfigError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
     logit_scale = _as_scale(logit_scale, image_features)
     all_img, all_txt, offset, _ = _columns(image_features, text_features, all_image_features, all_text_features, offset)
-    i2t = _mochi_rows(image_features, all_txt, text_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator)
-    t2i = _mochi_rows(text_features, all_img, image_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator)
+    i2t = _mochi_rows(image_features, all_txt, text_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
+                      chunk_size)
+    t2i = _mochi_rows(text_features, all_img, image_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
+                      chunk_size)
     return (i2t.mean() + t2i.mean()) / 2
 
 
@@ -1095,7 +1127,7 @@ class ContrastiveObjective(nn.Module):
             m = cfg.mochi
             values["mochi"] = mochi_loss(
                 image_features, text_features, logit_scale, m.n_hard, m.s, m.s_prime, m.mix_max, self.generator,
-                self.image_queue.get(), self.text_queue.get(), **cols,
+                self.image_queue.get(), self.text_queue.get(), **cols, chunk_size=chunk,
             )
         if w["align"] > 0:
             values["align"] = align_loss(image_features, text_features, cfg.align_alpha)

@@ -598,6 +598,42 @@ def test_mochi_matches_float64_reference(with_queue):
         torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("with_queue,synth", [(False, (4, 3)), (True, (4, 3)), (True, (0, 0)), (False, (0, 2))])
+def test_chunked_mochi_equals_dense(chunk, with_queue, synth, tiles):
+    img, txt = _features(10, 8, torch.float64, seed=27, correlated=False)
+    iq, tq = _features(7, 8, torch.float64, seed=28) if with_queue else (None, None)
+    s = torch.tensor(7.0, dtype=torch.float64)
+    a, b = _leaves(img, txt, s), _leaves(img, txt, s)
+    dense = mochi_loss(*a, 5, *synth, 0.5, torch.Generator().manual_seed(3), iq, tq)
+    chunked = mochi_loss(*b, 5, *synth, 0.5, torch.Generator().manual_seed(3), iq, tq, chunk_size=chunk)
+    torch.testing.assert_close(chunked, dense, rtol=1e-12, atol=1e-12)  # float64: summation order only
+    for gc, gd in zip(_grads(chunked, b), _grads(dense, a)):
+        torch.testing.assert_close(gc, gd, rtol=1e-10, atol=1e-12)
+    # Local rows against gathered columns (the distributed layout), chunked, still equal the global batch.
+    c = _leaves(img, txt, s)
+    parts = [mochi_loss(c[0][sl], c[1][sl], c[2], 5, *synth, 0.5, torch.Generator().manual_seed(3), iq, tq,
+                        all_image_features=c[0], all_text_features=c[1], offset=sl.start, chunk_size=chunk)
+             for sl in (slice(0, 5), slice(5, 10))]
+    torch.testing.assert_close(torch.stack(parts).mean(), dense, rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_mochi_keeps_no_logit_matrix_for_backward():
+    n, q_len, d = 1024, 2048, 16
+    img, txt = _features(n, d, torch.float32, seed=29)
+    iq, tq = _features(q_len, d, torch.float32, seed=30)
+    s = torch.tensor(10.0)
+
+    def largest_saved(**kw):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            mochi_loss(*_leaves(img, txt, s), 8, 4, 3, 0.5, torch.Generator().manual_seed(0), iq, tq, **kw)
+        return max(sizes)
+
+    assert largest_saved() >= n * (n + q_len)  # the dense (n, M + Q) logits
+    assert largest_saved(chunk_size=128) <= n * 7 * d  # at most the (n, s + s', D) synthetic features
+
+
 def test_mochi_without_synthesis_is_infonce():
     img, txt = _features(16, 8, torch.float32, seed=22)
     s = torch.tensor(20.0)
@@ -716,3 +752,17 @@ def test_objective_config_errors():
         build_objective(LossConfig(debiased=1.0, tau_plus=1.0))
     with pytest.raises(ConfigError, match="no loss term"):
         build_objective(LossConfig(clip=0.0))
+
+
+def test_objective_chunk_size_reaches_every_tiled_term():
+    """loss.chunk_size tiles clip, siglip and MoCHi inside the objective without changing the numbers."""
+    img, txt = _features(24, 8, torch.float64, seed=31, correlated=False)
+    s, b = torch.tensor(10.0, dtype=torch.float64), torch.tensor(-5.0, dtype=torch.float64)
+    kw = dict(clip=1.0, siglip=0.5, mochi=MochiConfig(weight=0.5, n_hard=4, s=3, s_prime=2, queue_size=0))
+    dense, tiled = build_objective(LossConfig(**kw)), build_objective(LossConfig(chunk_size=5, **kw))
+    dense.reseed(0)
+    tiled.reseed(0)
+    (a_loss, a_terms), (c_loss, c_terms) = dense(img, txt, s, b), tiled(img, txt, s, b)
+    torch.testing.assert_close(c_loss, a_loss, rtol=1e-12, atol=1e-12)
+    for name in ("clip", "siglip", "mochi"):
+        torch.testing.assert_close(c_terms[f"loss/{name}"], a_terms[f"loss/{name}"], rtol=1e-12, atol=1e-12)
