@@ -69,7 +69,19 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
         torch.set_num_threads(threads)
 
     bias = torch.tensor(-10.0, requires_grad=True)  # SigLIP's learned bias at its usual initial value
-    if impl == "open_clip" and kind == "siglip":
+    if kind == "mochi":
+        # open_clip has no MoCHi: the reference is mmcl's own dense form. Queues of N past features each, the
+        # defaults of configs/mochi.yaml for the mixing (n_hard 64, s 32, s' 16).
+        from mmcl.losses import mochi_loss
+
+        g0 = torch.Generator().manual_seed(1)
+        queues = [F.normalize(torch.randn(n, dim, generator=g0), dim=1) for _ in range(2)]
+        tile = None if impl == "open_clip" else chunk
+
+        def loss_fn(i, t, s):
+            qi, qt = queues if i.shape[0] == n else (None, None)  # the small warm-up call runs without queues
+            return mochi_loss(i, t, s, 64, 32, 16, 0.5, torch.Generator().manual_seed(0), qi, qt, chunk_size=tile)
+    elif impl == "open_clip" and kind == "siglip":
         from open_clip.loss import SigLipLoss
 
         siglip = SigLipLoss()
@@ -120,7 +132,8 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
         del loss
     return {
         "bench": f"{kind}_loss_fwd_bwd",
-        "impl": impl if impl == "open_clip" else f"mmcl_tiled_chunk{chunk}",
+        "impl": (("mmcl_dense" if kind == "mochi" else impl) if impl == "open_clip"
+                 else f"mmcl_tiled_chunk{chunk}"),
         "device": "cpu",
         "cpu": _cpu_name(),
         "threads": torch.get_num_threads(),
@@ -141,7 +154,8 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loss", choices=("clip", "siglip"), default="clip")
+    parser.add_argument("--loss", choices=("clip", "siglip", "mochi"), default="clip",
+                        help="mochi compares with mmcl's dense MoCHi (open_clip has none)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=1024)

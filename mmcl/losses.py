@@ -760,17 +760,17 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
                 sims[local, rows[i0:i0 + block] + offset] = -math.inf  # the positive is not a negative
                 hard.append(sims.topk(k, dim=1).indices)  # hardest first
             hard = torch.cat(hard)  # (n, k)
-            synthetic = []
-            if s > 0:
-                first = candidates[hard.gather(1, pairs[..., 0])]  # (n, s, D)
-                second = candidates[hard.gather(1, pairs[..., 1])]
-                synthetic.append(F.normalize(alpha * first + (1 - alpha) * second, dim=-1))
-            if s_prime > 0:
-                negative = candidates[hard.gather(1, picks)]  # (n, s', D)
-                synthetic.append(F.normalize(beta * q[:, None, :] + (1 - beta) * negative, dim=-1))
-            synthetic = torch.cat(synthetic, dim=1)  # (n, s + s', D)
-        # Synthetic features carry no gradient; their logits still push the query away from them.
-        synthetic_logits = logit_scale * torch.einsum("nd,nkd->nk", queries, synthetic)
+        draws = (pairs, alpha, picks, beta)
+        if chunk_size is None:
+            synthetic_logits = _synthetic_logits(queries, candidates, hard, draws, logit_scale)
+        else:
+            # Each block's synthetic features (c, s + s', D) are rebuilt in backward instead of kept.
+            from torch.utils.checkpoint import checkpoint
+
+            synthetic_logits = torch.cat([
+                checkpoint(_synthetic_logits, queries[i0:i0 + chunk_size], candidates, hard[i0:i0 + chunk_size],
+                           tuple(d[i0:i0 + chunk_size] for d in draws), logit_scale, use_reentrant=False)
+                for i0 in range(0, n, chunk_size)])
 
     if chunk_size is not None:
         real = keys if queue is None else torch.cat([keys, queue])
@@ -788,6 +788,29 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
     all_logits = torch.cat(parts, dim=1)
     all_logits = all_logits.to(_acc_dtype(all_logits.dtype))
     return F.cross_entropy(all_logits, rows + offset, reduction="none")
+
+
+def _synthetic_logits(queries: Tensor, candidates: Tensor, hard: Tensor, draws, logit_scale: Tensor) -> Tensor:
+    """Logits (n, s + s') of the queries against their MoCHi synthetic negatives (Kalantidis et al. 2020).
+
+    ``s`` mixes ``a h_i + (1 - a) h_j`` of two hard negatives and ``s'`` mixes ``b q + (1 - b) h_k`` with the
+    query, each normalised; `hard` (n, k) indexes `candidates`, `draws` = (pairs (n, s, 2), a (n, s, 1),
+    picks (n, s'), b (n, s', 1)). The synthetic features carry no gradient; their logits still push the query
+    away from them.
+    """
+    pairs, alpha, picks, beta = draws
+    with torch.no_grad():
+        q = queries.detach()
+        synthetic = []
+        if pairs.shape[1] > 0:
+            first = candidates[hard.gather(1, pairs[..., 0])]  # (n, s, D)
+            second = candidates[hard.gather(1, pairs[..., 1])]
+            synthetic.append(F.normalize(alpha * first + (1 - alpha) * second, dim=-1))
+        if picks.shape[1] > 0:
+            negative = candidates[hard.gather(1, picks)]  # (n, s', D)
+            synthetic.append(F.normalize(beta * q[:, None, :] + (1 - beta) * negative, dim=-1))
+        synthetic = torch.cat(synthetic, dim=1)  # (n, s + s', D)
+    return logit_scale * torch.einsum("nd,nkd->nk", queries, synthetic)
 
 
 def mochi_loss(
