@@ -379,7 +379,7 @@ def pure_step_child(args) -> None:
     # loading. Its time over full_step's is the step's code overhead.
     from accelerate import Accelerator
 
-    from mmcl.train import train_step
+    from mmcl.train import apply_update, train_step
 
     accelerator = Accelerator(cpu=True)
     acc_model, acc_optimizer = accelerator.prepare(model, optimizer)
@@ -391,11 +391,8 @@ def pure_step_child(args) -> None:
         if not torch.isfinite(loss.detach()):
             raise SystemExit("non-finite loss in the step benchmark")
         backward()
-        accelerator.clip_grad_norm_(acc_model.parameters(), cfg.optim.grad_clip)
-        acc_optimizer.step()
-        acc_optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(cfg.loss.max_logit_scale))
+        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip,
+                     math.log(cfg.loss.max_logit_scale))
 
     for _ in range(3):  # allocator and kernel warm-up
         full_step()
@@ -469,8 +466,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     shards, csv, n_train = prepare_data(work, n_train=args.steps * args.batch_size)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     common = {"device": "cpu", "concurrent": args.concurrent, "cpu": cpu_name(), "cores": os.cpu_count(), "dtype": "fp32",
-              "batch": args.batch_size, "workers": args.workers, "steps": args.steps, "window_from_step": args.skip_steps,
-              "mmcl_overrides": args.mmcl_override}
+              "batch": args.batch_size, "workers": args.workers, "steps": args.steps,
+              "window_from_step": args.skip_steps, "mmcl_overrides": args.mmcl_override}
 
     results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": [], "mmcl_beside_pure": [],
                                                   "pure_beside_mmcl": [], "mmcl_variant": []}

@@ -153,7 +153,9 @@ _CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.nan_policy": ("stop", "skip"),
 }
-_POSITIVE = ("data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size")
+_POSITIVE = (
+    "data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size",
+)
 _NON_NEGATIVE = (
     "data.workers", "data.shuffle_buffer", "train.save_every", "train.keep_checkpoints", "optim.warmup_steps",
     "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",

@@ -508,18 +508,22 @@ def siglip_loss(
     if not 0 <= offset <= m - n:
         raise ConfigError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
     if chunk_size is None:
-        return -_siglip_tile(image_features, keys, logit_scale, logit_bias, offset) / n
+        return -_siglip_dense(image_features, keys, logit_scale, logit_bias, offset) / n
     return -TiledSigmoidPairs.apply(image_features, keys, logit_scale, logit_bias, chunk_size, offset) / n
+
+
+def _tile_positives(n_rows: int, n_cols: int, shift: int, device) -> Tuple[Tensor, Tensor]:
+    """(rows, cols) of the positives j = i + shift that fall inside an (n_rows, n_cols) tile."""
+    rows = torch.arange(n_rows, device=device)
+    rows = rows[(rows + shift >= 0) & (rows + shift < n_cols)]
+    return rows, rows + shift
 
 
 def _signed_logit_tile(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, shift: int) -> Tensor:
     """x_ij = z_ij (s q_i.k_j + b) for one tile, z = +1 where j = i + shift, else -1 (a new (c, w) tensor)."""
     x = torch.mm(q, k.T).mul_(scale).add_(bias).neg_()
-    rows = torch.arange(q.shape[0], device=q.device)
-    rows = rows[(rows + shift >= 0) & (rows + shift < k.shape[0])]
-    if rows.numel():
-        cols = rows + shift
-        x[rows, cols] = -x[rows, cols]
+    rows, cols = _tile_positives(q.shape[0], k.shape[0], shift, q.device)
+    x[rows, cols] = -x[rows, cols]
     return x
 
 
@@ -573,10 +577,8 @@ class TiledSigmoidPairs(torch.autograd.Function):
                 x = _signed_logit_tile(qi, kj, scale, bias, shift)
                 # G = g z sigmoid(-x): sigmoid(-x) with the sign of z (-1 off the positives).
                 grad = x.neg_().sigmoid_().neg_()
-                rows = torch.arange(qi.shape[0], device=q.device)
-                rows = rows[(rows + shift >= 0) & (rows + shift < kj.shape[0])]
-                if rows.numel():
-                    grad[rows, rows + shift] = -grad[rows, rows + shift]
+                rows, cols = _tile_positives(qi.shape[0], kj.shape[0], shift, q.device)
+                grad[rows, cols] = -grad[rows, cols]
                 grad.mul_(g)
                 gk = grad @ kj
                 dq[i0:i0 + ctx.chunk_size] += gk * scale
@@ -587,19 +589,17 @@ class TiledSigmoidPairs(torch.autograd.Function):
                 db.to(logit_bias.dtype).reshape(logit_bias.shape), None, None)
 
 
-def _siglip_tile(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, shift: int) -> Tensor:
-    """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) over one tile; row i's positive is column i + shift (if inside)."""
+def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, offset: int) -> Tensor:
+    """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) from the whole (n, M) logits; row i's positive is column i + offset."""
     logits = logit_scale * (queries @ keys.T) + logit_bias
     logits = logits.to(_acc_dtype(logits.dtype))
-    rows = torch.arange(queries.shape[0], device=logits.device)
-    inside = (rows + shift >= 0) & (rows + shift < keys.shape[0])
-    rows = rows[inside]
-    positive = logits[rows, rows + shift]
+    rows, cols = _tile_positives(queries.shape[0], keys.shape[0], offset, logits.device)
+    positive = logits[rows, cols]
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
     # subtracted, which would cancel catastrophically for large logits. (F.softplus is avoided: it turns
     # linear above its threshold of 20, an error of e^-20 per pair.)
     minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
-    negatives = logits.index_put((rows, rows + shift), minus_inf)
+    negatives = logits.index_put((rows, cols), minus_inf)
     return F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()
 
 
@@ -755,9 +755,9 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
             block = n if chunk_size is None else chunk_size
             hard = []
             for i0 in range(0, n, block):
+                here = rows[i0:i0 + block]
                 sims = q[i0:i0 + block] @ candidates.T
-                local = rows[i0:i0 + block] - i0
-                sims[local, rows[i0:i0 + block] + offset] = -math.inf  # the positive is not a negative
+                sims[here - i0, here + offset] = -math.inf  # the positive is not a negative
                 hard.append(sims.topk(k, dim=1).indices)  # hardest first
             hard = torch.cat(hard)  # (n, k)
         draws = (pairs, alpha, picks, beta)

@@ -286,6 +286,18 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
     return loss, terms, backward
 
 
+def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_log_scale: float):
+    """After backward: clip the gradients (when `grad_clip`), step and clear the optimiser, and keep the learned
+    temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``. Returns the gradient norm before clipping as a tensor (read
+    it, a device sync, only when it is logged), or None without clipping."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        raw_model.logit_scale.clamp_(0, max_log_scale)
+    return grad_norm
+
+
 # ------------------------------------------------------------------------------------------------- train
 def train(cfg: TrainConfig) -> Dict[str, Any]:
     """Train as configured; returns the last logged metrics. Run under ``accelerate launch`` for several processes."""
@@ -392,14 +404,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             log(f"skipped step {progress.step}: loss is {loss.item()}")
             continue
         backward()
-        grad_norm = None
-        if cfg.optim.grad_clip:
-            # Kept as a tensor: read (a device sync) only on logged steps.
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            raw_model.logit_scale.clamp_(0, max_log_scale)  # s = exp(t) <= max_logit_scale
+        grad_norm = apply_update(accelerator, model, raw_model, optimizer, cfg.optim.grad_clip, max_log_scale)
         progress.step += 1
         progress.samples += global_batch
         window_samples += global_batch
