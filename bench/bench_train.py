@@ -21,13 +21,23 @@ by polling the files, and samples/s = (samples at the last record - samples at t
 includes everything else a step costs (data loading, logging, open_clip's per-epoch work). At each record the
 CPU seconds of the process and its data-loader workers are read from /proc too, giving CPU ms per sample.
 
-By default the tools run one after the other, alternating the order each round. On a machine shared with other
-jobs whose load swings, ``--concurrent`` runs mmcl and open_clip at the same time instead, so both see the same
-load; each window then ends when the first of the two exits, and the ratio of their throughputs is the result.
+How they share the machine (``--mode``):
+
+- ``sliced`` (the default): all of them (mmcl, open_clip, the pure step loop, and the mmcl variant when asked
+  for) are started at once, each in its own process group, and only one group runs at any moment: each gets
+  ``--slice`` seconds in turn, the others being held with SIGSTOP. Each run's log records are then placed on
+  its own clock of running time (wall time minus the time it was held). On a shared machine whose speed changes
+  in phases of seconds to tens of seconds (this bench's machine switches between two speeds about 20 % apart,
+  the bare step included), every run samples the same phases, so their ratios are not decided by which phase
+  each happened to fall in, while no run ever competes with another for the cores.
+- ``sequential``: one after the other, alternating the order each round (a run that falls in a slow phase
+  loses against one in a fast phase).
+- ``concurrent``: mmcl and open_clip (then mmcl and the pure loop) at the same time, timed over the same span;
+  both then share the cores, which is a different measurement (throughput under contention).
 
 Usage::
 
-    nice .venv/bin/python bench/bench_train.py [--concurrent] [--rounds 3] [--steps 25] [--batch-size 64]
+    nice .venv/bin/python bench/bench_train.py [--mode sliced|sequential|concurrent] [--rounds 3] [--steps 25]
 
 Prints one JSON line per measurement, then one summary line with the medians and the ratios.
 """
@@ -41,6 +51,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -205,14 +216,18 @@ class Run:
         self.name, self.cmd, self.out = name, cmd, out
         self.t0 = time.monotonic()
         self.sink = open(out, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.sink, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        # Its own process group (with its data-loader workers), so that `Slicer` can hold and resume it whole.
+        self.proc = subprocess.Popen(cmd, stdout=self.sink, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                     start_new_session=True)
         self.timer = LineTimer(log_path, self.proc.pid).__enter__()
+        self.running: Optional[List[Tuple[float, float]]] = None  # set by `Slicer`: the spans it ran in
 
     def finish(self, stop: bool = False) -> Tuple[List[Tuple[float, Tuple[float, float], str]], float]:
         """Wait for the process (or end it when `stop`); returns (stamped log lines, wall seconds)."""
         if stop:
             self.timer.__exit__(None, None, None)  # the last reading is taken while the process still runs
             self.proc.terminate()
+            _signal_group(self.proc, signal.SIGCONT)  # a held process acts on SIGTERM only once resumed
             self.proc.wait()
             self.sink.close()
             return self.timer.lines, time.monotonic() - self.t0
@@ -223,6 +238,59 @@ class Run:
         if code != 0:
             raise RuntimeError(f"{self.name} failed with exit code {code}:\n{self.out.read_text()[-3000:]}")
         return self.timer.lines, wall
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Slicer:
+    """Lets one run's process group at a time use the machine, `slice_s` seconds each, in turn.
+
+    `run` goes on until every run in `finite` has exited; the others (the endless pure-step loop) are held from
+    then on. Each run's ``running`` is the list of (start, end) monotonic spans in which it was allowed to run.
+    """
+
+    def __init__(self, runs: List[Run], finite: List[Run], slice_s: float):
+        self.runs, self.finite, self.slice_s = runs, finite, slice_s
+        for run in runs:
+            run.running = []
+            _signal_group(run.proc, signal.SIGSTOP)
+
+    def run(self) -> None:
+        live = list(self.runs)
+        turn = 0
+        while any(r.proc.poll() is None for r in self.finite) and live:
+            run = live[turn % len(live)]
+            _signal_group(run.proc, signal.SIGCONT)
+            start = time.monotonic()
+            try:
+                run.proc.wait(timeout=self.slice_s)
+                exited = True
+            except subprocess.TimeoutExpired:
+                exited = False
+                _signal_group(run.proc, signal.SIGSTOP)
+            run.running.append((start, time.monotonic()))
+            if exited:
+                live.remove(run)
+            else:
+                turn += 1
+
+
+def running_time(spans: List[Tuple[float, float]], t: float) -> float:
+    """Seconds a sliced run had been allowed to run by monotonic time `t` (its own clock)."""
+    return sum(min(b, t) - a for a, b in spans if a < t)
+
+
+def on_own_clock(run: Run, points: List[Tuple[float, Tuple[float, float], int]]
+                 ) -> List[Tuple[float, Tuple[float, float], int]]:
+    """A sliced run's records with their times on its own running-time clock (unchanged for other runs)."""
+    if run.running is None:
+        return points
+    return [(running_time(run.running, t), cpu, n) for t, cpu, n in points]
 
 
 # ------------------------------------------------------------------------------------------------- the runs
@@ -288,23 +356,63 @@ def run_pure(args, work: Path, shards: str, env: Dict[str, str]) -> Dict[str, fl
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def start_pure_loop(args, work: Path, shards: str, tag: str, env: Dict[str, str]) -> Run:
+    """The pure step in an endless loop that logs its samples like a training run (stopped by the parent)."""
+    log = work / f"pure-{tag}.jsonl"
+    log.unlink(missing_ok=True)
+    return Run("pure", [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", "--batch-size",
+                        str(args.batch_size), "--log-every", str(args.log_every), "--oc-models",
+                        str(work / "oc-models"), "--pure-log", str(log), "--shards", shards,
+                        "--pure-batches", str(args.pure_batches)], log, env, work / f"pure-{tag}.out")
+
+
+def pure_points(lines) -> List[Tuple[float, Tuple[float, float], int]]:
+    return [(t, cpu, int(json.loads(line)["samples"])) for t, cpu, line in lines]
+
+
+def sliced_round(args, work: Path, shards: str, csv: Path, n_train: int, r: int, env: Dict[str, str]
+                 ) -> List[Tuple[str, Dict[str, float]]]:
+    """mmcl, open_clip, the pure step loop (and the mmcl variant) taking turns on the machine (see `Slicer`)."""
+    tag = f"sliced-{r}"
+    runs = [("mmcl", start_mmcl(args, work, shards, tag, env), mmcl_points),
+            ("open_clip", start_open_clip(args, work, csv, n_train, tag, env), open_clip_points)]
+    if args.mmcl_variant or args.mmcl_variant_env:
+        variant_env = dict(env, **dict(kv.split("=", 1) for kv in args.mmcl_variant_env))
+        runs.insert(1, ("mmcl_variant", start_mmcl(args, work, shards, f"variant-{tag}", variant_env,
+                                                   tuple(args.mmcl_variant)), mmcl_points))
+    pure = start_pure_loop(args, work, shards, tag, env)
+    finite = [run for _, run, _ in runs]
+    turns = finite + [pure]
+    Slicer(turns[::-1] if r % 2 else turns, finite, args.slice).run()
+    out = []
+    skip = args.skip_steps * args.batch_size
+    for name, run, parse in runs:
+        lines, wall = run.finish()
+        points = on_own_clock(run, parse(run, lines))
+        res = steady_rate(points, skip)
+        res.update(wall_s=wall, running_s=running_time(run.running, math.inf),
+                   last_step=max(p[2] for p in points) // args.batch_size)
+        out.append((name, res))
+    p_lines, p_wall = pure.finish(stop=True)
+    res = steady_rate(on_own_clock(pure, pure_points(p_lines)), 0)
+    res.update(wall_s=p_wall, running_s=running_time(pure.running, math.inf))
+    res["step_s"] = args.batch_size / res["samples_per_s"]
+    out.append(("pure_sliced", res))
+    return out
+
+
 def paired_pure(args, work: Path, shards: str, tag: str, env: Dict[str, str]) -> List[Tuple[str, Dict[str, float]]]:
     """mmcl training and the pure in-memory step loop at the same time, timed over the same span.
 
     Both then see the same load from other jobs; the ratio of their throughputs is mmcl's step time over the pure
     step time. The pure loop runs until mmcl's run has ended.
     """
-    log = work / f"pure-{tag}.jsonl"
-    log.unlink(missing_ok=True)
-    pure = Run("pure", [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", "--batch-size",
-                        str(args.batch_size), "--log-every", str(args.log_every), "--oc-models",
-                        str(work / "oc-models"), "--pure-log", str(log), "--shards", shards,
-                        "--pure-batches", str(args.pure_batches)], log, env, work / f"pure-{tag}.out")
+    pure = start_pure_loop(args, work, shards, tag, env)
     mmcl = start_mmcl(args, work, shards, f"paired-{tag}", env)
     m_lines, m_wall = mmcl.finish()
     p_lines, p_wall = pure.finish(stop=True)
     m_points = mmcl_points(mmcl, m_lines)
-    p_points = [(t, cpu, int(json.loads(line)["samples"])) for t, cpu, line in p_lines]
+    p_points = pure_points(p_lines)
     skips = [args.skip_steps * args.batch_size, 0]  # the pure loop logs only after its warm-up steps
     interval = common_interval([m_points, p_points], skips)
     out = []
@@ -435,9 +543,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--pure-steps", type=int, default=8, help="timed steps of each pure variant")
     p.add_argument("--pure-batches", type=int, default=8, help="real batches the pure step cycles through")
-    p.add_argument("--concurrent", action="store_true",
-                   help="run mmcl and open_clip at the same time in each round, so both see the same load from "
-                        "other jobs (the throughputs are then shares of the machine; their ratio is the result)")
+    p.add_argument("--mode", choices=("sliced", "sequential", "concurrent"), default="sliced",
+                   help="sliced: all runs started together, taking turns on the machine (--slice seconds each); "
+                        "sequential: one after the other; concurrent: mmcl beside open_clip, then beside the pure "
+                        "loop, sharing the cores")
+    p.add_argument("--slice", type=float, default=1.0, help="seconds per turn in --mode sliced")
+    p.add_argument("--concurrent", action="store_true", help="same as --mode concurrent")
     p.add_argument("--mmcl-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for the mmcl runs (repeatable), e.g. data.worker_nice=0")
     p.add_argument("--mmcl-variant", action="append", default=[], metavar="KEY=VALUE",
@@ -454,6 +565,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.pure_step_child:
         pure_step_child(args)
         return
+    if args.concurrent:
+        args.mode = "concurrent"
+    args.concurrent = args.mode == "concurrent"
     if args.skip_steps >= args.steps - args.log_every:
         raise SystemExit(f"--steps ({args.steps}) must exceed --skip-steps + --log-every")
 
@@ -465,20 +579,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     # One epoch of open_clip covers the whole run, so neither tool restarts its loader inside the window.
     shards, csv, n_train = prepare_data(work, n_train=args.steps * args.batch_size)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    common = {"device": "cpu", "concurrent": args.concurrent, "cpu": cpu_name(), "cores": os.cpu_count(), "dtype": "fp32",
+    common = {"device": "cpu", "mode": args.mode, "cpu": cpu_name(), "cores": os.cpu_count(), "dtype": "fp32",
               "batch": args.batch_size, "workers": args.workers, "steps": args.steps,
               "window_from_step": args.skip_steps, "mmcl_overrides": args.mmcl_override}
 
     results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": [], "mmcl_beside_pure": [],
-                                                  "pure_beside_mmcl": [], "mmcl_variant": []}
+                                                  "pure_beside_mmcl": [], "mmcl_variant": [], "pure_sliced": []}
     for r in range(args.rounds):
         order = ["mmcl", "open_clip", "pure"] if r % 2 == 0 else ["pure", "open_clip", "mmcl"]
         if args.mmcl_variant or args.mmcl_variant_env:  # next to mmcl, on the side that alternates with it
             order.insert(order.index("mmcl") + (1 if r % 2 == 0 else 0), "mmcl_variant")
         if args.concurrent:
             order = ["paired_pure", "both"] if r % 2 else ["both", "paired_pure"]
+        if args.mode == "sliced":
+            # The in-process pure step (and mmcl's step code beside it) is measured on its own, after the turns.
+            order = ["sliced", "pure"]
         for what in order:
-            if what == "paired_pure":
+            if what == "sliced":
+                done = sliced_round(args, work, shards, csv, n_train, r, env)
+            elif what == "paired_pure":
                 done = paired_pure(args, work, shards, str(r), env)
             elif what == "pure":
                 res = run_pure(args, work, shards, env)
@@ -536,13 +655,27 @@ def main(argv: Optional[List[str]] = None) -> None:
     else:
         mmcl_step = args.batch_size / mmcl_sps
         pure_step, pure_fb = median("pure", "step_s"), median("pure", "fwd_bwd_s")
+        if args.mode == "sliced":
+            # The pure loop took turns with the training runs: per round, mmcl's step time over its.
+            per_round_pure = [p["samples_per_s"] / m["samples_per_s"]
+                              for m, p in zip(results["mmcl"], results["pure_sliced"])]
+            summary.update({"step_over_pure_step": statistics.median(per_round_pure),
+                            "per_round_step_over_pure_step": per_round_pure,
+                            "open_clip_step_over_pure_step": statistics.median(
+                                p["samples_per_s"] / o["samples_per_s"]
+                                for o, p in zip(results["open_clip"], results["pure_sliced"])),
+                            "pure_sliced_samples_per_s": median("pure_sliced", "samples_per_s"),
+                            "cpu_over_pure_step": ratio(mmcl_cpu, median("pure_sliced", "cpu_ms_per_sample"))})
+        else:
+            summary.update({"step_over_pure_step": mmcl_step / pure_step,
+                            "cpu_over_pure_step": ratio(mmcl_cpu, median("pure", "cpu_ms_per_sample"))})
         summary.update({
             "mmcl_step_s": mmcl_step, "pure_step_s": pure_step, "pure_fwd_bwd_s": pure_fb,
-            "step_over_pure_step": mmcl_step / pure_step, "step_over_pure_fwd_bwd": mmcl_step / pure_fb,
+            # fwd+bwd is timed only in the in-process pure step: its share of that step scales the ratio above.
+            "step_over_pure_fwd_bwd": summary["step_over_pure_step"] * pure_step / pure_fb,
             # mmcl's step code on the same in-memory batches, alternated with the pure step in one process.
             "in_memory_mmcl_step_over_pure_step": statistics.median(
                 r["mmcl_step_in_memory_s"] / r["step_s"] for r in results["pure"]),
-            "cpu_over_pure_step": ratio(mmcl_cpu, median("pure", "cpu_ms_per_sample")),
             "cpu_over_pure_fwd_bwd": ratio(mmcl_cpu, median("pure", "fwd_bwd_cpu_ms_per_sample")),
         })
     if results["mmcl_variant"]:

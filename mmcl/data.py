@@ -770,7 +770,7 @@ def split_transform(preprocess: Callable) -> Tuple[Callable, Optional[ImageFinis
     if normalize is not None and any(float(s) == 0 for s in normalize.std):
         return preprocess, None  # torchvision raises on a zero std; keep its error
     finish = ImageFinish(normalize.mean, normalize.std) if normalize is not None else ImageFinish()
-    return T.Compose([_skip_same_mode_convert(step) for step in steps]), finish
+    return T.Compose(steps), finish
 
 
 class _ConvertIfNeeded:
@@ -795,6 +795,72 @@ def _skip_same_mode_convert(step: Callable) -> Callable:
     if getattr(step, "__name__", "") == "_convert_to_rgb" and getattr(step, "__module__", "") == "open_clip.transform":
         return _ConvertIfNeeded("RGB")
     return step
+
+
+def random_crop_box(width: int, height: int, scale: Sequence[float], ratio: Sequence[float],
+                    rng: Any = random) -> Tuple[int, int, int, int]:
+    """A random-resized-crop box (top, left, height, width) for a `width` x `height` image.
+
+    The distribution of torchvision's ``RandomResizedCrop``: up to ten tries of an area fraction uniform in
+    `scale` and an aspect ratio log-uniform in `ratio`, the first box that fits placed uniformly; when none
+    fits, the largest centred box whose aspect ratio is clamped into `ratio`. Draws come from `rng` (Python's
+    `random` by default): a few float operations instead of torchvision's tiny torch tensors, which cost
+    about 45 us per image in a data worker.
+    """
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    image_ratio = width / height
+    if image_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif image_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _python_rng_crop(step: Callable) -> Callable:
+    """torchvision's RandomResizedCrop as `PyRandomResizedCrop` (same distribution, cheaper draws)."""
+    from torchvision import transforms as T
+
+    return PyRandomResizedCrop(step) if type(step) is T.RandomResizedCrop else step
+
+
+class PyRandomResizedCrop:
+    """A torchvision ``RandomResizedCrop`` whose box is drawn by `random_crop_box` from Python's RNG (seeded
+    per sample in the training stream, as torch's is); cropping and resizing are torchvision's own."""
+
+    def __init__(self, crop: Any):
+        self.crop = crop
+
+    def __call__(self, img: Any) -> Any:
+        from torchvision.transforms import functional as F
+
+        c = self.crop
+        _, height, width = F.get_dimensions(img)
+        top, left, h, w = random_crop_box(width, height, c.scale, c.ratio)
+        return F.resized_crop(img, top, left, h, w, c.size, c.interpolation, antialias=c.antialias)
+
+    def __repr__(self) -> str:
+        return f"Py{self.crop!r}"
+
+
+def training_sample_transform(preprocess: Callable) -> Callable:
+    """The per-sample transform the training stream runs: `preprocess` with its steps made cheaper where that
+    changes no output distribution (RGB conversion of an RGB image skipped; RandomResizedCrop's box drawn
+    with Python's RNG). Anything but a torchvision ``Compose`` is returned as it is."""
+    from torchvision import transforms as T
+
+    if not isinstance(preprocess, T.Compose):
+        return preprocess
+    return T.Compose([_python_rng_crop(_skip_same_mode_convert(step)) for step in preprocess.transforms])
 
 
 def _mix(*values: int) -> int:
@@ -1046,8 +1112,9 @@ class TrainStream:
         self.pin_memory = pin_memory
         self.worker_nice = int(cfg.worker_nice)
         self.draft_size = draft_size_of(preprocess) if cfg.fast_decode else None
-        self.sample_transform, finish = (split_transform(preprocess) if cfg.uint8_transfer
-                                         else (preprocess, None))
+        sample_transform = training_sample_transform(preprocess)
+        self.sample_transform, finish = (split_transform(sample_transform) if cfg.uint8_transfer
+                                         else (sample_transform, None))
         self.uint8 = finish is not None
         self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
         self._positions = [_fresh_position() for _ in range(self.n_roles)]

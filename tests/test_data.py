@@ -249,6 +249,61 @@ def test_split_transform_recognises_open_clip_transforms_and_leaves_others_whole
     assert data.split_transform(T.ToTensor())[1] is None  # not a Compose
 
 
+def _ks_statistic(a, b):
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
+    grid = np.union1d(a, b)
+    cdf = lambda x: np.searchsorted(np.sort(x), grid, side="right") / len(x)  # noqa: E731
+    return float(np.abs(cdf(a) - cdf(b)).max())
+
+
+@pytest.mark.parametrize("size,scale,ratio", [((300, 200), (0.08, 1.0), (3 / 4, 4 / 3)),
+                                              ((64, 64), (0.9, 1.0), (3 / 4, 4 / 3)),
+                                              ((400, 40), (0.3, 1.0), (3 / 4, 4 / 3))])  # often falls back
+def test_random_crop_box_has_torchvisions_distribution(size, scale, ratio):
+    import random
+
+    n = 20_000
+    img = Image.new("RGB", size)
+    torch.manual_seed(0)
+    ref = np.array([T.RandomResizedCrop.get_params(img, list(scale), list(ratio)) for _ in range(n)])
+    rng = random.Random(0)
+    ours = np.array([data.random_crop_box(size[0], size[1], scale, ratio, rng) for _ in range(n)])
+    w, h = size
+    assert (ours[:, 2] > 0).all() and (ours[:, 3] > 0).all()
+    assert (ours[:, 0] + ours[:, 2] <= h).all() and (ours[:, 1] + ours[:, 3] <= w).all() and (ours >= 0).all()
+    # top, left, height, width and area each follow the same law: KS distance below the 0.1 % critical value
+    # for two samples of 20000 (1.95 * sqrt(2 / n) = 0.0195).
+    for k in range(4):
+        assert _ks_statistic(ours[:, k], ref[:, k]) < 0.0195, k
+    assert _ks_statistic(ours[:, 2] * ours[:, 3], ref[:, 2] * ref[:, 3]) < 0.0195
+
+
+@pytest.mark.parametrize("size,ratio", [((100, 100), (2.0, 3.0)), ((100, 100), (0.2, 0.4)), ((90, 110), (0.5, 2.0))])
+def test_random_crop_box_falls_back_to_torchvisions_centre_crop(size, ratio):
+    img = Image.new("RGB", size)
+    # With the whole area required, no box of these aspect ratios fits, so both take the deterministic fallback
+    # (for the last case the image's own ratio is inside `ratio`, and the fallback is the whole image).
+    scale = (1.0, 1.0) if size == (100, 100) else (1.5, 1.5)
+    want = T.RandomResizedCrop.get_params(img, list(scale), list(ratio))
+    assert data.random_crop_box(size[0], size[1], scale, ratio) == tuple(want)
+
+
+def test_training_transform_draws_crops_from_python_rng_and_keeps_the_rest():
+    import random
+
+    tf = T.Compose([T.RandomResizedCrop(SIDE, scale=(0.3, 1.0)), T.ToTensor()])
+    fast = data.training_sample_transform(tf)
+    assert type(fast.transforms[0]).__name__ == "PyRandomResizedCrop" and fast.transforms[1] is tf.transforms[1]
+    img = image_for(3, size=40)
+    random.seed(11)
+    top, left, h, w = data.random_crop_box(40, 40, (0.3, 1.0), (3 / 4, 4 / 3))
+    want = T.ToTensor()(T.functional.resized_crop(img, top, left, h, w, [SIDE, SIDE],
+                                                  T.InterpolationMode.BILINEAR, antialias=True))
+    random.seed(11)
+    assert torch.equal(fast(img), want)
+    assert data.training_sample_transform(T.ToTensor()).__class__ is T.ToTensor  # not a Compose: as it is
+
+
 def test_uint8_transfer_with_a_transform_that_drops_rgb_is_one_clear_error(corpus):
     spec, _, _ = corpus
     gray = T.Compose([T.Resize(SIDE), T.CenterCrop(SIDE), T.Grayscale(1), T.ToTensor()])
