@@ -505,6 +505,19 @@ def pure_step_child(args) -> None:
     for _ in range(3):  # allocator and kernel warm-up
         full_step()
         mmcl_step()
+    if args.pure_trace:
+        # The bare step alone, its speed over consecutive windows of --log-every steps: shows the machine's
+        # speed phases that the sliced mode exists for.
+        rates, t = [], time.perf_counter()
+        for i in range(args.pure_trace):
+            full_step()
+            if (i + 1) % args.log_every == 0:
+                now = time.perf_counter()
+                rates.append(round(args.log_every * b / (now - t), 1))
+                t = now
+        print(json.dumps({"measurement": "pure_trace", "steps_per_window": args.log_every,
+                          "samples_per_s": rates, "min": min(rates), "max": max(rates)}))
+        return
     if args.pure_log:
         # Paired mode: full steps until the parent stops us, logging samples like a training run does.
         with open(args.pure_log, "a") as log:
@@ -557,6 +570,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--mmcl-variant-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment variable for the variant run (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
     p.add_argument("--work-dir", default=None, help="keep data and logs here (default: a temporary directory)")
+    p.add_argument("--pure-trace", type=int, default=0, metavar="STEPS",
+                   help="only run the bare step alone for STEPS steps and print its samples/s per --log-every "
+                        "steps (the machine's speed over time)")
     p.add_argument("--pure-step-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--oc-models", help=argparse.SUPPRESS)
     p.add_argument("--shards", help=argparse.SUPPRESS)
@@ -571,6 +587,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.skip_steps >= args.steps - args.log_every:
         raise SystemExit(f"--steps ({args.steps}) must exceed --skip-steps + --log-every")
 
+    if args.pure_trace:
+        work = Path(tempfile.mkdtemp(prefix="mmcl-bench-trace-"))
+        (work / "oc-models").mkdir()
+        shutil.copy(REPO / "mmcl" / "model_configs" / "tiny.json", work / "oc-models" / f"{MODEL_NAME}.json")
+        from mmcl.demo import make_demo_data
+
+        paths = make_demo_data(str(work / "shards"), n_train=8 * args.batch_size * args.pure_batches, n_val=1,
+                               n_zeroshot=1, shard_size=args.batch_size * args.pure_batches, progress=False)
+        args.oc_models, args.shards = str(work / "oc-models"), paths["train"]
+        try:
+            pure_step_child(args)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="mmcl-bench-train-"))
     work.mkdir(parents=True, exist_ok=True)
     (work / "oc-models").mkdir(exist_ok=True)
