@@ -65,7 +65,41 @@ from typing import Dict, List, Optional, Tuple
 from proc_cpu import tree_cpu_seconds  # bench/proc_cpu.py
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL_NAME = "mmcl-tiny"  # the name under which the copy of tiny.json is registered with open_clip
+PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peak per GPU (NVIDIA datasheets), for MFU; fp32 needs --peak-tflops
+    "H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0,
+}
+
+
+def open_clip_model_name(model: str) -> str:
+    """The name open_clip knows `model` by: mmcl's own configs are registered as ``mmcl-<name>`` copies."""
+    return f"mmcl-{model}" if (REPO / "mmcl" / "model_configs" / f"{model}.json").exists() else model
+
+
+def register_models(work: Path, model: str) -> None:
+    (work / "oc-models").mkdir(parents=True, exist_ok=True)
+    own = REPO / "mmcl" / "model_configs" / f"{model}.json"
+    if own.exists():
+        shutil.copy(own, work / "oc-models" / f"{open_clip_model_name(model)}.json")
+
+
+def device_info() -> Tuple[str, str]:
+    """("cuda" or "cpu", the device's name) for this machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.get_device_name(0)
+    return "cpu", cpu_name()
+
+
+def peak_flops(args, device: str, name: str) -> Optional[float]:
+    """The device's peak FLOP/s for MFU: --peak-tflops, else the bf16/fp16 datasheet figure of a known GPU."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device == "cuda" and args.precision in ("bf16", "fp16"):
+        for key, tflops in PEAK_TFLOPS.items():  # "H100 PCIe" is listed before "H100"
+            if key in name:
+                return tflops * 1e12
+    return None
 OPEN_CLIP_LINE = re.compile(r"Train Epoch: (\d+) \[\s*(\d+)/(\d+)")
 
 OPEN_CLIP_WRAPPER = """\
@@ -91,13 +125,13 @@ def cpu_name() -> str:
 
 
 # ----------------------------------------------------------------------------------------------------- data
-def prepare_data(work: Path, n_train: int) -> Tuple[str, Path, int]:
+def prepare_data(work: Path, n_train: int, image_size: int = 64, n_shards: int = 8) -> Tuple[str, Path, int]:
     """Demo shards for mmcl and the very same encoded images as files + a tab-separated CSV for open_clip."""
     from mmcl.demo import make_demo_data
 
-    # Eight shards, so that every mmcl worker reads its own shards (as with real data) for any worker count <= 8.
-    paths = make_demo_data(str(work / "shards"), n_train=n_train, n_val=1, n_zeroshot=1,
-                           shard_size=-(-n_train // 8), progress=False)
+    # Enough shards that every mmcl worker reads its own shards (as with real data).
+    paths = make_demo_data(str(work / "shards"), n_train=n_train, n_val=1, n_zeroshot=1, image_size=image_size,
+                           shard_size=-(-n_train // n_shards), progress=False)
     img_dir = work / "files"
     img_dir.mkdir(parents=True, exist_ok=True)
     rows = ["filepath\ttitle"]
@@ -301,7 +335,7 @@ def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str], ext
     cmd = [sys.executable, "-m", "mmcl", "train", str(REPO / "configs" / "tiny.yaml"),
            f"data.train={shards}", f"data.batch_size={args.batch_size}", f"data.workers={args.workers}",
            f"train.steps={args.steps}", f"train.output_dir={run_dir}", f"train.log_every={args.log_every}",
-           "train.precision=fp32", "train.save_every=0", "train.plot=false", "train.progress=false",
+           f"model.name={args.model}", f"train.precision={args.precision}", "train.save_every=0", "train.plot=false", "train.progress=false",
            "eval.zeroshot=null", "eval.retrieval=null", *args.mmcl_override, *extra]
     run = Run("mmcl", cmd, run_dir / "metrics.jsonl", env, work / f"mmcl-{tag}.out")
     run.run_dir = run_dir
@@ -321,9 +355,10 @@ def start_open_clip(args, work: Path, csv: Path, n_train: int, tag: str, env: Di
     steps_per_epoch = n_train // args.batch_size
     epochs = -(-args.steps // steps_per_epoch)
     cmd = [sys.executable, str(work / "run_open_clip.py"), str(work / "oc-models"),
-           "--model", MODEL_NAME, "--train-data", str(csv), "--dataset-type", "csv", "--csv-img-key", "filepath",
+           "--model", open_clip_model_name(args.model), "--train-data", str(csv), "--dataset-type", "csv", "--csv-img-key", "filepath",
            "--csv-caption-key", "title", "--csv-separator", "\t", "--batch-size", str(args.batch_size),
-           "--workers", str(args.workers), "--epochs", str(epochs), "--precision", "fp32",
+           "--workers", str(args.workers), "--epochs", str(epochs),
+           "--precision", {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp"}[args.precision],
            "--lr", "1e-3", "--wd", "0.1", "--warmup", "15", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
            "--grad-clip-norm", "1.0", "--seed", "0", "--log-every-n-steps", str(args.log_every),
            "--save-frequency", "0", "--logs", str(logs), "--name", name, "--report-to", ""]
@@ -347,9 +382,8 @@ def open_clip_points(run: Run, lines) -> List[Tuple[float, Tuple[float, float], 
 
 
 def run_pure(args, work: Path, shards: str, env: Dict[str, str]) -> Dict[str, float]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", "--batch-size", str(args.batch_size),
-           "--pure-steps", str(args.pure_steps), "--pure-batches", str(args.pure_batches),
-           "--oc-models", str(work / "oc-models"), "--shards", shards]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", *child_args(args, work, shards),
+           "--pure-steps", str(args.pure_steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"pure step child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -360,10 +394,14 @@ def start_pure_loop(args, work: Path, shards: str, tag: str, env: Dict[str, str]
     """The pure step in an endless loop that logs its samples like a training run (stopped by the parent)."""
     log = work / f"pure-{tag}.jsonl"
     log.unlink(missing_ok=True)
-    return Run("pure", [sys.executable, str(Path(__file__).resolve()), "--pure-step-child", "--batch-size",
-                        str(args.batch_size), "--log-every", str(args.log_every), "--oc-models",
-                        str(work / "oc-models"), "--pure-log", str(log), "--shards", shards,
-                        "--pure-batches", str(args.pure_batches)], log, env, work / f"pure-{tag}.out")
+    return Run("pure", [sys.executable, str(Path(__file__).resolve()), "--pure-step-child",
+                        *child_args(args, work, shards), "--log-every", str(args.log_every), "--pure-log", str(log)],
+               log, env, work / f"pure-{tag}.out")
+
+
+def child_args(args, work: Path, shards: str) -> List[str]:
+    return ["--batch-size", str(args.batch_size), "--pure-batches", str(args.pure_batches), "--model", args.model,
+            "--precision", args.precision, "--oc-models", str(work / "oc-models"), "--shards", shards]
 
 
 def pure_points(lines) -> List[Tuple[float, Tuple[float, float], int]]:
@@ -433,12 +471,15 @@ def pure_step_child(args) -> None:
     from mmcl.config import load_config
     from mmcl.train import build_optimizer
 
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"data.batch_size={args.batch_size}"])
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"data.batch_size={args.batch_size}",
+                                                              f"model.name={args.model}"])
     torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
     model, _, _, train_tf, _, tokenizer = models.build(cfg.model)
-    # The model open_clip builds from the registered copy must be the one mmcl trains: same parameter shapes.
+    # The model open_clip builds (from the registered copy of an mmcl config) must be the one mmcl trains.
     open_clip.add_model_config(args.oc_models)
-    oc_model = open_clip.create_model(MODEL_NAME, precision="fp32", device="cpu")
+    oc_model = open_clip.create_model(open_clip_model_name(args.model), precision="fp32", device="cpu")
     ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     theirs = {k: tuple(v.shape) for k, v in oc_model.state_dict().items()}
     if ours != theirs:
@@ -447,8 +488,17 @@ def pure_step_child(args) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     del oc_model
 
+    model.to(device)
     objective = losses.build_objective(cfg.loss)
     optimizer = build_optimizer(model, cfg.optim)
+    # Mixed precision as accelerate runs it for mmcl and open_clip's amp does: autocast for forward and loss,
+    # float32 weights and optimiser (and a gradient scaler for fp16).
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
     b = args.batch_size
     # Real batches of the same data, decoded once and held in memory: the same images and captions (so the same
     # text lengths after the padding cut) as the training runs, without any loading.
@@ -461,7 +511,8 @@ def pure_step_child(args) -> None:
     for _ in range(args.pure_batches):
         batch = next(it)
         raw.append(batch)
-        held.append((stream.finish_images(batch["image"]), batch["text"], batch["label"]))
+        held.append((stream.finish_images(batch["image"].to(device)), batch["text"].to(device),
+                     batch["label"].to(device)))
     it.close()
     step_no = [0]
     model.train()
@@ -469,15 +520,18 @@ def pure_step_child(args) -> None:
     def fwd_bwd():
         images, texts, labels = held[step_no[0] % len(held)]
         step_no[0] += 1
-        out = model(images, texts)
-        loss, _ = objective(out["image_features"], out["text_features"], out["logit_scale"], None, labels)
-        loss.backward()
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = model(images, texts)
+            loss, _ = objective(out["image_features"], out["text_features"], out["logit_scale"], None, labels)
+        scaler.scale(loss).backward()
         return loss
 
     def full_step():
         fwd_bwd()
+        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             model.logit_scale.clamp_(0, math.log(cfg.loss.max_logit_scale))
@@ -489,7 +543,7 @@ def pure_step_child(args) -> None:
 
     from mmcl.train import apply_update, train_step
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=not cuda, mixed_precision={"fp32": "no"}.get(args.precision, args.precision))
     acc_model, acc_optimizer = accelerator.prepare(model, optimizer)
 
     def mmcl_step():
@@ -505,6 +559,16 @@ def pure_step_child(args) -> None:
     for _ in range(3):  # allocator and kernel warm-up
         full_step()
         mmcl_step()
+    # Model FLOPs of one training step (forward + backward of towers and loss, counted per aten op by torch's
+    # FlopCounterMode: matmuls, convolutions, attention), for MFU.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fwd_bwd()
+    optimizer.zero_grad(set_to_none=True)
+    flops_per_sample = counter.get_total_flops() / b
+    sync()
     if args.pure_trace:
         # The bare step alone, its speed over consecutive windows of --log-every steps: shows the machine's
         # speed phases that the sliced mode exists for.
@@ -512,6 +576,7 @@ def pure_step_child(args) -> None:
         for i in range(args.pure_trace):
             full_step()
             if (i + 1) % args.log_every == 0:
+                sync()
                 now = time.perf_counter()
                 rates.append(round(args.log_every * b / (now - t), 1))
                 t = now
@@ -523,6 +588,7 @@ def pure_step_child(args) -> None:
         with open(args.pure_log, "a") as log:
             for i in range(100_000):
                 if i % args.log_every == 0:
+                    sync()
                     log.write(json.dumps({"samples": i * b}) + "\n")
                     log.flush()
                 full_step()
@@ -532,8 +598,10 @@ def pure_step_child(args) -> None:
     cpu = {"step": [], "fwd_bwd": [], "mmcl_step": []}
     for _ in range(args.pure_steps):
         for name, fn in (("step", full_step), ("fwd_bwd", fwd_bwd), ("mmcl_step", mmcl_step)):
+            sync()
             t, c = time.perf_counter(), time.process_time()
             fn()
+            sync()
             wall[name].append(time.perf_counter() - t)
             cpu[name].append(time.process_time() - c)
             optimizer.zero_grad(set_to_none=True)
@@ -542,7 +610,8 @@ def pure_step_child(args) -> None:
                       "mmcl_step_in_memory_s": statistics.fmean(wall["mmcl_step"]),
                       "cpu_ms_per_sample": 1000 * statistics.fmean(cpu["step"]) / b,
                       "fwd_bwd_cpu_ms_per_sample": 1000 * statistics.fmean(cpu["fwd_bwd"]) / b,
-                      "params": n_params, "threads": torch.get_num_threads()}))
+                      "params": n_params, "threads": torch.get_num_threads(),
+                      "flops_per_sample": flops_per_sample, "device": str(device), "precision": args.precision}))
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -556,9 +625,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--pure-steps", type=int, default=8, help="timed steps of each pure variant")
     p.add_argument("--pure-batches", type=int, default=8, help="real batches the pure step cycles through")
-    p.add_argument("--mode", choices=("sliced", "sequential", "concurrent"), default="sliced",
-                   help="sliced: all runs started together, taking turns on the machine (--slice seconds each); "
-                        "sequential: one after the other; concurrent: mmcl beside open_clip, then beside the pure "
+    p.add_argument("--model", default="tiny",
+                   help="mmcl model config (mmcl/model_configs) or open_clip architecture, e.g. ViT-B-32")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="side of the generated demo images (default 64 for tiny, else 256)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak TFLOP/s for MFU (default: datasheet bf16/fp16 figure of known GPUs)")
+    p.add_argument("--mode", choices=("sliced", "sequential", "concurrent"), default=None,
+                   help="sliced (default on CPU): all runs started together, taking turns on the machine (--slice "
+                        "seconds each); sequential (default on GPU): one after the other; "
+                        "concurrent: mmcl beside open_clip, then beside the pure "
                         "loop, sharing the cores")
     p.add_argument("--slice", type=float, default=1.0, help="seconds per turn in --mode sliced")
     p.add_argument("--concurrent", action="store_true", help="same as --mode concurrent")
@@ -581,20 +658,26 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.pure_step_child:
         pure_step_child(args)
         return
+    device, device_name = device_info()
     if args.concurrent:
         args.mode = "concurrent"
+    if args.mode is None:
+        # Held processes' queued GPU kernels would still run during others' turns, so GPUs go one run at a time.
+        args.mode = "sliced" if device == "cpu" else "sequential"
     args.concurrent = args.mode == "concurrent"
+    if args.image_size is None:
+        args.image_size = 64 if args.model == "tiny" else 256
     if args.skip_steps >= args.steps - args.log_every:
         raise SystemExit(f"--steps ({args.steps}) must exceed --skip-steps + --log-every")
 
     if args.pure_trace:
         work = Path(tempfile.mkdtemp(prefix="mmcl-bench-trace-"))
-        (work / "oc-models").mkdir()
-        shutil.copy(REPO / "mmcl" / "model_configs" / "tiny.json", work / "oc-models" / f"{MODEL_NAME}.json")
+        register_models(work, args.model)
         from mmcl.demo import make_demo_data
 
-        paths = make_demo_data(str(work / "shards"), n_train=8 * args.batch_size * args.pure_batches, n_val=1,
-                               n_zeroshot=1, shard_size=args.batch_size * args.pure_batches, progress=False)
+        paths = make_demo_data(str(work / "shards"), n_train=args.batch_size * args.pure_batches, n_val=1,
+                               n_zeroshot=1, image_size=args.image_size, shard_size=args.batch_size * args.pure_batches,
+                               progress=False)
         args.oc_models, args.shards = str(work / "oc-models"), paths["train"]
         try:
             pure_step_child(args)
@@ -603,14 +686,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="mmcl-bench-train-"))
     work.mkdir(parents=True, exist_ok=True)
-    (work / "oc-models").mkdir(exist_ok=True)
-    shutil.copy(REPO / "mmcl" / "model_configs" / "tiny.json", work / "oc-models" / f"{MODEL_NAME}.json")
+    register_models(work, args.model)
     (work / "run_open_clip.py").write_text(OPEN_CLIP_WRAPPER)
     # One epoch of open_clip covers the whole run, so neither tool restarts its loader inside the window.
-    shards, csv, n_train = prepare_data(work, n_train=args.steps * args.batch_size)
+    shards, csv, n_train = prepare_data(work, n_train=args.steps * args.batch_size, image_size=args.image_size,
+                                        n_shards=max(8, args.workers))
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    common = {"device": "cpu", "mode": args.mode, "cpu": cpu_name(), "cores": os.cpu_count(), "dtype": "fp32",
-              "batch": args.batch_size, "workers": args.workers, "steps": args.steps,
+    common = {"device": device, "device_name": device_name, "mode": args.mode, "cpu": cpu_name(),
+              "cores": os.cpu_count(), "model": args.model, "precision": args.precision,
+              "image_size": args.image_size, "batch": args.batch_size, "workers": args.workers, "steps": args.steps,
               "window_from_step": args.skip_steps, "mmcl_overrides": args.mmcl_override}
 
     results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": [], "mmcl_beside_pure": [],
@@ -708,6 +792,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                 r["mmcl_step_in_memory_s"] / r["step_s"] for r in results["pure"]),
             "cpu_over_pure_fwd_bwd": ratio(mmcl_cpu, median("pure", "fwd_bwd_cpu_ms_per_sample")),
         })
+    flops = median("pure", "flops_per_sample")
+    peak = peak_flops(args, device, device_name)
+    summary["flops_per_sample"] = flops
+    if flops and peak:
+        # Model FLOPs utilisation: the step's counted FLOPs at each run's samples/s over the device's peak.
+        summary.update({"peak_tflops": peak / 1e12, "mfu_mmcl": flops * mmcl_sps / peak,
+                        "mfu_open_clip": flops * oc_sps / peak,
+                        "mfu_pure_step": flops * args.batch_size / median("pure", "step_s") / peak})
     if results["mmcl_variant"]:
         per_round_variant = [m["samples_per_s"] / v["samples_per_s"]
                              for m, v in zip(results["mmcl"], results["mmcl_variant"])]
