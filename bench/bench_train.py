@@ -1,4 +1,4 @@
-"""End-to-end training throughput of mmcl against open_clip's own training script, on the same tiny model and data.
+"""End-to-end training throughput of mmcl against open_clip's own training script, on the same model and data.
 
 Measured in one run, round by round; each figure is the median over rounds.
 
@@ -6,14 +6,15 @@ Measured in one run, round by round; each figure is the median over rounds.
 2. ``open_clip``: ``open_clip_train.main`` (open-clip-torch's training script, which needs pandas for CSV data)
    on the same images written as files + a tab-separated CSV (its webdataset path does not run with the
    installed webdataset), the model config registered with ``open_clip.add_model_config`` from a copy of
-   ``mmcl/model_configs/tiny.json``. The files hold the shards' own JPEG bytes, so both decode the same input.
+   ``mmcl/model_configs/<model>.json`` (or open_clip's own architecture, e.g. ``--model ViT-B-32``). The files
+   hold the shards' own JPEG bytes, so both decode the same input.
 3. ``pure`` (and mmcl's own step code on the same batches, ``mmcl_step_in_memory``, alternated with it in one
    process): the same model and objective trained on real batches of the same shards, decoded once and held
    in memory (no data loading, no logging): forward, loss, backward, gradient clipping and the AdamW step, i.e.
    what a training step cannot avoid; a forward + loss + backward figure is printed too. Real batches matter:
    the text tower's cost follows the batch's longest caption.
 
-Both tools run as subprocesses with the same batch size, data workers, number of steps, fp32, learning-rate
+Both tools run as subprocesses with the same batch size, data workers, number of steps, precision, learning-rate
 schedule, weight decay, AdamW betas/eps and gradient clipping. Throughput is timed the same way for both, from
 outside: the arrival times of their periodic log records (mmcl's metrics.jsonl, open_clip's out.log) are taken
 by polling the files, and samples/s = (samples at the last record - samples at the first record at or after
@@ -38,8 +39,10 @@ How they share the machine (``--mode``):
 Usage::
 
     nice .venv/bin/python bench/bench_train.py [--mode sliced|sequential|concurrent] [--rounds 3] [--steps 25]
+    python bench/bench_train.py --model ViT-B-32 --precision bf16 --batch-size 256 --workers 8 --steps 60  # GPU
 
-Prints one JSON line per measurement, then one summary line with the medians and the ratios.
+Prints one JSON line per measurement, then one summary line with the medians and the ratios (and, on a GPU,
+model FLOPs utilisation: the step's FLOPs counted by torch's FlopCounterMode over the device's peak).
 """
 
 from __future__ import annotations
