@@ -393,15 +393,22 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         data_time += time.perf_counter() - t0
         objective.report_metrics = (progress.step + 1) % cfg.train.log_every == 0 or progress.step + 1 == total
         loss, terms, backward = train_step(model, objective, batches, accelerator, stream.finish_images)
-        if not torch.isfinite(loss.detach()):
+        finite = torch.isfinite(loss.detach()).reshape(1).float()
+        if accelerator.num_processes > 1:
+            # All processes must take the same branch: one skipping backward while the others run it would pair
+            # their gradient all-reduces with the wrong steps (and end in a hang).
+            finite = accelerator.reduce(finite, reduction="sum") / accelerator.num_processes
+        if finite.item() < 1:
             good = latest_checkpoint(ckpt_dir)
+            where = (f"{loss.item()}" if accelerator.num_processes == 1
+                     else f"not finite on some process ({loss.item()} here)")
             if cfg.train.nan_policy == "stop":
-                raise TrainingError(f"loss is {loss.item()} at step {progress.step + 1}; last good checkpoint: "
+                raise TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
                                     f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
             optimizer.zero_grad(set_to_none=True)
             progress.skipped_steps += 1
             progress.step += 1
-            log(f"skipped step {progress.step}: loss is {loss.item()}")
+            log(f"skipped step {progress.step}: loss is {where}")
             continue
         backward()
         grad_norm = apply_update(accelerator, model, raw_model, optimizer, cfg.optim.grad_clip, max_log_scale)

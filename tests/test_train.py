@@ -304,6 +304,52 @@ def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
         assert state["skipped_steps"] == 1 and state["step"] == 4
 
 
+POISON_ONE_RANK = """\
+import os, sys
+import mmcl.train as train_mod
+from mmcl.cli import main
+
+real, calls = train_mod.train_step, [0]
+
+
+def poisoned(*args):
+    loss, terms, backward = real(*args)
+    calls[0] += 1
+    if calls[0] == 3 and os.environ.get("RANK") == "1":
+        loss = loss * float("nan")
+    return loss, terms, backward
+
+
+train_mod.train_step = poisoned
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_non_finite_loss_on_one_process_is_decided_by_all(demo, tmp_path, policy):
+    """A loss that is non-finite on one of 2 processes only: both skip the step (or both stop), no hang."""
+    out = tmp_path / "run"
+    script = tmp_path / "poison.py"
+    script.write_text(POISON_ONE_RANK)
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(ROOT / "launch" / "cpu-2proc.yaml"), str(script), "train",
+           *run_args(demo, out, "train.steps=4", "train.log_every=1", "data.batch_size=4", "data.workers=0",
+                     "train.save_every=2", f"train.nan_policy={policy}")]
+    p = subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=300)
+    if policy == "skip":
+        assert p.returncode == 0, p.stdout + p.stderr
+        rows = metrics(out)
+        assert [r["step"] for r in rows] == [1, 2, 4] and [r["samples"] for r in rows] == [8, 16, 24]
+        assert "skipped step 3: loss is not finite on some process" in p.stdout
+        state = torch.load(latest_checkpoint(out / "checkpoints") / "custom_checkpoint_0.pkl", weights_only=False)
+        assert state["skipped_steps"] == 1 and state["step"] == 4
+    else:
+        assert p.returncode != 0
+        assert "at step 3; last good checkpoint: " in p.stdout + p.stderr
+        assert latest_checkpoint(out / "checkpoints").name == "step-00000002"
+
+
 @pytest.mark.slow
 def test_accelerate_launch_runs_two_cooperating_processes(demo, tmp_path):
     """`accelerate launch --config_file launch/cpu-2proc.yaml` must give one run of 2 processes, not 2 lone ones."""
