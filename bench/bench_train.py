@@ -424,17 +424,23 @@ def sliced_round(args, work: Path, shards: str, csv: Path, n_train: int, r: int,
     pure = start_pure_loop(args, work, shards, tag, env)
     finite = [run for _, run, _ in runs]
     turns = finite + [pure]
-    Slicer(turns[::-1] if r % 2 else turns, finite, args.slice).run()
-    out = []
-    skip = args.skip_steps * args.batch_size
-    for name, run, parse in runs:
-        lines, wall = run.finish()
-        points = on_own_clock(run, parse(run, lines))
-        res = steady_rate(points, skip)
-        res.update(wall_s=wall, running_s=running_time(run.running, math.inf),
-                   last_step=max(p[2] for p in points) // args.batch_size)
-        out.append((name, res))
-    p_lines, p_wall = pure.finish(stop=True)
+    try:
+        Slicer(turns[::-1] if r % 2 else turns, finite, args.slice).run()
+        out = []
+        skip = args.skip_steps * args.batch_size
+        for name, run, parse in runs:
+            lines, wall = run.finish()
+            points = on_own_clock(run, parse(run, lines))
+            res = steady_rate(points, skip)
+            res.update(wall_s=wall, running_s=running_time(run.running, math.inf),
+                       last_step=max(p[2] for p in points) // args.batch_size)
+            out.append((name, res))
+        p_lines, p_wall = pure.finish(stop=True)
+    finally:
+        for run in turns:  # after a failure or an interrupt, leave no held process behind
+            if run.proc.poll() is None:
+                _signal_group(run.proc, signal.SIGKILL)
+                run.proc.wait()
     res = steady_rate(on_own_clock(pure, pure_points(p_lines)), 0)
     res.update(wall_s=p_wall, running_s=running_time(pure.running, math.inf))
     res["step_s"] = args.batch_size / res["samples_per_s"]
