@@ -16,8 +16,10 @@ Training pipeline, one stage per function, chained by `role_batches` (see `Train
     collate               samples -> batch dict, captions tokenized
 
 A *slot* is one (rank, worker) pair: ``slot = rank * workers + worker``. Each slot reads a disjoint set
-of shards per epoch, or, when there are fewer shards than slots, every shard with sample index modulo the
-number of slots, so that each sample is seen once per epoch across all ranks and workers.
+of whole shards per epoch, the same number for every slot; the shards left over (all of them when there are
+fewer shards than slots) are read by every slot, each taking the samples whose index is its slot modulo the
+number of slots. Each sample is so seen once per epoch across all ranks and workers, and every slot gets an
+equal share.
 
 Shuffling permutes fixed blocks rather than sampling from a rolling buffer, so a worker's position is
 three numbers: the epoch, where its current block starts (shard ordinal, sample index) and how many
@@ -885,10 +887,14 @@ def epoch_shard_plan(sources: List[List[str]], epoch: int, seed: int, slot: int,
                      ) -> List[Tuple[str, Optional[Tuple[int, int]]]]:
     """The shards slot `slot` of `n_slots` reads in `epoch`, in order, as (url, modulo) pairs.
 
-    Without resampling, all slots permute the full shard list with the same RNG (seed, epoch), then slot
-    k takes shards k, k + n_slots, ...; with fewer shards than slots every slot reads every shard and takes
-    the samples whose index is k modulo n_slots. With resampling, each slot draws ceil(n_shards / n_slots)
-    shards with replacement, the source picked by `weights`, from an RNG of (seed, slot, epoch).
+    Without resampling, all slots permute the full shard list with the same RNG (seed, epoch). Of the first
+    n_slots * floor(n_shards / n_slots) shards slot k takes shards k, k + n_slots, ... whole; each of the
+    remaining n_shards mod n_slots shards is read by every slot, which takes the samples whose index is k
+    modulo n_slots. Every sample is then read once per epoch and, with shards of equal size, every slot gets
+    the same number of samples (within one per remaining shard): with a slot holding one whole shard more
+    than another, the smaller slot would wrap into its next epoch sooner and its samples would be seen more
+    often. With fewer shards than slots all shards are split this way. With resampling, each slot draws
+    ceil(n_shards / n_slots) shards with replacement, the source picked by `weights`, from an RNG of (seed, slot, epoch).
     """
     urls = [u for src in sources for u in src]
     if resampled:
@@ -902,9 +908,9 @@ def epoch_shard_plan(sources: List[List[str]], epoch: int, seed: int, slot: int,
             plan.append((src[int(rng.integers(len(src)))], None))
         return plan
     order = np.random.default_rng([seed & 0xFFFFFFFF, epoch, 0]).permutation(len(urls))
-    if len(urls) >= n_slots:
-        return [(urls[i], None) for i in order[slot::n_slots]]
-    return [(urls[i], (slot, n_slots)) for i in order]
+    n_whole = len(urls) // n_slots * n_slots
+    return ([(urls[i], None) for i in order[:n_whole][slot::n_slots]]
+            + [(urls[i], (slot, n_slots)) for i in order[n_whole:]])
 
 
 def _zero_skips() -> Dict[str, int]:
@@ -1049,7 +1055,7 @@ def _empty_epoch_problem(s: Dict[str, Any], rank: int, role: int, n_slots: int, 
     counts = ", ".join(f"{k}={v}" for k, v in skipped.items() if v) or "none"
     if _first_valid_sample(s) is None:
         return f"no valid sample in any of the {n_urls} shards (skipped so far: {counts})"
-    within_shards = any(modulo is not None for _, modulo in plan)
+    within_shards = all(modulo is not None for _, modulo in plan)  # the same samples in every epoch
     if within_shards and raw_seen == 0:
         return (f"no samples reach rank {rank} worker {role}: {n_urls} shards for {n_slots} rank x worker slots "
                 f"and too few samples to split within shards; use fewer workers or more data")
@@ -1168,7 +1174,15 @@ class TrainStream:
     def _layout(self) -> Dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "workers": self.n_roles, "seed": self.seed,
                 "n_shards": len(self.urls), "batch_size": int(self.cfg.batch_size),
-                "shuffle_buffer": int(self.cfg.shuffle_buffer), "resampled": bool(self.cfg.resampled)}
+                "shuffle_buffer": int(self.cfg.shuffle_buffer), "resampled": bool(self.cfg.resampled),
+                "shard_split": self._shard_split()}
+
+    def _shard_split(self) -> str:
+        """How `epoch_shard_plan` deals shards here: "balanced" where the shards that do not divide evenly among
+        the slots are split by sample index (states saved before that rule, which dealt them whole, lack the
+        key), "whole" where both rules give the same plan."""
+        n, slots = len(self.urls), self.world_size * self.n_roles
+        return "whole" if self.cfg.resampled or n < slots or n % slots == 0 else "balanced"
 
     def state_dict(self) -> Dict[str, Any]:
         """The position after the last consumed batch (per worker: epoch, shard, sample, skips); plain types."""
@@ -1184,10 +1198,11 @@ class TrainStream:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise DataError(f"unrecognised data stream state (got version {got}, expected {_STATE_VERSION})")
         layout = self._layout()
-        if state["layout"] != layout:
-            changed = sorted(k for k in layout if state["layout"].get(k) != layout[k])
+        saved = dict({"shard_split": "whole"}, **state["layout"])
+        if saved != layout:
+            changed = sorted(k for k in layout if saved.get(k) != layout[k])
             warnings.warn("data stream layout changed since the checkpoint (" + ", ".join(
-                f"{k}: {state['layout'].get(k)} -> {layout[k]}" for k in changed) +
+                f"{k}: {saved.get(k)} -> {layout[k]}" for k in changed) +
                 "); restarting the earliest saved epoch, exact data order is not preserved")
             epoch = min(p["epoch"] for p in state["positions"])
             totals = _zero_skips()

@@ -165,6 +165,41 @@ def test_every_good_sample_once_per_epoch_across_ranks_and_workers(corpus):
     check_epoch(spec, good, expected, workers=2)
 
 
+def test_slots_get_equal_shares_when_shards_do_not_divide_evenly(tmp_path):
+    """5 shards of 8 samples for 2 workers: 20 samples each per epoch (2 whole shards + half of the fifth),
+    not 24 and 16, which would make the smaller worker wrap sooner and repeat its samples more often."""
+    img = Image.new("RGB", (SIDE, SIDE), (10, 200, 30))
+    data.write_shards(({"key": f"k{i:02d}", "image": img, "caption": f"c{i}"} for i in range(40)), str(tmp_path),
+                      shard_size=8)
+    spec = str(tmp_path / "shard-*.tar")
+    for epoch_seed in (0, 1):
+        stream = data.build_train_stream(cfg_for(spec, workers=2, batch_size=1), PREPROCESS, tokenizer,
+                                         seed=epoch_seed)
+        per_role, seen = {0: 0, 1: 0}, []
+        it = iter(stream)
+        for _ in range(40):
+            batch = next(it)
+            role = (stream.state_dict()["next_role"] - 1) % 2
+            assert stream.state_dict()["positions"][role]["epoch"] == 0
+            per_role[role] += 1
+            seen += batch["key"]
+        it.close()
+        assert per_role == {0: 20, 1: 20}
+        assert sorted(seen) == [f"k{i:02d}" for i in range(40)]  # 40 batches of 1: the whole epoch, once
+    # A position saved before shards were split this way (no "shard_split" in its layout) is not resumed into
+    # the new plan as if it were exact; where both rules give the same plan (1 worker) it resumes as before.
+    for workers, warns in ((2, True), (1, False)):
+        stream = data.build_train_stream(cfg_for(spec, workers=workers, batch_size=1), PREPROCESS, tokenizer, seed=0)
+        state = stream.state_dict()
+        del state["layout"]["shard_split"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            data.build_train_stream(cfg_for(spec, workers=workers, batch_size=1), PREPROCESS, tokenizer,
+                                    seed=0).load_state_dict(state)
+        messages = [str(w.message) for w in caught]
+        assert any("shard_split: whole -> balanced" in m for m in messages) == warns, messages
+
+
 def test_fewer_shards_than_slots_splits_within_shards(corpus, tmp_path):
     spec, good, expected = corpus
     folder = os.path.dirname(spec)
@@ -487,8 +522,14 @@ def test_epoch_shard_plan_partitions_and_reshuffles():
     sources = [[f"s{i}" for i in range(10)]]
     for epoch in range(3):
         plans = [data.epoch_shard_plan(sources, epoch, 0, slot, 4) for slot in range(4)]
-        flat = [u for p in plans for u, _ in p]
-        assert sorted(flat) == sorted(sources[0])
+        # 8 shards are dealt whole, 2 each; the other 2 are read by all 4 slots, each taking index k mod 4.
+        whole = [u for p in plans for u, m in p if m is None]
+        split = [(u, m) for p in plans for u, m in p if m is not None]
+        assert len(whole) == 8 and len(set(whole)) == 8 and all(sum(m is None for _, m in p) == 2 for p in plans)
+        split_urls = sorted({u for u, _ in split})
+        assert len(split_urls) == 2 and not set(split_urls) & set(whole)
+        assert sorted(split) == sorted((u, (k, 4)) for u in split_urls for k in range(4))
+        assert sorted(whole + split_urls) == sorted(sources[0])
     orders = [[u for u, _ in data.epoch_shard_plan(sources, e, 0, 0, 1)] for e in range(3)]
     assert orders[0] != orders[1] != orders[2]
     assert orders[0] == [u for u, _ in data.epoch_shard_plan(sources, 0, 0, 0, 1)]
