@@ -1126,6 +1126,13 @@ class TrainStream:
         self._positions = [_fresh_position() for _ in range(self.n_roles)]
         self._next_role = 0
         self.batches = 0
+        slots = self.world_size * self.n_roles
+        leftover = len(self.urls) % slots if not cfg.resampled else 0
+        if leftover and rank == 0 and any(_has_scheme(u) for u in self.urls):
+            # Local shards are skipped through by seeking; remote ones are downloaded in full by every slot.
+            warnings.warn(f"{leftover} of {len(self.urls)} shards do not divide among the {slots} rank x worker "
+                          f"slots and are read by every slot (each keeping 1/{slots} of their samples); with "
+                          f"remote shards use a multiple of {slots} shards or data.resampled=true")
 
     def _spec(self) -> Dict[str, Any]:
         return {"sources": self.sources, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,

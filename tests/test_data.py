@@ -200,6 +200,20 @@ def test_slots_get_equal_shares_when_shards_do_not_divide_evenly(tmp_path):
         assert any("shard_split: whole -> balanced" in m for m in messages) == warns, messages
 
 
+def test_remote_shards_that_do_not_divide_among_slots_warn(corpus):
+    local = os.path.join(os.path.dirname(corpus[0]), "part-0{0,1,2}.tar")  # 3 local shards for 2 slots
+    with pytest.warns(UserWarning, match="1 of 5 shards do not divide among the 2 rank x worker slots"):
+        data.build_train_stream(cfg_for("pipe:cat /nonexistent/s-{0..4}.tar", workers=2), PREPROCESS, tokenizer,
+                                seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # divisible, resampled, or local: nothing to say
+        quiet = [("pipe:cat /nonexistent/s-{0..3}.tar", {}),
+                 ("pipe:cat /nonexistent/s-{0..4}.tar", {"resampled": True}),
+                 (local, {})]
+        for spec, kw in quiet:
+            data.build_train_stream(cfg_for(spec, workers=2, **kw), PREPROCESS, tokenizer, seed=0)
+
+
 def test_fewer_shards_than_slots_splits_within_shards(corpus, tmp_path):
     spec, good, expected = corpus
     folder = os.path.dirname(spec)
