@@ -173,8 +173,7 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     if hf_name:
         text_cfg.setdefault("hf_model_pretrained", True)
     model_cls = CustomTextCLIP if custom_text else _clip_class()
-    if hf_name:
-        _register_hf_arch(hf_name)
+    added = _register_hf_arch(hf_name) if hf_name else None
     try:
         model = model_cls(**model_cfg)
     except TypeError as err:
@@ -185,17 +184,23 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
                           f"{str(err).splitlines()[0]}") from None
     except RuntimeError as err:  # e.g. timm: unknown model name
         raise ConfigError(f"invalid model config: {str(err).splitlines()[0]}") from None
+    finally:
+        if added is not None:  # open_clip reads the entry only while building the tower
+            from open_clip.hf_configs import arch_dict
+
+            arch_dict.pop(added, None)
     if hf_name:
         _check_hf_tower(model.text, model_cfg)
     model.output_dict = True
     return model
 
 
-def _register_hf_arch(hf_name: str) -> None:
-    """Let open_clip's HFTextEncoder size the projection of model types its table lacks (e.g. DistilBERT, MPNet).
+def _register_hf_arch(hf_name: str) -> Optional[str]:
+    """Let open_clip's HFTextEncoder size the projection of model types its table lacks (e.g. MPNet).
 
-    open_clip reads the tower width from ``arch_dict[model_type]``; an entry is added, once, naming the config
-    attribute that holds the width. Known types are left as open_clip defines them.
+    open_clip reads the tower width from ``arch_dict[model_type]`` while it builds the tower; an entry naming
+    the config attribute that holds the width is added for the build, and its key returned so that `create`
+    removes it again (open_clip's table is left as it was). Known types are left as open_clip defines them.
     """
     from open_clip.hf_configs import arch_dict
     from transformers import AutoConfig
@@ -203,14 +208,15 @@ def _register_hf_arch(hf_name: str) -> None:
     try:
         config = AutoConfig.from_pretrained(hf_name)
     except (OSError, ValueError):
-        return  # create() reports the unreadable tower
+        return None  # create() reports the unreadable tower
     if config.model_type in arch_dict:
-        return
+        return None
     width = next((a for a in ("hidden_size", "d_model", "dim", "n_embd") if hasattr(config, a)), None)
     if width is None:
         raise ConfigError(f"cannot find the width of Hugging Face model type '{config.model_type}' "
                           f"(expected one of hidden_size, d_model, dim in its config)")
     arch_dict[config.model_type] = {"config_names": {"width": width}, "pooler": "mean_pooler"}
+    return config.model_type
 
 
 def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:

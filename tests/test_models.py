@@ -123,6 +123,28 @@ def test_hf_projection_choices(minilm_dir):
         models.build(lit_config(minilm_dir, projection="none", embed_dim=64))
 
 
+def test_hf_tower_of_a_type_open_clip_lacks_leaves_its_table_unchanged(tmp_path, minilm_dir):
+    """An MPNet tower (not in open_clip's architecture table) builds, and the table is as it was after."""
+    from open_clip.hf_configs import arch_dict
+    from transformers import MPNetConfig, MPNetModel
+
+    tower = tmp_path / "tiny-mpnet"
+    config = MPNetConfig(vocab_size=30527, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=66)
+    torch.manual_seed(0)
+    MPNetModel(config).save_pretrained(tower)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(minilm_dir) / name).exists():  # a BERT WordPiece vocabulary of the same size
+            shutil.copy(Path(minilm_dir) / name, tower / name)
+    before = {k: dict(v) for k, v in arch_dict.items()}
+    assert "mpnet" not in arch_dict
+    model, *_, tokenizer = models.build(lit_config(str(tower), projection="linear", embed_dim=16))
+    assert dict(arch_dict) == before
+    with torch.no_grad():
+        out = model.encode_text(tokenizer(SENTENCES))
+    assert out.shape == (3, 16) and torch.isfinite(out).all()
+
+
 def test_hf_tower_missing_source_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot load the Hugging Face text tower"):
         models.build(lit_config(str(tmp_path / "no-such-model")))
