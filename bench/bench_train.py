@@ -338,7 +338,8 @@ def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str], ext
     cmd = [sys.executable, "-m", "mmcl", "train", str(REPO / "configs" / "tiny.yaml"),
            f"data.train={shards}", f"data.batch_size={args.batch_size}", f"data.workers={args.workers}",
            f"train.steps={args.steps}", f"train.output_dir={run_dir}", f"train.log_every={args.log_every}",
-           f"model.name={args.model}", f"train.precision={args.precision}", "train.save_every=0", "train.plot=false", "train.progress=false",
+           f"model.name={args.model}", f"train.precision={args.precision}", "train.save_every=0",
+           "train.plot=false", "train.progress=false",
            "eval.zeroshot=null", "eval.retrieval=null", *args.mmcl_override, *extra]
     run = Run("mmcl", cmd, run_dir / "metrics.jsonl", env, work / f"mmcl-{tag}.out")
     run.run_dir = run_dir
@@ -358,7 +359,8 @@ def start_open_clip(args, work: Path, csv: Path, n_train: int, tag: str, env: Di
     steps_per_epoch = n_train // args.batch_size
     epochs = -(-args.steps // steps_per_epoch)
     cmd = [sys.executable, str(work / "run_open_clip.py"), str(work / "oc-models"),
-           "--model", open_clip_model_name(args.model), "--train-data", str(csv), "--dataset-type", "csv", "--csv-img-key", "filepath",
+           "--model", open_clip_model_name(args.model), "--train-data", str(csv), "--dataset-type", "csv",
+           "--csv-img-key", "filepath",
            "--csv-caption-key", "title", "--csv-separator", "\t", "--batch-size", str(args.batch_size),
            "--workers", str(args.workers), "--epochs", str(epochs),
            "--precision", {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp"}[args.precision],

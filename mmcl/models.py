@@ -141,7 +141,8 @@ def _clip_class():
             # Only while training: evaluation and exports keep open_clip's exact full-context numbers, and a traced
             # graph (ONNX, TorchScript) must not bake in a data-dependent cut.
             tracing = torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
-            if tracing or not self.training or self.attn_mask is None or self.text_pool_type != "argmax" or text.shape[1] != full:
+            if (tracing or not self.training or self.attn_mask is None or self.text_pool_type != "argmax"
+                    or text.shape[1] != full):
                 return super().encode_text(text, normalize=normalize)
             eot = text.argmax(dim=-1)  # (B,)
             n = int(eot.max()) + 1

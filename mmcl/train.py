@@ -154,8 +154,8 @@ def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None
     arch = [k for k in ARCH_KEYS if a.get(k) != b.get(k)]
     if arch:
         raise CheckpointError(
-            "cannot resume: the checkpoint's model differs in " + ", ".join(f"{k} (saved {a.get(k)!r}, now {b.get(k)!r})"
-                                                                         for k in arch))
+            "cannot resume: the checkpoint's model differs in "
+            + ", ".join(f"{k} (saved {a.get(k)!r}, now {b.get(k)!r})" for k in arch))
     changed = [k for k in sorted(set(a) | set(b))
                if a.get(k) != b.get(k) and k not in ("train.steps", "train.samples")]
     if changed:
@@ -288,8 +288,9 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
 
 def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_log_scale: float):
     """After backward: clip the gradients (when `grad_clip`), step and clear the optimiser, and keep the learned
-    temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``. Returns the gradient norm before clipping as a tensor (read
-    it, a device sync, only when it is logged), or None without clipping."""
+    temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``. Returns the
+    gradient norm before clipping as a tensor (read it, a device sync, only when it is logged), or None
+    without clipping."""
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
