@@ -221,8 +221,13 @@ def _forward(model, images, texts):
     return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias")
 
 
+def _moved(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device`; from pinned memory (batches on CUDA) the copy runs without blocking the host."""
+    return t.to(device, non_blocking=True)
+
+
 def _images(b, device, finish_images):
-    x = b["image"].to(device, non_blocking=True)
+    x = _moved(b["image"], device)
     return x if finish_images is None else finish_images(x)
 
 
@@ -239,9 +244,9 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
     if len(batches) == 1:
         b = batches[0]
         with accelerator.autocast():
-            img, txt, scale, bias = _forward(model, _images(b, device, finish_images), b["text"].to(device))
+            img, txt, scale, bias = _forward(model, _images(b, device, finish_images), _moved(b["text"], device))
             loss, terms = objective(img.float(), txt.float(), scale.float(),
-                                    None if bias is None else bias.float(), b["label"].to(device))
+                                    None if bias is None else bias.float(), _moved(b["label"], device))
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
@@ -251,7 +256,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
         for b in batches:
             rng_states.append(torch.get_rng_state())
             with accelerator.autocast():
-                img, txt, scale, bias = _forward(model, _images(b, device, finish_images), b["text"].to(device))
+                img, txt, scale, bias = _forward(model, _images(b, device, finish_images), _moved(b["text"], device))
             feats.append((img.float(), txt.float()))
     img_all = torch.cat([f[0] for f in feats]).requires_grad_(True)
     txt_all = torch.cat([f[1] for f in feats]).requires_grad_(True)
@@ -274,7 +279,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
                 torch.set_rng_state(rng_states[i])
                 with accelerator.autocast():
                     img, txt, scale_out, bias_out = _forward(model, _images(b, device, finish_images),
-                                                             b["text"].to(device))
+                                                             _moved(b["text"], device))
                 torch.set_rng_state(cur)
                 surrogate = (img.float() * g_img[start:start + n]).sum() + (txt.float() * g_txt[start:start + n]).sum()
                 # Zero-weighted so the scale/bias stay in DDP's graph: their gradient, accumulated above, is then
