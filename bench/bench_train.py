@@ -24,15 +24,16 @@ CPU seconds of the process and its data-loader workers are read from /proc too, 
 
 How they share the machine (``--mode``):
 
-- ``sliced`` (the default): all of them (mmcl, open_clip, the pure step loop, and the mmcl variant when asked
+- ``sliced`` (the default on a CPU): all of them (mmcl, open_clip, the pure step loop, and the mmcl variant when asked
   for) are started at once, each in its own process group, and only one group runs at any moment: each gets
   ``--slice`` seconds in turn, the others being held with SIGSTOP. Each run's log records are then placed on
   its own clock of running time (wall time minus the time it was held). On a shared machine whose speed changes
   in phases of seconds to tens of seconds (this bench's machine switches between two speeds about 20 % apart,
   the bare step included), every run samples the same phases, so their ratios are not decided by which phase
   each happened to fall in, while no run ever competes with another for the cores.
-- ``sequential``: one after the other, alternating the order each round (a run that falls in a slow phase
-  loses against one in a fast phase).
+- ``sequential`` (the default on a GPU, where a held process's queued kernels would go on running): one after
+  the other, alternating the order each round (a run that falls in a slow phase loses against one in a fast
+  phase).
 - ``concurrent``: mmcl and open_clip (then mmcl and the pure loop) at the same time, timed over the same span;
   both then share the cores, which is a different measurement (throughput under contention).
 
