@@ -29,7 +29,8 @@ demo-data: install
 train-demo: demo-data
 	rm -rf $(RUN)
 	$(BIN)/accelerate launch --config_file $(LAUNCH) -m mmcl train --config configs/tiny.yaml \
-		data.batch_size=32 train.output_dir=$(RUN)
+		data.batch_size=32 train.output_dir=$(RUN) \
+		'data.train=$(DEMO_DATA)/train/shard-*.tar' eval.zeroshot=$(DEMO_DATA)/zeroshot/colour
 
 eval-demo:
 	$(BIN)/mmcl zeroshot --model $(RUN) --data $(DEMO_DATA)/zeroshot/colour --out $(RUN)/zeroshot-colour.json

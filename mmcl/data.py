@@ -130,6 +130,46 @@ def _expand_one(source: str) -> List[str]:
     return urls
 
 
+def missing_shards(spec: Any) -> List[str]:
+    """What a shard spec names that is not there, one description per source (empty when all is in place).
+
+    Checks local paths only: a glob that matches nothing, a brace range or path naming files that do not exist,
+    a directory without shards. URLs with a scheme (``pipe:``, ``http://``, ...) are not checked. Relative
+    paths resolve against the current directory; the descriptions show them resolved.
+    """
+    import braceexpand  # a dependency of webdataset
+
+    try:
+        sources = _split_spec(spec)
+    except (DataError, OSError) as err:
+        return [str(err)]
+    if not sources:
+        return [f"empty shard spec (got {spec!r})"]
+    problems = []
+    for source in sources:
+        if _has_scheme(source) and not source.startswith("file://"):
+            continue
+        missing, named = [], 0
+        for item in braceexpand.braceexpand(source):
+            item = os.path.expanduser(item[len("file://"):] if item.startswith("file://") else item)
+            named += 1
+            if any(ch in item for ch in "*?["):
+                if not glob.glob(item):
+                    missing.append(f"no file matches {os.path.abspath(item)}")
+            elif os.path.isdir(item):
+                if not any(p.endswith(_SHARD_SUFFIXES) for p in os.listdir(item)):
+                    missing.append(f"no {'/'.join(_SHARD_SUFFIXES)} shards in the directory {os.path.abspath(item)}")
+            elif not os.path.isfile(item):
+                missing.append(os.path.abspath(item))
+        if named == 1 and missing:
+            problems.append(missing[0] + (" does not exist" if os.path.isabs(missing[0]) else ""))
+        elif missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            problems.append(f"{'all' if len(missing) == named else len(missing)} of the {named} paths that "
+                            f"'{source}' names are missing ({shown})")
+    return problems
+
+
 def expand_sources(spec: Any) -> List[List[str]]:
     """Expand a shard spec into one list of URLs per source.
 
@@ -353,7 +393,8 @@ class TarReader:
     Iterating yields member names; `read` returns the current member's bytes, and a member that is not read
     is passed over (by seeking where the stream allows). Every header's checksum is verified, so a damaged
     header or an archive cut off inside a member raises `TarFormatError` instead of ending the archive early.
-    Constructing the reader reads the first header: a stream that is empty or not a tar raises there.
+    Constructing the reader reads the first header: a 0-byte stream or one that is not a tar raises there; an
+    archive with no members (its first block is an end-of-archive block) yields nothing.
     """
 
     def __init__(self, stream):
@@ -366,8 +407,15 @@ class TarReader:
                 compressed = True  # decompressors "seek" by decompressing: passed-over members are read instead
                 break
         if not head:
+            # tarfile and webdataset refuse a 0-byte file too ("empty file"): nothing marks it as an archive.
             raise TarFormatError("empty file")
         self.stream, self._first = stream, head
+        if head == bytes(512):
+            # A valid archive without members (only end-of-archive blocks), as `tar -cf x.tar -T /dev/null` or
+            # img2dataset after a shard's every download failed writes: it holds no sample, and tarfile reads
+            # it as empty too.
+            self._end, self._pending, self._size = None, 0, 0
+            return
         self._end = None  # the stream's length where it can seek, to tell a cut-off member when skipping it
         try:
             if not compressed and stream.seekable():

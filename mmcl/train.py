@@ -22,7 +22,7 @@ from . import data as data_mod
 from . import losses, models
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
 from .fsutil import atomic_write_text
-from .errors import CheckpointError, ConfigError, TrainingError
+from .errors import CheckpointError, ConfigError, MmclError, TrainingError
 
 CKPT_PREFIX = "step-"
 LATEST = "latest"
@@ -312,6 +312,9 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 
     from accelerate.state import AcceleratorState
 
+    from .preflight import check_inputs
+
+    check_inputs(cfg)  # every missing path in one error, before the model, the data workers or any step
     # accelerate keeps its state process-wide; a second train() in one Python session (notebooks, tests) may ask
     # for another precision. The process group and device (PartialState) are kept.
     AcceleratorState._reset_state()
@@ -446,10 +449,11 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                 record["logit_bias"] = float(raw_model.logit_bias.detach())
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
-            if cfg.eval.every and progress.step % cfg.eval.every == 0 or (progress.step == total and _has_eval(cfg)):
+            if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < total:
                 record.update(run_eval(cfg, raw_model, tokenizer, pp_cfg, accelerator))
-            metrics.write(record)
             last = record
+            if progress.step < total:  # the last record waits for the final evaluation, after model/ is saved
+                metrics.write(record)
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", sps=f"{record['samples_per_s']:.0f}")
             window_t, window_samples, data_time = time.perf_counter(), 0, 0.0
@@ -460,12 +464,26 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                             cfg.train.keep_checkpoints)
     if bar is not None:
         bar.close()
-    metrics.close()
     accelerator.wait_for_everyone()
+    eval_failure = None
     if main:
         models.save_model_dir(raw_model, model_cfg, pp_cfg, out_dir / "model",
                               extra={"steps": progress.step, "samples": progress.samples})
         log(f"model saved to {out_dir / 'model'}")
+        # The final evaluation runs after model/ is written, so a failing evaluation never loses the model; the
+        # run then ends with an error naming where the model is (exit code 2 from the command line).
+        unwritten = last.get("step") == progress.step  # the final step's record, held back above
+        final = last if unwritten else {"step": progress.step, "samples": progress.samples}
+        try:
+            final.update(run_eval(cfg, raw_model, tokenizer, pp_cfg, accelerator))
+        except MmclError as err:
+            eval_failure = (f"final evaluation failed: {err}; the trained model is saved in {out_dir / 'model'} "
+                            f"(evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
+        if unwritten or len(final) > 2:
+            metrics.write(final)
+            last = final
+    metrics.close()
+    if main:
         if cfg.train.plot:
             try:
                 from .plot import plot_run
@@ -476,6 +494,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                 log(f"plots skipped: {err}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    if eval_failure is not None:
+        raise TrainingError(eval_failure)
     return last
 
 

@@ -1,0 +1,70 @@
+"""Checks a training config's inputs before anything is built, so that a run fails in seconds, not at its end.
+
+Every local path the run will read is checked: the training shards (each source of ``data.train``), the
+evaluation sets (``eval.zeroshot``, ``eval.retrieval``, ``eval.classnames``, a templates file),
+``model.init_from`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
+``http://``) and hub model names are not checked. Relative paths resolve against the current directory, as
+everywhere in mmcl; the error shows them resolved, so a run started from another directory says where it looked.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List
+
+from .config import TrainConfig
+from .data import _has_scheme, missing_shards
+from .errors import ConfigError
+
+_TEMPLATE_NAMES = ("auto", "openai_imagenet_template", "openai", "imagenet", "simple_imagenet_template", "simple")
+_SET_TRAIN = "set it with data.train=... (e.g. data.train='shards/shard-{000000..000009}.tar')"
+
+
+def _is_hub_name(name: str) -> bool:
+    """A Hugging Face hub id ('org/name' or 'name'), as opposed to a local path meant as one."""
+    if name.startswith(("/", "./", "../", "~", ".\\")) or os.sep != "/" and os.sep in name:
+        return False
+    return name.count("/") <= 1
+
+
+def _path_problem(key: str, path: str) -> List[str]:
+    if _has_scheme(path) or os.path.exists(os.path.expanduser(path)):
+        return []
+    return [f"{key}: {os.path.abspath(os.path.expanduser(path))} does not exist"]
+
+
+def input_problems(cfg: TrainConfig) -> List[str]:
+    """Every missing input of a training run, one ``key: what`` entry each (empty when all are in place)."""
+    problems = []
+    if cfg.data.train is None or (isinstance(cfg.data.train, str) and not cfg.data.train.strip()):
+        problems.append(f"data.train is not set: {_SET_TRAIN}")
+    else:
+        problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train)]
+    zeroshot = cfg.eval.zeroshot
+    if zeroshot and not os.path.isdir(os.path.expanduser(zeroshot)):  # an ImageFolder, or a shard spec
+        problems += [f"eval.zeroshot: {p}" for p in missing_shards(zeroshot)]
+    if cfg.eval.retrieval:
+        problems += [f"eval.retrieval: {p}" for p in missing_shards(cfg.eval.retrieval)]
+    if cfg.eval.classnames:
+        problems += _path_problem("eval.classnames", cfg.eval.classnames)
+    if cfg.eval.templates not in _TEMPLATE_NAMES and cfg.eval.zeroshot:
+        problems += _path_problem("eval.templates", cfg.eval.templates)
+    if cfg.model.init_from:
+        problems += _path_problem("model.init_from", cfg.model.init_from)
+    hf = cfg.model.text.hf
+    if hf and not os.path.isdir(os.path.expanduser(hf)) and not _is_hub_name(hf):
+        problems.append(f"model.text.hf: {os.path.abspath(os.path.expanduser(hf))} is not a directory (expected "
+                        f"a local model directory or a hub name such as sentence-transformers/all-MiniLM-L6-v2)")
+    return problems
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Raise one `ConfigError` naming every missing input of the run (see `input_problems`)."""
+    problems = input_problems(cfg)
+    if not problems:
+        return
+    text = "; ".join(problems)
+    if any(not p.startswith("data.train is not set") for p in problems):
+        text = (f"missing input{'s' if len(problems) > 1 else ''} (relative paths resolve against the current "
+                f"directory, {os.getcwd()}): {text}")
+    raise ConfigError(text)
