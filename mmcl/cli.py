@@ -3,12 +3,69 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import MmclError
+from .errors import MmclError, MmclWarning
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class _WarningLines:
+    """A `warnings.showwarning` that prints mmcl's own warnings as one line ``mmcl: warning: ...``, once per message
+    per run, and hands every other warning to the previous handler (Python's format), so third-party warnings
+    still show.
+
+    "Once per run" holds across processes too: in a distributed run the processes share torch.distributed's
+    key-value store, and the first process to count a message there prints it. (Data workers send their warnings
+    to their training process, see `mmcl.data.TrainStream`.)
+    """
+
+    def __init__(self, previous):
+        self.previous = previous
+        self.shown = set()
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None):
+        mine = issubclass(category, MmclWarning) or os.path.abspath(filename).startswith(_PACKAGE_DIR)
+        if not mine:
+            return self.previous(message, category, filename, lineno, file, line)
+        text = " ".join(str(message).split())
+        if text in self.shown:
+            return
+        self.shown.add(text)
+        if _first_in_run(text):
+            print(f"mmcl: warning: {text}", file=file or sys.stderr, flush=True)
+
+
+def _first_in_run(text: str) -> bool:
+    """False when another process of this distributed run has already shown `text`."""
+    dist = sys.modules.get("torch.distributed")  # never imports torch for a warning
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return True
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        key = "mmcl/warning/" + hashlib.sha1(text.encode()).hexdigest()
+        return _get_default_store().add(key, 1) == 1
+    except Exception:  # no shared store (another backend, a torch without it): each process shows its own
+        return True
+
+
+@contextlib.contextmanager
+def warning_lines():
+    """Show warnings as `_WarningLines` does while the block runs (the command line's format)."""
+    previous = warnings.showwarning
+    warnings.showwarning = _WarningLines(previous)
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def _write_json(obj, path: Optional[str]) -> None:
@@ -211,7 +268,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with warning_lines():
+            return int(args.func(args) or 0)
     except MmclError as err:
         print(f"mmcl: error: {err}", file=sys.stderr)
         return 2

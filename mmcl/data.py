@@ -51,7 +51,7 @@ import torch
 from PIL import Image
 
 from .config import DataConfig
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, MmclWarning
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SKIP_REASONS = (
@@ -126,7 +126,7 @@ def _expand_one(source: str) -> List[str]:
             missing.append(item)
     if missing and urls:
         warnings.warn(f"{len(missing)} of {len(missing) + len(urls)} shards of '{source}' do not exist, "
-                      f"e.g. {missing[0]}; using the {len(urls)} that do", stacklevel=3)
+                      f"e.g. {missing[0]}; using the {len(urls)} that do", MmclWarning, stacklevel=3)
     return urls
 
 
@@ -444,7 +444,7 @@ class TarReader:
     def _parse(self, h: bytes, first: bool = False) -> Tuple[bytes, int, Optional[str]]:
         """(type flag, payload size, name) of a header block; raises on a bad checksum."""
         if len(h) < 512:
-            raise TarFormatError("truncated header")
+            raise TarFormatError("not a tar file" if first else "truncated header")
         stored = h[148:156].split(b"\0", 1)[0].strip()
         unsigned = sum(h[:148]) + 256 + sum(h[156:])
         try:
@@ -576,7 +576,7 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
                     stream.close()
                 except Exception:  # the shard is reported as lost either way
                     pass
-            warnings.warn(f"cannot open shard {url}: {type(err).__name__}: {err}; skipping it")
+            warnings.warn(f"cannot open shard {url}: {type(err).__name__}: {err}; skipping it", MmclWarning)
             if owns_errors:
                 yield RawSample(pos=(shard + 1, 0), shard=shard, index=-1, error="shard_open", url=url)
             continue
@@ -598,7 +598,7 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
             except (TarFormatError, EOFError, OSError, ValueError, zlib.error, lzma.LZMAError) as err:
                 # The sample being read when the tar broke is lost; report it once.
                 warnings.warn(f"shard {url} is truncated or corrupt after {max(index, 0)} samples "
-                              f"({type(err).__name__}: {err})")
+                              f"({type(err).__name__}: {err})", MmclWarning)
                 if owns_errors:
                     yield RawSample(pos=(shard + 1, 0), shard=shard, index=index, error="truncated_tar",
                                     url=url)
@@ -991,7 +991,33 @@ class _SlotStreams(torch.utils.data.IterableDataset):
         role = (worker + self.role_offset) % self.s["n_roles"]
         if info is not None and self.s["worker_nice"]:
             os.nice(self.s["worker_nice"])
-        yield from role_batches(self.s, role, self.starts[role])
+        if info is None:
+            yield from role_batches(self.s, role, self.starts[role])
+            return
+        # A worker's warnings travel with its next batch to the training process, which shows them there once
+        # (`TrainStream.__iter__`): printed here, every worker would repeat them, in its own format.
+        sent = set()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # the training process's filters decide what is shown
+            for batch in role_batches(self.s, role, self.starts[role]):
+                new = [w for w in caught if (str(w.message), w.category) not in sent]
+                del caught[:]
+                if new:
+                    sent.update((str(w.message), w.category) for w in new)
+                    batch["__warnings__"] = [(str(w.message), _picklable_category(w.category), w.filename,
+                                              w.lineno) for w in new]
+                yield batch
+
+
+def _picklable_category(category: type) -> type:
+    """`category`, or UserWarning for a warning class that cannot travel between processes."""
+    import pickle
+
+    try:
+        pickle.dumps(category)
+        return category
+    except Exception:  # e.g. a class defined inside a function
+        return UserWarning
 
 
 def shuffle_block(n: int, seed: int, slot: int, epoch: int, start: Tuple[int, int]) -> np.ndarray:
@@ -1175,13 +1201,14 @@ class TrainStream:
         self._positions = [_fresh_position() for _ in range(self.n_roles)]
         self._next_role = 0
         self.batches = 0
+        self._warned: Dict[Any, Any] = {}  # the workers' warnings already shown (a `warnings` registry)
         slots = self.world_size * self.n_roles
         leftover = len(self.urls) % slots if not cfg.resampled else 0
         if leftover and rank == 0 and any(_has_scheme(u) for u in self.urls):
             # Local shards are skipped through by seeking; remote ones are downloaded in full by every slot.
             warnings.warn(f"{leftover} of {len(self.urls)} shards do not divide among the {slots} rank x worker "
                           f"slots and are read by every slot (each keeping 1/{slots} of their samples); with "
-                          f"remote shards use a multiple of {slots} shards or data.resampled=true")
+                          f"remote shards use a multiple of {slots} shards or data.resampled=true", MmclWarning)
 
     def _spec(self) -> Dict[str, Any]:
         return {"sources": self.sources, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
@@ -1203,6 +1230,8 @@ class TrainStream:
                 _SlotStreams(self, starts, self._next_role), batch_size=None, num_workers=self.workers,
                 pin_memory=self.pin_memory)
         for batch in source:
+            for message, category, filename, lineno in batch.pop("__warnings__", ()):
+                warnings.warn_explicit(message, category, filename, lineno, registry=self._warned)
             if "__error__" in batch:
                 raise DataError(batch["__error__"])
             state = batch.pop("__state__")
@@ -1259,7 +1288,7 @@ class TrainStream:
             changed = sorted(k for k in layout if saved.get(k) != layout[k])
             warnings.warn("data stream layout changed since the checkpoint (" + ", ".join(
                 f"{k}: {saved.get(k)} -> {layout[k]}" for k in changed) +
-                "); restarting the earliest saved epoch, exact data order is not preserved")
+                "); restarting the earliest saved epoch, exact data order is not preserved", MmclWarning)
             epoch = min(p["epoch"] for p in state["positions"])
             totals = _zero_skips()
             for p in state["positions"]:
@@ -1402,7 +1431,7 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
                 img = decode_image(data, self.max_pixels)
             except SkipSample as skip:
                 self.skipped[skip.reason] += 1
-                warnings.warn(f"skipping sample {item.key} of {item.url}: {skip}")
+                warnings.warn(f"skipping sample {item.key} of {item.url}: {skip}", MmclWarning)
                 continue
             yield self.preprocess(img), label, caption, item.key
 

@@ -37,10 +37,12 @@ def test_empty_shards_are_a_clear_error(capsys, tmp_path):
     empty = tmp_path / "shards"
     empty.mkdir()
     (empty / "shard-000000.tar").write_bytes(b"")
-    with pytest.warns(UserWarning, match="cannot open shard .*empty file"):  # the shard is counted, then
-        code, err = run_main(capsys, "train", "--config", TINY, f"data.train={empty}/shard-000000.tar",
-                             f"train.output_dir={tmp_path / 'run'}", "data.workers=0", "train.steps=1")
-    assert code == 2 and len(err) == 1 and err[0].startswith("mmcl: error: "), err  # the run stops in one line
+    code, err = run_main(capsys, "train", "--config", TINY, f"data.train={empty}/shard-000000.tar",
+                         f"train.output_dir={tmp_path / 'run'}", "data.workers=0", "train.steps=1")
+    # The shard is reported and counted, then the run stops, each in one line.
+    assert code == 2 and err == [
+        f"mmcl: warning: cannot open shard {empty}/shard-000000.tar: TarFormatError: empty file; skipping it",
+        "mmcl: error: no valid sample in any of the 1 shards (skipped so far: shard_open=1)"], err
 
 
 def test_python_dash_m_prints_no_traceback(tmp_path):

@@ -15,7 +15,7 @@ from torchvision import transforms as T
 
 from mmcl import data
 from mmcl.config import DataConfig
-from mmcl.errors import ConfigError, DataError
+from mmcl.errors import ConfigError, DataError, MmclWarning
 
 SIDE = 8
 MAX_PIXELS = 10_000  # small, so a 120x120 PNG is a decompression bomb for the stream
@@ -781,3 +781,84 @@ def test_workers_take_the_configured_niceness(corpus, nice):
         it.close()
     assert got == {min(19, base + nice)}
     assert os.nice(0) == base  # the training process itself is untouched
+
+
+def _empty_tars(root):
+    """Archives without members, as tarfile (ustar, pax, GNU; plain and gzip) and GNU tar's CLI write them."""
+    import shutil
+    import subprocess
+
+    paths = []
+    for fmt, name in ((tarfile.USTAR_FORMAT, "ustar"), (tarfile.PAX_FORMAT, "pax"), (tarfile.GNU_FORMAT, "gnu")):
+        for mode, ext in (("w", "tar"), ("w:gz", "tar.gz")):
+            path = root / f"empty-{name}.{ext}"
+            with tarfile.open(path, mode, format=fmt):
+                pass
+            paths.append(path)
+    assert shutil.which("tar"), "GNU tar is needed to write the CLI's empty archive"
+    cli = root / "empty-cli.tar"
+    subprocess.run(["tar", "-cf", str(cli), "-T", "/dev/null"], check=True)
+    paths.append(cli)
+    one_block = root / "empty-one-block.tar"  # only the first end-of-archive block
+    one_block.write_bytes(bytes(512))
+    paths.append(one_block)
+    return paths
+
+
+def test_empty_tar_archives_yield_nothing_and_count_nothing(tmp_path):
+    paths = _empty_tars(tmp_path)
+    for path in paths:
+        with tarfile.open(path) as tar:  # the standard library's reading: a valid archive with no members
+            assert tar.getmembers() == [], path
+        with open(path, "rb") as f:
+            assert list(data.TarReader(f)) == [], path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        items = list(data.read_raw_samples([(str(p), None) for p in paths]))
+    assert items == [] and caught == []
+    # A 0-byte file is no archive: tarfile refuses it ("empty file"), and so does the reader (a lost shard).
+    zero = tmp_path / "zero.tar"
+    zero.write_bytes(b"")
+    with pytest.raises(tarfile.ReadError, match="empty file"):
+        tarfile.open(zero)
+    with pytest.warns(UserWarning, match="cannot open shard .*zero.tar.*empty file"):
+        items = list(data.read_raw_samples([(str(zero), None)]))
+    assert [(i.error, i.url) for i in items] == [("shard_open", str(zero))]
+
+
+def test_empty_tars_among_good_shards_skip_nothing(tmp_path):
+    good = []
+    for s in range(2):
+        members = []
+        for j in range(5):
+            members += good_members(f"g{s}_{j}", 10 * s + j)
+            good.append(f"g{s}_{j}")
+        write_tar(tmp_path / f"good-{s}.tar", members)
+    (tmp_path / "empty").mkdir()
+    empties = [str(p) for p in _empty_tars(tmp_path / "empty")]
+    spec = [str(tmp_path / "good-*.tar"), *empties]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stream = data.build_train_stream(cfg_for(spec, workers=2), PREPROCESS, tokenizer, seed=0)
+        keys, skips = one_epoch(stream)
+    assert sorted(keys) == sorted(good)
+    assert skips == {r: 0 for r in data.SKIP_REASONS}
+    assert stream.skipped["total"] == 0
+    assert [str(w.message) for w in caught] == []
+
+
+def test_worker_warnings_reach_the_training_process_once(tmp_path):
+    """Each of 2 workers reads the non-tar shard in every epoch; its warning is shown once, by the main process."""
+    for s in range(2):
+        write_tar(tmp_path / f"good-{s}.tar", [m for j in range(3) for m in good_members(f"g{s}_{j}", j)])
+    (tmp_path / "bad.tar").write_bytes(b"no tar here" * 20)
+    stream = data.build_train_stream(cfg_for(str(tmp_path / "*.tar"), workers=2), PREPROCESS, tokenizer, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's default: once per message and place
+        it = iter(stream)
+        for _ in range(6 * 4):  # 6 samples per epoch
+            next(it)
+        it.close()
+    assert stream.epoch >= 2 and stream.skipped["shard_open"] >= 2  # the bad shard was read again and again
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (MmclWarning, f"cannot open shard {tmp_path / 'bad.tar'}: TarFormatError: not a tar file; skipping it")]
