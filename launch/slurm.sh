@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Multi-node training under SLURM: one `accelerate launch` per node, which starts one process per GPU.
-#   sbatch --nodes=4 launch/slurm.sh configs/vit-b-32.yaml 'data.train=/data/laion400m/{00000..41455}.tar' \
-#     train.output_dir=/shared/runs/b32
+#   sbatch --nodes=4 launch/slurm.sh configs/vit-b-32.yaml train.output_dir=/shared/runs/b32
 #SBATCH --job-name=mmcl
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
@@ -12,8 +11,6 @@
 set -euo pipefail
 CONFIG=${1:?usage: sbatch launch/slurm.sh CONFIG [key=value ...]}
 shift
-# Quoted for the shell that srun starts, so shard specs reach mmcl as typed ('{00000..41455}' and '*' intact).
-ARGS=$(printf ' %q' "$CONFIG" "$@")
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
@@ -26,4 +23,4 @@ srun --kill-on-bad-exit=1 bash -c "accelerate launch \
   --machine_rank \$SLURM_NODEID \
   --main_process_ip $MASTER_ADDR \
   --main_process_port $MASTER_PORT \
-  -m mmcl train --config$ARGS"
+  -m mmcl train --config $CONFIG $*"

@@ -12,15 +12,15 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import MmclError, MmclWarning
+from .errors import MmclError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class _WarningLines:
-    """A `warnings.showwarning` that prints mmcl's own warnings as one line ``mmcl: warning: ...``, once per message
-    per run, and hands every other warning to the previous handler (Python's format), so third-party warnings
-    still show.
+    """A `warnings.showwarning` that prints mmcl's own warnings (those raised in mmcl's modules) as one line
+    ``mmcl: warning: ...``, once per message per run, and hands every other warning to the previous handler
+    (Python's format), so third-party warnings still show.
 
     "Once per run" holds across processes too: in a distributed run the processes share torch.distributed's
     key-value store, and the first process to count a message there prints it. (Data workers send their warnings
@@ -32,8 +32,7 @@ class _WarningLines:
         self.shown = set()
 
     def __call__(self, message, category, filename, lineno, file=None, line=None):
-        mine = issubclass(category, MmclWarning) or os.path.abspath(filename).startswith(_PACKAGE_DIR)
-        if not mine:
+        if not os.path.abspath(filename).startswith(_PACKAGE_DIR):
             return self.previous(message, category, filename, lineno, file, line)
         text = " ".join(str(message).split())
         if text in self.shown:

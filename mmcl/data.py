@@ -51,7 +51,7 @@ import torch
 from PIL import Image
 
 from .config import DataConfig
-from .errors import ConfigError, DataError, MmclWarning
+from .errors import ConfigError, DataError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SKIP_REASONS = (
@@ -126,7 +126,7 @@ def _expand_one(source: str) -> List[str]:
             missing.append(item)
     if missing and urls:
         warnings.warn(f"{len(missing)} of {len(missing) + len(urls)} shards of '{source}' do not exist, "
-                      f"e.g. {missing[0]}; using the {len(urls)} that do", MmclWarning, stacklevel=3)
+                      f"e.g. {missing[0]}; using the {len(urls)} that do", stacklevel=3)
     return urls
 
 
@@ -576,7 +576,7 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
                     stream.close()
                 except Exception:  # the shard is reported as lost either way
                     pass
-            warnings.warn(f"cannot open shard {url}: {type(err).__name__}: {err}; skipping it", MmclWarning)
+            warnings.warn(f"cannot open shard {url}: {type(err).__name__}: {err}; skipping it")
             if owns_errors:
                 yield RawSample(pos=(shard + 1, 0), shard=shard, index=-1, error="shard_open", url=url)
             continue
@@ -598,7 +598,7 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
             except (TarFormatError, EOFError, OSError, ValueError, zlib.error, lzma.LZMAError) as err:
                 # The sample being read when the tar broke is lost; report it once.
                 warnings.warn(f"shard {url} is truncated or corrupt after {max(index, 0)} samples "
-                              f"({type(err).__name__}: {err})", MmclWarning)
+                              f"({type(err).__name__}: {err})")
                 if owns_errors:
                     yield RawSample(pos=(shard + 1, 0), shard=shard, index=index, error="truncated_tar",
                                     url=url)
@@ -1208,7 +1208,7 @@ class TrainStream:
             # Local shards are skipped through by seeking; remote ones are downloaded in full by every slot.
             warnings.warn(f"{leftover} of {len(self.urls)} shards do not divide among the {slots} rank x worker "
                           f"slots and are read by every slot (each keeping 1/{slots} of their samples); with "
-                          f"remote shards use a multiple of {slots} shards or data.resampled=true", MmclWarning)
+                          f"remote shards use a multiple of {slots} shards or data.resampled=true")
 
     def _spec(self) -> Dict[str, Any]:
         return {"sources": self.sources, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
@@ -1288,7 +1288,7 @@ class TrainStream:
             changed = sorted(k for k in layout if saved.get(k) != layout[k])
             warnings.warn("data stream layout changed since the checkpoint (" + ", ".join(
                 f"{k}: {saved.get(k)} -> {layout[k]}" for k in changed) +
-                "); restarting the earliest saved epoch, exact data order is not preserved", MmclWarning)
+                "); restarting the earliest saved epoch, exact data order is not preserved")
             epoch = min(p["epoch"] for p in state["positions"])
             totals = _zero_skips()
             for p in state["positions"]:
@@ -1431,7 +1431,7 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
                 img = decode_image(data, self.max_pixels)
             except SkipSample as skip:
                 self.skipped[skip.reason] += 1
-                warnings.warn(f"skipping sample {item.key} of {item.url}: {skip}", MmclWarning)
+                warnings.warn(f"skipping sample {item.key} of {item.url}: {skip}")
                 continue
             yield self.preprocess(img), label, caption, item.key
 

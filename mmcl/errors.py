@@ -1,5 +1,4 @@
-"""User-facing error and warning types. `cli.main` turns any `MmclError` into one line and exit code 2, and prints
-each `MmclWarning` as one line, once."""
+"""User-facing error types. `cli.main` turns any `MmclError` into one line and exit code 2."""
 
 
 class MmclError(Exception):
@@ -20,7 +19,3 @@ class CheckpointError(MmclError):
 
 class TrainingError(MmclError):
     """Training cannot go on (e.g. the loss became non-finite)."""
-
-
-class MmclWarning(UserWarning):
-    """A problem mmcl works around (a shard skipped, a data layout changed); the CLI prints it as one line."""

@@ -13,7 +13,7 @@ import os
 from typing import List
 
 from .config import TrainConfig
-from .data import _has_scheme, missing_shards
+from .data import _has_scheme, _is_image_folder, missing_shards
 from .errors import ConfigError
 
 _TEMPLATE_NAMES = ("auto", "openai_imagenet_template", "openai", "imagenet", "simple_imagenet_template", "simple")
@@ -41,7 +41,7 @@ def input_problems(cfg: TrainConfig) -> List[str]:
     else:
         problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train)]
     zeroshot = cfg.eval.zeroshot
-    if zeroshot and not os.path.isdir(os.path.expanduser(zeroshot)):  # an ImageFolder, or a shard spec
+    if zeroshot and not _is_image_folder(os.path.expanduser(zeroshot)):  # else a directory of shards or a spec
         problems += [f"eval.zeroshot: {p}" for p in missing_shards(zeroshot)]
     if cfg.eval.retrieval:
         problems += [f"eval.retrieval: {p}" for p in missing_shards(cfg.eval.retrieval)]
@@ -67,4 +67,7 @@ def check_inputs(cfg: TrainConfig) -> None:
     if any(not p.startswith("data.train is not set") for p in problems):
         text = (f"missing input{'s' if len(problems) > 1 else ''} (relative paths resolve against the current "
                 f"directory, {os.getcwd()}): {text}")
-    raise ConfigError(text)
+    err = ConfigError(text)
+    # Every process of a launched run checks alike; all but rank 0 stay quiet, so the line shows once.
+    err.quiet = int(os.environ.get("RANK", "0") or 0) > 0
+    raise err

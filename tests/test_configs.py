@@ -1,8 +1,13 @@
-"""Every experiment config in configs/ loads, resolves its model, and the small ones train a step."""
+"""Every experiment config in configs/ loads, resolves its model, and the small ones train a step; end to end,
+every config trains from the command line on data that is not the demo's, from another working directory."""
 
 import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +115,135 @@ def test_lit_minilm_config_locks_the_whole_text_tower():
     assert not any(p.requires_grad for p in model.text.parameters())
     assert all(p.requires_grad for p in model.visual.parameters())
     assert models.is_frozen_call(model.text)
+
+
+# ------------------------------------------------------------------------------- end to end, on the user's data
+# Every shipped config trains a few steps from the command line on shards that are not the demo's, started in
+# another working directory with relative paths, and leaves a model that mmcl.load loads.
+FRUIT = {"ripe_tomato": (200, 30, 20), "lime": (60, 200, 40), "blueberry": (40, 50, 180)}
+SIZES = [(37, 53), (96, 64), (120, 120), (48, 80), (200, 150)]  # none of them the models' input size
+STEPS = ["train.steps=3", "data.batch_size=8", "data.workers=2", "data.shuffle_buffer=16", "train.log_every=1",
+         "train.progress=false", "train.plot=false"]
+
+
+def _fruit_photos(root: Path, per_class: int, seed: int) -> None:
+    """An ImageFolder of coloured blobs on random backgrounds, in five sizes, PNG and JPEG."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    for name, colour in FRUIT.items():
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            w, h = SIZES[(i + len(name)) % len(SIZES)]
+            img = Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(0, 255, 3)))
+            x, y = int(rng.integers(0, w // 2)), int(rng.integers(0, h // 2))
+            ImageDraw.Draw(img).ellipse([x, y, x + w // 2, y + h // 2], fill=colour)
+            img.save(root / name / f"{i:03d}.{'jpg' if i % 2 else 'png'}")
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    """A working directory holding ``shards/`` (4 shards, 72 pairs, written as `mmcl shards` writes them) and
+    ``photos/eval`` (a held-out ImageFolder); runs started here use relative paths."""
+    from mmcl.data import shards_from_input
+
+    root = tmp_path_factory.mktemp("user")
+    _fruit_photos(root / "photos" / "train", 24, seed=1)
+    _fruit_photos(root / "photos" / "eval", 4, seed=2)
+    shards_from_input(str(root / "photos" / "train"), str(root / "shards"), shard_size=20,
+                      caption_template="a close-up picture of a {}", progress=False)
+    assert sorted(p.name for p in (root / "shards").glob("*.tar")) == [f"shard-{i:06d}.tar" for i in range(4)]
+    return root
+
+
+def _mmcl_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                PYTHONPATH=os.pathsep.join([str(CONFIG_DIR.parent), os.environ.get("PYTHONPATH", "")]))
+
+
+def _mmcl_train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mmcl", "train", *args], cwd=cwd, env=_mmcl_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _overrides(path: Path) -> list:
+    """What it takes to run a config here in seconds: a small model where the config's is large, the offline
+    copy of a hub text tower, a step count instead of a sample budget."""
+    cfg = load_config(str(path))
+    extra = []
+    if cfg.model.name not in MMCL_MODELS:
+        extra.append("model.name=tiny")  # ViT-B-32 steps take minutes on a CPU; its config is checked above
+    if cfg.model.text.hf and not os.path.isdir(cfg.model.text.hf):
+        extra.append(f"model.text.hf={_minilm_dir()}")
+    if cfg.train.samples is not None:
+        extra.append("train.samples=null")
+    return extra
+
+
+# Runs `mmcl train` (the command line's entry point, warning format and error handling included) once per config in
+# one interpreter: Python's start and the imports, about 5 s, are paid once instead of once per config.
+_DRIVER = """
+import contextlib, json, sys, traceback
+from mmcl.cli import main
+for name, argv in json.loads(sys.argv[1]).items():
+    with open(name + ".stderr", "w") as err, contextlib.redirect_stderr(err):
+        try:
+            code = main(["train", *argv])
+        except BaseException:
+            traceback.print_exc()
+            code = -1
+    print(json.dumps([name, code]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def config_runs(user_dir):
+    """Every shipped config trained 3 steps by the command line in `user_dir`, with relative paths.
+    Returns {config file name: (exit code, stderr)}."""
+    runs = {path.name: ["--config", str(path), "data.train=shards/shard-{000000..000003}.tar",
+                        "eval.zeroshot=photos/eval", f"train.output_dir=runs/{path.stem}", *STEPS, *_overrides(path)]
+            for path in CONFIGS}
+    p = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(runs)], cwd=user_dir, env=_mmcl_env(),
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    codes = dict(json.loads(line) for line in p.stdout.splitlines() if line.startswith("["))
+    return {name: (codes[name], (user_dir / f"{name}.stderr").read_text()) for name in runs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_trains_on_other_data_from_another_directory(user_dir, config_runs, path):
+    import mmcl
+    from PIL import Image
+
+    code, stderr = config_runs[path.name]
+    assert code == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "/mmcl/" not in stderr, stderr  # no warning in Python's format
+    run = user_dir / "runs" / path.stem
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
+    assert 0.0 <= rows[-1]["eval/zeroshot_classification/eval/acc1"] <= 1.0  # evaluated after model/ was saved
+    model, preprocess, tokenizer = mmcl.load(run)
+    photos = sorted((user_dir / "photos" / "eval").glob("*/*"))
+    images = torch.stack([preprocess(Image.open(f).convert("RGB")) for f in photos])
+    with torch.no_grad():
+        image_features = model.encode_image(images, normalize=True)
+        text_features = model.encode_text(tokenizer([f"a {n.replace('_', ' ')}" for n in FRUIT]), normalize=True)
+    assert image_features.shape[0] == len(photos) == 12 and text_features.shape[0] == 3
+    for f in (image_features, text_features):
+        assert torch.isfinite(f).all() and torch.allclose(f.norm(dim=-1), torch.ones(len(f)), atol=1e-5)
+
+
+def test_missing_eval_set_fails_in_seconds_before_any_step(user_dir):
+    start = time.perf_counter()
+    p = _mmcl_train(user_dir, "--config", str(CONFIG_DIR / "tiny.yaml"), "data.train=shards/shard-*.tar",
+                    "eval.zeroshot=runs/demo-data/zeroshot/colour", "train.output_dir=runs/no-eval-set", *STEPS)
+    seconds = time.perf_counter() - start
+    cwd = os.path.realpath(user_dir)
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        f"mmcl: error: missing input (relative paths resolve against the current directory, {cwd}): "
+        f"eval.zeroshot: {cwd}/runs/demo-data/zeroshot/colour does not exist"], p.stderr
+    assert not (user_dir / "runs" / "no-eval-set").exists()  # no checkpoints/, no config: nothing started
+    # Python's start and mmcl's imports take about 3 s here; the check itself milliseconds. 30 s: a busy machine.
+    assert seconds < 30, seconds

@@ -15,7 +15,7 @@ from torchvision import transforms as T
 
 from mmcl import data
 from mmcl.config import DataConfig
-from mmcl.errors import ConfigError, DataError, MmclWarning
+from mmcl.errors import ConfigError, DataError
 
 SIDE = 8
 MAX_PIXELS = 10_000  # small, so a 120x120 PNG is a decompression bomb for the stream
@@ -861,4 +861,4 @@ def test_worker_warnings_reach_the_training_process_once(tmp_path):
         it.close()
     assert stream.epoch >= 2 and stream.skipped["shard_open"] >= 2  # the bad shard was read again and again
     assert [(w.category, str(w.message)) for w in caught] == [
-        (MmclWarning, f"cannot open shard {tmp_path / 'bad.tar'}: TarFormatError: not a tar file; skipping it")]
+        (UserWarning, f"cannot open shard {tmp_path / 'bad.tar'}: TarFormatError: not a tar file; skipping it")]
