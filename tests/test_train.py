@@ -391,3 +391,84 @@ def test_bf16_autocast_and_gradient_checkpointing(demo, tmp_path):
     for name in grads[0]:
         # Recomputation runs the same float32 kernels in the same order: identical up to rounding of reductions.
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ------------------------------------------------------------------------- the end of a run; one-line warnings
+def test_final_evaluation_failure_keeps_the_model(demo, tmp_path, capsys):
+    """The final model is written before the final evaluation; an evaluation that fails ends the run with one error
+    line naming model/, which loads."""
+    import mmcl
+    from PIL import Image
+
+    from mmcl.cli import main
+    from mmcl.data import write_shards
+
+    # Shards without .cls labels or classnames.txt: present (the pre-flight check passes), but no zero-shot set.
+    unlabelled = tmp_path / "unlabelled"
+    write_shards([{"key": f"u{i}", "image": Image.new("RGB", (20, 30), (40 * i, 0, 0)), "caption": f"thing {i}"}
+                  for i in range(4)], str(unlabelled))
+    out = tmp_path / "run"
+    code = main(["train", *run_args(demo, out, "train.steps=3", "data.batch_size=8", "data.workers=1",
+                                    f"eval.zeroshot={unlabelled}", "train.log_every=1")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"mmcl: error: final evaluation failed: no class names for {unlabelled}"), err
+    assert err[0].endswith(f"; the trained model is saved in {out / 'model'} (evaluate it with mmcl "
+                           f"zeroshot/retrieval --model {out})"), err
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]  # the last step's record is kept, without eval keys
+    assert not any(k.startswith("eval/") for k in metrics(out)[-1])
+    assert latest_checkpoint(out / "checkpoints").name == "step-00000003"
+    model, _, tokenizer = mmcl.load(out)
+    assert torch.equal(model.state_dict()["logit_scale"], final_weights(out)["logit_scale"])
+    with torch.no_grad():
+        assert torch.isfinite(model.encode_text(tokenizer(["thing 1"]), normalize=True)).all()
+
+
+def _bad_shard_set(demo, root: Path) -> Path:
+    """The demo's first training shard, a file that is not a tar and an empty archive; returns the directory."""
+    import shutil
+
+    root.mkdir()
+    first = sorted(Path(demo["train"].split("{")[0]).parent.glob("*.tar"))[0]
+    shutil.copy(first, root / "shard-000000.tar")
+    (root / "shard-000001.tar").write_bytes(b"<html>403 Forbidden</html>\n" * 30)  # a failed download
+    subprocess.run(["tar", "-cf", str(root / "shard-000002.tar"), "-T", "/dev/null"], check=True)
+    return root
+
+
+def test_a_bad_shard_read_by_two_workers_warns_in_one_line_once(demo, tmp_path):
+    shards = _bad_shard_set(demo, tmp_path / "shards")
+    out = tmp_path / "run"
+    # 3 shards for 2 workers: each pass deals one shard whole to each worker and splits the third by sample index, so
+    # both workers open the bad shard on most passes, and the worker without the good shard passes quickly.
+    p = subprocess.run([sys.executable, "-m", "mmcl", "train", *run_args(
+        demo, out, f"data.train={shards}/shard-*.tar", "train.steps=16", "data.batch_size=16", "data.workers=2",
+        "train.log_every=16", "train.save_every=0")], env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines() == [
+        f"mmcl: warning: cannot open shard {shards}/shard-000001.tar: TarFormatError: not a tar file; skipping it"]
+    # Counted by the one worker that owns the split shard's problems; the empty archive counts nothing.
+    assert metrics(out)[-1]["data/skipped"] >= 1
+
+
+@pytest.mark.slow
+def test_a_bad_shard_read_by_two_processes_warns_once(demo, tmp_path):
+    """2 processes x 2 workers, 3 shards: every one of the 4 slots opens the bad shard; one line in all.
+
+    A worker's warnings travel with its next batch, so each worker here delivers two: 24 of the good shard's 96
+    pairs reach each slot per pass, one batch."""
+    shards = _bad_shard_set(demo, tmp_path / "shards")
+    out = tmp_path / "run"
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(ROOT / "launch" / "cpu-2proc.yaml"), "-m", "mmcl", "train",
+           *run_args(demo, out, f"data.train={shards}/shard-*.tar", "train.steps=4", "train.log_every=1",
+                     "data.batch_size=24", "data.workers=2", "train.save_every=0")]
+    p = subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    warned = [ln for ln in p.stderr.splitlines() if "warn" in ln.lower()]
+    assert warned == [
+        f"mmcl: warning: cannot open shard {shards}/shard-000001.tar: TarFormatError: not a tar file; skipping it"], \
+        p.stderr
+    assert "/mmcl/" not in p.stderr, p.stderr
