@@ -22,7 +22,7 @@ from . import data as data_mod
 from . import losses, models
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
 from .fsutil import atomic_write_text
-from .errors import CheckpointError, ConfigError, MmclError, TrainingError
+from .errors import CheckpointError, ConfigError, TrainingError
 
 CKPT_PREFIX = "step-"
 LATEST = "latest"
@@ -472,6 +472,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         log(f"model saved to {out_dir / 'model'}")
         # The final evaluation runs after model/ is written, so a failing evaluation never loses the model; the
         # run then ends with an error naming where the model is (exit code 2 from the command line).
+        from .errors import MmclError
+
         unwritten = last.get("step") == progress.step  # the final step's record, held back above
         final = last if unwritten else {"step": progress.step, "samples": progress.samples}
         try:
