@@ -59,3 +59,25 @@ def test_every_documented_subcommand_exists():
     sub = next(a for a in parser._actions if a.dest == "command")
     assert set(sub.choices) >= {"train", "demo-data", "shards", "zeroshot", "retrieval", "export", "linear-probe",
                                 "index", "search", "plot"}
+
+
+def test_mmcl_warnings_are_one_line_once_and_others_keep_their_format(capsys):
+    import warnings
+
+    from mmcl import cli
+
+    mmcl_file = str(Path(cli.__file__).parent / "data.py")
+    others = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda *args, **kw: others.append(args[:4])
+        with cli.warning_lines():
+            for _ in range(3):  # e.g. a bad shard met on every pass over the data
+                warnings.warn_explicit("shard x.tar is bad;\n  skipping it", UserWarning, mmcl_file, 10)
+            warnings.warn_explicit("another cause", RuntimeWarning, mmcl_file, 20)
+            warnings.warn_explicit("a library's own warning", DeprecationWarning, "/site-packages/lib/mod.py", 7)
+        assert not isinstance(warnings.showwarning, cli._WarningLines)  # put back as it was
+    assert capsys.readouterr().err.splitlines() == [
+        "mmcl: warning: shard x.tar is bad; skipping it", "mmcl: warning: another cause"]
+    assert [(str(m), c, f, n) for m, c, f, n in others] == [
+        ("a library's own warning", DeprecationWarning, "/site-packages/lib/mod.py", 7)]
