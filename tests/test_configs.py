@@ -249,3 +249,37 @@ def test_missing_eval_set_fails_in_seconds_before_any_step(user_dir):
     assert not (user_dir / "runs" / "no-eval-set").exists()  # no checkpoints/, no config: nothing started
     # Python's start and mmcl's imports take about 3 s here; the check itself milliseconds. 30 s: a busy machine.
     assert seconds < 30, seconds
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_name_no_data_paths(path):
+    """A config names no data (no path that exists only after `make demo`): data.train and the eval sets come from
+    the command line, so the config works on anyone's data from any directory."""
+    from mmcl.config import to_dict
+
+    cfg = load_config(str(path))
+    assert cfg.data.train is None and cfg.eval.zeroshot is None and cfg.eval.retrieval is None
+    assert cfg.model.init_from is None
+    values = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, str):
+            values.append(node)
+
+    walk(to_dict(cfg))
+    assert not [v for v in values if "demo-data" in v], values  # (train.output_dir is written, not read)
+
+
+def test_make_demo_passes_its_own_data_paths():
+    import shutil
+
+    assert shutil.which("make"), "make is needed to read the Makefile's demo commands"
+    p = subprocess.run(["make", "-n", "train-demo", "VIRTUAL_ENV=/venv", "DEMO_DATA=/somewhere/demo"],
+                       cwd=CONFIG_DIR.parent, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    launch = " ".join(p.stdout.replace("\\\n", " ").split())
+    assert ("-m mmcl train --config configs/tiny.yaml data.batch_size=32 train.output_dir=runs/tiny "
+            "'data.train=/somewhere/demo/train/shard-*.tar' eval.zeroshot=/somewhere/demo/zeroshot/colour") in launch
