@@ -24,7 +24,8 @@ def _is_hub_name(name: str) -> bool:
     """A Hugging Face hub id ('org/name' or 'name'), as opposed to a local path meant as one."""
     if name.startswith(("/", "./", "../", "~", ".\\")) or os.sep != "/" and os.sep in name:
         return False
-    return name.count("/") <= 1
+    # 'models/minilm' where ./models exists is a path; 'sentence-transformers/all-MiniLM-L6-v2' is a hub id.
+    return name.count("/") <= 1 and not os.path.isdir(name.split("/", 1)[0])
 
 
 def _path_problem(key: str, path: str) -> List[str]:

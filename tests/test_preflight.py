@@ -30,7 +30,7 @@ def test_every_missing_input_is_named_with_its_resolved_path(tmp_path, monkeypat
         "::https://host/shard-{0..9}.tar::empty_dir",
         "eval.zeroshot=folder", "eval.retrieval=val/shard-000000.tar", "eval.classnames=names.txt",
         "eval.templates=my_templates.txt", "model.init_from=~/no-such-mmcl-run-here",
-        "model.text.hf=./minilm"])
+        "model.text.hf=shards/minilm"])  # one slash, like a hub id, but ./shards is a directory here
     home = os.path.expanduser("~")
     assert input_problems(cfg) == [
         f"data.train: 2 of the 5 paths that 'shards/shard-{{000000..000004}}.tar' names are missing "
@@ -41,7 +41,7 @@ def test_every_missing_input_is_named_with_its_resolved_path(tmp_path, monkeypat
         f"eval.classnames: {tmp_path}/names.txt does not exist",
         f"eval.templates: {tmp_path}/my_templates.txt does not exist",
         f"model.init_from: {home}/no-such-mmcl-run-here does not exist",
-        f"model.text.hf: {tmp_path}/minilm is not a directory (expected a local model directory or a hub name "
+        f"model.text.hf: {tmp_path}/shards/minilm is not a directory (expected a local model directory or a hub name "
         f"such as sentence-transformers/all-MiniLM-L6-v2)",
     ]
     with pytest.raises(ConfigError) as err:
