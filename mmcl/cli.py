@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import MmclError
+from .errors import MmclError, RunStopped
 
 
 def _write_json(obj, path: Optional[str]) -> None:
@@ -213,8 +213,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(args.func(args) or 0)
     except MmclError as err:
-        print(f"mmcl: error: {err}", file=sys.stderr)
+        if not err.quiet:  # set on all processes but rank 0 of a multi-process run
+            print(f"mmcl: error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # a checkpoint was saved; the exit code says whether to requeue (mmcl/preempt.py)
+        if not err.quiet:
+            print(f"mmcl: {err}", file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
         print("mmcl: interrupted", file=sys.stderr)
         return 130
