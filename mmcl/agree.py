@@ -40,17 +40,21 @@ def agreed(accelerator, fn: Callable[[], Any]) -> Any:
 
     reports = gather_object([None if failure is None else (accelerator.process_index, *_describe(failure))])
     failed = [r for r in reports if r is not None]
-    if failure is not None:
+    if not failed:
+        return result
+    rank, kind, message, user_error = failed[0]
+    if user_error:
+        cls = getattr(errors, kind, None)
+        agreed_error = (cls if isinstance(cls, type) and issubclass(cls, errors.MmclError) else errors.MmclError)(message)
+    else:
+        agreed_error = errors.TrainingError(f"process {rank} failed with {kind}: {message}")
+    if failure is not None and (not isinstance(failure, errors.MmclError) or accelerator.process_index != 0):
+        # A bug keeps its traceback on the process where it happened; an MmclError is printed by rank 0 only.
+        if isinstance(failure, errors.MmclError):
+            failure.quiet = True
         raise failure
-    if failed:
-        rank, kind, message, user_error = failed[0]
-        if user_error:
-            cls = getattr(errors, kind, None)
-            if not (isinstance(cls, type) and issubclass(cls, errors.MmclError)):
-                cls = errors.MmclError
-            raise cls(message)
-        raise errors.TrainingError(f"process {rank} failed with {kind}: {message}")
-    return result
+    agreed_error.quiet = accelerator.process_index != 0
+    raise agreed_error
 
 
 def any_process(accelerator, flag: bool) -> bool:

@@ -201,6 +201,7 @@ def _mb(n: int) -> str:
 
 def check_output_dir(out_dir: Path, ckpt_dir: Path) -> None:
     """Create `out_dir` and prove that it and `ckpt_dir` (when it exists) take a new file; StorageError if not."""
+    d = out_dir
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for d in (out_dir, ckpt_dir):
@@ -209,8 +210,9 @@ def check_output_dir(out_dir: Path, ckpt_dir: Path) -> None:
                 probe.write_bytes(b"")
                 probe.unlink()
     except OSError as err:
-        raise StorageError(f"output directory {err.filename or out_dir} cannot be written: "
-                           f"{err.strerror or err} (choose another train.output_dir or make it writable)") from None
+        where = d if d.exists() else err.filename or d  # the missing parent that could not be created, if any
+        raise StorageError(f"output directory {where} cannot be written: {err.strerror or err} (choose another "
+                           f"train.output_dir or make it writable)") from None
 
 
 def free_space_warning(out_dir: Path, needed: int) -> Optional[str]:

@@ -21,13 +21,13 @@ import torch
 from . import checkpoints
 from . import data as data_mod
 from . import losses, models
-from .agree import agreed, broadcast_from_main
+from .agree import agreed, any_process, broadcast_from_main
 from .checkpoints import (COMPLETE, CKPT_PREFIX, LATEST, latest_checkpoint,  # noqa: F401 - names of the layout
                           list_checkpoints, save_checkpoint)
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
 from .fsutil import atomic_write_text
 from .errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError, RunStopped, TrainingError
-from .preempt import StopSignals
+from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
 from .runlock import RunLock
 
 # Changing any of these makes a checkpoint unusable; other config differences only warn.
@@ -315,12 +315,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     after saving a checkpoint on SIGTERM, SIGUSR1 or SIGINT.
     """
     with contextlib.ExitStack() as held:  # the output directory's lock and the signal handlers, for the whole run
-        try:
-            return _train(cfg, held)
-        except (MmclError, RunStopped) as err:
-            if int(os.environ.get("RANK", "0")) != 0:
-                err.quiet = True  # every process raises it; rank 0 prints it
-            raise
+        return _train(cfg, held)
 
 
 def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
@@ -366,9 +361,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     objective = losses.build_objective(cfg.loss)
     objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     optimizer = build_optimizer(model, cfg.optim)
-    stream = data_mod.build_train_stream(cfg.data, train_tf, tokenizer, seed=cfg.train.seed,
-                                         rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                         pin_memory=accelerator.device.type == "cuda")
+    stream = agreed(accelerator, lambda: data_mod.build_train_stream(
+        cfg.data, train_tf, tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
     if cfg.train.compile:
         model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -457,8 +452,10 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
             where = (f"{loss.item()}" if accelerator.num_processes == 1
                      else f"not finite on some process ({loss.item()} here)")
             if cfg.train.nan_policy == "stop":
-                raise TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
+                err = TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
                                     f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
+                err.quiet = not main  # all processes stop alike; one line
+                raise err
             optimizer.zero_grad(set_to_none=True)
             progress.skipped_steps += 1
             progress.step += 1
@@ -510,6 +507,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
                             {"data": stream.state_dict(), "objective": objective.state_dict()},
                             cfg.train.keep_checkpoints, needed=ckpt_bytes)
             saved_at = progress.step
+            # A signal that came during the save stops the run now rather than after one more step (one
+            # all-reduce per save, none per step).
+            stopping = stopping or any_process(accelerator, stop.requested)
         if stopping and progress.step < total:  # on the last step the run simply finishes
             _stop(accelerator, ckpt_dir, progress, stream, objective, cfg, stop, ckpt_bytes, bar, metrics, saved_at)
     if bar is not None:
@@ -545,9 +545,17 @@ def _stop(accelerator, ckpt_dir, progress, stream, objective, cfg, stop, ckpt_by
     if bar is not None:
         bar.close()
     metrics.close()
-    how = "interrupted" if stop.received == "SIGINT" else "preempted"
-    raise RunStopped(f"{how} ({stop.received}) at step {progress.step}; checkpoint saved to {saved}; "
-                     f"re-run the same command to resume", stop.exit_code)
+    received = stop.received
+    if accelerator.num_processes > 1:  # the signal may have reached some processes only (once per run)
+        from accelerate.utils import gather_object
+
+        received = next(name for name in gather_object([stop.received]) if name)
+    how = "interrupted" if received == "SIGINT" else "preempted"
+    code = INTERRUPT_EXIT_CODE if received == "SIGINT" else REQUEUE_EXIT_CODE
+    err = RunStopped(f"{how} ({received}) at step {progress.step}; checkpoint saved to {saved}; "
+                     f"re-run the same command to resume", code)
+    err.quiet = not accelerator.is_main_process
+    raise err
 
 
 def _cpu_processes() -> bool:
