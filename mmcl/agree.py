@@ -45,7 +45,9 @@ def agreed(accelerator, fn: Callable[[], Any]) -> Any:
     rank, kind, message, user_error = failed[0]
     if user_error:
         cls = getattr(errors, kind, None)
-        agreed_error = (cls if isinstance(cls, type) and issubclass(cls, errors.MmclError) else errors.MmclError)(message)
+        if not (isinstance(cls, type) and issubclass(cls, errors.MmclError)):
+            cls = errors.MmclError
+        agreed_error = cls(message)
     else:
         agreed_error = errors.TrainingError(f"process {rank} failed with {kind}: {message}")
     if failure is not None and (not isinstance(failure, errors.MmclError) or accelerator.process_index != 0):

@@ -175,8 +175,9 @@ def storage_error(err: BaseException, what: str, where: Path, needed: int = 0,
     """The one-line error for a failed write of `what` into `where`, or None when `err` is not a storage fault.
 
     torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc...] unexpected pos``,
-    without the errno: when the free space is then below what was still to be written (`needed` minus the bytes
-    already in `written`), the cause is reported as no space left on device.
+    and safetensors as ``SafetensorError: ... IoError(Os { code: 28, kind: StorageFull ...``, neither with the
+    errno: when the free space is then below what was still to be written (`needed` minus the bytes already in
+    `written`), the cause is reported as no space left on device.
     """
     code = getattr(err, "errno", None)
     probe = where if where.exists() else where.parent
@@ -184,7 +185,7 @@ def storage_error(err: BaseException, what: str, where: Path, needed: int = 0,
         free = shutil.disk_usage(probe).free
     except OSError:
         free = None
-    if isinstance(err, OSError) and code in _NO_SPACE or (
+    if isinstance(err, OSError) and code in _NO_SPACE or "StorageFull" in str(err) or (
             free is not None and needed and free < needed - (_dir_bytes(written) if written else 0)):
         room = f" ({_mb(free)} free, about {_mb(needed)} needed)" if free is not None and needed else ""
         return StorageError(f"cannot write {what} to {where}: no space left on device{room}")
@@ -256,7 +257,7 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
             accelerator.save_state(str(tmp))
             # Data position and loss queues differ per process; accelerate saves custom state on the main one only.
             torch.save(rank_state, tmp / f"rank_state_{accelerator.process_index}.pt")
-        except (OSError, RuntimeError) as err:
+        except Exception as err:  # noqa: BLE001 - torch and safetensors wrap I/O errors in their own types
             converted = storage_error(err, what, ckpt_dir, needed, tmp)
             if converted is None:
                 raise

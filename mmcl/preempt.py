@@ -47,7 +47,3 @@ class StopSignals:
     @property
     def requested(self) -> bool:
         return self.received is not None
-
-    @property
-    def exit_code(self) -> int:
-        return INTERRUPT_EXIT_CODE if self.received == "SIGINT" else REQUEUE_EXIT_CODE

@@ -150,7 +150,8 @@ def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]
             except MmclError:
                 raise
             except Exception as err:  # noqa: BLE001 - reported as one line below
-                what = f"cannot resume from {resume}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                first_line = str(err).splitlines()[0] if str(err) else ""
+                what = f"cannot resume from {resume}: {type(err).__name__}: {first_line}"
                 if "files" in checkpoints.read_marker(resume):
                     raise CheckpointError(what) from err  # intact files that do not load: not damage, a real error
                 raise DamagedCheckpointError(what) from err  # written before checksums: treat as damaged
@@ -176,11 +177,14 @@ class MetricsLog:
         self.tb = None
         if not enabled:
             return
-        if self.path.exists():  # a resumed run continues the file without duplicated steps
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
-        self.file = open(self.path, "a")
+        try:
+            if self.path.exists():  # a resumed run continues the file without duplicated steps
+                kept = [ln for ln in self.path.read_text().splitlines()
+                        if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+                atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
+            self.file = open(self.path, "a")
+        except OSError as err:
+            raise checkpoints.storage_error(err, "metrics", out_dir) from None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -191,8 +195,11 @@ class MetricsLog:
     def write(self, record: Dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as err:  # a full disk or quota while training: one line, the checkpoints are untouched
+            raise checkpoints.storage_error(err, "metrics", self.path.parent) from None
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -406,7 +413,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         if warning:
             log(warning)
 
-    metrics = MetricsLog(out_dir, progress.step, main)
+    metrics = agreed(accelerator, lambda: MetricsLog(out_dir, progress.step, main))
     total = total_steps(cfg, accelerator.num_processes)
     dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
