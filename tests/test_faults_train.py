@@ -337,6 +337,7 @@ def test_sigterm_on_one_of_two_processes_stops_both_after_the_same_step(demo, re
     o, e = p.communicate(timeout=300)
     assert p.returncode != 0, o + e
     assert e.count("mmcl: preempted (SIGTERM) at step 3; checkpoint saved to") == 1, e
+    assert len(re.findall(r"exitcode\s*: 75 ", e)) == 2, e  # both processes ended by themselves, with 75
     mmcl_lines_only(e)
     ckpt = out / "checkpoints" / "step-00000003"
     assert checkpoints.verify_checkpoint(ckpt) is None
@@ -426,5 +427,6 @@ def test_a_user_error_on_one_of_two_processes_ends_the_launch_with_one_line(demo
     assert p.returncode != 0
     assert [ln for ln in e.splitlines() if ln.startswith("mmcl:")] == [
         "mmcl: error: cannot resume: refused on process 1 only"], e
+    assert len(re.findall(r"exitcode\s*: 2 ", e)) == 2, e  # both ended by themselves, with mmcl's user-error code
     mmcl_lines_only(e)
     assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == before
