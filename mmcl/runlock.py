@@ -1,14 +1,19 @@
 """One run per output directory.
 
 Two runs writing one ``train.output_dir`` delete each other's temporary checkpoints and interleave metrics. The
-main process holds an exclusive ``fcntl.flock`` on ``<output_dir>/.lock`` for the whole run. The kernel drops
-the lock when its holder exits in any way (SIGKILL included), so a lock is never left stale; the file names the
-holder's host and PID so the second run can say who has it. A file that still names a holder while the lock is
-free was left by a run that ended without releasing it (killed): it is taken over with a warning.
+main process holds an exclusive POSIX record lock (``fcntl.lockf``) on ``<output_dir>/.lock`` for the whole run.
+The kernel drops it when its holder exits in any way (SIGKILL included), so a lock is never left stale; the file
+names the holder's host and PID so the second run can say who has it. A file that still names a holder while the
+lock is free was left by a run that ended without releasing it (killed): it is taken over with a warning.
+
+Not ``flock``: a flock belongs to the open file, which forked children (data loader workers) share, so after a
+SIGKILL of the training process its workers would hold the directory until they notice and exit; record locks
+are not inherited by fork. (They are also what NFS supports.)
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -22,7 +27,10 @@ LOCK_NAME = ".lock"
 
 
 class RunLock:
-    """``acquire()`` returns a warning line (a lock taken over from a killed run) or None; ``release()``."""
+    """``acquire()`` returns a warning line (a lock taken over from a killed run) or None; ``release()``.
+
+    Record locks of one process do not exclude each other: this guards against other processes (and hosts).
+    """
 
     def __init__(self, out_dir: Path):
         self.path = Path(out_dir) / LOCK_NAME
@@ -34,8 +42,11 @@ class RunLock:
         except OSError as err:
             raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise StorageError(f"cannot lock {self.path}: {err.strerror}") from None
             holder = _read(fd) or "unknown holder"
             os.close(fd)
             raise TrainingError(f"{self.path.parent} is in use by another run ({holder}); wait for it to end or "

@@ -18,6 +18,7 @@ from test_train import ROOT, demo, final_weights, metrics, run_args  # noqa: F40
 
 from mmcl import checkpoints
 from mmcl.cli import main
+from mmcl.errors import TrainingError
 from mmcl.runlock import RunLock
 
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
@@ -266,17 +267,23 @@ def test_a_second_run_on_the_same_directory_stops_at_once(demo, tmp_path, capsys
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(demo, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mmcl.runlock import RunLock; "
-                               f"RunLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(600)"],
+    # The holder forks a child that outlives it with the lock file open, as data loader workers do for a moment
+    # after the training process is SIGKILLed: the lock must die with the holder all the same.
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from mmcl.runlock import RunLock; "
+                               f"RunLock({str(out)!r}).acquire(); child = os.fork(); "
+                               "print(child or '', flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(Exception, match=f"in use by another run .*PID {holder.pid},"):
-        RunLock(out).acquire()
-    holder.kill()
-    holder.wait()
-    assert main(args(demo, out, "train.steps=2")) == 0
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(TrainingError, match=f"in use by another run .*PID {holder.pid},"):
+            RunLock(out).acquire()
+        holder.kill()
+        holder.wait()
+        assert main(args(demo, out, "train.steps=2")) == 0
+    finally:
+        os.kill(child, signal.SIGKILL)
     said = capsys.readouterr().out
-    assert f"mmcl: warning: took over the lock of a run that ended without releasing it (host " in said
+    assert "mmcl: warning: took over the lock of a run that ended without releasing it (host " in said
     assert f"PID {holder.pid}," in said
 
 
