@@ -52,9 +52,13 @@ class RunLock:
             raise TrainingError(f"{self.path.parent} is in use by another run ({holder}); wait for it to end or "
                                 f"choose another train.output_dir") from None
         previous = _read(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                  .encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        except OSError as err:  # a full disk
+            os.close(fd)
+            raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
         self._fd = fd
         if previous:
             return f"warning: took over the lock of a run that ended without releasing it ({previous})"

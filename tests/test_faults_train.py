@@ -172,6 +172,27 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(demo, reference, 
     same_weights(reference, out)
 
 
+def test_a_disk_full_before_the_first_step_ends_in_one_line(demo, tmpfs, capsys):
+    mnt, remount = tmpfs
+    remount("size=1m")
+    filler = mnt / "user-data.bin"
+    with open(filler, "wb", buffering=0) as f:  # fill the disk to the last block
+        try:
+            while True:
+                f.write(b"\1" * 4096)
+        except OSError:
+            pass
+    kept = filler.read_bytes()
+    out = mnt / "run"
+    assert main(args(demo, out)) == 2
+    captured = capsys.readouterr()
+    line = one_line_error(captured.err)
+    assert line == f"mmcl: error: output directory {out} cannot be written: No space left on device", line
+    assert "process(es)" not in captured.out  # before building anything
+    assert filler.read_bytes() == kept
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # (empty) no half-written config or metrics
+
+
 # --------------------------------------------------------------------------------- damaged checkpoints
 def _truncate(path: Path):
     data = path.read_bytes()
