@@ -11,7 +11,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
