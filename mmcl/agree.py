@@ -9,6 +9,7 @@ run ends with that one line.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional, Tuple
 
 from . import errors
@@ -57,6 +58,25 @@ def agreed(accelerator, fn: Callable[[], Any]) -> Any:
         raise failure
     agreed_error.quiet = accelerator.process_index != 0
     raise agreed_error
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def lost_peer(err: BaseException) -> Optional[str]:
+    """When `err` is a collective failing because another process is gone, a short description of it, else None.
+
+    A process that dies (an error outside an agreed block, a SIGKILL) leaves the others in their next collective;
+    gloo then raises a RuntimeError such as ``[.../pair.cc:545] Read error [127.0.0.1]:47234: Connection reset
+    by peer. This is typically caused by ...``.
+    """
+    import torch.distributed as dist
+
+    text = str(err)
+    if not (isinstance(err, getattr(dist, "DistError", ())) or any(s in text for s in _PEER_GONE)):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)
+    return first.split(". This is typically")[0]
 
 
 def any_process(accelerator, flag: bool) -> bool:

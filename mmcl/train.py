@@ -20,7 +20,7 @@ import torch
 from . import checkpoints
 from . import data as data_mod
 from . import losses, models
-from .agree import agreed, any_process, broadcast_from_main
+from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import (COMPLETE, CKPT_PREFIX, LATEST, latest_checkpoint,  # noqa: F401 - names of the layout
                           list_checkpoints, save_checkpoint)
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
@@ -321,7 +321,14 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     after saving a checkpoint on SIGTERM, SIGUSR1 or SIGINT.
     """
     with contextlib.ExitStack() as held:  # the output directory's lock and the signal handlers, for the whole run
-        return _train(cfg, held)
+        try:
+            return _train(cfg, held)
+        except RuntimeError as err:
+            gone = lost_peer(err) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+            if gone is None:
+                raise
+            raise TrainingError(f"another process of this run ended ({gone}); its own output says why; re-run "
+                                f"the same command to resume from the newest checkpoint") from None
 
 
 def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:

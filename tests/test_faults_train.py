@@ -333,7 +333,8 @@ def reference2(demo, tmp_path_factory):
 
 def mmcl_lines_only(err: str):
     """stderr of a launch: mmcl's own processes printed no traceback (the launcher's summary is its own)."""
-    assert "/mmcl/" not in err and "Connection closed" not in err and "gloo" not in err.lower(), err
+    rest = "\n".join(ln for ln in err.splitlines() if not ln.startswith("mmcl: "))
+    assert "/mmcl/" not in rest and "Connection closed" not in rest and "gloo" not in rest.lower(), err
 
 
 SIGNAL_ONE_RANK = """\
@@ -458,3 +459,48 @@ def test_a_user_error_on_one_of_two_processes_ends_the_launch_with_one_line(demo
     assert len(re.findall(r"exitcode\s*: 2 ", e)) == 2, e  # both ended by themselves, with mmcl's user-error code
     mmcl_lines_only(e)
     assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == before
+
+
+FAIL_ON_RANK_1_MID_RUN = """\
+import os, sys
+import mmcl.train as train_mod
+from mmcl.cli import main
+from mmcl.errors import DataError
+
+real, calls = train_mod.train_step, [0]
+
+
+def failing(*args):
+    calls[0] += 1
+    if calls[0] == 3 and os.environ.get("RANK") == "1":
+        raise DataError("shard unreadable on process 1 only")
+    return real(*args)
+
+
+train_mod.train_step = failing
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_an_error_on_one_process_mid_step_leaves_the_other_with_one_line_too(demo, tmp_path):
+    """Outside the agreed blocks (here: during a step) the failing process says why; the other one, cut off in
+    its next collective, says that another process ended, in one line instead of gloo's traceback."""
+    out = tmp_path / "run"
+    script = tmp_path / "fail_rank1.py"
+    script.write_text(FAIL_ON_RANK_1_MID_RUN)
+    p = launch([str(script), "train"], *args2(demo, out))
+    o, e = p.communicate(timeout=300)
+    assert p.returncode != 0
+    lines = [ln for ln in e.splitlines() if ln.startswith("mmcl:")]
+    assert len(lines) == 2 and "mmcl: error: shard unreadable on process 1 only" in lines, e
+    other = [ln for ln in lines if "another process" in ln]
+    assert len(other) == 1 and re.fullmatch(
+        r"mmcl: error: another process of this run ended \((.*)Connection (reset|closed) by peer(.*)\); its own "
+        r"output says why; re-run the same command to resume from the newest checkpoint", other[0]), e
+    mmcl_lines_only(e)
+    assert checkpoints.verify_checkpoint(out / "checkpoints" / "step-00000002") is None
+    p = launch(["-m", "mmcl", "train"], *args2(demo, out))
+    o, e = p.communicate(timeout=300)
+    assert p.returncode == 0, o + e
+    assert "at step 2" in o
