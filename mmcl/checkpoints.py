@@ -91,10 +91,11 @@ def _files_of(ckpt: Path) -> List[Path]:
     return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE)
 
 
-def verify_checkpoint(ckpt: Path) -> Optional[str]:
+def verify_checkpoint(ckpt: Path, only: Optional[Tuple[str, ...]] = None) -> Optional[str]:
     """None when `ckpt` is intact, else what is wrong (a missing, truncated or altered file, a bad marker).
 
-    Checkpoints written before the marker listed files are only checked for a readable marker.
+    `only`: check just these files (e.g. ``("model.safetensors",)`` to load weights), each of which must be
+    recorded. Checkpoints written before the marker listed files are only checked for a readable marker.
     """
     try:
         marker = read_marker(ckpt)
@@ -107,6 +108,11 @@ def verify_checkpoint(ckpt: Path) -> Optional[str]:
         return None
     if not isinstance(files, dict):
         return f"its {COMPLETE} marker is unreadable"
+    if only is not None:
+        missing = [rel for rel in only if rel not in files]
+        if missing:
+            return f"its {COMPLETE} marker does not list {', '.join(missing)}"
+        files = {rel: files[rel] for rel in only}
     for rel, want in files.items():
         path = ckpt / rel
         try:
@@ -124,23 +130,26 @@ def verify_checkpoint(ckpt: Path) -> Optional[str]:
     return None
 
 
-def damaged_and_usable(ckpt_dir: Path) -> Tuple[List[Tuple[Path, str]], Optional[Path]]:
+def damaged_and_usable(ckpt_dir: Path, only: Optional[Tuple[str, ...]] = None
+                       ) -> Tuple[List[Tuple[Path, str]], Optional[Path]]:
     """Walk the checkpoints newest first: ([(damaged dir, reason), ...] newer than the first intact one, it)."""
     damaged = []
     for _, d, _marker in reversed(_marked(ckpt_dir)):
-        problem = verify_checkpoint(d)
+        problem = verify_checkpoint(d, only)
         if problem is None:
             return damaged, d
         damaged.append((d, problem))
     return damaged, None
 
 
-def newest_verified_checkpoint(ckpt_dir: Path) -> Optional[Path]:
-    """The newest checkpoint in `ckpt_dir` whose files match their recorded sizes and checksums, or None.
+def newest_verified_checkpoint(ckpt_dir: Path, only: Optional[Tuple[str, ...]] = None) -> Optional[Path]:
+    """The newest checkpoint in `ckpt_dir` whose files (or just the files in `only`) match their recorded sizes
+    and checksums, or None.
 
-    Reads only; changes nothing on disk (loading weights from a run directory calls this).
+    Reads only; changes nothing on disk. Loading weights from a run directory calls it with
+    ``only=("model.safetensors",)``, so the optimiser state (2/3 of the bytes with AdamW) is not read.
     """
-    return damaged_and_usable(Path(ckpt_dir))[1]
+    return damaged_and_usable(Path(ckpt_dir), only)[1]
 
 
 def set_aside(ckpt: Path) -> Path:

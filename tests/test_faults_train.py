@@ -249,6 +249,20 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_keeps_it(demo, saved_ru
     assert [r["step"] for r in metrics(out)] == list(range(1, 7))
 
 
+def test_newest_verified_checkpoint_for_loading_weights_only(saved_run, tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(saved_run / "checkpoints", ckpts)
+    weights = ("model.safetensors",)
+    _truncate(ckpts / "step-00000004" / "optimizer.bin")
+    assert checkpoints.newest_verified_checkpoint(ckpts) == ckpts / "step-00000002"
+    assert checkpoints.newest_verified_checkpoint(ckpts, only=weights) == ckpts / "step-00000004"  # weights intact
+    _flip_byte(ckpts / "step-00000004" / "model.safetensors")
+    assert checkpoints.newest_verified_checkpoint(ckpts, only=weights) == ckpts / "step-00000002"
+    _truncate(ckpts / "step-00000002" / "model.safetensors")
+    assert checkpoints.newest_verified_checkpoint(ckpts, only=weights) is None
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-00000002", "step-00000004"]  # read only
+
+
 def test_resume_refuses_when_every_checkpoint_is_damaged(demo, saved_run, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(saved_run, out)
