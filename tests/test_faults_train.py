@@ -54,6 +54,7 @@ def reference(demo, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------ stop signals
+@pytest.mark.slow  # end to end: a reference, an interrupted and a resumed run
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 75, "preempted"), (signal.SIGUSR1, 75, "preempted"),
                                            (signal.SIGINT, 130, "interrupted")])
 def test_signal_mid_step_saves_then_a_rerun_finishes_with_the_same_weights(demo, reference, tmp_path, monkeypatch,
@@ -85,6 +86,7 @@ def test_signal_mid_step_saves_then_a_rerun_finishes_with_the_same_weights(demo,
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_signal_during_a_checkpoint_save_lets_it_finish(demo, reference, tmp_path, monkeypatch, capsys):
     from accelerate import Accelerator
 
@@ -144,6 +146,7 @@ def test_read_only_output_dir_new_run_and_resume(demo, tmpfs, capsys):
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", ["60m", "46m"])  # the disk fills in optimizer.bin (torch) or model.safetensors
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint(demo, reference, tmpfs, capsys, size):
     mnt, remount = tmpfs
