@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Multi-node training under SLURM: one `accelerate launch` per node, which starts one process per GPU.
 #   sbatch --nodes=4 launch/slurm.sh configs/vit-b-32.yaml train.output_dir=/shared/runs/b32
+# Preemption and time limits (see launch/README.md): 120 s before the end SLURM sends SIGUSR1 to this script
+# only (B:); the trap below passes SIGTERM on to srun -> accelerate launch -> every training process, which
+# finish their step, save a checkpoint and exit; then the job requeues itself. The requeued job runs this same
+# command, which resumes from that checkpoint.
 #SBATCH --job-name=mmcl
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=64
 #SBATCH --time=72:00:00
 #SBATCH --requeue
+#SBATCH --signal=B:USR1@120
+#SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 CONFIG=${1:?usage: sbatch launch/slurm.sh CONFIG [key=value ...]}
@@ -14,7 +20,15 @@ shift
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
-# Re-running the same command on the same train.output_dir resumes from the newest complete checkpoint,
+
+stop_requested=0
+on_stop() {
+  stop_requested=1
+  kill -TERM "$srun_pid" 2>/dev/null || true  # srun forwards it to the tasks (the launchers)
+}
+trap on_stop USR1 TERM
+
+# Re-running the same command on the same train.output_dir resumes from the newest intact checkpoint,
 # so a requeued job (preemption, node failure) continues where it stopped.
 srun --kill-on-bad-exit=1 bash -c "accelerate launch \
   --config_file launch/multi-node.yaml \
@@ -23,4 +37,24 @@ srun --kill-on-bad-exit=1 bash -c "accelerate launch \
   --machine_rank \$SLURM_NODEID \
   --main_process_ip $MASTER_ADDR \
   --main_process_port $MASTER_PORT \
-  -m mmcl train --config $CONFIG $*"
+  -m mmcl train --config $CONFIG $*" &
+srun_pid=$!
+
+# `wait` returns as soon as a trapped signal arrives; keep waiting while the processes save their checkpoint.
+status=0
+while true; do
+  wait "$srun_pid" && status=0 || status=$?
+  kill -0 "$srun_pid" 2>/dev/null || break
+done
+
+if [ "$stop_requested" = 1 ]; then
+  echo "mmcl: stop signal: requeueing job $SLURM_JOB_ID" >&2
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+# `mmcl train` run directly (one process, no launcher) exits 75 when a signal stopped it after a checkpoint.
+if [ "$status" = 75 ]; then
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$status"

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import MmclError
+from .errors import MmclError, RunStopped
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -270,8 +270,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         with warning_lines():
             return int(args.func(args) or 0)
     except MmclError as err:
-        print(f"mmcl: error: {err}", file=sys.stderr)
+        if not err.quiet:  # set on all processes but rank 0 of a multi-process run
+            print(f"mmcl: error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # a checkpoint was saved; the exit code says whether to requeue (mmcl/preempt.py)
+        if not err.quiet:
+            print(f"mmcl: {err}", file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
         print("mmcl: interrupted", file=sys.stderr)
         return 130

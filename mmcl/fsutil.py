@@ -34,10 +34,18 @@ def replace_dir(tmp: Path, out_dir: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small file through a temp file, fsync, and rename."""
+    """Write a small file through a temp file, fsync, and rename. On failure (full disk, read-only directory) the
+    temp file is removed, `path` is left as it was and the OSError is raised."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise

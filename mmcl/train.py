@@ -11,22 +11,24 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import checkpoints
 from . import data as data_mod
 from . import losses, models
+from .agree import agreed, any_process, broadcast_from_main, lost_peer
+from .checkpoints import (COMPLETE, CKPT_PREFIX, LATEST, latest_checkpoint,  # noqa: F401 - names of the layout
+                          list_checkpoints, save_checkpoint)
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
 from .fsutil import atomic_write_text
-from .errors import CheckpointError, ConfigError, TrainingError
+from .errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError, RunStopped, TrainingError
+from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
+from .runlock import RunLock
 
-CKPT_PREFIX = "step-"
-LATEST = "latest"
-COMPLETE = "COMPLETE"
 # Changing any of these makes a checkpoint unusable; other config differences only warn.
 ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context_length", "model.vision_cfg",
              "model.text_cfg", "model.text")
@@ -89,55 +91,6 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
-def list_checkpoints(ckpt_dir: Path) -> List[Path]:
-    """Complete checkpoints, oldest first (ordered by the step recorded inside each)."""
-    found = []
-    if ckpt_dir.is_dir():
-        for d in ckpt_dir.iterdir():
-            marker = d / COMPLETE
-            if d.is_dir() and d.name.startswith(CKPT_PREFIX) and marker.is_file():
-                try:
-                    found.append((int(json.loads(marker.read_text())["step"]), d))
-                except (ValueError, KeyError):
-                    continue
-    return [d for _, d in sorted(found)]
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
-    pointer = ckpt_dir / LATEST
-    if pointer.is_file():
-        target = ckpt_dir / pointer.read_text().strip()
-        if (target / COMPLETE).is_file():
-            return target
-    complete = list_checkpoints(ckpt_dir)
-    return complete[-1] if complete else None
-
-
-def save_checkpoint(accelerator, ckpt_dir: Path, progress: TrainProgress, rank_state: Dict[str, Any],
-                    keep: int) -> Path:
-    """All processes call this. Writes into ``.tmp-step-N`` then renames to ``step-N`` and moves ``latest``."""
-    name = f"{CKPT_PREFIX}{progress.step:08d}"
-    tmp = ckpt_dir / f".tmp-{name}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    # Data position and loss queues differ per process; accelerate saves custom state on the main one only.
-    torch.save(rank_state, tmp / f"rank_state_{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
-    final = ckpt_dir / name
-    if accelerator.is_main_process:
-        (tmp / COMPLETE).write_text(json.dumps({**progress.state_dict(), "world_size": accelerator.num_processes}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        atomic_write_text(ckpt_dir / LATEST, name)
-        for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
-
-
 def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None:
     """An architecture change is an error; other config differences are reported by name."""
     def flat(d, prefix=""):
@@ -163,6 +116,56 @@ def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None
                                                                     for k in changed))
 
 
+def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]:
+    """Load the newest intact checkpoint with `load(path)` on every process; returns its path or None (none saved).
+
+    Checkpoints whose files do not match their COMPLETE marker are renamed aside (`checkpoints.set_aside`) and
+    named in a log line, then the next older one is tried. When checkpoints exist but none is intact, nothing is
+    renamed and CheckpointError is raised: a run never starts afresh over the user's checkpoints on its own.
+    """
+    main = accelerator.is_main_process
+    while True:
+        def choose():
+            if not main:
+                return None
+            damaged, usable = checkpoints.damaged_and_usable(ckpt_dir)
+            if damaged and usable is None:
+                raise CheckpointError(
+                    f"cannot resume: no checkpoint in {ckpt_dir} is intact ("
+                    + "; ".join(f"{d.name}: {why}" for d, why in damaged)
+                    + "); nothing was changed. Move the checkpoints directory aside to start afresh")
+            for d, why in damaged:
+                kept = checkpoints.set_aside(d)
+                log(f"warning: checkpoint {d.name} is damaged ({why}); kept as {kept}; resuming from {usable.name}")
+            return usable
+
+        resume = broadcast_from_main(accelerator, agreed(accelerator, choose))
+        if resume is None:
+            return None
+
+        def load_it():
+            try:
+                load(resume)
+            except MmclError:
+                raise
+            except Exception as err:  # noqa: BLE001 - reported as one line below
+                first_line = str(err).splitlines()[0] if str(err) else ""
+                what = f"cannot resume from {resume}: {type(err).__name__}: {first_line}"
+                if "files" in checkpoints.read_marker(resume):
+                    raise CheckpointError(what) from err  # intact files that do not load: not damage, a real error
+                raise DamagedCheckpointError(what) from err  # written before checksums: treat as damaged
+
+        try:
+            agreed(accelerator, load_it)
+            return resume
+        except DamagedCheckpointError as err:
+            if main:
+                kept = checkpoints.set_aside(resume)
+                log(f"warning: {err}; kept as {kept}")
+            if accelerator.num_processes > 1:
+                accelerator.wait_for_everyone()
+
+
 # ----------------------------------------------------------------------------------------------- logging
 class MetricsLog:
     """metrics.jsonl (flushed each line, so it can be tailed) plus TensorBoard events; main process only."""
@@ -173,11 +176,14 @@ class MetricsLog:
         self.tb = None
         if not enabled:
             return
-        if self.path.exists():  # a resumed run continues the file without duplicated steps
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
-        self.file = open(self.path, "a")
+        try:
+            if self.path.exists():  # a resumed run continues the file without duplicated steps
+                kept = [ln for ln in self.path.read_text().splitlines()
+                        if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+                atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
+            self.file = open(self.path, "a")
+        except OSError as err:
+            raise checkpoints.storage_error(err, "metrics", out_dir) from None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -188,8 +194,11 @@ class MetricsLog:
     def write(self, record: Dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as err:  # a full disk or quota while training: one line, the checkpoints are untouched
+            raise checkpoints.storage_error(err, "metrics", self.path.parent) from None
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -306,7 +315,23 @@ def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[f
 
 # ------------------------------------------------------------------------------------------------- train
 def train(cfg: TrainConfig) -> Dict[str, Any]:
-    """Train as configured; returns the last logged metrics. Run under ``accelerate launch`` for several processes."""
+    """Train as configured; returns the last logged metrics. Run under ``accelerate launch`` for several processes.
+
+    Raises `MmclError` on bad input (on every process alike, so that the run ends with one line) and `RunStopped`
+    after saving a checkpoint on SIGTERM, SIGUSR1 or SIGINT.
+    """
+    with contextlib.ExitStack() as held:  # the output directory's lock and the signal handlers, for the whole run
+        try:
+            return _train(cfg, held)
+        except RuntimeError as err:
+            gone = lost_peer(err) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+            if gone is None:
+                raise
+            raise TrainingError(f"another process of this run ended ({gone}); its own output says why; re-run "
+                                f"the same command to resume from the newest checkpoint") from None
+
+
+def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -328,6 +353,19 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         if main:
             print(f"mmcl: {msg}", flush=True)
 
+    stop = held.enter_context(StopSignals())
+
+    def take_directory():
+        if main:
+            checkpoints.check_output_dir(out_dir, ckpt_dir)
+            lock = RunLock(out_dir)
+            warning = lock.acquire()
+            held.callback(lock.release)
+            if warning:
+                log(warning)
+
+    agreed(accelerator, take_directory)
+
     set_seed(cfg.train.seed)
     model, model_cfg, pp_cfg, train_tf, _, tokenizer = models.build(cfg.model)
     if cfg.model.init_from:
@@ -339,9 +377,9 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     objective = losses.build_objective(cfg.loss)
     objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     optimizer = build_optimizer(model, cfg.optim)
-    stream = data_mod.build_train_stream(cfg.data, train_tf, tokenizer, seed=cfg.train.seed,
-                                         rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                         pin_memory=accelerator.device.type == "cuda")
+    stream = agreed(accelerator, lambda: data_mod.build_train_stream(
+        cfg.data, train_tf, tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
     if cfg.train.compile:
         model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -349,29 +387,42 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
 
-    resume = latest_checkpoint(ckpt_dir)
-    if resume is not None:
+    def load(resume: Path) -> None:
         saved_cfg_path = out_dir / "config.yaml"
         if saved_cfg_path.is_file():
             from omegaconf import OmegaConf
 
             check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)), to_dict(cfg), log)
-        accelerator.load_state(str(resume))
         rank_file = resume / f"rank_state_{accelerator.process_index}.pt"
         if not rank_file.is_file():
-            raise CheckpointError(f"{resume} was written by a run with a different number of processes "
-                                  f"(no {rank_file.name}); resume with the same launch configuration")
+            if checkpoints.read_marker(resume).get("world_size", 0) != accelerator.num_processes:
+                raise CheckpointError(f"{resume} was written by a run with a different number of processes "
+                                      f"(no {rank_file.name}); resume with the same launch configuration")
+            raise DamagedCheckpointError(f"cannot resume from {resume}: {rank_file.name} is missing")
+        accelerator.load_state(str(resume))
         rank_state = torch.load(rank_file, weights_only=False)
         stream.load_state_dict(rank_state["data"])
         objective.load_state_dict(rank_state["objective"])
-        log(f"resuming from {resume} at step {progress.step}")
-    elif main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    if main:
-        atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
-    accelerator.wait_for_everyone()
 
-    metrics = MetricsLog(out_dir, progress.step, main)
+    resume = resume_from_newest(accelerator, ckpt_dir, load, log)
+    if resume is not None:
+        log(f"resuming from {resume} at step {progress.step}")
+
+    def write_config():
+        if main:
+            try:
+                atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
+            except OSError as err:
+                raise (checkpoints.storage_error(err, "config.yaml", out_dir) or err) from None
+
+    agreed(accelerator, write_config)
+    ckpt_bytes = checkpoints.state_bytes(accelerator.unwrap_model(model))
+    if main and cfg.train.save_every:
+        warning = checkpoints.free_space_warning(out_dir, ckpt_bytes)
+        if warning:
+            log(warning)
+
+    metrics = agreed(accelerator, lambda: MetricsLog(out_dir, progress.step, main))
     total = total_steps(cfg, accelerator.num_processes)
     dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
@@ -389,6 +440,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     bar = None
     show_bar = main and cfg.train.progress
     data_iter = iter(stream)
+    saved_at = -1
     last: Dict[str, Any] = {}
     window_t, window_samples = time.perf_counter(), 0
     data_time = 0.0
@@ -402,22 +454,31 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         data_time += time.perf_counter() - t0
         objective.report_metrics = (progress.step + 1) % cfg.train.log_every == 0 or progress.step + 1 == total
         loss, terms, backward = train_step(model, objective, batches, accelerator, stream.finish_images)
-        finite = torch.isfinite(loss.detach()).reshape(1).float()
+        # [loss is finite, a stop signal came]: one all-reduce of both flags. All processes must take the same
+        # branch: one skipping backward while the others run it would pair their gradient all-reduces with the
+        # wrong steps (and end in a hang); and all must stop after the same step, whichever of them got the signal.
+        flags = torch.stack([torch.isfinite(loss.detach()).reshape(()).float(),
+                             torch.tensor(float(stop.requested), device=loss.device)])
         if accelerator.num_processes > 1:
-            # All processes must take the same branch: one skipping backward while the others run it would pair
-            # their gradient all-reduces with the wrong steps (and end in a hang).
-            finite = accelerator.reduce(finite, reduction="sum") / accelerator.num_processes
-        if finite.item() < 1:
+            flags = accelerator.reduce(flags, reduction="sum")
+        finite_count, stop_count = flags.tolist()
+        stopping = stop_count > 0
+        if finite_count < accelerator.num_processes:
             good = latest_checkpoint(ckpt_dir)
             where = (f"{loss.item()}" if accelerator.num_processes == 1
                      else f"not finite on some process ({loss.item()} here)")
             if cfg.train.nan_policy == "stop":
-                raise TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
+                err = TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
                                     f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
+                err.quiet = not main  # all processes stop alike; one line
+                raise err
             optimizer.zero_grad(set_to_none=True)
             progress.skipped_steps += 1
             progress.step += 1
             log(f"skipped step {progress.step}: loss is {where}")
+            if stopping and progress.step < total:
+                _stop(accelerator, ckpt_dir, progress, stream, objective, cfg, stop, ckpt_bytes, bar, metrics,
+                      saved_at)
             continue
         backward()
         grad_norm = apply_update(accelerator, model, raw_model, optimizer, cfg.optim.grad_clip, max_log_scale)
@@ -459,9 +520,15 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             window_t, window_samples, data_time = time.perf_counter(), 0, 0.0
 
         if cfg.train.save_every and (progress.step % cfg.train.save_every == 0 or progress.step == total):
-            save_checkpoint(accelerator, ckpt_dir, progress,
+            save_checkpoint(accelerator, ckpt_dir, progress.state_dict(),
                             {"data": stream.state_dict(), "objective": objective.state_dict()},
-                            cfg.train.keep_checkpoints)
+                            cfg.train.keep_checkpoints, needed=ckpt_bytes)
+            saved_at = progress.step
+            # A signal that came during the save stops the run now rather than after one more step (one
+            # all-reduce per save, none per step).
+            stopping = stopping or any_process(accelerator, stop.requested)
+        if stopping and progress.step < total:  # on the last step the run simply finishes
+            _stop(accelerator, ckpt_dir, progress, stream, objective, cfg, stop, ckpt_bytes, bar, metrics, saved_at)
     if bar is not None:
         bar.close()
     accelerator.wait_for_everyone()
@@ -499,6 +566,31 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     if eval_failure is not None:
         raise TrainingError(eval_failure)
     return last
+
+
+def _stop(accelerator, ckpt_dir, progress, stream, objective, cfg, stop, ckpt_bytes, bar, metrics,
+          saved_at: int) -> None:
+    """After a step on which some process got a stop signal: save a checkpoint (unless this step's was just
+    saved) and raise RunStopped on every process."""
+    saved = ckpt_dir / f"{CKPT_PREFIX}{progress.step:08d}"
+    if saved_at != progress.step:
+        saved = save_checkpoint(accelerator, ckpt_dir, progress.state_dict(),
+                                {"data": stream.state_dict(), "objective": objective.state_dict()},
+                                cfg.train.keep_checkpoints, needed=ckpt_bytes)
+    if bar is not None:
+        bar.close()
+    metrics.close()
+    received = stop.received
+    if accelerator.num_processes > 1:  # the signal may have reached some processes only (once per run)
+        from accelerate.utils import gather_object
+
+        received = next(name for name in gather_object([stop.received]) if name)
+    how = "interrupted" if received == "SIGINT" else "preempted"
+    code = INTERRUPT_EXIT_CODE if received == "SIGINT" else REQUEUE_EXIT_CODE
+    err = RunStopped(f"{how} ({received}) at step {progress.step}; checkpoint saved to {saved}; "
+                     f"re-run the same command to resume", code)
+    err.quiet = not accelerator.is_main_process
+    raise err
 
 
 def _cpu_processes() -> bool:

@@ -1,0 +1,100 @@
+"""Processes agree on failure before the next collective.
+
+When one process raises (a refused resume, a full disk during its part of a save) while the others go on to a
+barrier or an all-reduce, those others would wait for it and die much later with a long "connection closed by
+peer" traceback. `agreed` runs a block on every process, then exchanges one small object per process: if any
+block raised, every process raises, and rank 0 raises the failing process's own error type and message, so the
+run ends with that one line.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional, Tuple
+
+from . import errors
+
+
+def _describe(err: BaseException) -> Tuple[str, str, bool]:
+    return type(err).__name__, str(err), isinstance(err, errors.MmclError)
+
+
+def agreed(accelerator, fn: Callable[[], Any]) -> Any:
+    """Return ``fn()`` when it succeeded on every process; otherwise raise on every process.
+
+    The process whose `fn` raised re-raises its own exception. The others raise the same `MmclError` subclass
+    with the same message (a bug elsewhere, i.e. not an `MmclError`, becomes a `TrainingError` naming the failed
+    process; the failing process keeps its traceback). Costs one ``all_gather_object`` per call: use it at
+    setup, checkpoint save and load, never per step.
+    """
+    failure: Optional[BaseException] = None
+    result = None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - every failure must be agreed on, or the others hang
+        failure = err
+    if accelerator.num_processes == 1:
+        if failure is not None:
+            raise failure
+        return result
+    from accelerate.utils import gather_object
+
+    reports = gather_object([None if failure is None else (accelerator.process_index, *_describe(failure))])
+    failed = [r for r in reports if r is not None]
+    if not failed:
+        return result
+    rank, kind, message, user_error = failed[0]
+    if user_error:
+        cls = getattr(errors, kind, None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.MmclError)):
+            cls = errors.MmclError
+        agreed_error = cls(message)
+    else:
+        agreed_error = errors.TrainingError(f"process {rank} failed with {kind}: {message}")
+    if failure is not None and (not isinstance(failure, errors.MmclError) or accelerator.process_index != 0):
+        # A bug keeps its traceback on the process where it happened; an MmclError is printed by rank 0 only.
+        if isinstance(failure, errors.MmclError):
+            failure.quiet = True
+        raise failure
+    agreed_error.quiet = accelerator.process_index != 0
+    raise agreed_error
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def lost_peer(err: BaseException) -> Optional[str]:
+    """When `err` is a collective failing because another process is gone, a short description of it, else None.
+
+    A process that dies (an error outside an agreed block, a SIGKILL) leaves the others in their next collective;
+    gloo then raises a RuntimeError such as ``[.../pair.cc:545] Read error [127.0.0.1]:47234: Connection reset
+    by peer. This is typically caused by ...``.
+    """
+    import torch.distributed as dist
+
+    text = str(err)
+    if not (isinstance(err, getattr(dist, "DistError", ())) or any(s in text for s in _PEER_GONE)):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)
+    return first.split(". This is typically")[0]
+
+
+def any_process(accelerator, flag: bool) -> bool:
+    """True on every process when `flag` is true on at least one (one small all-reduce)."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
+
+
+def broadcast_from_main(accelerator, value: Any) -> Any:
+    """The main process's `value` on every process."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]

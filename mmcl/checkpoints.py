@@ -1,0 +1,305 @@
+"""Training checkpoints on disk: layout, save, verify, and the choice of the one to resume from.
+
+Layout: ``checkpoints/step-NNNNNNNN/`` holds accelerate's state plus one ``rank_state_<i>.pt`` per process and a
+``COMPLETE`` marker written last. The marker records the progress (step, samples) and the size and SHA-256 of
+every file, so a truncated or altered file is found before loading, not halfway through. A checkpoint that
+fails this check is renamed ``damaged-step-NNNNNNNN`` (never deleted: it is evidence, and the new name keeps it
+out of ``keep_checkpoints`` rotation and out of the way of a new save of the same step).
+
+Imports no training code: `newest_verified_checkpoint` is what loading a run directory uses.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .errors import StorageError
+from .fsutil import atomic_write_text
+
+CKPT_PREFIX = "step-"
+DAMAGED_PREFIX = "damaged-"
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+# ----------------------------------------------------------------------------------------------- reading
+def read_marker(ckpt: Path) -> Dict[str, Any]:
+    """The parsed COMPLETE marker of `ckpt`; ValueError when it is missing keys or is not JSON."""
+    try:
+        marker = json.loads((ckpt / COMPLETE).read_text())
+        int(marker["step"])
+    except (ValueError, KeyError, TypeError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"its {COMPLETE} marker is unreadable ({type(err).__name__})") from None
+    if not isinstance(marker, dict):
+        raise ValueError(f"its {COMPLETE} marker is unreadable")
+    return marker
+
+
+def _step_of_name(d: Path) -> int:
+    try:
+        return int(d.name[len(CKPT_PREFIX):])
+    except ValueError:
+        return -1
+
+
+def _marked(ckpt_dir: Path) -> List[Tuple[int, Path, Optional[Dict[str, Any]]]]:
+    """(step, dir, marker or None when unreadable) of every ``step-*`` dir that has a COMPLETE file."""
+    found = []
+    if ckpt_dir.is_dir():
+        for d in ckpt_dir.iterdir():
+            if d.name.startswith(CKPT_PREFIX) and d.is_dir() and (d / COMPLETE).is_file():
+                try:
+                    marker = read_marker(d)
+                    found.append((int(marker["step"]), d, marker))
+                except ValueError:
+                    found.append((_step_of_name(d), d, None))  # ordered by its name only to be reported
+    return sorted(found, key=lambda t: t[0])
+
+
+def list_checkpoints(ckpt_dir: Path) -> List[Path]:
+    """Complete checkpoints (a readable COMPLETE marker), oldest first, ordered by the step recorded inside."""
+    return [d for _, d, marker in _marked(ckpt_dir) if marker is not None]
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    """The checkpoint `latest` points to when it is complete, else the newest complete one (no verification)."""
+    pointer = ckpt_dir / LATEST
+    if pointer.is_file():
+        target = ckpt_dir / pointer.read_text().strip()
+        if (target / COMPLETE).is_file():
+            return target
+    complete = list_checkpoints(ckpt_dir)
+    return complete[-1] if complete else None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files_of(ckpt: Path) -> List[Path]:
+    return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE)
+
+
+def verify_checkpoint(ckpt: Path, only: Optional[Tuple[str, ...]] = None) -> Optional[str]:
+    """None when `ckpt` is intact, else what is wrong (a missing, truncated or altered file, a bad marker).
+
+    `only`: check just these files (e.g. ``("model.safetensors",)`` to load weights), each of which must be
+    recorded. Checkpoints written before the marker listed files are only checked for a readable marker.
+    """
+    try:
+        marker = read_marker(ckpt)
+    except ValueError as err:
+        return str(err)
+    except OSError as err:
+        return f"its {COMPLETE} marker cannot be read ({err.strerror})"
+    files = marker.get("files")
+    if files is None:
+        return None
+    if not isinstance(files, dict):
+        return f"its {COMPLETE} marker is unreadable"
+    if only is not None:
+        missing = [rel for rel in only if rel not in files]
+        if missing:
+            return f"its {COMPLETE} marker does not list {', '.join(missing)}"
+        files = {rel: files[rel] for rel in only}
+    for rel, want in files.items():
+        path = ckpt / rel
+        try:
+            size = path.stat().st_size
+            if size != want["size"]:
+                return f"{rel} has {size} bytes, {want['size']} were written"
+            if _sha256(path) != want["sha256"]:
+                return f"{rel} differs from what was written (SHA-256 mismatch)"
+        except FileNotFoundError:
+            return f"{rel} is missing"
+        except OSError as err:
+            return f"{rel} cannot be read ({err.strerror})"
+        except (KeyError, TypeError):
+            return f"its {COMPLETE} marker is unreadable"
+    return None
+
+
+def damaged_and_usable(ckpt_dir: Path, only: Optional[Tuple[str, ...]] = None
+                       ) -> Tuple[List[Tuple[Path, str]], Optional[Path]]:
+    """Walk the checkpoints newest first: ([(damaged dir, reason), ...] newer than the first intact one, it)."""
+    damaged = []
+    for _, d, _marker in reversed(_marked(ckpt_dir)):
+        problem = verify_checkpoint(d, only)
+        if problem is None:
+            return damaged, d
+        damaged.append((d, problem))
+    return damaged, None
+
+
+def newest_verified_checkpoint(ckpt_dir: Path, only: Optional[Tuple[str, ...]] = None) -> Optional[Path]:
+    """The newest checkpoint in `ckpt_dir` whose files (or just the files in `only`) match their recorded sizes
+    and checksums, or None.
+
+    Reads only; changes nothing on disk. Loading weights from a run directory calls it with
+    ``only=("model.safetensors",)``, so the optimiser state (2/3 of the bytes with AdamW) is not read.
+    """
+    return damaged_and_usable(Path(ckpt_dir), only)[1]
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Rename a damaged checkpoint to ``damaged-<name>`` (``-2``, ``-3``... when taken); returns the new path."""
+    target = ckpt.with_name(DAMAGED_PREFIX + ckpt.name)
+    n = 1
+    while target.exists():
+        n += 1
+        target = ckpt.with_name(f"{DAMAGED_PREFIX}{ckpt.name}-{n}")
+    os.replace(ckpt, target)
+    return target
+
+
+# ----------------------------------------------------------------------------------------------- writing
+def state_bytes(model, optimizer_slots: int = 2) -> int:
+    """Estimated bytes of one checkpoint: the parameters plus `optimizer_slots` float32 values per trainable one
+    (AdamW keeps two moments)."""
+    total = 0
+    for p in model.parameters():
+        total += p.numel() * p.element_size()
+        if p.requires_grad:
+            total += optimizer_slots * p.numel() * 4
+    return total
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def storage_error(err: BaseException, what: str, where: Path, needed: int = 0,
+                  written: Optional[Path] = None) -> Optional[StorageError]:
+    """The one-line error for a failed write of `what` into `where`, or None when `err` is not a storage fault.
+
+    torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc...] unexpected pos``,
+    and safetensors as ``SafetensorError: ... IoError(Os { code: 28, kind: StorageFull ...``, neither with the
+    errno: when the free space is then below what was still to be written (`needed` minus the bytes already in
+    `written`), the cause is reported as no space left on device.
+    """
+    code = getattr(err, "errno", None)
+    probe = where if where.exists() else where.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = None
+    if isinstance(err, OSError) and code in _NO_SPACE or "StorageFull" in str(err) or (
+            free is not None and needed and free < needed - (_dir_bytes(written) if written else 0)):
+        room = f" ({_mb(free)} free, about {_mb(needed)} needed)" if free is not None and needed else ""
+        return StorageError(f"cannot write {what} to {where}: no space left on device{room}")
+    if isinstance(err, OSError):
+        return StorageError(f"cannot write {what} to {err.filename or where}: {err.strerror or err}")
+    if isinstance(err, RuntimeError) and ("inline_container" in str(err) or "file write failed" in str(err)):
+        return StorageError(f"cannot write {what} to {where}: {str(err).splitlines()[0]}")
+    return None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def check_output_dir(out_dir: Path, ckpt_dir: Path) -> None:
+    """Create `out_dir` and prove that it and `ckpt_dir` (when it exists) take a new file; StorageError if not."""
+    d = out_dir
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for d in (out_dir, ckpt_dir):
+            if d.is_dir():
+                probe = d / f".write-test-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+    except OSError as err:
+        where = d if d.exists() else err.filename or d  # the missing parent that could not be created, if any
+        raise StorageError(f"output directory {where} cannot be written: {err.strerror or err} (choose another "
+                           f"train.output_dir or make it writable)") from None
+
+
+def free_space_warning(out_dir: Path, needed: int) -> Optional[str]:
+    """A warning when the free space at `out_dir` is below one checkpoint of `needed` bytes, else None."""
+    free = shutil.disk_usage(out_dir).free
+    if free < needed:
+        return (f"warning: {_mb(free)} free at {out_dir}, below the {_mb(needed)} one checkpoint needs; "
+                f"checkpoint saves will fail")
+    return None
+
+
+def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_state: Dict[str, Any], keep: int,
+                    needed: int = 0, agreed: Optional[Callable] = None) -> Path:
+    """All processes call this. Writes ``.tmp-step-N``, records sizes and SHA-256 of its files in COMPLETE,
+    renames it to ``step-N``, moves ``latest`` and removes checkpoints beyond the newest `keep` (0: keep all).
+
+    A write failure on any process (full disk, read-only) removes the temporary directory, leaves the previous
+    checkpoints and ``latest`` as they were and raises `StorageError` on every process (through `agreed`,
+    ``agree.agreed`` in a multi-process run). `needed` is the expected size in bytes (for the message).
+    """
+    import torch
+
+    if agreed is None:
+        from .agree import agreed
+    main = accelerator.is_main_process
+    name = f"{CKPT_PREFIX}{progress['step']:08d}"
+    tmp = ckpt_dir / f".tmp-{name}"
+    final = ckpt_dir / name
+    what = f"checkpoint {name}"
+
+    def start():
+        if main:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as err:
+                raise (storage_error(err, what, ckpt_dir) or err) from None
+
+    def write():
+        try:
+            accelerator.save_state(str(tmp))
+            # Data position and loss queues differ per process; accelerate saves custom state on the main one only.
+            torch.save(rank_state, tmp / f"rank_state_{accelerator.process_index}.pt")
+        except Exception as err:  # noqa: BLE001 - torch and safetensors wrap I/O errors in their own types
+            converted = storage_error(err, what, ckpt_dir, needed, tmp)
+            if converted is None:
+                raise
+            raise converted from None
+
+    def finish():
+        if not main:
+            return
+        try:
+            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files_of(tmp)}
+            marker = {**progress, "world_size": accelerator.num_processes, "files": files}
+            with open(tmp / COMPLETE, "w") as f:
+                f.write(json.dumps(marker))
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():  # a dir without a readable marker from an interrupted save of this step
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except OSError as err:
+            raise (storage_error(err, what, ckpt_dir, needed) or err) from None
+        try:
+            atomic_write_text(ckpt_dir / LATEST, name)
+        except OSError:
+            pass  # the new checkpoint is complete; resume picks the newest complete one, whatever `latest` says
+        for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    try:
+        agreed(accelerator, start)
+        agreed(accelerator, write)
+        agreed(accelerator, finish)
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

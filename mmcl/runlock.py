@@ -1,0 +1,89 @@
+"""One run per output directory.
+
+Two runs writing one ``train.output_dir`` delete each other's temporary checkpoints and interleave metrics. The
+main process holds an exclusive POSIX record lock (``fcntl.lockf``) on ``<output_dir>/.lock`` for the whole run.
+The kernel drops it when its holder exits in any way (SIGKILL included), so a lock is never left stale; the file
+names the holder's host and PID so the second run can say who has it. A file that still names a holder while the
+lock is free was left by a run that ended without releasing it (killed): it is taken over with a warning.
+
+Not ``flock``: a flock belongs to the open file, which forked children (data loader workers) share, so after a
+SIGKILL of the training process its workers would hold the directory until they notice and exit; record locks
+are not inherited by fork. (They are also what NFS supports.)
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+from .errors import StorageError, TrainingError
+
+LOCK_NAME = ".lock"
+
+
+class RunLock:
+    """``acquire()`` returns a warning line (a lock taken over from a killed run) or None; ``release()``.
+
+    Record locks of one process do not exclude each other: this guards against other processes (and hosts).
+    """
+
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / LOCK_NAME
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> Optional[str]:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise StorageError(f"cannot lock {self.path}: {err.strerror}") from None
+            holder = _read(fd) or "unknown holder"
+            os.close(fd)
+            raise TrainingError(f"{self.path.parent} is in use by another run ({holder}); wait for it to end or "
+                                f"choose another train.output_dir") from None
+        previous = _read(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        except OSError as err:  # a full disk
+            os.close(fd)
+            raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
+        self._fd = fd
+        if previous:
+            return f"warning: took over the lock of a run that ended without releasing it ({previous})"
+        return None
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # an empty file means released cleanly; the file stays (see below)
+        except OSError:
+            pass
+        # Never unlinked: a run that opened the old path just before an unlink would lock a file nobody else sees.
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read(fd: int) -> str:
+    try:
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
