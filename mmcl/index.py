@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -91,11 +92,11 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     model, preprocess, _ = models.load(model_dir)
     _, loader = evaluate.eval_loader(data, preprocess, batch_size, workers)
     model = model.to(device).eval()
-    feats, labels, captions, keys = evaluate.encode_images(model, loader, device, progress, "index")
+    feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, "index", data)
     index, params = make_index(feats.numpy(), exact_max=exact_max)
     meta = {"model": str(model_dir), "weights": _weights_stamp(model_dir), "data": str(data),
             "n": int(feats.shape[0]), "dim": int(feats.shape[1]), "metric": "inner_product",
-            "normalized": True, **params}
+            "normalized": True, "n_skipped": skips["n_skipped"], "skipped": skips["skipped"], **params}
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
         raise DataError(f"index target {out_dir} is not empty and holds no mmcl index (expected a new or empty "
@@ -156,15 +157,11 @@ def embed_query(model, preprocess, tokenizer, query: Optional[str] = None, image
                 ) -> np.ndarray:
     """A (1, D) float32 L2-normalised query embedding from a text or an image file."""
     if image is not None:
-        from PIL import Image, UnidentifiedImageError
+        from .data import open_rgb
 
-        try:
-            with Image.open(image) as img:
-                pixels = preprocess(img.convert("RGB"))[None]
-        except (FileNotFoundError, IsADirectoryError):
-            raise DataError(f"query image not found: {image}") from None
-        except (UnidentifiedImageError, OSError) as err:
-            raise DataError(f"cannot read query image {image} ({err})") from None
+        if not os.path.isfile(image):
+            raise DataError(f"query image not found: {image}")
+        pixels = preprocess(open_rgb(image))[None]  # the same pixel conversion as the indexed images
         feats = model.encode_image(pixels, normalize=True)
     else:
         feats = model.encode_text(tokenizer([query]), normalize=True)
