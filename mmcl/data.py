@@ -1442,11 +1442,11 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         key = os.path.relpath(path, self.root)
         try:
             img = _decode_file(path, self.max_pixels)
+            return self.preprocess(img), label, "", key
         except SkipSample as skip:
             return EvalSkip(skip.reason, key, str(skip))
         except MmclError as err:
             return EvalFailure(err)
-        return self.preprocess(img), label, "", key
 
 
 class ShardEvalDataset(torch.utils.data.IterableDataset):

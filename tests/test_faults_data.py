@@ -301,3 +301,135 @@ def test_the_same_conversion_in_training_eval_folders_and_shards(tmp_path):
     assert len(items) == 2
     for item in items:
         np.testing.assert_array_equal(_grey_row(item[0]), expected)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Evaluation: bad images are skipped and counted, hidden entries ignored, worker errors come out as one line
+
+from mmcl import evaluate, models  # noqa: E402
+from mmcl.errors import CheckpointError, ConfigError, DataError  # noqa: E402
+
+COLOURS = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
+
+
+class _MeanColourModel(torch.nn.Module):
+    """An image is its mean RGB; a text is the one-hot of the colour word in it (so accuracy is known)."""
+
+    def encode_image(self, images, normalize=False):
+        f = images.float().mean(dim=(2, 3))  # (B, 3) in R, G, B order
+        return torch.nn.functional.normalize(f, dim=-1) if normalize else f
+
+    def encode_text(self, tokens, normalize=False):
+        f = tokens.float()
+        return torch.nn.functional.normalize(f, dim=-1) if normalize else f
+
+
+def _colour_tokenizer(texts):
+    words = ("red", "green", "blue")
+    return torch.tensor([[float(w in t) for w in words] for t in texts])
+
+
+def _to_tensor(img):
+    return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+def _colour_folder(root: Path, bad: bool = True, hidden: bool = True) -> Path:
+    """root/<colour>/<i>.png, 2 images per class, one known miss; plus a damaged file and hidden entries."""
+    layout = {"blue": [(0, 0, 255), (255, 0, 0)], "green": [(0, 255, 0), (0, 200, 0)],
+              "red": [(255, 0, 0), (200, 10, 10)]}
+    for cls, colours in layout.items():
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for i, rgb in enumerate(colours):
+            Image.new("RGB", (8, 8), rgb).save(root / cls / f"{i}.png")
+    if bad:
+        (root / "green" / "cut.png").write_bytes((root / "green" / "0.png").read_bytes()[:40])  # cut-off file
+    if hidden:
+        (root / ".ipynb_checkpoints").mkdir()
+        Image.new("RGB", (8, 8), (0, 0, 255)).save(root / ".ipynb_checkpoints" / "x.png")
+        (root / "red" / ".ipynb_checkpoints").mkdir()
+        Image.new("RGB", (8, 8), (0, 0, 255)).save(root / "red" / ".ipynb_checkpoints" / "y.png")
+        (root / "red" / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+        (root / "blue" / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    return root
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_zeroshot_skips_and_counts_bad_images_and_ignores_hidden_entries(tmp_path, workers, capfd):
+    root = _colour_folder(tmp_path / "colours")
+    clean = _colour_folder(tmp_path / "clean", bad=False, hidden=False)
+    kwargs = dict(templates=["a {} thing"], batch_size=2, workers=workers, progress=False)
+    res = evaluate.zeroshot(_MeanColourModel(), _to_tensor, _colour_tokenizer, str(root), **kwargs)
+    ref = evaluate.zeroshot(_MeanColourModel(), _to_tensor, _colour_tokenizer, str(clean), **kwargs)
+    assert res["n_classes"] == 3 and res["n_samples"] == 6  # no '.ipynb_checkpoints' class, no hidden files
+    assert res["metrics"] == ref["metrics"] and res["metrics"]["acc1"] == 5 / 6
+    assert res["n_skipped"] == 1 and res["skipped"] == {"decode": 1} and ref["n_skipped"] == 0
+    err = capfd.readouterr().err
+    warnings_ = [ln for ln in err.splitlines() if "warning" in ln.lower()]
+    assert len(warnings_) == 1 and "skipped 1 of 7 images" in warnings_[0] and "cut.png" in warnings_[0]
+    assert "Traceback" not in err
+
+
+def test_a_user_error_in_a_worker_is_re_raised_as_it_was(tmp_path, monkeypatch):
+    root = _colour_folder(tmp_path / "colours", bad=False)
+    message = "cannot read the colour table of green/1.png (expected 3 entries)"
+
+    def preprocess(img):
+        if np.asarray(img)[0, 0, 1] == 200:  # the second green image
+            raise DataError(message)
+        return _to_tensor(img)
+
+    for workers in (0, 2):  # workers are forked: they see this preprocess
+        with pytest.raises(DataError) as err:
+            evaluate.zeroshot(_MeanColourModel(), preprocess, _colour_tokenizer, str(root), templates=["{}"],
+                              batch_size=2, workers=workers, progress=False)
+        assert str(err.value) == message
+
+
+class _RaisingDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 2:
+            raise DataError("sample 2 is unusable (got X, expected Y)")
+        return torch.zeros(3)
+
+
+def test_worker_tracebacks_are_cut_to_the_original_message():
+    """A user error raised by a dataset mmcl does not wrap still comes out as its own one-line message."""
+    loader = torch.utils.data.DataLoader(_RaisingDataset(), batch_size=1, num_workers=2)
+    with pytest.raises(DataError) as err:
+        list(evaluate._batches(loader))
+    assert str(err.value) == "sample 2 is unusable (got X, expected Y)"
+
+
+def test_all_images_unreadable_is_one_error_naming_the_cause(tmp_path):
+    root = tmp_path / "bad"
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        (root / cls / "0.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    with pytest.raises(DataError, match=r"no readable images \(skipped 2: decode=2; first a/0.jpg"):
+        evaluate.zeroshot(_MeanColourModel(), _to_tensor, _colour_tokenizer, str(root), templates=["{}"],
+                          progress=False)
+
+
+def test_shard_eval_counts_skips_across_workers(tmp_path):
+    import webdataset as wds
+
+    paths = []
+    for s in range(2):
+        path = tmp_path / f"{s}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for i, (name, rgb) in enumerate(COLOURS.items()):
+                sink.write({"__key__": f"s{s}k{i}", "png": Image.new("RGB", (8, 8), rgb), "cls": i,
+                            "txt": f"a {name} thing"})
+            sink.write({"__key__": f"s{s}bad", "png": b"\x89PNG broken", "cls": 0, "txt": "broken"})
+        paths.append(str(path))
+    (tmp_path / "classnames.txt").write_text("\n".join(COLOURS) + "\n")
+    spec = str(tmp_path / "{0..1}.tar")
+    results = [evaluate.zeroshot(_MeanColourModel(), _to_tensor, _colour_tokenizer, spec, templates=["a {}"],
+                                 batch_size=2, workers=w, progress=False) for w in (0, 2)]
+    for res in results:
+        assert res["n_samples"] == 6 and res["n_skipped"] == 2 and res["skipped"] == {"decode": 2}
+        assert res["metrics"]["acc1"] == 1.0
+
