@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from .config import DataConfig
 from .errors import ConfigError, DataError, MmclError
@@ -692,6 +692,8 @@ def decode_image(data: bytes, max_pixels: int, draft_size: Optional[Tuple[int, i
             img = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as err:
             raise SkipSample("too_large", str(err))
+        except UnidentifiedImageError:
+            raise SkipSample("decode", "not an image format Pillow can identify")
         except Exception as err:  # pillow raises several types for unreadable data
             raise SkipSample("decode", f"{type(err).__name__}: {err}")
         width, height = img.size

@@ -539,10 +539,11 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     return out_dir
 
 
-def os_error_text(err: OSError) -> str:
+def os_error_text(err: Exception) -> str:
     """'No space left on device (/path)' from an OSError (safetensors' own errors give their message)."""
-    if err.strerror:
-        return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
+    strerror, filename = getattr(err, "strerror", None), getattr(err, "filename", None)
+    if strerror:
+        return f"{strerror} ({filename})" if filename else strerror
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 

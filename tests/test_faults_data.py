@@ -433,3 +433,278 @@ def test_shard_eval_counts_skips_across_workers(tmp_path):
         assert res["n_samples"] == 6 and res["n_skipped"] == 2 and res["skipped"] == {"decode": 2}
         assert res["metrics"]["acc1"] == 1.0
 
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Damaged model files: mmcl's own error naming the file and the cause; the CLI prints one line
+
+from mmcl import export as export_mod  # noqa: E402
+from mmcl import fsutil  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    cfg = json.loads((models.CONFIG_DIR / "tiny.json").read_text())
+    cfg["vision_cfg"].update(layers=1, image_size=32)
+    cfg["text_cfg"].update(layers=1)
+    torch.manual_seed(0)
+    model = models.create(cfg)
+    return models.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path_factory.mktemp("m") / "model")
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _snapshot(root: Path) -> dict:
+    """{relative path: bytes} of every file under root: what the user had."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _is_progress(line: str) -> bool:
+    return any(mark in line for mark in ("it/s]", "batch/s]", "?it/s", "?batch/s"))  # tqdm bars
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and not _is_progress(ln)]
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and lines[0].startswith("mmcl: error: "), stderr
+    return lines[0]
+
+
+def test_saved_model_records_weights_size_and_sha256(tiny_model):
+    import hashlib
+
+    meta = json.loads((tiny_model / models.CONFIG_FILE).read_text())
+    weights = tiny_model / models.WEIGHTS_FILE
+    assert meta["mmcl"]["weights"] == {"file": models.WEIGHTS_FILE, "size": weights.stat().st_size,
+                                       "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+    assert meta["mmcl"]["files"] == sorted([models.CONFIG_FILE, models.WEIGHTS_FILE])
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("truncate_weights", r"open_clip_model.safetensors is damaged \(\d+ bytes, \d+ were written: truncated\)"),
+    ("truncate_weights_unrecorded", r"open_clip_model.safetensors is damaged \(not a readable safetensors file: "
+                                    r"Error while deserializing header"),
+    ("flip_weights_byte", r"open_clip_model.safetensors is damaged \(its SHA-256 differs"),
+    ("truncate_config", r"open_clip_config.json is damaged \(not valid JSON: .* at line \d+ column \d+\)"),
+    ("binary_config", r"open_clip_config.json is damaged \(not UTF-8 text\)"),
+    ("config_not_a_model", r"open_clip_config.json is damaged \(expected an open_clip model config: no vision_cfg"),
+    ("config_bad_values", r"cannot build the model .*open_clip_config.json describes"),
+    ("remove_weights", r"has open_clip_config.json but no open_clip_model.safetensors"),
+    ("remove_config", r"no model in .*expected open_clip_config.json"),
+    ("wrong_shapes", r"do not fit open_clip_config.json: .*of another shape \(e.g. "),
+    ("missing_keys", r"do not fit open_clip_config.json: 2 missing \(ln_final.bias, ln_final.weight\)"),
+])
+def test_damaged_model_files_are_checkpoint_errors(tiny_model, tmp_path, damage, match):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy_model(tiny_model, tmp_path / "m")
+    weights, config = d / models.WEIGHTS_FILE, d / models.CONFIG_FILE
+    meta = json.loads(config.read_text())
+    if damage.startswith("truncate_weights"):
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        if damage.endswith("unrecorded"):  # a model saved before mmcl recorded sizes
+            meta.pop("mmcl")
+            config.write_text(json.dumps(meta))
+    elif damage == "flip_weights_byte":
+        raw = bytearray(weights.read_bytes())
+        raw[-100] ^= 0x40  # inside a tensor: safetensors itself cannot notice
+        weights.write_bytes(bytes(raw))
+    elif damage == "truncate_config":
+        config.write_text(config.read_text()[:200])
+    elif damage == "binary_config":
+        config.write_bytes(b"\xff\xfe\x00garbage")
+    elif damage == "config_not_a_model":
+        config.write_text(json.dumps({"model_cfg": {"embed_dim": 8, "text_cfg": {}}}))
+    elif damage == "config_bad_values":
+        meta["model_cfg"]["vision_cfg"]["layers"] = "twelve"
+        config.write_text(json.dumps(meta))
+    elif damage == "remove_weights":
+        weights.unlink()
+    elif damage == "remove_config":
+        config.unlink()
+    else:
+        state = load_file(str(weights))
+        if damage == "wrong_shapes":
+            state["visual.proj"] = torch.zeros(3, 5)
+        else:
+            del state["ln_final.weight"], state["ln_final.bias"]
+        save_file(state, str(weights))
+        meta.pop("mmcl")
+        config.write_text(json.dumps(meta))
+    before = _snapshot(d)
+    with pytest.raises(CheckpointError, match=match) as err:
+        models.load(d)
+    assert "\n" not in str(err.value)
+    assert _snapshot(d) == before  # the damaged files are evidence: nothing is deleted or rewritten
+
+
+@pytest.mark.slow
+def test_cli_damaged_model_is_one_line(tiny_model, tmp_path):
+    folder = _colour_folder(tmp_path / "colours", bad=False, hidden=False)
+    d = _copy_model(tiny_model, tmp_path / "m")
+    (d / models.WEIGHTS_FILE).write_bytes((d / models.WEIGHTS_FILE).read_bytes()[:5000])
+    p = subprocess.run([sys.executable, "-m", "mmcl", "zeroshot", "--model", str(d), "--data", str(folder)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "truncated" in _one_error_line(p.stderr)
+    c = _copy_model(tiny_model, tmp_path / "c")
+    (c / models.CONFIG_FILE).write_text((c / models.CONFIG_FILE).read_text()[:-30])
+    p = subprocess.run([sys.executable, "-m", "mmcl", "export", "--model", str(c), "--format", "safetensors",
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "not valid JSON" in _one_error_line(p.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Exports and saved models keep what the user put there
+
+
+def test_re_export_refuses_to_overwrite_a_user_file_of_the_same_name(tiny_model, tmp_path):
+    out = export_mod.export(tiny_model, "safetensors", tmp_path / "e", verify=False)
+    (out / export_mod.ONNX_CONFIG_FILE).write_text("the user's own onnx notes\n")
+    (out / "results.json").write_text("{}\n")
+    before = _snapshot(out)
+    with pytest.raises(ConfigError, match=r"holds files mmcl did not write .*: onnx_config.json \(move them"):
+        export_mod.export(tiny_model, "onnx", out, verify=False)
+    assert _snapshot(out) == before  # the old export and the user's files, byte for byte
+    assert sorted(os.listdir(tmp_path)) == ["e"]  # no temporary directory left beside it
+
+
+def test_export_and_model_dirs_get_the_umask_mode(tiny_model, tmp_path):
+    old_umask = os.umask(0o027)
+    try:
+        out = export_mod.export(tiny_model, "safetensors", tmp_path / "e", verify=False)
+        assert out.stat().st_mode & 0o777 == 0o750  # not mkdtemp's 0o700
+        saved = models.save_model_dir(models.load(tiny_model)[0], *models.load_model_dir(tiny_model)[1:],
+                                      tmp_path / "saved")
+        assert saved.stat().st_mode & 0o777 == 0o750
+    finally:
+        os.umask(old_umask)
+    out.chmod(0o755)  # a mode the user chose is kept by the next export
+    export_mod.export(tiny_model, "safetensors", out, verify=False)
+    assert out.stat().st_mode & 0o777 == 0o755
+
+
+def test_re_saved_model_and_rebuilt_index_keep_the_users_files(tiny_model, tmp_path):
+    from mmcl import index as index_mod
+
+    model, model_cfg, pp = models.load_model_dir(tiny_model)
+    saved = models.save_model_dir(model, model_cfg, pp, tmp_path / "run" / "model")
+    (saved / "README.md").write_text("my model\n")
+    models.save_model_dir(model, model_cfg, pp, saved)
+    assert (saved / "README.md").read_text() == "my model\n" and models.load(saved)[0] is not None
+    folder = _colour_folder(tmp_path / "colours", bad=False, hidden=False)
+    idx = index_mod.build_index(saved, str(folder), tmp_path / "idx", progress=False)
+    (idx / "queries.txt").write_text("a red thing\n")
+    index_mod.build_index(saved, str(folder), idx, progress=False)
+    assert (idx / "queries.txt").read_text() == "a red thing\n"
+    assert json.loads((idx / index_mod.META_FILE).read_text())["files"] == [
+        index_mod.INDEX_FILE, index_mod.ITEMS_FILE, index_mod.META_FILE]
+
+
+_KILL_AT = {
+    # SIGKILL while the new export's config is being written (files half there in the temporary directory)
+    "writing": "mmcl.models.write_config_with_record = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)",
+    # SIGKILL between the two renames of the swap: the old export moved aside, the new one not yet in place
+    "swapping": ("import mmcl.fsutil as fs\n"
+                 "calls = []\n"
+                 "real = os.replace\n"
+                 "def replace(a, b):\n"
+                 "    calls.append(a)\n"
+                 "    if len(calls) == 2:\n"
+                 "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                 "    return real(a, b)\n"
+                 "fs.os.replace = replace"),
+}
+
+
+def _run_export(src, out, fmt, inject="", limit_bytes=None):
+    """`mmcl export` in a subprocess, after running `inject` (fault-injection code) in it."""
+    code = ["import os, signal, sys, resource", "import mmcl.models, mmcl.export"]
+    if limit_bytes is not None:  # a size-limited file system: writes past the limit fail with EFBIG
+        code += ["signal.signal(signal.SIGXFSZ, signal.SIG_IGN)",
+                 f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes}))"]
+    code += [inject, "from mmcl.cli import main",
+             f"sys.exit(main(['export', '--model', {str(src)!r}, '--format', {fmt!r}, '--out', {str(out)!r}]))"]
+    return subprocess.run([sys.executable, "-c", "\n".join(code)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["writing", "swapping"])
+def test_export_killed_leaves_the_old_export_and_a_re_run_continues(tiny_model, tmp_path, when):
+    out = export_mod.export(tiny_model, "safetensors", tmp_path / "e", verify=False)
+    (out / "results.json").write_text('{"acc1": 0.9}\n')
+    before = _snapshot(out)
+    p = _run_export(tiny_model, out, "open_clip", _KILL_AT[when])
+    assert p.returncode == -9, p.stderr
+    leftovers = [n for n in os.listdir(tmp_path) if n != "e"]
+    assert leftovers  # the killed writer left its temporary (or moved-aside) directory
+    if when == "swapping":
+        assert not out.exists()  # killed between the renames
+        fsutil.recover(out)  # what the next write does first
+    assert _snapshot(out) == before and models.load(out)[0] is not None  # the old export, intact
+    export_mod.export(tiny_model, "open_clip", out, verify=False)  # the same export again, as a re-run does
+    assert sorted(os.listdir(tmp_path)) == ["e"]  # leftovers of the killed export removed
+    assert (out / "results.json").read_text() == '{"acc1": 0.9}\n'
+    assert json.loads((out / export_mod.MARKER_FILE).read_text())["format"] == "open_clip"
+
+
+@pytest.mark.slow
+def test_export_to_a_full_or_read_only_disk_is_one_line(tiny_model, tmp_path):
+    out = export_mod.export(tiny_model, "safetensors", tmp_path / "e", verify=False)
+    (out / "results.json").write_text("{}\n")
+    before = _snapshot(out)
+    p = _run_export(tiny_model, out, "open_clip", limit_bytes=1 << 20)  # the weights are ~10x larger
+    line = _one_error_line(p.stderr)
+    assert p.returncode == 2 and f"cannot write the export to {out}" in line and "too large" in line.lower()
+    assert _snapshot(out) == before and sorted(os.listdir(tmp_path)) == ["e"]  # nothing lost, nothing left
+    # A read-only parent directory (injected: this suite may run as root, which ignores permission bits).
+    deny = ("import errno\n"
+            "real_mkdir = os.mkdir\n"
+            f"def mkdir(path, *a, **k):\n"
+            f"    if os.path.dirname(os.path.abspath(path)) == {str(tmp_path)!r}:\n"
+            f"        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)\n"
+            f"    return real_mkdir(path, *a, **k)\n"
+            "os.mkdir = mkdir")
+    p = _run_export(tiny_model, tmp_path / "new", "open_clip", deny)
+    line = _one_error_line(p.stderr)
+    assert p.returncode == 2 and "Permission denied" in line and "cannot write the export" in line
+    assert sorted(os.listdir(tmp_path)) == ["e"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Evaluation through the CLI with workers
+
+
+@pytest.mark.slow
+def test_cli_zeroshot_with_workers_skips_a_bad_image_and_fails_in_one_line(tiny_model, tmp_path, capsys):
+    from mmcl import cli
+
+    folder = _colour_folder(tmp_path / "colours")
+    before = _snapshot(folder)
+    out = tmp_path / "res.json"
+    p = subprocess.run([sys.executable, "-m", "mmcl", "zeroshot", "--model", str(tiny_model), "--data",
+                        str(folder), "--workers", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    warning_lines = [ln for ln in p.stderr.splitlines() if "warning" in ln.lower()]
+    assert len(warning_lines) == 1 and "skipped 1 of 7 images" in warning_lines[0]
+    res = json.loads(out.read_text())
+    assert res["n_samples"] == 6 and res["n_skipped"] == 1 and res["skipped"] == {"decode": 1}
+    bad = tmp_path / "bad"
+    for cls in ("a", "b"):
+        (bad / cls).mkdir(parents=True)
+        (bad / cls / "0.png").write_bytes(b"\x89PNG\r\n\x1a\n cut")
+    p = subprocess.run([sys.executable, "-m", "mmcl", "zeroshot", "--model", str(tiny_model), "--data",
+                        str(bad), "--workers", "2"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    line = _one_error_line(p.stderr)
+    capsys.readouterr()
+    assert cli.main(["zeroshot", "--model", str(tiny_model), "--data", str(bad), "--workers", "0"]) == 2
+    assert line == _one_error_line(capsys.readouterr().err)  # the same line with and without workers
+    assert "no readable images" in line
+    assert _snapshot(folder) == before
