@@ -138,15 +138,34 @@ def load_index(index_dir) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     if missing:
         raise DataError(f"{index_dir} is not an mmcl index (missing {', '.join(missing)}; build one with "
                         f"`mmcl index --model M --data SHARDS --out DIR`)")
-    meta = json.loads((index_dir / META_FILE).read_text())
-    index = faiss.read_index(str(index_dir / INDEX_FILE))
+    meta = models.read_json_file(index_dir / META_FILE, DataError)
+    if not isinstance(meta, dict) or "model" not in meta:
+        raise DataError(f"{index_dir / META_FILE} is damaged (expected a JSON object naming the model; rebuild "
+                        f"the index)")
+    try:
+        index = faiss.read_index(str(index_dir / INDEX_FILE))
+    except RuntimeError as err:  # faiss reports a cut-off or foreign file as a RuntimeError
+        raise DataError(f"{index_dir / INDEX_FILE} is damaged (faiss cannot read it: "
+                        f"{_last_line(str(err))}); rebuild the index") from None
     if meta.get("kind") == "ivf":
         index.nprobe = int(meta["nprobe"])
-    with open(index_dir / ITEMS_FILE) as f:
-        items = [json.loads(line) for line in f if line.strip()]
+    items = []
+    with open(index_dir / ITEMS_FILE, encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    items.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{index_dir / ITEMS_FILE} is damaged (line {line_no}: {err.msg}); rebuild "
+                                    f"the index") from None
     if len(items) != index.ntotal:
         raise DataError(f"{index_dir} is inconsistent: {index.ntotal} vectors but {len(items)} items")
     return index, items, meta
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "unknown error"
 
 
 def _load_query_model(meta: Dict[str, Any], index_dir):

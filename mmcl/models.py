@@ -572,17 +572,23 @@ def _damaged(path: Path, what: str) -> CheckpointError:
     return CheckpointError(f"{path} is damaged ({what}); save, export or copy the model again")
 
 
+def read_json_file(path: Path, error: Callable[[str], Exception] = CheckpointError) -> Any:
+    """A JSON file's content; a truncated, non-UTF-8 or unreadable file raises `error` naming it and the cause."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise error(f"{path} is damaged (not valid JSON: {err.msg} at line {err.lineno} column {err.colno})"
+                    ) from None
+    except UnicodeDecodeError:
+        raise error(f"{path} is damaged (not UTF-8 text)") from None
+    except OSError as err:
+        raise error(f"cannot read {path} ({os_error_text(err)})") from None
+
+
 def _read_model_meta(model_dir: Path) -> Dict[str, Any]:
     """The parsed ``open_clip_config.json`` of a model directory, checked for the fields loading needs."""
     config = model_dir / CONFIG_FILE
-    try:
-        meta = json.loads(config.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise _damaged(config, f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
-    except UnicodeDecodeError:
-        raise _damaged(config, "not UTF-8 text") from None
-    except OSError as err:
-        raise CheckpointError(f"cannot read {config} ({err.strerror or err})") from None
+    meta = read_json_file(config)
     if not isinstance(meta, dict):
         raise _damaged(config, f"expected a JSON object, got {type(meta).__name__}")
     model_cfg = meta.get("model_cfg", meta)
@@ -790,7 +796,8 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
                 break
         hf_config = path / HF_CONFIG_FILE
         if weights_dir is None and hf_config.is_file():
-            model_type = json.loads(hf_config.read_text()).get("model_type")
+            hf_meta = read_json_file(hf_config)
+            model_type = hf_meta.get("model_type") if isinstance(hf_meta, dict) else None
             if model_type != "clip":
                 raise CheckpointError(f"{path} is a Hugging Face '{model_type}' model, not CLIP (expected "
                                       f"model_type 'clip', or an open_clip/mmcl model directory)")
@@ -843,7 +850,8 @@ def _hf_activation_note(path: Path, model: nn.Module) -> Optional[str]:
     cfg_file = path / HF_CONFIG_FILE if path.is_dir() else None
     if cfg_file is None or not cfg_file.is_file():
         return None
-    vision = json.loads(cfg_file.read_text()).get("vision_config", {})
+    hf_meta = read_json_file(cfg_file)
+    vision = (hf_meta.get("vision_config") if isinstance(hf_meta, dict) else None) or {}
     quick = vision.get("hidden_act") == "quick_gelu"
     has_quick = any(isinstance(m, QuickGELU) for m in model.modules())
     if quick != has_quick:

@@ -708,3 +708,29 @@ def test_cli_zeroshot_with_workers_skips_a_bad_image_and_fails_in_one_line(tiny_
     assert line == _one_error_line(capsys.readouterr().err)  # the same line with and without workers
     assert "no readable images" in line
     assert _snapshot(folder) == before
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("index.json", r"index.json is damaged \(not valid JSON"),
+    ("index.faiss", r"index.faiss is damaged \(faiss cannot read it"),
+    ("items.jsonl", r"items.jsonl is damaged \(line \d+: Unterminated string"),
+])
+def test_damaged_index_files_are_data_errors(tiny_model, tmp_path, damage, match):
+    from mmcl import index as index_mod
+
+    folder = _colour_folder(tmp_path / "colours", bad=False, hidden=False)
+    idx = index_mod.build_index(tiny_model, str(folder), tmp_path / "idx", progress=False)
+    path = idx / damage
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2 + 3])
+    before = _snapshot(idx)
+    with pytest.raises(DataError, match=match) as err:
+        index_mod.search(idx, "a red thing")
+    assert "\n" not in str(err.value) and _snapshot(idx) == before
+
+
+def test_damaged_init_from_config_is_a_checkpoint_error(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "cl')
+    with pytest.raises(CheckpointError, match=r"config.json is damaged \(not valid JSON"):
+        models.read_checkpoint(hf)
