@@ -106,6 +106,13 @@ def foreign_files(out_dir: Path, ours: Iterable[str]) -> List[str]:
 
 
 def _keep_user_files(out_dir: Path, tmp: Path, names: List[str]) -> None:
+    for dirpath, dirnames, _ in os.walk(out_dir):  # the user's folders, empty ones too, with their modes
+        for d in dirnames:
+            src = Path(dirpath) / d
+            dst = tmp / src.relative_to(out_dir)
+            if not src.is_symlink() and not dst.exists():
+                dst.mkdir(parents=True)
+                shutil.copymode(src, dst)
     for name in names:
         src, dst = out_dir / name, tmp / name
         dst.parent.mkdir(parents=True, exist_ok=True)

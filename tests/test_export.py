@@ -170,7 +170,9 @@ def test_re_export_replaces_an_earlier_export_and_keeps_the_users_files(model_di
     (first / "results.json").write_text('{"acc1": 0.5}\n')
     (first / "notes").mkdir()
     (first / "notes" / "run.txt").write_text("from before")
+    (first / "figures").mkdir()  # empty
     second = export_mod.export(model_dir, "safetensors", tmp_path / "e", verify=False)
+    assert (second / "figures").is_dir()
     assert first == second
     assert not (second / export_mod.ONNX_IMAGE_FILE).exists()  # the earlier export's own files are replaced
     assert (second / "results.json").read_text() == '{"acc1": 0.5}\n'  # the user's are kept
