@@ -40,8 +40,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _dead_leftovers(out_dir: Path, kind: str) -> List[Path]:
     """Siblings ``.NAME.<kind>-<host>-<pid>[-<random>]`` of `out_dir` left by a process of this host that is gone."""
-    prefix = f".{out_dir.name}.{kind}-"
-    host = socket.gethostname().split(".")[0]
+    prefix = f".{out_dir.name}.{kind}-{socket.gethostname().split('.')[0]}-"  # host names may hold '-'
     out = []
     try:
         names = os.listdir(out_dir.parent)
@@ -50,10 +49,8 @@ def _dead_leftovers(out_dir: Path, kind: str) -> List[Path]:
     for name in names:
         if not name.startswith(prefix):
             continue
-        parts = name[len(prefix):].split("-")
-        if len(parts) < 2 or parts[0] != host or not parts[1].isdigit():
-            continue
-        if int(parts[1]) != os.getpid() and not _pid_alive(int(parts[1])):
+        pid = name[len(prefix):].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             out.append(out_dir.parent / name)
     return out
 

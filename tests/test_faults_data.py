@@ -287,6 +287,9 @@ def test_the_same_conversion_in_training_eval_folders_and_shards(tmp_path):
     ramp = Image.fromarray(np.tile(RAMP16, (4, 1)))
     ramp.save(folder / "a.png")
     ramp.save(folder / "b.tif")
+    (tmp_path / "folder" / ".ipynb_checkpoints").mkdir()  # hidden: neither a class nor samples
+    ramp.save(tmp_path / "folder" / ".ipynb_checkpoints" / "c.png")
+    (folder / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
     expected = _expected_16(RAMP16)
     image, caption, _ = data.decode_sample({"png": (folder / "a.png").read_bytes(), "txt": b"x"},
                                            lambda im: im, 10**8)
@@ -294,8 +297,10 @@ def test_the_same_conversion_in_training_eval_folders_and_shards(tmp_path):
     ds = data.build_eval_dataset(str(tmp_path / "folder"), lambda im: np.asarray(im))
     for i in range(len(ds)):
         np.testing.assert_array_equal(_grey_row(ds[i][0]), expected)
+    assert ds.classnames == ["scan"] and len(ds) == 2
     summary = data.shards_from_input(str(tmp_path / "folder"), str(tmp_path / "shards"), progress=False)
     assert summary["n_samples"] == 2 and summary["n_skipped"] == 0
+    assert (tmp_path / "shards" / "classnames.txt").read_text() == "scan\n"
     shards = data.build_eval_dataset(str(tmp_path / "shards" / "shard-000000.tar"), lambda im: np.asarray(im))
     items = list(shards)
     assert len(items) == 2
@@ -734,3 +739,19 @@ def test_damaged_init_from_config_is_a_checkpoint_error(tmp_path):
     (hf / "config.json").write_text('{"model_type": "cl')
     with pytest.raises(CheckpointError, match=r"config.json is damaged \(not valid JSON"):
         models.read_checkpoint(hf)
+
+
+def test_recover_handles_host_names_with_dashes(tmp_path, monkeypatch):
+    monkeypatch.setattr(fsutil.socket, "gethostname", lambda: "node-12.cluster")
+    out = tmp_path / "export"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has ended
+    (tmp_path / f".export.tmp-node-12-{pid}-ab12cd34").mkdir()
+    (tmp_path / f".export.old-node-12-{pid}").mkdir()
+    alive = tmp_path / f".export.tmp-node-12-{os.getppid()}-ffff0000"  # a running writer's: left alone
+    alive.mkdir()
+    other_host = tmp_path / f".export.tmp-node-13-{pid}-00000000"  # another host's: its PIDs are not ours
+    other_host.mkdir()
+    fsutil.recover(out)
+    assert sorted(os.listdir(tmp_path)) == sorted(["export", alive.name, other_host.name])
