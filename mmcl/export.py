@@ -111,6 +111,9 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
         if verify:
             marker["min_cosine_vs_source"] = verify_export(model, model_cfg, out_dir, fmt)
             atomic_write_text(out_dir / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
+    except OSError as err:
+        roll_back(out_dir, old)
+        raise ConfigError(f"cannot write the export to {out_dir}: {models.os_error_text(err)}") from None
     except BaseException:
         roll_back(out_dir, old)
         raise
