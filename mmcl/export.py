@@ -18,10 +18,11 @@ Formats (``export(model_path, fmt, out_dir)``):
                  dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json`` with the preprocessing.
 
 Every export is written to a temporary directory beside ``out_dir``, moved into place, and checked there against the
-source model (`verify`); a failed export is removed and an earlier export in ``out_dir`` is put back. ``mmcl_export.json``
-lists the files the export wrote: exporting again into the same directory replaces only those and keeps every file
-the user added (results, notes); a file of the user's with the name of one the new export writes is refused, named,
-and left as it is. The directory gets the mode the user's umask gives (an existing one keeps its mode).
+source model (`verify`); a failed export is removed and an earlier export in ``out_dir`` is put back.
+``mmcl_export.json`` lists the files the export wrote: exporting again into the same directory replaces only those
+and keeps every file the user added (results, notes); a file of the user's with the name of one the new export
+writes is refused, named, and left as it is. The directory gets the mode the user's umask gives (an existing one
+keeps its mode).
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mmcl import data
+from mmcl import data, evaluate, fsutil, models
+from mmcl import export as export_mod
+from mmcl.errors import CheckpointError, ConfigError, DataError
 
 W = 256  # gradient width: one column per 8-bit level
 
@@ -311,8 +313,6 @@ def test_the_same_conversion_in_training_eval_folders_and_shards(tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 # Evaluation: bad images are skipped and counted, hidden entries ignored, worker errors come out as one line
 
-from mmcl import evaluate, models  # noqa: E402
-from mmcl.errors import CheckpointError, ConfigError, DataError  # noqa: E402
 
 COLOURS = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
 
@@ -453,8 +453,6 @@ def test_shard_eval_counts_skips_across_workers(tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 # Damaged model files: mmcl's own error naming the file and the cause; the CLI prints one line
 
-from mmcl import export as export_mod  # noqa: E402
-from mmcl import fsutil  # noqa: E402
 
 
 @pytest.fixture(scope="module")
