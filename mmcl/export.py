@@ -42,7 +42,7 @@ from torch import nn
 
 from . import models
 from .errors import CheckpointError, ConfigError
-from .fsutil import atomic_write_text, files_under, new_temp_dir, roll_back, swap_in
+from .fsutil import atomic_write_text, files_under, new_temp_dir, output_dir, roll_back, swap_in
 
 FORMATS = ("open_clip", "hf", "onnx", "safetensors")
 MARKER_FILE = "mmcl_export.json"
@@ -81,7 +81,7 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
         raise ConfigError(f"unknown export format '{fmt}' (expected one of {', '.join(FORMATS)})")
     model, model_cfg, pp_cfg = models.load_model_dir(model_path)
     src_dir = models.find_model_dir(model_path)
-    out_dir = Path(out_dir)
+    out_dir = output_dir(out_dir)
     previous = _check_out_dir(out_dir)
     if fmt == "hf":
         check_hf_supported(model_cfg, pp_cfg)  # before any file is written

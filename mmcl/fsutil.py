@@ -67,6 +67,13 @@ def recover(out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def output_dir(path) -> Path:
+    """The directory an output path names: a symlink's target (the swap then replaces the target's contents and
+    leaves the user's link as it is), else the path itself."""
+    path = Path(path)
+    return path.resolve() if path.is_symlink() else path
+
+
 def new_temp_dir(out_dir: Path) -> Path:
     """An empty directory beside `out_dir` (same filesystem, so the final rename is atomic).
 

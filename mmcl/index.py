@@ -30,7 +30,7 @@ import torch
 
 from . import models
 from .errors import CheckpointError, DataError
-from .fsutil import new_temp_dir, replace_dir
+from .fsutil import new_temp_dir, output_dir, replace_dir
 
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.jsonl"
@@ -97,7 +97,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     meta = {"model": str(model_dir), "weights": _weights_stamp(model_dir), "data": str(data),
             "n": int(feats.shape[0]), "dim": int(feats.shape[1]), "metric": "inner_product",
             "normalized": True, "n_skipped": skips["n_skipped"], "skipped": skips["skipped"], **params}
-    out_dir = Path(out_dir)
+    out_dir = output_dir(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
         raise DataError(f"index target {out_dir} is not empty and holds no mmcl index (expected a new or empty "
                         f"directory; choose another --out)")

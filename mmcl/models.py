@@ -34,7 +34,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
-from .fsutil import files_under, new_temp_dir, replace_dir
+from .fsutil import files_under, new_temp_dir, output_dir, replace_dir
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 CONFIG_FILE = "open_clip_config.json"
@@ -508,7 +508,7 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
+    out_dir = output_dir(out_dir)
     model_cfg = copy.deepcopy(model_cfg)
     text_cfg = model_cfg.get("text_cfg", {})
     meta_extra = dict(extra or {})

@@ -587,6 +587,19 @@ def test_re_export_refuses_to_overwrite_a_user_file_of_the_same_name(tiny_model,
     assert sorted(os.listdir(tmp_path)) == ["e"]  # no temporary directory left beside it
 
 
+def test_export_through_a_symlink_keeps_the_link(tiny_model, tmp_path):
+    target = tmp_path / "disk" / "exports"
+    target.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(target)
+    export_mod.export(tiny_model, "safetensors", tmp_path / "link", verify=False)
+    (target / "results.json").write_text("{}\n")
+    export_mod.export(tiny_model, "open_clip", tmp_path / "link", verify=False)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == target.resolve()
+    assert (target / "results.json").read_text() == "{}\n"
+    assert json.loads((target / export_mod.MARKER_FILE).read_text())["format"] == "open_clip"
+    assert sorted(os.listdir(tmp_path)) == ["disk", "link"] and sorted(os.listdir(tmp_path / "disk")) == ["exports"]
+
+
 def test_export_and_model_dirs_get_the_umask_mode(tiny_model, tmp_path):
     old_umask = os.umask(0o027)
     try:
@@ -610,8 +623,10 @@ def test_re_saved_model_and_rebuilt_index_keep_the_users_files(tiny_model, tmp_p
     (saved / "README.md").write_text("my model\n")
     models.save_model_dir(model, model_cfg, pp, saved)
     assert (saved / "README.md").read_text() == "my model\n" and models.load(saved)[0] is not None
-    folder = _colour_folder(tmp_path / "colours", bad=False, hidden=False)
+    folder = _colour_folder(tmp_path / "colours")  # with a cut-off image and hidden entries
     idx = index_mod.build_index(saved, str(folder), tmp_path / "idx", progress=False)
+    meta = json.loads((idx / index_mod.META_FILE).read_text())
+    assert meta["n"] == 6 and meta["n_skipped"] == 1 and meta["skipped"] == {"decode": 1}
     (idx / "queries.txt").write_text("a red thing\n")
     index_mod.build_index(saved, str(folder), idx, progress=False)
     assert (idx / "queries.txt").read_text() == "a red thing\n"
