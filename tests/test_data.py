@@ -74,6 +74,9 @@ def bad_samples():
                        ("bad_label.cls", b"three")], "bad_label"),
         "bad_bomb": ([("bad_bomb.png", encode(Image.new("RGB", (120, 120), (9, 9, 9)), "PNG")),
                       ("bad_bomb.txt", b"big")], "too_large"),
+        # A float image holding NaN has no faithful 8-bit form (a TIFF under a .png name: Pillow goes by content).
+        "bad_nan": ([("bad_nan.png", encode(Image.fromarray(np.full((8, 8), np.nan, np.float32)), "TIFF")),
+                     ("bad_nan.txt", b"a scan with no data")], "unsupported_mode"),
     }
 
 
