@@ -48,15 +48,16 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from .config import DataConfig
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, MmclError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SKIP_REASONS = (
     "decode", "missing_image", "missing_caption", "bad_caption", "bad_label", "too_large", "truncated_tar",
     "shard_open",
+    "unsupported_mode",
 )
 _SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 _STATE_VERSION = 1
@@ -669,12 +670,86 @@ def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
     return None
 
 
+# Pixel modes: what `to_rgb` does with each mode Pillow can open. Alpha is composited on white, as
+# transformers' CLIP image processor and img2dataset do: the colour under a fully transparent pixel is undefined
+# (often black), so dropping alpha, as a bare ``convert("RGB")`` does, would show a transparent logo on black.
+_CONVERTED_MODES = ("1", "L", "P", "CMYK", "YCbCr", "LAB", "HSV", "RGBX")
+_ALPHA_MODES = ("LA", "PA", "RGBA")
+_PREMULTIPLIED_MODES = ("La", "RGBa")
+_WHITE = 255
+
+
+def _composite_on_white(rgba: Image.Image) -> Image.Image:
+    background = Image.new("RGBA", rgba.size, (_WHITE, _WHITE, _WHITE, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+def _to_uint8(values: np.ndarray, mode: str) -> np.ndarray:
+    """Integer or float pixel values (H, W) -> uint8 (H, W), by the value range the mode or the data implies."""
+    if mode.startswith("I;16"):
+        # 16-bit: 0..65535 onto 0..255, rounded (v * 255 / 65535); Pillow's convert would clip at 255.
+        return ((values.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+    if mode == "F" and not np.isfinite(values).all():
+        raise SkipSample("unsupported_mode", "F (32-bit float) image with NaN or infinite pixel values")
+    lo, hi = (values.min(), values.max()) if values.size else (0, 0)
+    if mode == "I" and lo >= 0 and hi <= 255:
+        return values.astype(np.uint8)  # 8-bit values in a 32-bit container
+    if mode == "I" and lo >= 0 and hi <= 65535:
+        return ((values.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)
+    if mode == "F" and lo >= 0 and hi <= 1:
+        return np.rint(values.astype(np.float64) * 255).astype(np.uint8)
+    # Any other range (signed or > 16-bit integers, floats outside [0, 1]): the image's own min..max onto 0..255,
+    # as image viewers show scientific data; a constant image becomes black.
+    span = float(hi) - float(lo)
+    if span <= 0:
+        return np.zeros(values.shape, dtype=np.uint8)
+    return np.rint((values.astype(np.float64) - float(lo)) * (255.0 / span)).astype(np.uint8)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """A decoded PIL image of any mode Pillow opens -> 8-bit RGB, the one pixel conversion of mmcl.
+
+    - RGB as it is; 1, L, P, CMYK, YCbCr, LAB, HSV, RGBX by Pillow's conversion.
+    - Alpha (LA, PA, RGBA, and P with a transparent colour) composited on white; premultiplied La / RGBa likewise
+      (colour + 255 - alpha).
+    - 16-bit grey (I;16, I;16B, I;16L, I;16N) scaled 0..65535 -> 0..255. Pillow reads 48-bit RGB PNGs as 8-bit
+      RGB itself (the high byte of each value).
+    - I (32-bit integer): values in 0..255 as they are; in 0..65535 as 16-bit; otherwise stretched.
+    - F (32-bit float): values in [0, 1] times 255; otherwise stretched. Stretched means the image's own
+      min..max mapped onto 0..255 (a constant image becomes black).
+    Grey results are repeated over the three channels.
+
+    Raises `SkipSample` ``unsupported_mode`` for a mode not listed (or an F image holding NaN or infinity).
+    """
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode == "P" and "transparency" in img.info:
+        return _composite_on_white(img.convert("RGBA"))
+    if mode in _CONVERTED_MODES:
+        return img.convert("RGB")
+    if mode in _ALPHA_MODES:
+        return _composite_on_white(img.convert("RGBA"))
+    if mode in _PREMULTIPLIED_MODES:
+        values = np.asarray(img, dtype=np.int32)  # (H, W, C) with alpha last, colour already times alpha
+        colour = values[..., :-1] + (_WHITE - values[..., -1:])
+        colour = np.clip(colour, 0, 255).astype(np.uint8)
+        if colour.shape[-1] == 1:
+            colour = np.repeat(colour, 3, axis=-1)
+        return Image.fromarray(np.ascontiguousarray(colour))  # (H, W, 3) uint8 is RGB
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        grey = _to_uint8(np.asarray(img), mode)  # (H, W)
+        return Image.fromarray(np.repeat(grey[..., None], 3, axis=-1))  # (H, W, 3) uint8 is RGB
+    raise SkipSample("unsupported_mode", f"pixel mode {mode} has no RGB conversion")
+
+
 def decode_image(data: bytes, max_pixels: int, draft_size: Optional[Tuple[int, int]] = None) -> Image.Image:
-    """Decode encoded image bytes to an RGB PIL image.
+    """Decode encoded image bytes to an RGB PIL image (pixel modes converted by `to_rgb`).
 
     Raises `SkipSample` with reason ``too_large`` when width*height > max_pixels (checked from the header,
-    before any pixel is decoded) and ``decode`` for anything pillow cannot read. JPEGs are decoded at a
-    reduced DCT scale when `draft_size` (w, h) is given and the image is at least twice as large.
+    before any pixel is decoded), ``unsupported_mode`` for pixels `to_rgb` cannot map and ``decode`` for anything
+    pillow cannot read. JPEGs are decoded at a reduced DCT scale when `draft_size` (w, h) is given and the image
+    is at least twice as large.
     """
     with warnings.catch_warnings():
         # Pillow warns above its own global limit; ours is cfg.max_image_pixels and is counted instead.
@@ -683,6 +758,8 @@ def decode_image(data: bytes, max_pixels: int, draft_size: Optional[Tuple[int, i
             img = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as err:
             raise SkipSample("too_large", str(err))
+        except UnidentifiedImageError:
+            raise SkipSample("decode", "not an image format Pillow can identify")
         except Exception as err:  # pillow raises several types for unreadable data
             raise SkipSample("decode", f"{type(err).__name__}: {err}")
         width, height = img.size
@@ -691,10 +768,13 @@ def decode_image(data: bytes, max_pixels: int, draft_size: Optional[Tuple[int, i
         try:
             if draft_size is not None and img.format == "JPEG":
                 img.draft("RGB", draft_size)
-            if img.mode == "RGB":
-                img.load()  # decode now, so a cut-off file is reported here; convert() would only copy
-                return img
-            return img.convert("RGB")
+            img.load()  # decode now, so a cut-off file is reported here and not by a later conversion
+        except Exception as err:
+            raise SkipSample("decode", f"{type(err).__name__}: {err}")
+        try:
+            return to_rgb(img)
+        except SkipSample:
+            raise
         except Exception as err:
             raise SkipSample("decode", f"{type(err).__name__}: {err}")
 
@@ -1357,20 +1437,74 @@ def _read_lines(path: str) -> Optional[List[str]]:
         return [line.rstrip("\n") for line in f if line.strip()]
 
 
+def _visible(name: str) -> bool:
+    """Hidden names (``.ipynb_checkpoints``, ``.DS_Store``, macOS ``._*`` files) are neither classes nor samples."""
+    return not name.startswith(".")
+
+
+def _class_folders(root: str) -> List[str]:
+    """The visible subfolders of an ImageFolder root, sorted (their order gives the labels)."""
+    return sorted(d for d in os.listdir(root) if _visible(d) and os.path.isdir(os.path.join(root, d)))
+
+
+def _walk_files(folder: str) -> Iterator[str]:
+    """Paths of the visible files under `folder` in sorted order, hidden folders not entered."""
+    for dirpath, dirnames, names in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if _visible(d))
+        for name in sorted(names):
+            if _visible(name):
+                yield os.path.join(dirpath, name)
+
+
 def _is_image_folder(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     if any(name.endswith(_SHARD_SUFFIXES) for name in os.listdir(path)):
         return False
-    return any(os.path.isdir(os.path.join(path, name)) for name in os.listdir(path))
+    return bool(_class_folders(path))
 
 
-def _open_rgb(path: str) -> Image.Image:
+@dataclass
+class EvalSkip:
+    """An evaluation sample that cannot be used; it travels through the DataLoader in place of the sample.
+
+    ``reason`` is a skip reason (``decode``, ``unsupported_mode``, ``too_large``, ``missing_file``, ...) and
+    ``where`` names the file or shard sample.
+    """
+
+    reason: str
+    where: str
+    detail: str = ""
+
+
+@dataclass
+class EvalFailure:
+    """A user error (`MmclError`) raised while reading evaluation data, carried out of a DataLoader worker so the
+    main process re-raises the original error (a worker's exception would come back wrapped in its traceback)."""
+
+    error: Exception
+
+
+def _decode_file(path: str, max_pixels: int) -> Image.Image:
     try:
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except Exception as err:  # pillow raises several types for unreadable files
-        raise DataError(f"cannot read image {path} ({type(err).__name__}: {err})")
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise SkipSample("missing_file", "the file is gone")
+    except OSError as err:
+        raise SkipSample("decode", f"{type(err).__name__}: {err}")
+    return decode_image(data, max_pixels)
+
+
+def open_rgb(path: str, max_pixels: int = DataConfig.max_image_pixels) -> Image.Image:
+    """An image file decoded by `decode_image` (RGB, any pixel mode converted by `to_rgb`).
+
+    Raises `DataError` naming the file and the skip reason when it cannot be used.
+    """
+    try:
+        return _decode_file(path, max_pixels)
+    except SkipSample as skip:
+        raise DataError(f"cannot read image {path} ({skip})") from None
 
 
 class ImageFolderDataset(torch.utils.data.Dataset):
@@ -1379,17 +1513,18 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     Labels are the index of the class folder in sorted order; ``classnames`` are the folder names, or
     the lines of ``root/classnames.txt`` when it has one line per folder (human-readable names for folders
     such as WordNet ids). ``templates`` are the lines of ``root/templates.txt`` when present, else None.
+    Hidden folders and files (names starting with '.') are ignored. An image that cannot be decoded gives an
+    `EvalSkip` item instead (`eval_collate` separates them), so evaluation counts it and goes on.
     """
 
-    def __init__(self, root: str, preprocess: Callable):
-        self.root, self.preprocess = root, preprocess
-        self.folders = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    def __init__(self, root: str, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels):
+        self.root, self.preprocess, self.max_pixels = root, preprocess, max_pixels
+        self.folders = _class_folders(root)
         self.items: List[Tuple[str, int]] = []
         for label, folder in enumerate(self.folders):
-            for dirpath, _, names in sorted(os.walk(os.path.join(root, folder))):
-                for name in sorted(names):
-                    if name.lower().endswith(_FOLDER_IMAGE_EXTS):
-                        self.items.append((os.path.join(dirpath, name), label))
+            for path in _walk_files(os.path.join(root, folder)):
+                if path.lower().endswith(_FOLDER_IMAGE_EXTS):
+                    self.items.append((path, label))
         if not self.items:
             raise DataError(f"no images found in ImageFolder {root} (expected {root}/<class>/<image>.jpg|png|...)")
         names = _read_lines(os.path.join(root, "classnames.txt"))
@@ -1399,19 +1534,27 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i: int) -> Tuple[torch.Tensor, int, str, str]:
+    def __getitem__(self, i: int):
         path, label = self.items[i]
-        return self.preprocess(_open_rgb(path)), label, "", os.path.relpath(path, self.root)
+        key = os.path.relpath(path, self.root)
+        try:
+            img = _decode_file(path, self.max_pixels)
+            return self.preprocess(img), label, "", key
+        except SkipSample as skip:
+            return EvalSkip(skip.reason, key, str(skip))
+        except MmclError as err:
+            return EvalFailure(err)
 
 
 class ShardEvalDataset(torch.utils.data.IterableDataset):
     """WebDataset shards for evaluation: each sample once, in shard order; items (image, label, caption, key).
 
     ``label`` is the ``.cls`` value (-1 when absent), ``caption`` the ``.txt`` text ("" when absent).
-    Samples without a readable image are skipped, counted in ``skipped`` (of this process) and warned about. Under a
-    DataLoader with workers, shards (or, with fewer shards than workers, samples) are split across them.
-    ``classnames``/``templates`` come from ``classnames.txt`` and ``templates.txt`` (or CLIP_benchmark's
-    ``zeroshot_classification_templates.txt``) next to the shards, when present.
+    Samples without a readable image give an `EvalSkip` item instead (`eval_collate` separates them) and are
+    counted in ``skipped`` (of this process); a user error while reading gives an `EvalFailure` item that ends
+    the iteration. Under a DataLoader with workers, shards (or, with fewer shards than workers, samples) are
+    split across them. ``classnames``/``templates`` come from ``classnames.txt`` and ``templates.txt`` (or
+    CLIP_benchmark's ``zeroshot_classification_templates.txt``) next to the shards, when present.
     """
 
     def __init__(self, spec: Any, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels):
@@ -1425,7 +1568,13 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
             self.templates = (_read_lines(os.path.join(folder, "templates.txt"))
                               or _read_lines(os.path.join(folder, "zeroshot_classification_templates.txt")))
 
-    def __iter__(self) -> Iterator[Tuple[torch.Tensor, int, str, str]]:
+    def __iter__(self):
+        try:
+            yield from self._samples()
+        except MmclError as err:
+            yield EvalFailure(err)
+
+    def _samples(self):
         info = torch.utils.data.get_worker_info()
         n, k = (1, 0) if info is None else (info.num_workers, info.id)
         if len(self.urls) >= n:
@@ -1435,6 +1584,7 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
         for item in read_raw_samples(plan):
             if item.error is not None:
                 self.skipped[item.error] += 1
+                yield EvalSkip(item.error, item.url)
                 continue
             files = item.files
             try:
@@ -1449,9 +1599,25 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
                 img = decode_image(data, self.max_pixels)
             except SkipSample as skip:
                 self.skipped[skip.reason] += 1
-                warnings.warn(f"skipping sample {item.key} of {item.url}: {skip}")
+                yield EvalSkip(skip.reason, f"{item.url}:{item.key}", str(skip))
                 continue
             yield self.preprocess(img), label, caption, item.key
+
+
+def eval_collate(items: List[Any]):
+    """Collate evaluation items, setting aside the `EvalSkip` / `EvalFailure` ones.
+
+    Returns:
+        (images (B,3,H,W) float or None when B == 0, labels (B,) int64, captions [B str], keys [B str],
+        problems: the `EvalSkip` and `EvalFailure` items in order).
+    """
+    good = [it for it in items if not isinstance(it, (EvalSkip, EvalFailure))]
+    problems = [it for it in items if isinstance(it, (EvalSkip, EvalFailure))]
+    if not good:
+        return None, torch.zeros(0, dtype=torch.long), [], [], problems
+    images = torch.stack([it[0] for it in good])
+    labels = torch.tensor([int(it[1]) for it in good], dtype=torch.long)
+    return images, labels, [it[2] for it in good], [it[3] for it in good], problems
 
 
 def build_eval_dataset(path: Any, preprocess: Callable):
@@ -1473,19 +1639,21 @@ _PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 
 
 def _load_for_shard(path: str) -> Tuple[bytes, str]:
-    """Read an image file for a shard: original bytes for JPEG/PNG/WebP, re-encoded PNG otherwise."""
+    """Read an image file for a shard: original bytes for JPEG/PNG/WebP, re-encoded PNG otherwise.
+
+    The original bytes keep every pixel the file has (a 16-bit PNG stays 16-bit; `decode_image` converts it when
+    it is read); other formats are written as the RGB image `to_rgb` makes of them. Raises `SkipSample` (reasons
+    ``decode``, ``too_large``, ``unsupported_mode``) for a file that would be skipped when read.
+    """
     with open(path, "rb") as f:
         data = f.read()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        with Image.open(io.BytesIO(data)) as img:
-            fmt = img.format
-            img.load()  # a full decode: catches cut-off files that a header check would let through
-            if fmt in _PIL_TO_EXT:
-                return data, _PIL_TO_EXT[fmt]
-            buf = io.BytesIO()
-            img.convert("RGBA" if "A" in img.getbands() else "RGB").save(buf, format="PNG")
-            return buf.getvalue(), "png"
+    img = decode_image(data, Image.MAX_IMAGE_PIXELS * 2)  # a full decode: catches cut-off files too
+    fmt = Image.open(io.BytesIO(data)).format
+    if fmt in _PIL_TO_EXT:
+        return data, _PIL_TO_EXT[fmt]
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue(), "png"
 
 
 def _rows_from_table(path: str) -> Iterator[Tuple[int, Any]]:
@@ -1532,18 +1700,16 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
     problems: List[Tuple[str, str]] = []
     classnames: Optional[List[str]] = None
     if os.path.isdir(input_path):
-        classnames = sorted(d for d in os.listdir(input_path) if os.path.isdir(os.path.join(input_path, d)))
+        classnames = _class_folders(input_path)
         if not classnames:
             raise DataError(f"{input_path} has no class folders (expected {input_path}/<class>/<image>)")
         for label, name in enumerate(classnames):
             text = caption_template.format(name.replace("_", " "))
-            for dirpath, _, names in sorted(os.walk(os.path.join(input_path, name))):
-                for file in sorted(names):
-                    if file.lower().endswith(_FOLDER_IMAGE_EXTS):
-                        path = os.path.join(dirpath, file)
-                        jobs.append((path, text, label, os.path.relpath(path, input_path)))
-                    elif not file.startswith("."):
-                        problems.append((os.path.relpath(os.path.join(dirpath, file), input_path), "not_image"))
+            for path in _walk_files(os.path.join(input_path, name)):
+                if path.lower().endswith(_FOLDER_IMAGE_EXTS):
+                    jobs.append((path, text, label, os.path.relpath(path, input_path)))
+                else:
+                    problems.append((os.path.relpath(path, input_path), "not_image"))
     elif input_path.lower().endswith((".csv", ".jsonl", ".json", ".ndjson")):
         base = os.path.dirname(os.path.abspath(input_path))
         for line_no, row in _rows_from_table(input_path):
@@ -1584,9 +1750,8 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
                 continue
             try:
                 data, ext = _load_for_shard(path)
-            except Exception as err:  # pillow raises several types for unreadable files
-                problems.append((where, "decode" if not isinstance(err, Image.DecompressionBombError)
-                                 else "too_large"))
+            except SkipSample as skip:
+                problems.append((where, skip.reason))
                 continue
             yield {"key": f"{len(written):09d}", "image": data, "ext": ext, "caption": text, "label": label,
                    "json": {"source": where}}

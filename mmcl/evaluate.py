@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import data as data_mod
-from .errors import DataError
+from .errors import DataError, MmclError
 
 TEMPLATE_SETS = ("openai_imagenet_template", "simple_imagenet_template")
 # Files looked for next to the data (and one level up, for CLIP_benchmark's DIR/test/*.tar layout).
@@ -104,34 +105,112 @@ def _input_dtype(model) -> torch.dtype:
 
 
 def eval_loader(data, preprocess, batch_size: int, workers: int):
-    """DataLoader over `data_mod.build_eval_dataset`: batches of (images, labels, captions, keys)."""
+    """DataLoader over `data_mod.build_eval_dataset`: batches as `data_mod.eval_collate` makes them
+    (images, labels, captions, keys, problems)."""
     if batch_size <= 0:
         raise DataError(f"batch size must be > 0 (got {batch_size})")
     if workers < 0:
         raise DataError(f"workers must be >= 0 (got {workers})")
     ds = data_mod.build_eval_dataset(data, preprocess)
-    return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
+                                           collate_fn=data_mod.eval_collate)
+
+
+def _unwrap_worker_error(err: MmclError) -> MmclError:
+    """A user error re-raised by a DataLoader worker carries the worker's whole traceback in its message
+    ("Caught DataError in DataLoader worker process 0. Original Traceback ..."); keep only the original message."""
+    text = str(err)
+    if not text.startswith("Caught ") or "Original Traceback" not in text:
+        return err
+    prefix = f"{type(err).__module__}.{type(err).__name__}: "
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith(prefix):
+            return type(err)(" ".join([lines[i][len(prefix):]] + [ln.strip() for ln in lines[i + 1:]]).strip())
+    return type(err)(lines[-1].strip())
+
+
+def _batches(loader):
+    """The loader's batches; a user error from a worker comes out as itself. When iteration stops early (an
+    error, or `close()`), the DataLoader's workers are stopped at once: left to garbage collection they are
+    joined with a 5 s timeout each, which delayed the exit of a failed evaluation by 10 s with 2 workers."""
+    iterator = iter(loader)
+    done = False
+    try:
+        while True:
+            failure = None
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                done = True
+                return
+            except MmclError as err:
+                failure = _unwrap_worker_error(err)
+            if failure is not None:
+                raise failure.with_traceback(None)  # outside the except block: no chained worker traceback
+            yield batch
+    finally:
+        stop = getattr(iterator, "_shutdown_workers", None)  # torch's own clean-up of a multi-worker iterator
+        if not done and stop is not None:
+            stop()
 
 
 @torch.no_grad()
-def encode_images(model, loader, device, progress: bool, desc: str):
-    """Encode an eval DataLoader's images.
+def encode_images(model, loader, device, progress: bool, desc: str, data: Any = None):
+    """Encode an eval DataLoader's images (from `eval_loader`), skipping and counting unreadable ones.
+
+    A user error raised while reading (also in a DataLoader worker) is re-raised as it was raised. Skipped
+    images are reported in one line on stderr (reason counts and the first one).
 
     Returns:
         features (N, D) float32 L2-normalised on the CPU, labels (N,) int64 (-1 where a sample has none),
-        captions (list of N str) and keys (list of N str), in loader order.
+        captions (list of N str), keys (list of N str), in loader order, and the skips:
+        ``{"n_skipped": int, "skipped": {reason: count}}``.
     """
     feats, labels, captions, keys = [], [], [], []
+    skips: List[Any] = []
     dtype = _input_dtype(model)
-    for images, lab, cap, key in _progress(loader, progress, desc):
-        f = model.encode_image(images.to(device=device, dtype=dtype), normalize=True).float()
-        feats.append(f.cpu())
-        labels.append(torch.as_tensor(lab, dtype=torch.long).reshape(-1))
-        captions += list(cap)
-        keys += list(key)
+    try:
+        total = len(loader)
+    except TypeError:  # an IterableDataset (shards) has no length
+        total = None
+    batches = _batches(loader)
+    try:
+        for images, lab, cap, key, problems in _progress(batches, progress, desc, total=total):
+            for problem in problems:
+                if isinstance(problem, data_mod.EvalFailure):
+                    raise problem.error
+                skips.append(problem)
+            if images is None:
+                continue
+            f = model.encode_image(images.to(device=device, dtype=dtype), normalize=True).float()
+            feats.append(f.cpu())
+            labels.append(torch.as_tensor(lab, dtype=torch.long).reshape(-1))
+            captions += list(cap)
+            keys += list(key)
+    finally:
+        batches.close()
+    counts: Dict[str, int] = {}
+    for skip in skips:
+        counts[skip.reason] = counts.get(skip.reason, 0) + 1
+    where = f" of {data}" if data is not None else ""
     if not feats:
-        raise DataError("the evaluation data holds no readable images")
-    return torch.cat(feats), torch.cat(labels), captions, keys
+        detail = f" (skipped {len(skips)}: {_counts_text(counts)}; first {_skip_text(skips[0])})" if skips else ""
+        raise DataError(f"the evaluation data{where} holds no readable images{detail}")
+    if skips:
+        n_read = sum(f.shape[0] for f in feats) + len(skips)
+        print(f"mmcl: warning: {desc}: skipped {len(skips)} of {n_read} images{where} ({_counts_text(counts)}; "
+              f"first {_skip_text(skips[0])})", file=sys.stderr, flush=True)
+    return torch.cat(feats), torch.cat(labels), captions, keys, {"n_skipped": len(skips), "skipped": counts}
+
+
+def _counts_text(counts: Dict[str, int]) -> str:
+    return ", ".join(f"{reason}={n}" for reason, n in sorted(counts.items()))
+
+
+def _skip_text(skip) -> str:
+    text = f"{skip.where}: {skip.detail or skip.reason}"
+    return " ".join(text.split())[:300]
 
 
 @torch.no_grad()
@@ -214,7 +293,8 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
             ``openai_imagenet_template``.
     Returns:
         ``{"dataset", "model", "task": "zeroshot_classification", "metrics": {acc1, [acc5], mean_per_class_recall},
-        "n_samples", "n_classes"}``.
+        "n_samples", "n_classes", "n_skipped", "skipped": {reason: count}}`` (unreadable images are skipped and
+        counted, see `encode_images`).
     """
     import open_clip
 
@@ -227,12 +307,12 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     model = model.to(device).eval()
     classifier = open_clip.build_zero_shot_classifier(model, tokenizer, names, template_list,
                                                       num_classes_per_batch=10, device=device, use_tqdm=progress)
-    feats, labels, _, _ = encode_images(model, loader, device, progress, "zeroshot")
+    feats, labels, _, _, skips = encode_images(model, loader, device, progress, "zeroshot", data)
     _check_labels(labels, len(names), data, "zero-shot classification")
     logits = feats @ classifier.float().cpu()  # (N, C)
     return {"dataset": _dataset_name(data), "model": model_name, "task": "zeroshot_classification",
             "metrics": classification_metrics(logits, labels), "n_samples": int(labels.numel()),
-            "n_classes": len(names)}
+            "n_classes": len(names), **skips}
 
 
 def retrieval_metrics(similarity: torch.Tensor, text_to_image: torch.Tensor, ks: Sequence[int] = (1, 5, 10)
@@ -310,18 +390,18 @@ def retrieval(model, preprocess, tokenizer, data: str, batch_size: int = 128, wo
 
     Returns:
         ``{"dataset", "model", "task": "zeroshot_retrieval", "metrics": {image_retrieval_recall@K,
-        text_retrieval_recall@K for K in ks}, "n_images", "n_texts"}``.
+        text_retrieval_recall@K for K in ks}, "n_images", "n_texts", "n_skipped", "skipped": {reason: count}}``.
     """
     _, loader = eval_loader(data, preprocess, batch_size, workers)
     model = model.to(device).eval()
-    img_feats, _, captions, _ = encode_images(model, loader, device, progress, "retrieval images")
+    img_feats, _, captions, _, skips = encode_images(model, loader, device, progress, "retrieval images", data)
     texts, owner = split_captions(captions)
     if not texts:
         raise DataError(f"no captions in {data} (retrieval needs a KEY.txt caption, one per line, for the images)")
     txt_feats = encode_texts(model, tokenizer, texts, batch_size, device, progress)
     return {"dataset": _dataset_name(data), "model": model_name, "task": "zeroshot_retrieval",
             "metrics": retrieval_recalls(txt_feats, img_feats, owner, ks), "n_images": int(img_feats.shape[0]),
-            "n_texts": len(texts)}
+            "n_texts": len(texts), **skips}
 
 
 def fit_linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
@@ -383,13 +463,16 @@ def linear_probe(model, preprocess, train: str, test: str, batch_size: int = 128
         train, test: ImageFolders or labelled shard specs with the same classes.
     Returns:
         ``{"dataset", "model", "task": "linear_probe", "metrics": {acc1, [acc5], mean_per_class_recall}, "C",
-        "val_acc1", "n_train", "n_test", "n_classes"}``.
+        "val_acc1", "n_train", "n_test", "n_classes", "n_skipped_train", "n_skipped_test", "skipped_train",
+        "skipped_test"}``.
     """
     train_ds, train_loader = eval_loader(train, preprocess, batch_size, workers)
     test_ds, test_loader = eval_loader(test, preprocess, batch_size, workers)
     model = model.to(device).eval()
-    train_x, train_y, _, _ = encode_images(model, train_loader, device, progress, "linear-probe train")
-    test_x, test_y, _, _ = encode_images(model, test_loader, device, progress, "linear-probe test")
+    train_x, train_y, _, _, train_skips = encode_images(model, train_loader, device, progress, "linear-probe train",
+                                                        train)
+    test_x, test_y, _, _, test_skips = encode_images(model, test_loader, device, progress, "linear-probe test",
+                                                     test)
     train_names = getattr(train_ds, "classnames", None)
     test_names = getattr(test_ds, "classnames", None)
     if train_names and test_names and list(train_names) != list(test_names):
@@ -402,4 +485,6 @@ def linear_probe(model, preprocess, train: str, test: str, batch_size: int = 128
                            seed=seed)
     return {"dataset": _dataset_name(test), "model": model_name, "task": "linear_probe", "metrics": fit["metrics"],
             "C": fit["C"], "val_acc1": {str(k): v for k, v in fit["val_acc1"].items()},
-            "n_train": int(train_y.numel()), "n_test": int(test_y.numel()), "n_classes": n_classes}
+            "n_train": int(train_y.numel()), "n_test": int(test_y.numel()), "n_classes": n_classes,
+            "n_skipped_train": train_skips["n_skipped"], "n_skipped_test": test_skips["n_skipped"],
+            "skipped_train": train_skips["skipped"], "skipped_test": test_skips["skipped"]}

@@ -19,6 +19,10 @@ Formats (``export(model_path, fmt, out_dir)``):
 
 Every export is written to a temporary directory beside ``out_dir``, moved into place, and checked there against the
 source model (`verify`); a failed export is removed and an earlier export in ``out_dir`` is put back.
+``mmcl_export.json`` lists the files the export wrote: exporting again into the same directory replaces only those
+and keeps every file the user added (results, notes); a file of the user's with the name of one the new export
+writes is refused, named, and left as it is. The directory gets the mode the user's umask gives (an existing one
+keeps its mode).
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from . import models
 from .errors import CheckpointError, ConfigError
-from .fsutil import new_temp_dir, swap_in
+from .fsutil import atomic_write_text, files_under, new_temp_dir, output_dir, roll_back, swap_in
 
 FORMATS = ("open_clip", "hf", "onnx", "safetensors")
 MARKER_FILE = "mmcl_export.json"
@@ -53,8 +58,7 @@ MIN_COSINE = {"open_clip": 0.9999, "safetensors": 0.9999, "hf": 0.9999, "onnx": 
 
 # open_clip's SimpleTokenizer names its special tokens differently from the CLIP tokenizer transformers ships;
 # the ids are the same, so the HF files use the transformers names and keep open_clip's ids.
-_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "special_tokens", "merges", "spiece", "sentencepiece",
-                            "added_tokens")
+_TOKENIZER_FILE_PREFIXES = models.TOKENIZER_FILE_PREFIXES
 _HF_SPECIAL_TOKENS = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
 
 
@@ -77,42 +81,72 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
         raise ConfigError(f"unknown export format '{fmt}' (expected one of {', '.join(FORMATS)})")
     model, model_cfg, pp_cfg = models.load_model_dir(model_path)
     src_dir = models.find_model_dir(model_path)
-    out_dir = Path(out_dir)
-    _check_out_dir(out_dir)
+    out_dir = output_dir(out_dir)
+    previous = _check_out_dir(out_dir)
     if fmt == "hf":
         check_hf_supported(model_cfg, pp_cfg)  # before any file is written
     writer = {"open_clip": _write_open_clip, "safetensors": _write_safetensors, "hf": _write_hf,
               "onnx": _write_onnx}[fmt]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    final = out_dir.resolve()
-    tmp = new_temp_dir(out_dir)
+    marker = {"format": fmt, "source": str(src_dir.resolve()), "min_cosine_vs_source": None}
+    tmp, old = None, None
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        final = out_dir.resolve()
+        tmp = new_temp_dir(out_dir)
         writer(model, model_cfg, pp_cfg, src_dir, tmp, final)
+        # The list of mmcl's files is in place before the swap, so even an export killed right after it knows
+        # which files a later export may replace.
+        marker["files"] = sorted(files_under(tmp) | {MARKER_FILE})
+        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        # Verified in its final place: an export may name its own directory (a Hugging Face text tower's config).
+        old = swap_in(tmp, out_dir, previous)
+    except (OSError, SafetensorError) as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"cannot write the export to {out_dir}: {models.os_error_text(err)}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # Verified in its final place: an export may name its own directory (a Hugging Face text tower's config).
-    old = swap_in(tmp, out_dir)
     try:
-        cosine = verify_export(model, model_cfg, out_dir, fmt) if verify else None
-        marker = {"format": fmt, "source": str(src_dir.resolve()), "min_cosine_vs_source": cosine}
-        (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        if verify:
+            marker["min_cosine_vs_source"] = verify_export(model, model_cfg, out_dir, fmt)
+            atomic_write_text(out_dir / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
+    except OSError as err:
+        roll_back(out_dir, old)
+        raise ConfigError(f"cannot write the export to {out_dir}: {models.os_error_text(err)}") from None
     except BaseException:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        if old is not None:
-            os.replace(old, out_dir)
+        roll_back(out_dir, old)
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
-def _check_out_dir(out_dir: Path) -> None:
+# Names the exporters write, for telling mmcl's files from the user's in an export made before mmcl listed its
+# files in the marker: the model directory's files, transformers' (config, weights, processor, tokenizer), ONNX.
+_EXPORT_FILE_PREFIXES = ("model.safetensors", "model-0", "pytorch_model", "preprocessor_config", "processor_config",
+                         "generation_config", "chat_template")
+
+
+def _is_export_file_name(name: str) -> bool:
+    return (models.is_model_file_name(name) or name.startswith(_EXPORT_FILE_PREFIXES)
+            or name in (MARKER_FILE, ONNX_IMAGE_FILE, ONNX_TEXT_FILE, ONNX_CONFIG_FILE))
+
+
+def _check_out_dir(out_dir: Path) -> List[str]:
+    """The files an earlier mmcl export wrote in `out_dir` (replaced by the new export; every other file is the
+    user's and is kept). `ConfigError` for a file, or a non-empty directory that holds no mmcl export."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"export target {out_dir} is a file (expected a new or empty directory)")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MARKER_FILE).is_file():
-        raise ConfigError(f"export target {out_dir} is not empty and holds no earlier mmcl export "
-                          f"(expected a new or empty directory; choose another --out)")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return []
+    if not (out_dir / MARKER_FILE).is_file():
+        names = sorted(files_under(out_dir))
+        shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+        raise ConfigError(f"export target {out_dir} is not empty and holds no earlier mmcl export (got {shown}; "
+                          f"expected a new or empty directory; choose another --out)")
+    return models.previous_files(out_dir, MARKER_FILE, _is_export_file_name)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -162,25 +196,25 @@ def _write_text_tower_files(model, model_cfg: Dict[str, Any], src_dir: Path, out
 
 def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Optional[Dict[str, str]] = None
                               ) -> None:
+    """The weights, then the config with their size and SHA-256 and the list of files (written last)."""
     from safetensors.torch import save_file
 
     state = models._state_dict_for_saving(model)
     save_file(state, str(out / models.WEIGHTS_FILE), metadata=metadata)
-    meta = {"model_cfg": model_cfg, "preprocess_cfg": pp_cfg}
-    (out / models.CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    models.write_config_with_record(out, {"model_cfg": model_cfg, "preprocess_cfg": pp_cfg})
 
 
 def _write_open_clip(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
-    _write_weights_and_config(model, _portable_model_cfg(model_cfg, final), pp_cfg, out)
     _write_text_tower_files(model, model_cfg, src_dir, out)
+    _write_weights_and_config(model, _portable_model_cfg(model_cfg, final), pp_cfg, out)
 
 
 def _write_safetensors(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
     cfg = _portable_model_cfg(model_cfg, final)
     # safetensors metadata is str -> str; JSON keeps the nested config readable by any safetensors reader.
     metadata = {"format": "pt", "mmcl_model_cfg": json.dumps(cfg), "mmcl_preprocess_cfg": json.dumps(pp_cfg)}
-    _write_weights_and_config(model, cfg, pp_cfg, out, metadata)
     _write_text_tower_files(model, model_cfg, src_dir, out)
+    _write_weights_and_config(model, cfg, pp_cfg, out, metadata)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 
 from . import models
 from .errors import CheckpointError, DataError
-from .fsutil import new_temp_dir, replace_dir
+from .fsutil import new_temp_dir, output_dir, replace_dir
 
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.jsonl"
@@ -91,20 +92,21 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     model, preprocess, _ = models.load(model_dir)
     _, loader = evaluate.eval_loader(data, preprocess, batch_size, workers)
     model = model.to(device).eval()
-    feats, labels, captions, keys = evaluate.encode_images(model, loader, device, progress, "index")
+    feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, "index", data)
     index, params = make_index(feats.numpy(), exact_max=exact_max)
     meta = {"model": str(model_dir), "weights": _weights_stamp(model_dir), "data": str(data),
             "n": int(feats.shape[0]), "dim": int(feats.shape[1]), "metric": "inner_product",
-            "normalized": True, **params}
-    out_dir = Path(out_dir)
+            "normalized": True, "n_skipped": skips["n_skipped"], "skipped": skips["skipped"], **params}
+    out_dir = output_dir(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
         raise DataError(f"index target {out_dir} is not empty and holds no mmcl index (expected a new or empty "
                         f"directory; choose another --out)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_temp_dir(out_dir)
+    tmp = None
     try:
         import faiss
 
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = new_temp_dir(out_dir)
         faiss.write_index(index, str(tmp / INDEX_FILE))
         with open(tmp / ITEMS_FILE, "w") as f:
             for key, caption, label in zip(keys, captions, labels.tolist()):
@@ -112,10 +114,17 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
                 if label >= 0:
                     item["label"] = label
                 f.write(json.dumps(item) + "\n")
+        meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        replace_dir(tmp, out_dir)
+        # Only the index's own files are replaced; anything the user added to the directory is kept.
+        replace_dir(tmp, out_dir, [INDEX_FILE, ITEMS_FILE, META_FILE])
+    except OSError as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"cannot write the index to {out_dir}: {models.os_error_text(err)}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
 
@@ -129,15 +138,34 @@ def load_index(index_dir) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     if missing:
         raise DataError(f"{index_dir} is not an mmcl index (missing {', '.join(missing)}; build one with "
                         f"`mmcl index --model M --data SHARDS --out DIR`)")
-    meta = json.loads((index_dir / META_FILE).read_text())
-    index = faiss.read_index(str(index_dir / INDEX_FILE))
+    meta = models.read_json_file(index_dir / META_FILE, DataError)
+    if not isinstance(meta, dict) or "model" not in meta:
+        raise DataError(f"{index_dir / META_FILE} is damaged (expected a JSON object naming the model; rebuild "
+                        f"the index)")
+    try:
+        index = faiss.read_index(str(index_dir / INDEX_FILE))
+    except RuntimeError as err:  # faiss reports a cut-off or foreign file as a RuntimeError
+        raise DataError(f"{index_dir / INDEX_FILE} is damaged (faiss cannot read it: "
+                        f"{_last_line(str(err))}); rebuild the index") from None
     if meta.get("kind") == "ivf":
         index.nprobe = int(meta["nprobe"])
-    with open(index_dir / ITEMS_FILE) as f:
-        items = [json.loads(line) for line in f if line.strip()]
+    items = []
+    with open(index_dir / ITEMS_FILE, encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    items.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{index_dir / ITEMS_FILE} is damaged (line {line_no}: {err.msg}); rebuild "
+                                    f"the index") from None
     if len(items) != index.ntotal:
         raise DataError(f"{index_dir} is inconsistent: {index.ntotal} vectors but {len(items)} items")
     return index, items, meta
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "unknown error"
 
 
 def _load_query_model(meta: Dict[str, Any], index_dir):
@@ -156,15 +184,11 @@ def embed_query(model, preprocess, tokenizer, query: Optional[str] = None, image
                 ) -> np.ndarray:
     """A (1, D) float32 L2-normalised query embedding from a text or an image file."""
     if image is not None:
-        from PIL import Image, UnidentifiedImageError
+        from .data import open_rgb
 
-        try:
-            with Image.open(image) as img:
-                pixels = preprocess(img.convert("RGB"))[None]
-        except (FileNotFoundError, IsADirectoryError):
-            raise DataError(f"query image not found: {image}") from None
-        except (UnidentifiedImageError, OSError) as err:
-            raise DataError(f"cannot read query image {image} ({err})") from None
+        if not os.path.isfile(image):
+            raise DataError(f"query image not found: {image}")
+        pixels = preprocess(open_rgb(image))[None]  # the same pixel conversion as the indexed images
         feats = model.encode_image(pixels, normalize=True)
     else:
         feats = model.encode_text(tokenizer([query]), normalize=True)

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import hashlib
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
-from .fsutil import new_temp_dir, replace_dir
+from .fsutil import files_under, new_temp_dir, output_dir, replace_dir
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 CONFIG_FILE = "open_clip_config.json"
@@ -453,23 +454,68 @@ def _save_hf_text_files(model: nn.Module, text_cfg: Dict[str, Any], dest: Path) 
     tokenizer.save_pretrained(str(dest))
 
 
+# Names of the files a saved model or an export may hold besides the config and weights: a Hugging Face text
+# tower's config and tokenizer files. Used to tell mmcl's files from the user's in a directory written before
+# mmcl recorded the list of its files.
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "special_tokens", "merges", "spiece", "sentencepiece",
+                           "added_tokens")
+
+
+def is_model_file_name(name: str) -> bool:
+    """Whether a file of this name is one a model directory written by mmcl holds."""
+    return name in (CONFIG_FILE, WEIGHTS_FILE, HF_CONFIG_FILE) or name.startswith(TOKENIZER_FILE_PREFIXES)
+
+
+def previous_files(out_dir: Path, listing_file: str, default: Callable[[str], bool]) -> List[str]:
+    """The files mmcl wrote in `out_dir` before: the ``files`` list of the JSON `listing_file` there (its
+    ``mmcl`` section or top level), else the top-level files whose name `default` accepts."""
+    listing = out_dir / listing_file
+    try:
+        meta = json.loads(listing.read_text(encoding="utf-8"))
+        files = (meta.get("mmcl") or {}).get("files") or meta.get("files")
+        if isinstance(files, list) and all(isinstance(f, str) for f in files):
+            return list(files) + [listing_file]
+    except (OSError, ValueError, AttributeError):
+        pass  # no listing (an older or damaged directory): go by the names mmcl writes
+    if not out_dir.is_dir():
+        return []
+    return [n for n in os.listdir(out_dir) if (out_dir / n).is_file() and default(n)]
+
+
+def write_config_with_record(out: Path, meta: Dict[str, Any], config_name: str = CONFIG_FILE,
+                             weights_name: str = WEIGHTS_FILE) -> None:
+    """Write the config JSON into the directory `out` with, in its ``mmcl`` section, the size and SHA-256 of the
+    weights file (checked by `load_model_dir`) and the list of the files mmcl wrote there (so that a later write
+    replaces only those and keeps the user's)."""
+    meta = dict(meta)
+    extra = dict(meta.get("mmcl") or {})
+    extra["weights"] = weights_record(out / weights_name)
+    extra["files"] = sorted(files_under(out) | {config_name})
+    meta["mmcl"] = extra
+    (out / config_name).write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: Dict[str, Any], out_dir,
                    extra: Optional[Dict[str, Any]] = None) -> Path:
     """Write open_clip's local-dir layout atomically: a temp dir beside `out_dir`, then a rename.
 
     With a Hugging Face text tower, its ``config.json`` and tokenizer files are written too, and when the tower
     came from a local directory the saved ``hf_model_name`` points at `out_dir` itself, so neither mmcl nor
-    open_clip (``local-dir:``) needs the original directory. A hub name is kept as it is.
+    open_clip (``local-dir:``) needs the original directory. A hub name is kept as it is. The config records the
+    weights' size and SHA-256 and the files written; files the user added to an earlier `out_dir` are kept.
+    Raises `CheckpointError` when the directory cannot be written (read-only, disk full), naming the cause.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(out_dir)
     model_cfg = copy.deepcopy(model_cfg)
     text_cfg = model_cfg.get("text_cfg", {})
     meta_extra = dict(extra or {})
-    tmp = new_temp_dir(out_dir)
+    tmp = None
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = new_temp_dir(out_dir)
         save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS_FILE))
         if text_cfg.get("hf_model_name"):
             _save_hf_text_files(model, text_cfg, tmp)
@@ -480,12 +526,25 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
         meta = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
         if meta_extra:
             meta["mmcl"] = meta_extra
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        replace_dir(tmp, out_dir)
+        write_config_with_record(tmp, meta)
+        replace_dir(tmp, out_dir, previous_files(out_dir, CONFIG_FILE, is_model_file_name))
+    except (OSError, SafetensorError) as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot save the model to {out_dir}: {os_error_text(err)}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def os_error_text(err: Exception) -> str:
+    """'No space left on device (/path)' from an OSError (safetensors' own errors give their message)."""
+    strerror, filename = getattr(err, "strerror", None), getattr(err, "filename", None)
+    if strerror:
+        return f"{strerror} ({filename})" if filename else strerror
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def find_model_dir(path) -> Path:
@@ -500,16 +559,98 @@ def find_model_dir(path) -> Path:
         f"no model in {path} (expected {CONFIG_FILE} there or in {path}/model; train or export one first)")
 
 
+def weights_record(weights: Path) -> Dict[str, Any]:
+    """Size and SHA-256 of a weights file, kept in the config file beside it so that damage is found at load."""
+    digest = hashlib.sha256()
+    with open(weights, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return {"file": weights.name, "size": weights.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _damaged(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{path} is damaged ({what}); save, export or copy the model again")
+
+
+def read_json_file(path: Path, error: Callable[[str], Exception] = CheckpointError) -> Any:
+    """A JSON file's content; a truncated, non-UTF-8 or unreadable file raises `error` naming it and the cause."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise error(f"{path} is damaged (not valid JSON: {err.msg} at line {err.lineno} column {err.colno})"
+                    ) from None
+    except UnicodeDecodeError:
+        raise error(f"{path} is damaged (not UTF-8 text)") from None
+    except OSError as err:
+        raise error(f"cannot read {path} ({os_error_text(err)})") from None
+
+
+def _read_model_meta(model_dir: Path) -> Dict[str, Any]:
+    """The parsed ``open_clip_config.json`` of a model directory, checked for the fields loading needs."""
+    config = model_dir / CONFIG_FILE
+    meta = read_json_file(config)
+    if not isinstance(meta, dict):
+        raise _damaged(config, f"expected a JSON object, got {type(meta).__name__}")
+    model_cfg = meta.get("model_cfg", meta)
+    problems = [] if isinstance(model_cfg, dict) else [f"model_cfg is a {type(model_cfg).__name__}"]
+    if not problems:
+        problems += [f"no {key}" for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in model_cfg]
+        problems += [f"{key} is not an object" for key in ("vision_cfg", "text_cfg")
+                     if key in model_cfg and not isinstance(model_cfg[key], dict)]
+    pp = meta.get("preprocess_cfg")
+    if pp is not None and not isinstance(pp, dict):
+        problems.append(f"preprocess_cfg is a {type(pp).__name__}")
+    if problems:
+        raise _damaged(config, f"expected an open_clip model config: {', '.join(problems)}")
+    return meta
+
+
+def _check_weights_record(weights: Path, meta: Dict[str, Any]) -> None:
+    """Compare the weights file with the size and SHA-256 recorded when it was written (models saved without a
+    record are loaded unchecked)."""
+    mmcl_meta = meta.get("mmcl")
+    record = mmcl_meta.get("weights") if isinstance(mmcl_meta, dict) else None
+    if not isinstance(record, dict) or record.get("file") != weights.name:
+        return
+    size = weights.stat().st_size
+    if record.get("size") is not None and size != record["size"]:
+        cut = "truncated" if size < record["size"] else "longer than written"
+        raise _damaged(weights, f"{size} bytes, {record['size']} were written: {cut}")
+    if record.get("sha256") and weights_record(weights)["sha256"] != record["sha256"]:
+        raise _damaged(weights, "its SHA-256 differs from the one recorded when it was written")
+
+
+def _fit_state(model: nn.Module, state: Dict[str, torch.Tensor], weights: Path, config: Path) -> None:
+    """Load `state` strictly; a mismatch is a `CheckpointError` naming missing, unexpected and misshapen keys."""
+    own = model.state_dict()
+    missing = sorted(k for k in own if k not in state)
+    unexpected = sorted(k for k in state if k not in own)
+    shapes = sorted(k for k in state if k in own and tuple(state[k].shape) != tuple(own[k].shape))
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({_preview(missing, 3)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({_preview(unexpected, 3)})")
+        if shapes:
+            k = shapes[0]
+            parts.append(f"{len(shapes)} of another shape (e.g. {k}: {tuple(state[k].shape)} in the file, "
+                         f"{tuple(own[k].shape)} by the config)")
+        raise CheckpointError(f"weights in {weights} do not fit {config.name}: {'; '.join(parts)}")
+    model.load_state_dict(state, strict=True)
+
+
 def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     """Load a saved model directory: (model in eval mode, model_cfg, preprocess_cfg).
 
     A Hugging Face text tower is rebuilt from the ``config.json`` saved in the directory (no download, no
     reference to where it first came from); the returned model_cfg then names the directory as its source.
+    A missing, truncated or altered file (config, weights; checked against the size and SHA-256 recorded when
+    mmcl wrote them) and weights that do not fit the config are `CheckpointError` naming the file and the cause.
     """
-    from safetensors.torch import load_file
-
     model_dir = find_model_dir(path)
-    meta = json.loads((model_dir / CONFIG_FILE).read_text())
+    config = model_dir / CONFIG_FILE
+    meta = _read_model_meta(model_dir)
     model_cfg = copy.deepcopy(meta.get("model_cfg", meta))
     text_cfg = model_cfg.get("text_cfg", {})
     if text_cfg.get("hf_model_name"):
@@ -520,18 +661,20 @@ def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
         text_cfg.pop("hf_model_pretrained", None)
     weights = model_dir / WEIGHTS_FILE
     if not weights.is_file():
-        raise CheckpointError(f"{model_dir} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
+        raise CheckpointError(f"{model_dir} has {CONFIG_FILE} but no {WEIGHTS_FILE} (an incomplete copy?)")
+    _check_weights_record(weights, meta)
     cfg_for_create = copy.deepcopy(model_cfg)
     if text_cfg.get("hf_model_name"):
         cfg_for_create["text_cfg"]["hf_model_pretrained"] = False  # weights come from our file
-    model = create(cfg_for_create)
-    state = load_file(str(weights))
     try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"weights in {weights} do not fit the saved config: {str(err).splitlines()[0]}") from None
+        model = create(cfg_for_create)
+        pp = meta.get("preprocess_cfg") or preprocess_config(model_cfg)
+    except (ConfigError, TypeError, ValueError, KeyError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"cannot build the model {config} describes: {detail}") from None
+    _fit_state(model, _read_weight_file(weights), weights, config)
     model.eval()
-    return model, model_cfg, meta.get("preprocess_cfg") or preprocess_config(model_cfg)
+    return model, model_cfg, pp
 
 
 def load(path):
@@ -606,7 +749,7 @@ def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as err:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+            raise _damaged(path, f"not a readable safetensors file: {str(err).splitlines()[0]}") from None
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling errors come in many types
@@ -653,7 +796,8 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
                 break
         hf_config = path / HF_CONFIG_FILE
         if weights_dir is None and hf_config.is_file():
-            model_type = json.loads(hf_config.read_text()).get("model_type")
+            hf_meta = read_json_file(hf_config)
+            model_type = hf_meta.get("model_type") if isinstance(hf_meta, dict) else None
             if model_type != "clip":
                 raise CheckpointError(f"{path} is a Hugging Face '{model_type}' model, not CLIP (expected "
                                       f"model_type 'clip', or an open_clip/mmcl model directory)")
@@ -706,7 +850,8 @@ def _hf_activation_note(path: Path, model: nn.Module) -> Optional[str]:
     cfg_file = path / HF_CONFIG_FILE if path.is_dir() else None
     if cfg_file is None or not cfg_file.is_file():
         return None
-    vision = json.loads(cfg_file.read_text()).get("vision_config", {})
+    hf_meta = read_json_file(cfg_file)
+    vision = (hf_meta.get("vision_config") if isinstance(hf_meta, dict) else None) or {}
     quick = vision.get("hidden_act") == "quick_gelu"
     has_quick = any(isinstance(m, QuickGELU) for m in model.modules())
     if quick != has_quick:

@@ -164,12 +164,21 @@ def test_unknown_format_and_unsafe_target_are_config_errors(model_dir, tmp_path)
     assert (busy / "notes.txt").read_text() == "keep me"
 
 
-def test_re_export_replaces_an_earlier_export(model_dir, tmp_path):
-    first = export_mod.export(model_dir, "open_clip", tmp_path / "e", verify=False)
-    (first / "stale.bin").write_bytes(b"from before")
+def test_re_export_replaces_an_earlier_export_and_keeps_the_users_files(model_dir, tmp_path):
+    first = export_mod.export(model_dir, "onnx", tmp_path / "e", verify=False)
+    assert (first / export_mod.ONNX_IMAGE_FILE).is_file()
+    (first / "results.json").write_text('{"acc1": 0.5}\n')
+    (first / "notes").mkdir()
+    (first / "notes" / "run.txt").write_text("from before")
+    (first / "figures").mkdir()  # empty
     second = export_mod.export(model_dir, "safetensors", tmp_path / "e", verify=False)
-    assert first == second and not (second / "stale.bin").exists()
-    assert json.loads((second / export_mod.MARKER_FILE).read_text())["format"] == "safetensors"
+    assert (second / "figures").is_dir()
+    assert first == second
+    assert not (second / export_mod.ONNX_IMAGE_FILE).exists()  # the earlier export's own files are replaced
+    assert (second / "results.json").read_text() == '{"acc1": 0.5}\n'  # the user's are kept
+    assert (second / "notes" / "run.txt").read_text() == "from before"
+    marker = json.loads((second / export_mod.MARKER_FILE).read_text())
+    assert marker["format"] == "safetensors" and "results.json" not in marker["files"]
     assert models.load(second)[0] is not None
 
 
