@@ -40,7 +40,9 @@ import math
 import os
 import random
 import re
+import signal
 import tarfile
+import threading
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -1074,6 +1076,22 @@ def _copy_position(p: Dict[str, Any]) -> Dict[str, Any]:
     return dict(p, skipped=dict(p["skipped"]), skipped_before_epoch=dict(before))
 
 
+# How long a data worker goes on serving after a stop signal meant for the whole process group: time for the
+# training process to finish its step and save (a scheduler's SIGKILL ends everything later anyway).
+WORKER_STOP_GRACE_S = 60.0
+
+
+def _worker_stop_signal(signum, frame) -> None:
+    """SIGTERM in a data worker: the first one (a scheduler's, sent to the whole group) is outlived for
+    `WORKER_STOP_GRACE_S`; a second one (the loader's own shutdown) ends the worker at once."""
+    if getattr(_worker_stop_signal, "seen", False):
+        os._exit(0)
+    _worker_stop_signal.seen = True
+    timer = threading.Timer(WORKER_STOP_GRACE_S, os._exit, (0,))
+    timer.daemon = True
+    timer.start()
+
+
 class _SlotStreams(torch.utils.data.IterableDataset):
     """The per-worker batch generator; one instance is copied into each DataLoader worker."""
 
@@ -1089,6 +1107,12 @@ class _SlotStreams(torch.utils.data.IterableDataset):
         role = (worker + self.role_offset) % self.s["n_roles"]
         if info is not None and self.s["worker_nice"]:
             os.nice(self.s["worker_nice"])
+        if info is not None:
+            # A scheduler's stop signal often goes to the whole process group (SLURM at a time limit, `kill --
+            # -PGID`): the training process stops at a step boundary and saves; its workers must not die first.
+            # They end with the training process (the DataLoader shuts them down, or they see it gone).
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, _worker_stop_signal)
         if info is None:
             yield from role_batches(self.s, role, self.starts[role])
             return

@@ -766,13 +766,10 @@ def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
 
 
 def _latest_train_checkpoint(run_dir: Path) -> Optional[Path]:
-    ckpt_dir = run_dir / "checkpoints"
-    pointer = ckpt_dir / "latest"
-    if pointer.is_file():
-        target = ckpt_dir / pointer.read_text().strip()
-        if target.is_dir():
-            return target
-    return None
+    """The newest training checkpoint of `run_dir` whose weights file matches its recorded size and checksum."""
+    from .checkpoints import newest_verified_checkpoint
+
+    return newest_verified_checkpoint(run_dir / "checkpoints", only=("model.safetensors",))
 
 
 def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:

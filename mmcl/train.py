@@ -440,6 +440,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     bar = None
     show_bar = main and cfg.train.progress
     data_iter = iter(stream)
+    # Closed when the run ends by any path, so the data workers are shut down before the interpreter exits
+    # (an exception's traceback would otherwise keep them alive until multiprocessing's exit handler).
+    held.callback(data_iter.close)
     saved_at = -1
     last: Dict[str, Any] = {}
     window_t, window_samples = time.perf_counter(), 0

@@ -521,3 +521,25 @@ def test_an_error_on_one_process_mid_step_leaves_the_other_with_one_line_too(dem
     o, e = p.communicate(timeout=300)
     assert p.returncode == 0, o + e
     assert "at step 2" in o
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_with_data_workers(demo, tmp_path):
+    """SLURM at a time limit (and `kill -- -PGID`) signals every process of the job, data loader workers included:
+    the workers must outlive the signal so that the training process can finish its step and save."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mmcl", *args(demo, out)]
+    cmd = [c for c in cmd if c not in ("train.steps=4", "data.workers=0")] + ["train.steps=100000", "data.workers=2"]
+    p = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 240
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 3):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGTERM)
+    o, e = p.communicate(timeout=120)
+    assert p.returncode == 75, o + e
+    line = one_line_error(e.replace("mmcl: preempted", "mmcl: error: preempted"))
+    step = int(re.search(r"at step (\d+);", line).group(1))
+    assert step >= 3
+    assert checkpoints.verify_checkpoint(out / "checkpoints" / f"step-{step:08d}") is None
