@@ -30,14 +30,17 @@ trap on_stop USR1 TERM
 
 # Re-running the same command on the same train.output_dir resumes from the newest intact checkpoint,
 # so a requeued job (preemption, node failure) continues where it stopped.
-srun --kill-on-bad-exit=1 bash -c "accelerate launch \
+# The config and the overrides reach the inner shell as its arguments ("$0" "$@"), never as text it parses:
+# a shard spec such as data.train=/data/shard-{000000..041455}.tar keeps its braces, a value its spaces.
+export GPUS_PER_NODE MASTER_ADDR MASTER_PORT
+srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch \
   --config_file launch/multi-node.yaml \
-  --num_machines $SLURM_NNODES \
-  --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
-  --machine_rank \$SLURM_NODEID \
-  --main_process_ip $MASTER_ADDR \
-  --main_process_port $MASTER_PORT \
-  -m mmcl train --config $CONFIG $*" &
+  --num_machines "$SLURM_NNODES" \
+  --num_processes "$((SLURM_NNODES * GPUS_PER_NODE))" \
+  --machine_rank "$SLURM_NODEID" \
+  --main_process_ip "$MASTER_ADDR" \
+  --main_process_port "$MASTER_PORT" \
+  -m mmcl train --config "$0" "$@"' "$CONFIG" "$@" &
 srun_pid=$!
 
 # `wait` returns as soon as a trapped signal arrives; keep waiting while the processes save their checkpoint.
