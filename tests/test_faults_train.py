@@ -32,6 +32,15 @@ def one_line_error(err: str) -> str:
     return lines[0]
 
 
+def ended_with(e: str, code: int) -> None:
+    """Each process the launcher reports ended with mmcl's `code`, except one still exiting when the launcher saw
+    its peer's exit (the launcher then sends it SIGTERM: a race of process teardown, not of mmcl's agreement)."""
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+) ", e)]
+    assert code in codes, e
+    assert all(c in (code, -15) for c in codes), e
+    assert codes.count(code) == 2 or "closing signal SIGTERM" in e, e
+
+
 def same_weights(a, b):
     # One process, same seed, same data order, same float32 kernels: a resume replays the run bit for bit.
     wa, wb = final_weights(a), final_weights(b)
@@ -383,7 +392,7 @@ def test_sigterm_on_one_of_two_processes_stops_both_after_the_same_step(demo, re
     o, e = p.communicate(timeout=300)
     assert p.returncode != 0, o + e
     assert e.count("mmcl: preempted (SIGTERM) at step 3; checkpoint saved to") == 1, e
-    assert len(re.findall(r"exitcode\s*: 75 ", e)) == 2, e  # both processes ended by themselves, with 75
+    ended_with(e, 75)
     mmcl_lines_only(e)
     ckpt = out / "checkpoints" / "step-00000003"
     assert checkpoints.verify_checkpoint(ckpt) is None
@@ -473,7 +482,7 @@ def test_a_user_error_on_one_of_two_processes_ends_the_launch_with_one_line(demo
     assert p.returncode != 0
     assert [ln for ln in e.splitlines() if ln.startswith("mmcl:")] == [
         "mmcl: error: cannot resume: refused on process 1 only"], e
-    assert len(re.findall(r"exitcode\s*: 2 ", e)) == 2, e  # both ended by themselves, with mmcl's user-error code
+    ended_with(e, 2)
     mmcl_lines_only(e)
     assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == before
 

@@ -405,6 +405,10 @@ def test_init_from_training_checkpoint(tmp_path, open_clip_reference):
     save_file(ref.state_dict(), str(step / "model.safetensors"))  # accelerate's save_state name
     (step.parent / "latest").write_text(step.name)
     model = models.build(ModelConfig(name="tiny"))[0].eval()
+    # Without its COMPLETE marker the checkpoint may be half-written: it is not a source of weights.
+    with pytest.raises(CheckpointError, match="no weights found"):
+        models.init_from(model, tmp_path / "run")
+    (step / "COMPLETE").write_text(json.dumps({"step": 10, "world_size": 1}))  # a marker without a file record
     assert "mmcl training checkpoint" in models.init_from(model, tmp_path / "run")
     with torch.no_grad():
         assert torch.equal(model.encode_image(images()), ref_img)
