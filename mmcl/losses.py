@@ -72,83 +72,105 @@ def _tile_width(chunk_size: int, n_cols: int) -> int:
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision features still accumulate their log-sum-exps in float32.
+    # Half-precision features still build their logits and accumulate their sums in float32.
     return torch.promote_types(dtype, torch.float32)
 
 
-def _online_lse(queries: Tensor, keys: Tensor, chunk_size: int) -> Tensor:
-    """Exact (n,) row log-sum-exp of ``queries @ keys.T`` with a running max per row (queries pre-scaled)."""
-    out = torch.empty(queries.shape[0], dtype=queries.dtype, device=queries.device)
-    width = _tile_width(chunk_size, keys.shape[0])
-    for i0 in range(0, queries.shape[0], chunk_size):
-        q = queries[i0:i0 + chunk_size]
-        r_max = torch.full((q.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
-        r_sum = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)
-        for j0 in range(0, keys.shape[0], width):
-            logits = q @ keys[j0:j0 + width].T
-            new_max = torch.maximum(r_max, logits.amax(dim=1))
-            r_sum = r_sum * torch.exp(r_max - new_max) + torch.exp(logits - new_max[:, None]).sum(dim=1)
-            r_max = new_max
-        out[i0:i0 + chunk_size] = r_max + torch.log(r_sum)
-    return out
+def _finite_or_zero(x: Tensor) -> Tensor:
+    # A maximum over an empty set (every entry masked so far) is -inf; shifting by it would give inf - inf.
+    return torch.where(x == -math.inf, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
+def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int]) -> Tensor:
+    """L = qs @ k.T for one tile, with the entries j = i + mask_shift set to -inf when mask_shift is not None."""
+    logits = qs @ k.T
+    if mask_shift is not None:
+        rows, cols = _tile_positives(qs.shape[0], k.shape[0], mask_shift, qs.device)
+        logits[rows, cols] = -math.inf
+    return logits
+
+
+def _log_coef(lse: Tensor, grad: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """Shift t and sign so that grad_i * exp(L_ij - lse_i) = sign_i * exp(L_ij - t_i).
+
+    Folding log|grad| into the shift saves a pass over each tile; a sign tensor is returned only when the
+    gradient has both signs (the hard-negative loss subtracts one log-sum-exp from another).
+    """
+    lse = _finite_or_zero(lse)
+    if bool((grad >= 0).all()):
+        return lse - torch.log(grad), None
+    if bool((grad <= 0).all()):
+        return lse - torch.log(-grad), -1.0
+    return lse - torch.log(grad.abs()), torch.sign(grad)
 
 
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
 
     Tiles are ``chunk_size`` rows by ``max(chunk_size, 2^23 / chunk_size)`` columns (at most M), so memory is
-    bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size.
+    bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size or logit scale.
 
-    Every logit is at most ``sigma = |s| max|q_i| max|k_j|`` (Cauchy-Schwarz), so one shift serves every row,
-    column and block: a block costs a matmul with the shift fused in (addmm), one exp, and a row and a column
-    sum; no running maxima. Rows or columns whose shifted sum falls below ``M * tiny`` (where terms lost to
-    underflow could exceed one ulp of the sum; in float32 only when a whole row sits some 80 below sigma) are
-    recomputed exactly with a running max.
+    Forward keeps a running maximum and a sum rescaled to it for every row (within a row block) and for every
+    column (across row blocks), the online softmax of flash attention in both directions: per tile one
+    matmul, the tile's row and column maxima, and exp(L - row max) and exp(L - column max). Every sum is thus
+    taken relative to its own largest term, which is exactly 1, so nothing underflows that could matter
+    whatever the scale and the alignment of the features (a shift shared by all rows underflows whole rows
+    of weakly aligned features at logit scale 100).
 
-    Backward recomputes each block once and applies ``G = g_row * softmax_row + g_col * softmax_col``: with
-    E = exp(L - sigma) and S the shifted sums, softmax_row_ij = E_ij / S_i, so ``G = E * (g_row/S_row + g_col/S_col)``
-    and both directions cost one elementwise product. Half-precision inputs are computed in float32.
+    Backward recomputes each tile once and forms ``G = g_row * exp(L - lse_row) + g_col * exp(L - lse_col)``
+    (the softmax in each direction, each at most 1: no overflow, and a term underflows only when it is below
+    the smallest float relative to its own sum).
 
-    With ``positive_offset`` set, the outputs are per-row InfoNCE losses ``lse_i - L[i, offset + i]`` (and for
-    columns ``col_lse_j - L[j, j]``, which needs offset 0 and n == M): folding the positive logit in here keeps
+    ``positive_offset`` set: the outputs are per-row InfoNCE losses ``lse_i - L[i, offset + i]`` (and for
+    columns ``col_lse_j - L[j, j]``, which needs offset 0 and n == M); folding the positive logit in here keeps
     its gradient in the same buffers instead of two more (n, D) tensors.
+    ``mask_offset`` set: the entries ``L[i, mask_offset + i]`` are left out of every sum (set to -inf inside
+    each tile), which gives the log-sum-exp over negatives only without subtracting the positive afterwards
+    (that subtraction cancels completely once the positive dominates its row). Columns need offset 0, n == M.
 
     Args (apply): queries (n, D), keys (M, D), logit_scale 0-dim, chunk_size int, with_cols bool,
-    positive_offset int or None. Returns (n,) [and (M,)] in float32 for half inputs, else the input dtype.
+    positive_offset int or None, mask_offset int or None. Returns (n,) [and (M,)]; float32 for half inputs,
+    else the input dtype.
     """
 
     @staticmethod
-    def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None):
+    def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
+                mask_offset=None):
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
-        assert positive_offset is None or not with_cols or (positive_offset == 0 and n == m), "square batch expected"
-        neg_sigma = -(scale.abs() * q32.norm(dim=1).max() * k32.norm(dim=1).max())
-        row_sum = torch.zeros(n, dtype=acc, device=q32.device)
+        for off in (positive_offset, mask_offset):
+            assert off is None or not with_cols or (off == 0 and n == m), "square batch expected"
+        minus_inf = torch.tensor(-math.inf, dtype=acc, device=q32.device)
+        row_lse = torch.empty(n, dtype=acc, device=q32.device)
+        col_max = minus_inf.expand(m if with_cols else 0).clone()
         col_sum = torch.zeros(m if with_cols else 0, dtype=acc, device=q32.device)
         width = _tile_width(chunk_size, m)
         for i0 in range(0, n, chunk_size):
             qs = q32[i0:i0 + chunk_size] * scale  # (c, D): the scale folded into the smaller operand
+            r_max = minus_inf.expand(qs.shape[0]).clone()
+            r_sum = torch.zeros(qs.shape[0], dtype=acc, device=q32.device)
             for j0 in range(0, m, width):
-                e = torch.addmm(neg_sigma, qs, k32[j0:j0 + width].T).exp_()  # exp(L - sigma), (c, w)
-                row_sum[i0:i0 + chunk_size] += e.sum(dim=1)
+                j1 = min(m, j0 + width)
+                logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0)
+                new_max = torch.maximum(r_max, logits.amax(dim=1))
+                shift = _finite_or_zero(new_max)
+                e = torch.sub(logits, shift[:, None]).exp_()
+                r_sum = r_sum * torch.exp(r_max - shift) + e.sum(dim=1)
+                r_max = new_max
                 if with_cols:
-                    col_sum[j0:j0 + width] += e.sum(dim=0)
-        tiny = torch.finfo(acc).tiny
-        row_lse = torch.log(row_sum) - neg_sigma
-        row_bad = row_sum < m * tiny
-        if row_bad.any():
-            row_lse[row_bad] = _online_lse(q32[row_bad] * scale, k32, chunk_size)
-        col_lse, col_bad = row_lse, row_bad  # placeholders, unused without columns
-        if with_cols:
-            col_lse = torch.log(col_sum) - neg_sigma
-            col_bad = col_sum < n * tiny
-            if col_bad.any():
-                col_lse[col_bad] = _online_lse(k32[col_bad] * scale, q32, chunk_size)
-        ctx.chunk_size, ctx.with_cols, ctx.positive_offset = chunk_size, with_cols, positive_offset
-        ctx.save_for_backward(
-            queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad
-        )
+                    c_max = col_max[j0:j1]
+                    new_c = torch.maximum(c_max, logits.amax(dim=0))
+                    shift_c = _finite_or_zero(new_c)
+                    e = logits.sub_(shift_c).exp_()
+                    col_sum[j0:j1] = col_sum[j0:j1] * torch.exp(c_max - shift_c) + e.sum(dim=0)
+                    col_max[j0:j1] = new_c
+                del logits, e
+            row_lse[i0:i0 + chunk_size] = r_max + torch.log(r_sum)
+        col_lse = col_max + torch.log(col_sum) if with_cols else row_lse[:0]
+        ctx.chunk_size, ctx.with_cols = chunk_size, with_cols
+        ctx.positive_offset, ctx.mask_offset = positive_offset, mask_offset
+        ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse)
         if positive_offset is not None:
             positive = scale * torch.linalg.vecdot(q32, k32[positive_offset:positive_offset + n])  # (n,)
             row_lse = row_lse - positive
@@ -159,42 +181,53 @@ class TiledLogSumExp(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_row: Optional[Tensor], grad_col: Optional[Tensor] = None):
-        queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad = ctx.saved_tensors
-        c = ctx.chunk_size
+    def backward(ctx, grad_row: Optional[Tensor], grad_col: Optional[Tensor] = None, *unused):
+        queries, keys, logit_scale, row_lse, col_lse = ctx.saved_tensors
+        c, mask_offset = ctx.chunk_size, ctx.mask_offset
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
+        n, m = q32.shape[0], k32.shape[0]
+        use_rows = grad_row is not None
         use_cols = ctx.with_cols and grad_col is not None
-        grad_row = torch.zeros_like(row_lse) if grad_row is None else grad_row.to(acc)
-        # softmax_row_ij = exp(L_ij - sigma) / S_i; rows needing the exact path are handled after the main loop.
-        row_coef = torch.where(row_bad, 0.0, grad_row / row_sum)
-        col_coef = torch.where(col_bad, 0.0, grad_col.to(acc) / col_sum) if use_cols else None
         grad_q = torch.zeros_like(q32)  # sum_j G_ij k_j
         grad_k = torch.zeros_like(k32)  # sum_i G_ij q_i
-        width = _tile_width(c, k32.shape[0])
-        for i0 in range(0, q32.shape[0], c):
-            q_raw = q32[i0:i0 + c]
-            qs = q_raw * scale
-            for j0 in range(0, k32.shape[0], width):
-                k = k32[j0:j0 + width]
-                g = torch.addmm(neg_sigma, qs, k.T).exp_()
-                if use_cols:
-                    g.mul_(row_coef[i0:i0 + c, None] + col_coef[None, j0:j0 + width])
-                else:
-                    g.mul_(row_coef[i0:i0 + c, None])
-                grad_q[i0:i0 + c].addmm_(g, k)
-                grad_k[j0:j0 + width].addmm_(g.T, q_raw)
-        if row_bad.any():
-            rows = row_bad.nonzero().squeeze(1)
-            _exact_softmax_grad(q32[rows], k32, scale, row_lse[rows], grad_row[rows], c, grad_q, grad_k, rows)
-        if use_cols and col_bad.any():
-            cols = col_bad.nonzero().squeeze(1)
-            _exact_softmax_grad(k32[cols], q32, scale, col_lse[cols], grad_col.to(acc)[cols], c, grad_k, grad_q, cols)
+        if use_rows:
+            grad_row = grad_row.to(acc)
+            row_shift, row_sign = _log_coef(row_lse, grad_row)
+        if use_cols:
+            grad_col = grad_col.to(acc)
+            col_shift, col_sign = _log_coef(col_lse, grad_col)
+        width = _tile_width(c, m)
+        if use_rows or use_cols:
+            for i0 in range(0, n, c):
+                q_raw = q32[i0:i0 + c]
+                qs = q_raw * scale
+                for j0 in range(0, m, width):
+                    j1 = min(m, j0 + width)
+                    k = k32[j0:j1]
+                    logits = _logit_tile(qs, k, None if mask_offset is None else mask_offset + i0 - j0)
+                    g = None
+                    if use_rows:
+                        # g_row_i * softmax_row_ij = sign_i * exp(L_ij - lse_i + log|g_row_i|)
+                        g = torch.sub(logits, row_shift[i0:i0 + c, None]).exp_()
+                        if row_sign is not None:
+                            g.mul_(row_sign if isinstance(row_sign, float) else row_sign[i0:i0 + c, None])
+                    if use_cols:
+                        e = logits.sub_(col_shift[None, j0:j1]).exp_()
+                        if col_sign is not None:
+                            e.mul_(col_sign if isinstance(col_sign, float) else col_sign[None, j0:j1])
+                        g = e if g is None else g.add_(e)
+                    grad_q[i0:i0 + c].addmm_(g, k)
+                    grad_k[j0:j1].addmm_(g.T, q_raw)
+                    del logits, g
         off = ctx.positive_offset
         if off is not None:
             # d(-L[i, off+i]) / dL = -1 at the positive, from the row loss and (with columns) the column loss.
-            diag = grad_row + grad_col.to(acc) if use_cols else grad_row
-            n = q32.shape[0]
+            diag = torch.zeros(n, dtype=acc, device=q32.device)
+            if use_rows:
+                diag += grad_row
+            if use_cols:
+                diag += grad_col
             grad_q.addcmul_(k32[off:off + n], diag[:, None], value=-1)
             grad_k[off:off + n].addcmul_(q32, diag[:, None], value=-1)
         # dL/ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G K)_i, which reuses the unscaled query gradient.
@@ -206,20 +239,8 @@ class TiledLogSumExp(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
-
-
-def _exact_softmax_grad(a, b, scale, lse, grad, chunk_size, grad_a, grad_b, a_index):
-    """Add the unscaled gradients of ``sum_i grad_i * lse_i`` (lse over rows of s * a @ b.T) into grad_a/grad_b."""
-    ga = torch.zeros_like(a)
-    as_ = a * scale
-    width = _tile_width(chunk_size, b.shape[0])
-    for j0 in range(0, b.shape[0], width):
-        bj = b[j0:j0 + width]
-        p = torch.addmm(-lse[:, None], as_, bj.T).exp_().mul_(grad[:, None])  # g_i * softmax_ij
-        ga.addmm_(p, bj)
-        grad_b[j0:j0 + width].addmm_(p.T, a)
-    grad_a.index_add_(0, a_index, ga)
 
 
 def _check_chunk(chunk_size: Optional[int]) -> None:
@@ -250,8 +271,7 @@ def logsumexp_rows(
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, queries)
     if chunk_size is None:
-        logits = logit_scale * (queries @ keys.T)
-        logits = logits.to(_acc_dtype(logits.dtype))
+        logits = _dense_logits(queries, keys, logit_scale)
         if with_cols:
             return torch.logsumexp(logits, dim=1), torch.logsumexp(logits, dim=0)
         return torch.logsumexp(logits, dim=1)
@@ -299,8 +319,15 @@ def _columns(image_features, text_features, all_image_features, all_text_feature
 
 
 def _positive_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor, offset: int) -> Tensor:
+    acc = _acc_dtype(queries.dtype)
     positives = keys[offset:offset + queries.shape[0]]
-    return logit_scale * (queries * positives).sum(dim=1)  # (n,)
+    return logit_scale.to(acc) * torch.linalg.vecdot(queries.to(acc), positives.to(acc))  # (n,)
+
+
+def _dense_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor) -> Tensor:
+    """``s * queries @ keys.T`` built in float32 at least: bf16 logits at scale 100 are off by about 0.4."""
+    acc = _acc_dtype(queries.dtype)
+    return logit_scale.to(acc) * (queries.to(acc) @ keys.to(acc).T)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -324,9 +351,9 @@ def infonce_rows(
     logit_scale = _as_scale(logit_scale, queries)
     n = queries.shape[0]
     if chunk_size is None:
-        logits = logit_scale * (queries @ keys.T)
+        logits = _dense_logits(queries, keys, logit_scale)
         target = torch.arange(offset, offset + n, device=queries.device)
-        return F.cross_entropy(logits.to(_acc_dtype(logits.dtype)), target, reduction="none")
+        return F.cross_entropy(logits, target, reduction="none")
     return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, False, offset)
 
 
@@ -360,8 +387,7 @@ def clip_loss(
         image_features, text_features, all_image_features, all_text_features, offset
     )
     if single and chunk_size is None:
-        logits = logit_scale * (image_features @ text_features.T)
-        logits = logits.to(_acc_dtype(logits.dtype))
+        logits = _dense_logits(image_features, text_features, logit_scale)
         target = torch.arange(logits.shape[0], device=logits.device)
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
     if single:
@@ -388,8 +414,7 @@ def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
 
 def _supcon_rows_dense(queries, keys, logit_scale, q_labels, k_labels, offset):
     n = queries.shape[0]
-    logits = logit_scale * (queries @ keys.T)
-    log_prob = torch.log_softmax(logits.to(_acc_dtype(logits.dtype)), dim=1)  # (n, M)
+    log_prob = torch.log_softmax(_dense_logits(queries, keys, logit_scale), dim=1)  # (n, M)
     rows = torch.arange(n, device=queries.device)
     positive = (q_labels[:, None] == k_labels[None, :]) & (q_labels[:, None] >= 0)
     positive[rows, rows + offset] = True  # the pair itself, also for unlabelled (-1) pairs
@@ -463,8 +488,11 @@ def supcon_loss(
         lse_i2t = TiledLogSumExp.apply(image_features, all_txt, logit_scale, chunk_size, False)
         lse_t2i = TiledLogSumExp.apply(text_features, all_img, logit_scale, chunk_size, False)
     # mean_{p in P(i)} -log softmax_ip = lse_i - s * q_i . mean_{p in P(i)} k_p
-    pos_i2t = logit_scale * (image_features * _positive_means(all_txt, labels, all_labels, offset)).sum(1)
-    pos_t2i = logit_scale * (text_features * _positive_means(all_img, labels, all_labels, offset)).sum(1)
+    acc = _acc_dtype(image_features.dtype)
+    pos_i2t = _positive_logits(image_features, _positive_means(all_txt.to(acc), labels, all_labels, offset),
+                               logit_scale, 0)
+    pos_t2i = _positive_logits(text_features, _positive_means(all_img.to(acc), labels, all_labels, offset),
+                               logit_scale, 0)
     return ((lse_i2t - pos_i2t).mean() + (lse_t2i - pos_t2i).mean()) / 2
 
 
@@ -536,7 +564,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
     then dq = s G k, dk = s G^T q, ds = sum_i q_i . (G k)_i and db = sum G. Sums accumulate in float32 at least.
 
     Args (apply): queries (n, D), keys (m, D), logit_scale and logit_bias 0-dim, chunk_size int, offset int
-    (row i's positive is column ``offset + i``). Returns a 0-dim tensor.
+    (row i's positive is column ``offset + i``). Returns a 0-dim tensor, float32 for half inputs.
     """
 
     @staticmethod
@@ -555,7 +583,9 @@ class TiledSigmoidPairs(torch.autograd.Function):
                 total += x.clamp_(max=0).sub_(soft).sum()
         ctx.save_for_backward(queries, keys, logit_scale, logit_bias)
         ctx.chunk_size, ctx.offset = chunk_size, offset
-        return total.to(queries.dtype)
+        # The float32 accumulator itself: the sum over n * M pairs overflows fp16 (inf at n = 256, scale 100) and
+        # loses ~2 significant digits in bf16 before the division by n.
+        return total
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -591,8 +621,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
 
 def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, offset: int) -> Tensor:
     """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) from the whole (n, M) logits; row i's positive is column i + offset."""
-    logits = logit_scale * (queries @ keys.T) + logit_bias
-    logits = logits.to(_acc_dtype(logits.dtype))
+    logits = _dense_logits(queries, keys, logit_scale) + logit_bias.to(_acc_dtype(queries.dtype))
     rows, cols = _tile_positives(queries.shape[0], keys.shape[0], offset, logits.device)
     positive = logits[rows, cols]
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
@@ -608,42 +637,33 @@ def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _log1mexp(x: Tensor) -> Tensor:
-    """log(1 - exp(x)) for x < 0, accurate on both sides of -log 2 (Maechler 2012); NaN-free gradients."""
-    x = x.clamp(max=-torch.finfo(x.dtype).tiny)  # x == 0 would mean no negatives survived rounding
-    near = x > -math.log(2)
-    # Each branch only sees inputs where it is finite, so the unused branch cannot poison the gradient.
-    a = torch.log(-torch.expm1(torch.where(near, x, -1.0)))
-    b = torch.log1p(-torch.exp(torch.where(near, -1.0, x)))
-    return torch.where(near, a, b)
+def _negative_lse(image_features, text_features, all_img, all_txt, scale, offset, chunk_size, single):
+    """(n,) image->text and (n,) text->image log sums over negatives j != offset+i of exp(scale * q_i.k_j).
 
-
-def _negative_lse(queries, keys, logit_scale, gamma, offset, chunk_size):
-    """(n,) log sum over negatives j != offset+i of exp(gamma * s * q_i.k_j)."""
-    scale = logit_scale * gamma
+    The positive is excluded inside the sum (masked to -inf), never subtracted from the full log-sum-exp:
+    log(e^lse - e^p) cancels completely once the positive dominates its row (a trained model at scale 100).
+    With the whole batch in this process both directions come from one pass over one logit matrix.
+    """
     if chunk_size is None:
-        logits = scale * (queries @ keys.T)
-        logits = logits.to(_acc_dtype(logits.dtype))
-        rows = torch.arange(queries.shape[0], device=queries.device)
-        minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
-        logits = logits.index_put((rows, rows + offset), minus_inf)
-        return torch.logsumexp(logits, dim=1)
-    lse = TiledLogSumExp.apply(queries, keys, scale, chunk_size, False)
-    positive = _positive_logits(queries, keys, scale, offset).to(lse.dtype)
-    return lse + _log1mexp(positive - lse)
+        def masked(q, k):
+            logits = _dense_logits(q, k, scale)
+            rows = torch.arange(q.shape[0], device=q.device)
+            minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+            return logits.index_put((rows, rows + offset), minus_inf)
+
+        if single:
+            logits = masked(image_features, text_features)
+            return torch.logsumexp(logits, dim=1), torch.logsumexp(logits, dim=0)
+        return (torch.logsumexp(masked(image_features, all_txt), dim=1),
+                torch.logsumexp(masked(text_features, all_img), dim=1))
+    if single:
+        return TiledLogSumExp.apply(image_features, text_features, scale, chunk_size, True, None, 0)
+    return (TiledLogSumExp.apply(image_features, all_txt, scale, chunk_size, False, None, offset),
+            TiledLogSumExp.apply(text_features, all_img, scale, chunk_size, False, None, offset))
 
 
-def _reweighted_rows(queries, keys, logit_scale, offset, tau_plus, beta, chunk_size):
-    """Per-row loss of Robinson et al. (2021) eq. with beta; beta = 0 is Chuang et al. (2020)."""
-    m = keys.shape[0]
-    n_neg = m - 1
-    positive = _positive_logits(queries, keys, logit_scale, offset)
-    positive = positive.to(_acc_dtype(positive.dtype))
-    # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
-    # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
-    log_neg = _negative_lse(queries, keys, logit_scale, 1.0 + beta, offset, chunk_size)
-    if beta != 0:
-        log_neg = log_neg - _negative_lse(queries, keys, logit_scale, beta, offset, chunk_size) + math.log(n_neg)
+def _reweighted_rows(positive, log_neg, logit_scale, n_neg, tau_plus):
+    """Per-row loss of Robinson et al. (2021) from the positive logit and the log of the reweighted negative sum."""
     shift = torch.maximum(positive, log_neg).detach()
     pos_e = torch.exp(positive - shift)
     neg_g = (torch.exp(log_neg - shift) - tau_plus * n_neg * pos_e) / (1 - tau_plus)
@@ -691,11 +711,24 @@ def hard_negative_clip_loss(
     _check_chunk(chunk_size)
     _check_tau_beta(tau_plus, beta)
     logit_scale = _as_scale(logit_scale, image_features)
-    all_img, all_txt, offset, _ = _columns(image_features, text_features, all_image_features, all_text_features, offset)
+    all_img, all_txt, offset, single = _columns(
+        image_features, text_features, all_image_features, all_text_features, offset
+    )
     if all_img.shape[0] < 2:
         raise DataError(f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
-    i2t = _reweighted_rows(image_features, all_txt, logit_scale, offset, tau_plus, beta, chunk_size)
-    t2i = _reweighted_rows(text_features, all_img, logit_scale, offset, tau_plus, beta, chunk_size)
+    n_neg = all_img.shape[0] - 1
+    # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
+    # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
+    log_neg = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale * (1.0 + beta), offset,
+                            chunk_size, single)
+    if beta != 0:
+        log_den = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale * beta, offset,
+                                chunk_size, single)
+        log_neg = tuple(a - b + math.log(n_neg) for a, b in zip(log_neg, log_den))
+    i2t = _reweighted_rows(_positive_logits(image_features, all_txt, logit_scale, offset), log_neg[0], logit_scale,
+                           n_neg, tau_plus)
+    t2i = _reweighted_rows(_positive_logits(text_features, all_img, logit_scale, offset), log_neg[1], logit_scale,
+                           n_neg, tau_plus)
     return (i2t.mean() + t2i.mean()) / 2
 
 
@@ -777,16 +810,14 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
         lse = logsumexp_rows(queries, real, logit_scale, chunk_size)
         if synthetic_logits is not None:
             lse = torch.logaddexp(lse, torch.logsumexp(synthetic_logits.to(lse.dtype), dim=1))
-        positive = logit_scale * (queries * keys[rows + offset]).sum(dim=1)
-        return lse - positive.to(lse.dtype)
+        return lse - _positive_logits(queries, keys, logit_scale, offset)
 
-    parts = [logit_scale * (queries @ keys.T)]  # (n, M)
+    parts = [_dense_logits(queries, keys, logit_scale)]  # (n, M)
     if queue is not None:
-        parts.append(logit_scale * (queries @ queue.T))  # (n, Q)
+        parts.append(_dense_logits(queries, queue, logit_scale))  # (n, Q)
     if synthetic_logits is not None:
         parts.append(synthetic_logits)
     all_logits = torch.cat(parts, dim=1)
-    all_logits = all_logits.to(_acc_dtype(all_logits.dtype))
     return F.cross_entropy(all_logits, rows + offset, reduction="none")
 
 
@@ -810,7 +841,8 @@ def _synthetic_logits(queries: Tensor, candidates: Tensor, hard: Tensor, draws, 
             negative = candidates[hard.gather(1, picks)]  # (n, s', D)
             synthetic.append(F.normalize(beta * q[:, None, :] + (1 - beta) * negative, dim=-1))
         synthetic = torch.cat(synthetic, dim=1)  # (n, s + s', D)
-    return logit_scale * torch.einsum("nd,nkd->nk", queries, synthetic)
+    acc = _acc_dtype(queries.dtype)
+    return logit_scale.to(acc) * torch.einsum("nd,nkd->nk", queries.to(acc), synthetic.to(acc))
 
 
 def mochi_loss(
@@ -897,7 +929,10 @@ class FeatureQueue(nn.Module):
             self.features = torch.zeros(self.size, x.shape[1], dtype=torch.float32, device=x.device)
         x = x.detach()[-self.size:].to(self.features)
         idx = (int(self.ptr) + torch.arange(x.shape[0], device=x.device)) % self.size
-        self.features[idx] = x
+        # A new buffer, not a write into the old one: the tensor `get` returned for this step's loss is still
+        # in the autograd graph (the queries' gradient needs it), and an in-place write would invalidate the
+        # backward that follows. The copy costs one pass over the queue per step.
+        self.features = self.features.index_copy(0, idx, x)
         self.ptr.fill_((int(self.ptr) + x.shape[0]) % self.size)
         self.count.fill_(min(int(self.count) + x.shape[0], self.size))
 
@@ -931,6 +966,8 @@ def align_loss(x: Tensor, y: Tensor, alpha: float = 2.0) -> Tensor:
     """
     if x.shape != y.shape:
         raise DataError(f"align_loss needs equal shapes (got {tuple(x.shape)} and {tuple(y.shape)})")
+    acc = _acc_dtype(x.dtype)
+    x, y = x.to(acc), y.to(acc)  # half-precision differences of near-equal features lose most of their bits
     if alpha == 2:
         # The squared norm avoids the sqrt, whose gradient is undefined at x_i == y_i.
         return (x - y).pow(2).sum(dim=1).mean()
@@ -938,7 +975,10 @@ def align_loss(x: Tensor, y: Tensor, alpha: float = 2.0) -> Tensor:
 
 
 def _sq_dists(a: Tensor, b: Tensor) -> Tensor:
-    # |a|^2 + |b|^2 - 2 a.b: one matmul and a smooth gradient everywhere (cdist's is undefined at 0).
+    # |a|^2 + |b|^2 - 2 a.b: one matmul and a smooth gradient everywhere (cdist's is undefined at 0). Built
+    # in float32 at least: in bf16 the three terms of size ~1 cancel to distances with an error of ~1e-2.
+    acc = _acc_dtype(a.dtype)
+    a, b = a.to(acc), b.to(acc)
     d = a.pow(2).sum(1, keepdim=True) + b.pow(2).sum(1)[None, :] - 2 * (a @ b.T)
     return d.clamp_min(0)
 
