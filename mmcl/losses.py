@@ -764,27 +764,29 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
     combined with the synthetic negatives' log-sum-exp; the same value and gradients as the dense form.
     """
     n, m = queries.shape[0], keys.shape[0]
+    acc = _acc_dtype(queries.dtype)  # hard-negative ranking, synthetic features and logits in float32 at least
     n_queue = 0 if queue is None else queue.shape[0]
     k = min(n_hard, m - 1 + n_queue)
     rows = torch.arange(n, device=queries.device)
     # Draws are made for all M queries of the global batch and sliced at this rank's offset, so every rank
     # (sharing one seed) synthesises exactly what a single process holding the global batch would.
     pairs = torch.randint(0, max(k, 1), (m, s, 2), generator=generator)[offset:offset + n].to(queries.device)
-    alpha = torch.rand(m, s, 1, generator=generator)[offset:offset + n].to(queries.device, queries.dtype)
+    alpha = torch.rand(m, s, 1, generator=generator)[offset:offset + n].to(queries.device, acc)
     picks = torch.randint(0, max(k, 1), (m, s_prime), generator=generator)[offset:offset + n].to(queries.device)
     beta = (torch.rand(m, s_prime, 1, generator=generator) * mix_max)[offset:offset + n].to(
-        queries.device, queries.dtype
+        queries.device, acc
     )
     if queue is not None and n_queue > 0:
-        queue = queue.detach().to(queries.dtype)
+        queue = queue.detach().to(acc)
     else:
         queue = None
 
     synthetic_logits = None
     if k > 0 and s + s_prime > 0:
         with torch.no_grad():
-            q = queries.detach()
-            candidates = keys.detach() if queue is None else torch.cat([keys.detach(), queue])  # (M+Q, D)
+            q = queries.detach().to(acc)
+            candidates = keys.detach().to(acc)
+            candidates = candidates if queue is None else torch.cat([candidates, queue])  # (M+Q, D)
             block = n if chunk_size is None else chunk_size
             hard = []
             for i0 in range(0, n, block):
@@ -806,7 +808,7 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
                 for i0 in range(0, n, chunk_size)])
 
     if chunk_size is not None:
-        real = keys if queue is None else torch.cat([keys, queue])
+        real = keys if queue is None else torch.cat([keys.to(acc), queue])
         lse = logsumexp_rows(queries, real, logit_scale, chunk_size)
         if synthetic_logits is not None:
             lse = torch.logaddexp(lse, torch.logsumexp(synthetic_logits.to(lse.dtype), dim=1))
@@ -830,8 +832,9 @@ def _synthetic_logits(queries: Tensor, candidates: Tensor, hard: Tensor, draws, 
     away from them.
     """
     pairs, alpha, picks, beta = draws
+    acc = _acc_dtype(queries.dtype)
     with torch.no_grad():
-        q = queries.detach()
+        q = queries.detach().to(acc)
         synthetic = []
         if pairs.shape[1] > 0:
             first = candidates[hard.gather(1, pairs[..., 0])]  # (n, s, D)
@@ -841,8 +844,7 @@ def _synthetic_logits(queries: Tensor, candidates: Tensor, hard: Tensor, draws, 
             negative = candidates[hard.gather(1, picks)]  # (n, s', D)
             synthetic.append(F.normalize(beta * q[:, None, :] + (1 - beta) * negative, dim=-1))
         synthetic = torch.cat(synthetic, dim=1)  # (n, s + s', D)
-    acc = _acc_dtype(queries.dtype)
-    return logit_scale.to(acc) * torch.einsum("nd,nkd->nk", queries.to(acc), synthetic.to(acc))
+    return logit_scale.to(acc) * torch.einsum("nd,nkd->nk", queries.to(acc), synthetic)
 
 
 def mochi_loss(
