@@ -249,11 +249,19 @@ def _check_chunk(chunk_size: Optional[int]) -> None:
 
 
 def _as_scale(logit_scale, like: Tensor) -> Tensor:
+    # In float32 at least, like the features after `_upcast`.
     if not torch.is_tensor(logit_scale):
-        return torch.tensor(float(logit_scale), dtype=like.dtype, device=like.device)
+        return torch.tensor(float(logit_scale), dtype=_acc_dtype(like.dtype), device=like.device)
     if logit_scale.numel() != 1:
         raise ConfigError(f"logit_scale must be a scalar (got shape {tuple(logit_scale.shape)}, expected ())")
-    return logit_scale.reshape(())
+    return logit_scale.reshape(()).to(_acc_dtype(logit_scale.dtype))
+
+
+def _upcast(*features: Optional[Tensor]):
+    """Half-precision features as float32 (others unchanged): logits, log-sum-exps and every sum are then
+    float32, and the gradients of a feature's several uses (as a row and as a column, in the positive) add up
+    in float32 behind the one cast, rounded to the input dtype once."""
+    return tuple(None if x is None else x.to(_acc_dtype(x.dtype)) for x in features)
 
 
 def logsumexp_rows(
@@ -270,6 +278,7 @@ def logsumexp_rows(
     """
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, queries)
+    queries, keys = _upcast(queries, keys)
     if chunk_size is None:
         logits = _dense_logits(queries, keys, logit_scale)
         if with_cols:
@@ -349,6 +358,7 @@ def infonce_rows(
     """
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, queries)
+    queries, keys = _upcast(queries, keys)
     n = queries.shape[0]
     if chunk_size is None:
         logits = _dense_logits(queries, keys, logit_scale)
@@ -383,6 +393,9 @@ def clip_loss(
     _check_pair(image_features, text_features)
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
+    image_features, text_features, all_image_features, all_text_features = _upcast(
+        image_features, text_features, all_image_features, all_text_features
+    )
     all_img, all_txt, offset, single = _columns(
         image_features, text_features, all_image_features, all_text_features, offset
     )
@@ -467,6 +480,9 @@ def supcon_loss(
     _check_pair(image_features, text_features)
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
+    image_features, text_features, all_image_features, all_text_features = _upcast(
+        image_features, text_features, all_image_features, all_text_features
+    )
     n = image_features.shape[0]
     labels = _check_labels(labels, n, image_features.device)
     all_img, all_txt, offset, single = _columns(
@@ -529,6 +545,7 @@ def siglip_loss(
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
     logit_bias = _as_scale(logit_bias, image_features)
+    image_features, text_features, all_text_features = _upcast(image_features, text_features, all_text_features)
     keys = text_features if all_text_features is None else all_text_features
     n, m = image_features.shape[0], keys.shape[0]
     if all_text_features is None and offset != 0:
@@ -711,6 +728,9 @@ def hard_negative_clip_loss(
     _check_chunk(chunk_size)
     _check_tau_beta(tau_plus, beta)
     logit_scale = _as_scale(logit_scale, image_features)
+    image_features, text_features, all_image_features, all_text_features = _upcast(
+        image_features, text_features, all_image_features, all_text_features
+    )
     all_img, all_txt, offset, single = _columns(
         image_features, text_features, all_image_features, all_text_features, offset
     )
@@ -893,6 +913,9 @@ def mochi_loss(
     if not 0 < mix_max <= 1:
         raise ConfigError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
     logit_scale = _as_scale(logit_scale, image_features)
+    image_features, text_features, all_image_features, all_text_features = _upcast(
+        image_features, text_features, all_image_features, all_text_features
+    )
     all_img, all_txt, offset, _ = _columns(image_features, text_features, all_image_features, all_text_features, offset)
     i2t = _mochi_rows(image_features, all_txt, text_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
                       chunk_size)
@@ -994,6 +1017,7 @@ def uniform_loss(x: Tensor, t: float = 2.0) -> Tensor:
     b = x.shape[0]
     if b < 2:
         raise DataError(f"uniform_loss needs at least 2 items (got {b})")
+    x = x.to(_acc_dtype(x.dtype))  # one cast, so both uses of x add their gradients in float32
     i, j = torch.triu_indices(b, b, offset=1, device=x.device)
     d = _sq_dists(x, x)[i, j]
     return torch.logsumexp(-t * d, dim=0) - math.log(d.numel())
