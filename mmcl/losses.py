@@ -127,50 +127,72 @@ class TiledLogSumExp(torch.autograd.Function):
     ``mask_offset`` set: the entries ``L[i, mask_offset + i]`` are left out of every sum (set to -inf inside
     each tile), which gives the log-sum-exp over negatives only without subtracting the positive afterwards
     (that subtraction cancels completely once the positive dominates its row). Columns need offset 0, n == M.
+    ``gammas`` set (a tuple of positive floats, without ``positive_offset``): the log-sum-exps of ``gamma * L``
+    for every gamma from the same tiles, one matmul per tile for all of them (the hard-negative loss needs
+    gamma = 1 + beta and beta); the outputs are then (G, n) [and (G, M)].
 
     Args (apply): queries (n, D), keys (M, D), logit_scale 0-dim, chunk_size int, with_cols bool,
-    positive_offset int or None, mask_offset int or None. Returns (n,) [and (M,)]; float32 for half inputs,
-    else the input dtype.
+    positive_offset int or None, mask_offset int or None, gammas tuple or None. Returns (n,) [and (M,)]; float32
+    for half inputs, else the input dtype.
     """
 
     @staticmethod
     def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
-                mask_offset=None):
+                mask_offset=None, gammas=None):
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
         for off in (positive_offset, mask_offset):
             assert off is None or not with_cols or (off == 0 and n == m), "square batch expected"
+        multi = gammas is not None
+        gammas = (1.0,) if gammas is None else tuple(float(g) for g in gammas)
+        assert all(g > 0 for g in gammas) and (positive_offset is None or not multi), "bad gammas"
+        n_g = len(gammas)
         minus_inf = torch.tensor(-math.inf, dtype=acc, device=q32.device)
-        row_lse = torch.empty(n, dtype=acc, device=q32.device)
-        col_max = minus_inf.expand(m if with_cols else 0).clone()
-        col_sum = torch.zeros(m if with_cols else 0, dtype=acc, device=q32.device)
+        row_lse = torch.empty(n_g, n, dtype=acc, device=q32.device)
+        m_cols = m if with_cols else 0
+        col_max = minus_inf.expand(m_cols).clone()  # of L; the maximum of gamma * L is gamma times it
+        col_sum = torch.zeros(n_g, m_cols, dtype=acc, device=q32.device)
         width = _tile_width(chunk_size, m)
+
+        def scaled_exp(x, g, last):
+            # exp(g * x), reusing x's storage for the last gamma
+            if g != 1.0:
+                return x.mul_(g).exp_() if last else torch.mul(x, g).exp_()
+            return x.exp_() if last else torch.exp(x)
+
         for i0 in range(0, n, chunk_size):
             qs = q32[i0:i0 + chunk_size] * scale  # (c, D): the scale folded into the smaller operand
             r_max = minus_inf.expand(qs.shape[0]).clone()
-            r_sum = torch.zeros(qs.shape[0], dtype=acc, device=q32.device)
+            r_sum = torch.zeros(n_g, qs.shape[0], dtype=acc, device=q32.device)
             for j0 in range(0, m, width):
                 j1 = min(m, j0 + width)
                 logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0)
                 new_max = torch.maximum(r_max, logits.amax(dim=1))
                 shift = _finite_or_zero(new_max)
-                e = torch.sub(logits, shift[:, None]).exp_()
-                r_sum = r_sum * torch.exp(r_max - shift) + e.sum(dim=1)
+                d = torch.sub(logits, shift[:, None])
+                for gi, g in enumerate(gammas):
+                    e = scaled_exp(d, g, gi == n_g - 1)
+                    r_sum[gi] = r_sum[gi] * torch.exp(g * (r_max - shift)) + e.sum(dim=1)
                 r_max = new_max
                 if with_cols:
                     c_max = col_max[j0:j1]
                     new_c = torch.maximum(c_max, logits.amax(dim=0))
                     shift_c = _finite_or_zero(new_c)
-                    e = logits.sub_(shift_c).exp_()
-                    col_sum[j0:j1] = col_sum[j0:j1] * torch.exp(c_max - shift_c) + e.sum(dim=0)
+                    d = logits.sub_(shift_c)
+                    for gi, g in enumerate(gammas):
+                        e = scaled_exp(d, g, gi == n_g - 1)
+                        col_sum[gi, j0:j1] = col_sum[gi, j0:j1] * torch.exp(g * (c_max - shift_c)) + e.sum(dim=0)
                     col_max[j0:j1] = new_c
-                del logits, e
-            row_lse[i0:i0 + chunk_size] = r_max + torch.log(r_sum)
-        col_lse = col_max + torch.log(col_sum) if with_cols else row_lse[:0]
-        ctx.chunk_size, ctx.with_cols = chunk_size, with_cols
+                del logits, d, e
+            for gi, g in enumerate(gammas):
+                row_lse[gi, i0:i0 + chunk_size] = g * r_max + torch.log(r_sum[gi])
+        col_lse = torch.stack([g * col_max for g in gammas]) + torch.log(col_sum)
+        ctx.chunk_size, ctx.with_cols, ctx.gammas, ctx.multi = chunk_size, with_cols, gammas, multi
         ctx.positive_offset, ctx.mask_offset = positive_offset, mask_offset
         ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse)
+        if not multi:
+            row_lse, col_lse = row_lse[0], col_lse[0]
         if positive_offset is not None:
             positive = scale * torch.linalg.vecdot(q32, k32[positive_offset:positive_offset + n])  # (n,)
             row_lse = row_lse - positive
@@ -183,22 +205,24 @@ class TiledLogSumExp(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_row: Optional[Tensor], grad_col: Optional[Tensor] = None, *unused):
         queries, keys, logit_scale, row_lse, col_lse = ctx.saved_tensors
-        c, mask_offset = ctx.chunk_size, ctx.mask_offset
+        c, mask_offset, gammas = ctx.chunk_size, ctx.mask_offset, ctx.gammas
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
-        use_rows = grad_row is not None
-        use_cols = ctx.with_cols and grad_col is not None
         grad_q = torch.zeros_like(q32)  # sum_j G_ij k_j
         grad_k = torch.zeros_like(k32)  # sum_i G_ij q_i
-        if use_rows:
-            grad_row = grad_row.to(acc)
-            row_shift, row_sign = _log_coef(row_lse, grad_row)
-        if use_cols:
-            grad_col = grad_col.to(acc)
-            col_shift, col_sign = _log_coef(col_lse, grad_col)
+        # One term per (gamma, direction) with a gradient: d lse_gamma / dL = gamma * softmax(gamma L), and
+        # g * gamma * exp(gamma L - lse) = sign * exp(gamma L - (lse - log(gamma |g|))).
+        terms = []  # (gamma, is_row, shift, sign)
+        for is_row, grad, lse in ((True, grad_row, row_lse), (False, grad_col if ctx.with_cols else None, col_lse)):
+            if grad is None:
+                continue
+            grad = grad.to(acc).reshape(len(gammas), -1)
+            for gi, g in enumerate(gammas):
+                shift, sign = _log_coef(lse[gi], grad[gi] * g)
+                terms.append((g, is_row, shift, sign))
         width = _tile_width(c, m)
-        if use_rows or use_cols:
+        if terms:
             for i0 in range(0, n, c):
                 q_raw = q32[i0:i0 + c]
                 qs = q_raw * scale
@@ -206,28 +230,31 @@ class TiledLogSumExp(torch.autograd.Function):
                     j1 = min(m, j0 + width)
                     k = k32[j0:j1]
                     logits = _logit_tile(qs, k, None if mask_offset is None else mask_offset + i0 - j0)
-                    g = None
-                    if use_rows:
-                        # g_row_i * softmax_row_ij = sign_i * exp(L_ij - lse_i + log|g_row_i|)
-                        g = torch.sub(logits, row_shift[i0:i0 + c, None]).exp_()
-                        if row_sign is not None:
-                            g.mul_(row_sign if isinstance(row_sign, float) else row_sign[i0:i0 + c, None])
-                    if use_cols:
-                        e = logits.sub_(col_shift[None, j0:j1]).exp_()
-                        if col_sign is not None:
-                            e.mul_(col_sign if isinstance(col_sign, float) else col_sign[None, j0:j1])
-                        g = e if g is None else g.add_(e)
-                    grad_q[i0:i0 + c].addmm_(g, k)
-                    grad_k[j0:j1].addmm_(g.T, q_raw)
-                    del logits, g
+                    g_tile = None
+                    for t, (g, is_row, shift, sign) in enumerate(terms):
+                        sh = shift[i0:i0 + c, None] if is_row else shift[None, j0:j1]
+                        if t < len(terms) - 1:
+                            x = torch.add(-sh, logits, alpha=g)  # g * L - shift in one pass, L kept
+                        else:
+                            x = (logits if g == 1.0 else logits.mul_(g)).sub_(sh)
+                        x.exp_()
+                        if sign is not None:
+                            if isinstance(sign, float):
+                                x.mul_(sign)
+                            else:
+                                x.mul_(sign[i0:i0 + c, None] if is_row else sign[None, j0:j1])
+                        g_tile = x if g_tile is None else g_tile.add_(x)
+                    grad_q[i0:i0 + c].addmm_(g_tile, k)
+                    grad_k[j0:j1].addmm_(g_tile.T, q_raw)
+                    del logits, g_tile, x
         off = ctx.positive_offset
         if off is not None:
             # d(-L[i, off+i]) / dL = -1 at the positive, from the row loss and (with columns) the column loss.
             diag = torch.zeros(n, dtype=acc, device=q32.device)
-            if use_rows:
-                diag += grad_row
-            if use_cols:
-                diag += grad_col
+            if grad_row is not None:
+                diag += grad_row.to(acc)
+            if ctx.with_cols and grad_col is not None:
+                diag += grad_col.to(acc)
             grad_q.addcmul_(k32[off:off + n], diag[:, None], value=-1)
             grad_k[off:off + n].addcmul_(q32, diag[:, None], value=-1)
         # dL/ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G K)_i, which reuses the unscaled query gradient.
@@ -236,6 +263,7 @@ class TiledLogSumExp(torch.autograd.Function):
             grad_q.mul_(scale).to(queries.dtype),
             grad_k.mul_(scale).to(keys.dtype),
             grad_scale.to(logit_scale.dtype).reshape(logit_scale.shape),
+            None,
             None,
             None,
             None,
@@ -654,29 +682,35 @@ def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _negative_lse(image_features, text_features, all_img, all_txt, scale, offset, chunk_size, single):
-    """(n,) image->text and (n,) text->image log sums over negatives j != offset+i of exp(scale * q_i.k_j).
+def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
+                  single):
+    """Per gamma, the (n,) image->text and (n,) text->image log sums over the negatives j != offset+i of
+    exp(gamma * s * q_i.k_j): a list of (i2t, t2i) pairs, one per gamma.
 
     The positive is excluded inside the sum (masked to -inf), never subtracted from the full log-sum-exp:
     log(e^lse - e^p) cancels completely once the positive dominates its row (a trained model at scale 100).
-    With the whole batch in this process both directions come from one pass over one logit matrix.
+    All gammas come from one logit matrix (one pass over the tiles), and with the whole batch in this process
+    both directions too.
     """
     if chunk_size is None:
         def masked(q, k):
-            logits = _dense_logits(q, k, scale)
+            logits = _dense_logits(q, k, logit_scale)
             rows = torch.arange(q.shape[0], device=q.device)
             minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
             return logits.index_put((rows, rows + offset), minus_inf)
 
         if single:
             logits = masked(image_features, text_features)
-            return torch.logsumexp(logits, dim=1), torch.logsumexp(logits, dim=0)
-        return (torch.logsumexp(masked(image_features, all_txt), dim=1),
-                torch.logsumexp(masked(text_features, all_img), dim=1))
+            return [(torch.logsumexp(g * logits, dim=1), torch.logsumexp(g * logits, dim=0)) for g in gammas]
+        i2t, t2i = masked(image_features, all_txt), masked(text_features, all_img)
+        return [(torch.logsumexp(g * i2t, dim=1), torch.logsumexp(g * t2i, dim=1)) for g in gammas]
     if single:
-        return TiledLogSumExp.apply(image_features, text_features, scale, chunk_size, True, None, 0)
-    return (TiledLogSumExp.apply(image_features, all_txt, scale, chunk_size, False, None, offset),
-            TiledLogSumExp.apply(text_features, all_img, scale, chunk_size, False, None, offset))
+        rows, cols = TiledLogSumExp.apply(image_features, text_features, logit_scale, chunk_size, True, None, 0,
+                                          gammas)
+        return list(zip(rows.unbind(0), cols.unbind(0)))
+    i2t = TiledLogSumExp.apply(image_features, all_txt, logit_scale, chunk_size, False, None, offset, gammas)
+    t2i = TiledLogSumExp.apply(text_features, all_img, logit_scale, chunk_size, False, None, offset, gammas)
+    return list(zip(i2t.unbind(0), t2i.unbind(0)))
 
 
 def _reweighted_rows(positive, log_neg, logit_scale, n_neg, tau_plus):
@@ -739,12 +773,10 @@ def hard_negative_clip_loss(
     n_neg = all_img.shape[0] - 1
     # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
     # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
-    log_neg = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale * (1.0 + beta), offset,
-                            chunk_size, single)
-    if beta != 0:
-        log_den = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale * beta, offset,
-                                chunk_size, single)
-        log_neg = tuple(a - b + math.log(n_neg) for a, b in zip(log_neg, log_den))
+    gammas = (1.0 + beta, beta) if beta != 0 else (1.0,)
+    lse = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
+                        single)
+    log_neg = lse[0] if beta == 0 else tuple(a - b + math.log(n_neg) for a, b in zip(lse[0], lse[1]))
     i2t = _reweighted_rows(_positive_logits(image_features, all_txt, logit_scale, offset), log_neg[0], logit_scale,
                            n_neg, tau_plus)
     t2i = _reweighted_rows(_positive_logits(text_features, all_img, logit_scale, offset), log_neg[1], logit_scale,

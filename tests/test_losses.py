@@ -127,6 +127,25 @@ def test_tiled_logsumexp_gradcheck(tiles):
     assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q[:5], k, s, 2, True, 0), (q, k, s))
 
 
+
+def test_tiled_logsumexp_gradcheck_masked_and_several_gammas(tiles):
+    """The negatives-only (masked) log-sum-exps of gamma * L for several gammas from one pass, as the
+    hard-negative loss uses them: gradcheck of rows and columns, and the values against torch.logsumexp."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    s = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+    for gammas in (None, (2.0, 1.0), (0.5, 1.0, 3.0)):
+        assert torch.autograd.gradcheck(
+            lambda q, k, s: TiledLogSumExp.apply(q, k, s, 3, True, None, 0, gammas), (q, k, s))
+        assert torch.autograd.gradcheck(
+            lambda q, k, s: TiledLogSumExp.apply(q[:4], k, s, 2, False, None, 2, gammas), (q, k, s))
+    rows, cols = TiledLogSumExp.apply(q, k, s, 3, True, None, 0, (2.0, 0.5))
+    logits = (2.5 * q @ k.T).masked_fill(torch.eye(7, dtype=torch.bool), -math.inf)
+    for i, gamma in enumerate((2.0, 0.5)):
+        torch.testing.assert_close(rows[i], torch.logsumexp(gamma * logits, 1), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(cols[i], torch.logsumexp(gamma * logits, 0), rtol=1e-12, atol=1e-12)
+
 def _mixed_norms(dtype, big):
     """One query far longer than the rest: a shift shared by all rows (s times the largest norm product) would
     leave the other rows' and many columns' shifted sums below M * tiny; per-row and per-column maxima must not."""
