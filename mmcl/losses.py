@@ -497,6 +497,11 @@ def supcon_loss(
     of -1 means "no label": that pair's only positive is its own caption, so with all labels distinct or -1
     this equals `clip_loss`.
 
+    Where this differs from the authors' SupContrast code: there the anchors and the contrasted set are the
+    2N augmented views of one modality, the anchor itself is left out of the denominator and of its
+    positives, and unlabelled samples do not exist. Here the anchors are one modality and the contrasted set
+    the other (the denominator runs over all M keys, like CLIP's), and the own caption is always a positive.
+
     Args:
         image_features, text_features: (n, D) float, L2-normalised.  labels: (n,) integer or None (all -1).
         logit_scale: 0-dim tensor s.  chunk_size: None (dense) or block size of the tiled log-sum-exp; the
@@ -750,6 +755,13 @@ def hard_negative_clip_loss(
     ``Ng = max((N * sum_j e^{(1+beta) L_j} / sum_j e^{beta L_j} - tau_plus N e^p) / (1 - tau_plus), N e^{-s})``
     and ``loss = -log(e^p / (e^p + Ng))``; beta = 0 is the debiased loss of Chuang et al. (2020), and
     beta = tau_plus = 0 is InfoNCE.
+
+    Where this differs from the authors' code (DCL, HCL): there the negatives of an anchor are the 2B - 2 other
+    views of a two-view batch of one modality (N = 2B - 2); here they are the M - 1 other items of the other
+    modality (N = M - 1). Their floor ``N e^{-1/t}`` is a constant of the fixed temperature; with the learned
+    scale here the floor ``N e^{-s}`` is detached, so it never trains the temperature. The negatives-only sums
+    leave the positive out inside the sum (dense and tiled alike), never by subtraction, so they stay exact
+    when the positive dominates its row.
 
     Args:
         image_features, text_features: (n, D) float, L2-normalised.  logit_scale: 0-dim tensor s.
