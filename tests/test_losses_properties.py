@@ -30,7 +30,8 @@ from mmcl.losses import (
     uniform_loss,
 )
 
-SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same examples on every run (and no example database written next to the code).
+SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 ALIGNMENTS = ("random", "correlated", "duplicate", "dominant")
 
 
@@ -149,7 +150,8 @@ def ref_hard_negative(img, txt, s, tau_plus, beta):
         e = logits.exp() * off
         w = (beta * logits).exp() * off
         reweighted = (n - 1) * (w * e).sum(1) / w.sum(1)
-        ng = ((reweighted - tau_plus * (n - 1) * pos) / (1 - tau_plus)).clamp(min=(n - 1) * math.exp(-float(s.detach())))
+        floor = (n - 1) * math.exp(-float(s.detach()))
+        ng = ((reweighted - tau_plus * (n - 1) * pos) / (1 - tau_plus)).clamp(min=floor)
         out = out + (-torch.log(pos / (pos + ng))).mean() / 2
     return out
 
