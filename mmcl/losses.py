@@ -90,20 +90,6 @@ def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int]) -> Tensor:
     return logits
 
 
-def _log_coef(lse: Tensor, grad: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-    """Shift t and sign so that grad_i * exp(L_ij - lse_i) = sign_i * exp(L_ij - t_i).
-
-    Folding log|grad| into the shift saves a pass over each tile; a sign tensor is returned only when the
-    gradient has both signs (the hard-negative loss subtracts one log-sum-exp from another).
-    """
-    lse = _finite_or_zero(lse)
-    if bool((grad >= 0).all()):
-        return lse - torch.log(grad), None
-    if bool((grad <= 0).all()):
-        return lse - torch.log(-grad), -1.0
-    return lse - torch.log(grad.abs()), torch.sign(grad)
-
-
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
 
@@ -150,10 +136,14 @@ class TiledLogSumExp(torch.autograd.Function):
         n_g = len(gammas)
         minus_inf = torch.tensor(-math.inf, dtype=acc, device=q32.device)
         row_lse = torch.empty(n_g, n, dtype=acc, device=q32.device)
+        row_out = torch.empty(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
         m_cols = m if with_cols else 0
         col_max = minus_inf.expand(m_cols).clone()  # of L; the maximum of gamma * L is gamma times it
         col_sum = torch.zeros(n_g, m_cols, dtype=acc, device=q32.device)
         width = _tile_width(chunk_size, m)
+        # The positive logits L[i, offset + i], read from the tiles themselves: lse_i - L_ii is then formed from
+        # the same rounded number on both sides, exactly 0 + log(sum) when the positive is the row's maximum.
+        positive = torch.zeros(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
 
         def scaled_exp(x, g, last):
             # exp(g * x), reusing x's storage for the last gamma
@@ -168,6 +158,9 @@ class TiledLogSumExp(torch.autograd.Function):
             for j0 in range(0, m, width):
                 j1 = min(m, j0 + width)
                 logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0)
+                if positive_offset is not None:
+                    rows, cols = _tile_positives(qs.shape[0], j1 - j0, positive_offset + i0 - j0, q32.device)
+                    positive[i0 + rows] = logits[rows, cols]
                 new_max = torch.maximum(r_max, logits.amax(dim=1))
                 shift = _finite_or_zero(new_max)
                 d = torch.sub(logits, shift[:, None])
@@ -187,16 +180,17 @@ class TiledLogSumExp(torch.autograd.Function):
                 del logits, d, e
             for gi, g in enumerate(gammas):
                 row_lse[gi, i0:i0 + chunk_size] = g * r_max + torch.log(r_sum[gi])
+                if positive_offset is not None:  # (max - positive) + log(sum): no cancellation of two large terms
+                    row_out[i0:i0 + chunk_size] = (r_max - positive[i0:i0 + chunk_size]) + torch.log(r_sum[gi])
         col_lse = torch.stack([g * col_max for g in gammas]) + torch.log(col_sum)
         ctx.chunk_size, ctx.with_cols, ctx.gammas, ctx.multi = chunk_size, with_cols, gammas, multi
         ctx.positive_offset, ctx.mask_offset = positive_offset, mask_offset
         ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse)
-        if not multi:
-            row_lse, col_lse = row_lse[0], col_lse[0]
         if positive_offset is not None:
-            positive = scale * torch.linalg.vecdot(q32, k32[positive_offset:positive_offset + n])  # (n,)
-            row_lse = row_lse - positive
-            col_lse = col_lse - positive if with_cols else None
+            row_lse = row_out
+            col_lse = (col_max - positive) + torch.log(col_sum[0]) if with_cols else None
+        elif not multi:
+            row_lse, col_lse = row_lse[0], col_lse[0]
         if with_cols:
             return row_lse, col_lse
         return row_lse
@@ -211,16 +205,20 @@ class TiledLogSumExp(torch.autograd.Function):
         n, m = q32.shape[0], k32.shape[0]
         grad_q = torch.zeros_like(q32)  # sum_j G_ij k_j
         grad_k = torch.zeros_like(k32)  # sum_i G_ij q_i
-        # One term per (gamma, direction) with a gradient: d lse_gamma / dL = gamma * softmax(gamma L), and
-        # g * gamma * exp(gamma L - lse) = sign * exp(gamma L - (lse - log(gamma |g|))).
-        terms = []  # (gamma, is_row, shift, sign)
+        # One term per (gamma, direction) with a gradient: d lse_gamma / dL = gamma * softmax(gamma L), formed as
+        # exp(gamma L - lse) times gamma * g. (Folding log(gamma g) into the shift would save a pass but round
+        # the shift at the size of lse: a relative error of ~1e-5 on every softmax entry at scale 100, and
+        # softmax_ii - 1 would no longer vanish where the positive dominates.)
+        terms = []  # (gamma, is_row, lse, coefficient)
+        diag = torch.zeros(n if ctx.positive_offset is not None else 0, dtype=acc, device=q32.device)
         for is_row, grad, lse in ((True, grad_row, row_lse), (False, grad_col if ctx.with_cols else None, col_lse)):
             if grad is None:
                 continue
             grad = grad.to(acc).reshape(len(gammas), -1)
+            if ctx.positive_offset is not None:
+                diag += grad[0]  # d(-L[i, off+i]) / dL = -1 at the positive, from rows and from columns
             for gi, g in enumerate(gammas):
-                shift, sign = _log_coef(lse[gi], grad[gi] * g)
-                terms.append((g, is_row, shift, sign))
+                terms.append((g, is_row, _finite_or_zero(lse[gi]), grad[gi] * g))
         width = _tile_width(c, m)
         if terms:
             for i0 in range(0, n, c):
@@ -231,32 +229,23 @@ class TiledLogSumExp(torch.autograd.Function):
                     k = k32[j0:j1]
                     logits = _logit_tile(qs, k, None if mask_offset is None else mask_offset + i0 - j0)
                     g_tile = None
-                    for t, (g, is_row, shift, sign) in enumerate(terms):
-                        sh = shift[i0:i0 + c, None] if is_row else shift[None, j0:j1]
+                    for t, (g, is_row, lse, coef) in enumerate(terms):
+                        sh = lse[i0:i0 + c, None] if is_row else lse[None, j0:j1]
                         if t < len(terms) - 1:
-                            x = torch.add(-sh, logits, alpha=g)  # g * L - shift in one pass, L kept
+                            x = torch.add(-sh, logits, alpha=g)  # g * L - lse in one pass, L kept
                         else:
                             x = (logits if g == 1.0 else logits.mul_(g)).sub_(sh)
-                        x.exp_()
-                        if sign is not None:
-                            if isinstance(sign, float):
-                                x.mul_(sign)
-                            else:
-                                x.mul_(sign[i0:i0 + c, None] if is_row else sign[None, j0:j1])
+                        x.exp_().mul_(coef[i0:i0 + c, None] if is_row else coef[None, j0:j1])
                         g_tile = x if g_tile is None else g_tile.add_(x)
+                    if ctx.positive_offset is not None:
+                        # The -1 of the positive inside the tile, so that softmax_ii - 1 is formed before the
+                        # matmul (exactly 0 when the positive dominates) instead of cancelling after it.
+                        rows, cols = _tile_positives(q_raw.shape[0], j1 - j0, ctx.positive_offset + i0 - j0,
+                                                     q32.device)
+                        g_tile[rows, cols] -= diag[i0 + rows]
                     grad_q[i0:i0 + c].addmm_(g_tile, k)
                     grad_k[j0:j1].addmm_(g_tile.T, q_raw)
                     del logits, g_tile, x
-        off = ctx.positive_offset
-        if off is not None:
-            # d(-L[i, off+i]) / dL = -1 at the positive, from the row loss and (with columns) the column loss.
-            diag = torch.zeros(n, dtype=acc, device=q32.device)
-            if grad_row is not None:
-                diag += grad_row.to(acc)
-            if ctx.with_cols and grad_col is not None:
-                diag += grad_col.to(acc)
-            grad_q.addcmul_(k32[off:off + n], diag[:, None], value=-1)
-            grad_k[off:off + n].addcmul_(q32, diag[:, None], value=-1)
         # dL/ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G K)_i, which reuses the unscaled query gradient.
         grad_scale = torch.dot(q32.reshape(-1), grad_q.reshape(-1))
         return (
