@@ -85,13 +85,10 @@ def features(n: int, dim: int, align: str, generator):
     return img, txt
 
 
-def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int, kind: str = "clip",
-             scale_value: float = 14.3, align: str = "random") -> dict:
+def make_loss(impl: str, n: int, dim: int, chunk: int, kind: str):
+    """The loss as a function of (image, text, scale): the reference for impl "reference", else mmcl's tiled."""
     import torch
     import torch.nn.functional as F
-
-    if threads > 0:
-        torch.set_num_threads(threads)
 
     bias = torch.tensor(-10.0, requires_grad=True)  # SigLIP's learned bias at its usual initial value
     labels = None
@@ -147,6 +144,19 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
         def loss_fn(i, t, s):
             return clip_loss(i, t, s, chunk_size=chunk)
 
+    return loss_fn
+
+
+def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int, kind: str = "clip",
+             scale_value: float = 14.3, align: str = "random") -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+    loss_fn = make_loss(impl, n, dim, chunk, kind)
+
     g = torch.Generator().manual_seed(0)
     # Warm-up at a small size: kernels, thread pools and allocator arenas are not the loss's memory.
     w_img = F.normalize(torch.randn(256, dim, generator=g), dim=1).requires_grad_(True)
@@ -194,6 +204,43 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
     }
 
 
+def run_interleaved(n: int, dim: int, chunk: int, rounds: int, threads: int, kind: str, scale_value: float,
+                    align: str) -> dict:
+    """Time ratio tiled / reference from one process that alternates the two (reference first in odd rounds,
+    tiled first in even ones), so that a machine shared with other jobs slows both alike; memory is measured
+    by the separate-process runs."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    fns = {impl: make_loss(impl, n, dim, chunk, kind) for impl in ("reference", "tiled")}
+    g = torch.Generator().manual_seed(0)
+    img, txt = features(n, dim, align, g)
+    img, txt = img.requires_grad_(True), txt.requires_grad_(True)
+    scale = torch.tensor(scale_value, requires_grad=True)
+
+    def once(impl):
+        img.grad = txt.grad = scale.grad = None
+        start = time.perf_counter()
+        fns[impl](img, txt, scale).backward()
+        return time.perf_counter() - start
+
+    for impl in fns:  # warm-up at full size: allocator arenas and thread pools
+        once(impl)
+    times = {"reference": [], "tiled": []}
+    for r in range(rounds):
+        for impl in (("reference", "tiled") if r % 2 == 0 else ("tiled", "reference")):
+            times[impl].append(once(impl))
+    ratios = [t / ref for t, ref in zip(times["tiled"], times["reference"])]
+    return {
+        "bench": f"{kind}_loss_interleaved", "reference": REFERENCE[kind], "batch": n, "dim": dim, "chunk": chunk,
+        "scale": scale_value, "align": align, "threads": torch.get_num_threads(), "rounds": rounds,
+        "load_avg_1min": os.getloadavg()[0], "cpu": _cpu_name(),
+        "reference_s": [round(t, 3) for t in times["reference"]], "tiled_s": [round(t, 3) for t in times["tiled"]],
+        "time_ratio_median": statistics.median(ratios), "time_ratio_all": [round(x, 3) for x in ratios],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss", nargs="+", choices=tuple(REFERENCE), default=["clip"],
@@ -211,8 +258,20 @@ def main() -> None:
     parser.add_argument("--max-repeats-65536", type=int, default=1,
                         help="repeats at N >= 65536, where one fwd+bwd takes minutes on 2 cores")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per case (0: torch's default)")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="time only: per case one process alternating reference and tiled ROUNDS times "
+                             "(the ratio stays meaningful on a machine shared with other jobs)")
     parser.add_argument("--case", nargs=5, metavar=("IMPL", "N", "KIND", "SCALE", "ALIGN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    if args.interleave:
+        for n in args.sizes:
+            for scale in args.scales:
+                for align in args.align:
+                    for kind in args.loss:
+                        print(json.dumps(run_interleaved(n, args.dim, args.chunk, args.interleave, args.threads,
+                                                         kind, scale, align)), flush=True)
+        return
 
     if args.case:  # child process: one measurement
         impl, n, kind, scale, align = args.case
