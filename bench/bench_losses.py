@@ -6,8 +6,13 @@ reset is unavailable) over the RSS at that point. Time is the
 median over repeats of one forward+backward, which produces the gradients of both feature sets and of the
 logit scale. Prints one JSON line per measurement, then one per N with the ratios tiled / ClipLoss.
 
-    nice python bench/bench_losses.py [--loss clip|siglip] [--sizes 4096 16384 65536] [--dim 512]
-                                      [--chunk 1024] [--repeats 3] [--threads T]
+    nice python bench/bench_losses.py [--loss clip supcon siglip debiased hard_negative mochi]
+                                      [--sizes 4096 16384] [--scales 14.3 100] [--align random aligned]
+                                      [--dim 512] [--chunk 1024] [--repeats 3] [--threads T]
+
+Every loss is measured at each logit scale and feature alignment (random, aligned, near-duplicate pairs); the
+ratio lines divide by the reference measured in the same run (for supcon, debiased and hard_negative the loss
+value differs from ClipLoss's by definition, only time and memory compare).
 """
 
 from __future__ import annotations
@@ -61,14 +66,32 @@ def _peak_rss_bytes(resettable: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int, kind: str = "clip") -> dict:
+REFERENCE = {"clip": "ClipLoss", "supcon": "ClipLoss", "debiased": "ClipLoss", "hard_negative": "ClipLoss",
+             "siglip": "SigLipLoss", "mochi": "mmcl_dense_mochi"}
+
+
+def features(n: int, dim: int, align: str, generator):
+    """L2-normalised (image, text) pairs. random: independent (a randomly initialised model); aligned: each text
+    at cosine ~0.9 to its image (a trained model); duplicate: cosine ~0.999 (near-duplicate pairs)."""
     import torch
     import torch.nn.functional as F
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    img = F.normalize(torch.randn(n, dim, generator=generator), dim=1)
+    noise = torch.randn(n, dim, generator=generator) / dim ** 0.5  # unit-norm-ish noise
+    if align == "random":
+        txt = F.normalize(noise, dim=1)
+    else:
+        txt = F.normalize(img + {"aligned": 0.5, "duplicate": 0.05}[align] * noise, dim=1)
+    return img, txt
+
+
+def make_loss(impl: str, n: int, dim: int, chunk: int, kind: str):
+    """The loss as a function of (image, text, scale): the reference for impl "reference", else mmcl's tiled."""
+    import torch
+    import torch.nn.functional as F
 
     bias = torch.tensor(-10.0, requires_grad=True)  # SigLIP's learned bias at its usual initial value
+    labels = None
     if kind == "mochi":
         # open_clip has no MoCHi: the reference is mmcl's own dense form. Queues of N past features each, the
         # defaults of configs/mochi.yaml for the mixing (n_hard 64, s 32, s' 16).
@@ -76,19 +99,19 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
 
         g0 = torch.Generator().manual_seed(1)
         queues = [F.normalize(torch.randn(n, dim, generator=g0), dim=1) for _ in range(2)]
-        tile = None if impl == "open_clip" else chunk
+        tile = None if impl == "reference" else chunk
 
         def loss_fn(i, t, s):
             qi, qt = queues if i.shape[0] == n else (None, None)  # the small warm-up call runs without queues
             return mochi_loss(i, t, s, 64, 32, 16, 0.5, torch.Generator().manual_seed(0), qi, qt, chunk_size=tile)
-    elif impl == "open_clip" and kind == "siglip":
+    elif impl == "reference" and kind == "siglip":
         from open_clip.loss import SigLipLoss
 
         siglip = SigLipLoss()
 
         def loss_fn(i, t, s):
             return siglip(i, t, s, bias)
-    elif impl == "open_clip":
+    elif impl == "reference":
         from open_clip.loss import ClipLoss
 
         clip = ClipLoss()
@@ -100,11 +123,39 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
 
         def loss_fn(i, t, s):
             return siglip_loss(i, t, s, bias, chunk_size=chunk)
+    elif kind == "supcon":
+        from mmcl.losses import supcon_loss
+
+        # 100 classes: every pair has about N / 100 positives in each direction.
+        labels = torch.arange(n) % 100
+
+        def loss_fn(i, t, s):
+            return supcon_loss(i, t, labels[:i.shape[0]], s, chunk_size=chunk)
+    elif kind in ("debiased", "hard_negative"):
+        from mmcl.losses import hard_negative_clip_loss
+
+        beta = 0.0 if kind == "debiased" else 1.0  # tau_plus 0.1 as in Chuang et al.; beta 1 (Robinson et al.)
+
+        def loss_fn(i, t, s):
+            return hard_negative_clip_loss(i, t, s, 0.1, beta, chunk_size=chunk)
     else:
         from mmcl.losses import clip_loss
 
         def loss_fn(i, t, s):
             return clip_loss(i, t, s, chunk_size=chunk)
+
+    return loss_fn
+
+
+def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int, kind: str = "clip",
+             scale_value: float = 14.3, align: str = "random") -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+    loss_fn = make_loss(impl, n, dim, chunk, kind)
 
     g = torch.Generator().manual_seed(0)
     # Warm-up at a small size: kernels, thread pools and allocator arenas are not the loss's memory.
@@ -113,9 +164,9 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
     loss_fn(w_img, w_txt, torch.tensor(14.3, requires_grad=True)).backward()
     del w_img, w_txt
 
-    img = F.normalize(torch.randn(n, dim, generator=g), dim=1).requires_grad_(True)
-    txt = F.normalize(0.5 * img.detach() + torch.randn(n, dim, generator=g), dim=1).requires_grad_(True)
-    scale = torch.tensor(14.3, requires_grad=True)
+    img, txt = features(n, dim, align, g)
+    img, txt = img.requires_grad_(True), txt.requires_grad_(True)
+    scale = torch.tensor(scale_value, requires_grad=True)
     # Creating the inputs passed through temporaries larger than what stays resident; the peak mark is reset
     # so that it measures the loss alone (ru_maxrss cannot be reset and would hide up to that overshoot).
     resettable = _reset_peak_rss()
@@ -132,8 +183,9 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
         del loss
     return {
         "bench": f"{kind}_loss_fwd_bwd",
-        "impl": (("mmcl_dense" if kind == "mochi" else impl) if impl == "open_clip"
-                 else f"mmcl_tiled_chunk{chunk}"),
+        "impl": REFERENCE[kind] if impl == "reference" else f"mmcl_tiled_chunk{chunk}",
+        "scale": scale_value,
+        "align": align,
         "device": "cpu",
         "cpu": _cpu_name(),
         "threads": torch.get_num_threads(),
@@ -152,55 +204,124 @@ def run_case(impl: str, n: int, dim: int, chunk: int, repeats: int, threads: int
     }
 
 
+def run_interleaved(n: int, dim: int, chunk: int, rounds: int, threads: int, kind: str, scale_value: float,
+                    align: str) -> dict:
+    """Time ratio tiled / reference from one process that alternates the two (reference first in odd rounds,
+    tiled first in even ones), so that a machine shared with other jobs slows both alike; memory is measured
+    by the separate-process runs."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    fns = {impl: make_loss(impl, n, dim, chunk, kind) for impl in ("reference", "tiled")}
+    g = torch.Generator().manual_seed(0)
+    img, txt = features(n, dim, align, g)
+    img, txt = img.requires_grad_(True), txt.requires_grad_(True)
+    scale = torch.tensor(scale_value, requires_grad=True)
+
+    def once(impl):
+        img.grad = txt.grad = scale.grad = None
+        start = time.perf_counter()
+        fns[impl](img, txt, scale).backward()
+        return time.perf_counter() - start
+
+    for impl in fns:  # warm-up at full size: allocator arenas and thread pools
+        once(impl)
+    times = {"reference": [], "tiled": []}
+    for r in range(rounds):
+        for impl in (("reference", "tiled") if r % 2 == 0 else ("tiled", "reference")):
+            times[impl].append(once(impl))
+    ratios = [t / ref for t, ref in zip(times["tiled"], times["reference"])]
+    return {
+        "bench": f"{kind}_loss_interleaved", "reference": REFERENCE[kind], "batch": n, "dim": dim, "chunk": chunk,
+        "scale": scale_value, "align": align, "threads": torch.get_num_threads(), "rounds": rounds,
+        "load_avg_1min": os.getloadavg()[0], "cpu": _cpu_name(),
+        "reference_s": [round(t, 3) for t in times["reference"]], "tiled_s": [round(t, 3) for t in times["tiled"]],
+        "time_ratio_median": statistics.median(ratios), "time_ratio_all": [round(x, 3) for x in ratios],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loss", choices=("clip", "siglip", "mochi"), default="clip",
-                        help="mochi compares with mmcl's dense MoCHi (open_clip has none)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--loss", nargs="+", choices=tuple(REFERENCE), default=["clip"],
+                        help="tiled losses to measure; clip, supcon, debiased and hard_negative are compared with "
+                             "open_clip's ClipLoss (measured once per case), siglip with SigLipLoss, mochi with "
+                             "mmcl's dense MoCHi (open_clip has none)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--scales", type=float, nargs="+", default=[14.3, 100.0],
+                        help="logit scales (14.3 = CLIP's initial 1/0.07, 100 = its trained maximum)")
+    parser.add_argument("--align", nargs="+", choices=("random", "aligned", "duplicate"),
+                        default=["random", "aligned"], help="how the text features relate to the images")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-repeats-65536", type=int, default=1,
                         help="repeats at N >= 65536, where one fwd+bwd takes minutes on 2 cores")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per case (0: torch's default)")
-    parser.add_argument("--case", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="time only: per case one process alternating reference and tiled ROUNDS times "
+                             "(the ratio stays meaningful on a machine shared with other jobs)")
+    parser.add_argument("--case", nargs=5, metavar=("IMPL", "N", "KIND", "SCALE", "ALIGN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args.case:  # child process: one measurement
-        impl, n = args.case[0], int(args.case[1])
-        print(json.dumps(run_case(impl, n, args.dim, args.chunk, args.repeats, args.threads, args.loss)), flush=True)
+    if args.interleave:
+        for n in args.sizes:
+            for scale in args.scales:
+                for align in args.align:
+                    for kind in args.loss:
+                        print(json.dumps(run_interleaved(n, args.dim, args.chunk, args.interleave, args.threads,
+                                                         kind, scale, align)), flush=True)
         return
 
+    if args.case:  # child process: one measurement
+        impl, n, kind, scale, align = args.case
+        print(json.dumps(run_case(impl, int(n), args.dim, args.chunk, args.repeats, args.threads, kind,
+                                  float(scale), align)), flush=True)
+        return
+
+    def measure(impl, n, kind, scale, align, repeats):
+        cmd = [sys.executable, __file__, "--case", impl, str(n), kind, str(scale), align, "--dim", str(args.dim),
+               "--chunk", str(args.chunk), "--repeats", str(repeats), "--threads", str(args.threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(json.dumps({"bench": f"{kind}_loss_fwd_bwd", "impl": impl, "batch": n, "scale": scale,
+                              "align": align, "error": out.stderr.strip().splitlines()[-1:]}), flush=True)
+            return None
+        line = out.stdout.strip().splitlines()[-1]
+        print(line, flush=True)
+        return json.loads(line)
+
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for n in args.sizes:
         repeats = args.repeats if n < 65536 else min(args.repeats, args.max_repeats_65536)
-        results = {}
-        for impl in ("open_clip", "tiled"):
-            need = CLIPLOSS_MATRICES * n * n * 4
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if impl == "open_clip" and need > 0.8 * have:
-                print(json.dumps({"bench": f"{args.loss}_loss_fwd_bwd", "impl": "open_clip", "batch": n, "skipped":
-                                  f"open_clip's loss needs about {need / 2**30:.0f} GiB for N={n} (four N x N float32 "
-                                  f"matrices at its peak); this machine has {have / 2**30:.0f} GiB"}), flush=True)
-                continue
-            cmd = [sys.executable, __file__, "--case", impl, str(n), "--dim", str(args.dim),
-                   "--chunk", str(args.chunk), "--repeats", str(repeats), "--threads", str(args.threads),
-                   "--loss", args.loss]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(json.dumps({"bench": f"{args.loss}_loss_fwd_bwd", "impl": impl, "batch": n,
-                                  "error": out.stderr.strip().splitlines()[-1:]}), flush=True)
-                continue
-            line = out.stdout.strip().splitlines()[-1]
-            print(line, flush=True)
-            results[impl] = json.loads(line)
-        if len(results) == 2:
-            ref, ours = results["open_clip"], results["tiled"]
-            print(json.dumps({
-                "bench": f"{args.loss}_loss_ratio", "batch": n, "dim": args.dim, "chunk": args.chunk,
-                "time_ratio_tiled_over_open_clip": ours["time_s_median"] / ref["time_s_median"],
-                "mem_ratio_tiled_over_open_clip": ours["peak_mem_growth_mib"] / ref["peak_mem_growth_mib"],
-                "loss_rel_diff": abs(ours["loss"] - ref["loss"]) / abs(ref["loss"]),
-            }), flush=True)
+        for scale in args.scales:
+            for align in args.align:
+                references = {}  # one measurement of each reference per case, shared by the losses it serves
+                for kind in args.loss:
+                    ref_name = REFERENCE[kind]
+                    if ref_name not in references:
+                        need = CLIPLOSS_MATRICES * n * n * 4
+                        if ref_name != "mmcl_dense_mochi" and need > 0.8 * have:
+                            print(json.dumps({"bench": f"{kind}_loss_fwd_bwd", "impl": ref_name, "batch": n,
+                                              "skipped": f"{ref_name} needs about {need / 2**30:.0f} GiB for N={n} "
+                                              f"(four N x N float32 matrices at its peak); this machine has "
+                                              f"{have / 2**30:.0f} GiB"}), flush=True)
+                            references[ref_name] = None
+                        else:
+                            references[ref_name] = measure("reference", n, kind, scale, align, repeats)
+                    ours = measure("tiled", n, kind, scale, align, repeats)
+                    ref = references[ref_name]
+                    if ref is None or ours is None:
+                        continue
+                    ratio = {
+                        "bench": f"{kind}_loss_ratio", "reference": ref_name, "batch": n, "dim": args.dim,
+                        "chunk": args.chunk, "scale": scale, "align": align,
+                        "time_ratio_tiled_over_reference": ours["time_s_median"] / ref["time_s_median"],
+                        "mem_ratio_tiled_over_reference": ours["peak_mem_growth_mib"] / ref["peak_mem_growth_mib"],
+                    }
+                    if kind in ("clip", "siglip", "mochi"):  # the same loss as its reference
+                        ratio["loss_abs_diff_vs_reference"] = abs(ours["loss"] - ref["loss"])
+                    print(json.dumps(ratio), flush=True)
 
 
 if __name__ == "__main__":

@@ -72,131 +72,190 @@ def _tile_width(chunk_size: int, n_cols: int) -> int:
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision features still accumulate their log-sum-exps in float32.
+    # Half-precision features still build their logits and accumulate their sums in float32.
     return torch.promote_types(dtype, torch.float32)
 
 
-def _online_lse(queries: Tensor, keys: Tensor, chunk_size: int) -> Tensor:
-    """Exact (n,) row log-sum-exp of ``queries @ keys.T`` with a running max per row (queries pre-scaled)."""
-    out = torch.empty(queries.shape[0], dtype=queries.dtype, device=queries.device)
-    width = _tile_width(chunk_size, keys.shape[0])
-    for i0 in range(0, queries.shape[0], chunk_size):
-        q = queries[i0:i0 + chunk_size]
-        r_max = torch.full((q.shape[0],), -math.inf, dtype=q.dtype, device=q.device)
-        r_sum = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)
-        for j0 in range(0, keys.shape[0], width):
-            logits = q @ keys[j0:j0 + width].T
-            new_max = torch.maximum(r_max, logits.amax(dim=1))
-            r_sum = r_sum * torch.exp(r_max - new_max) + torch.exp(logits - new_max[:, None]).sum(dim=1)
-            r_max = new_max
-        out[i0:i0 + chunk_size] = r_max + torch.log(r_sum)
-    return out
+def _finite_or_zero(x: Tensor) -> Tensor:
+    # A maximum over an empty set (every entry masked so far) is -inf; shifting by it would give inf - inf.
+    return torch.where(x == -math.inf, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
+def _exp_(x: Tensor) -> Tensor:
+    """exp of a tile in place, with arguments below log(smallest normal float) + 24 raised to that first.
+
+    Such terms (e^-63 in float32) are far below one ulp of any sum they join (every sum here holds a term equal
+    to 1), but as subnormals (also after the backward's multiplication by a gradient >= e^-24) they cost ~100x
+    per element on x86, in the exp and in the matmuls: at scale 100 with aligned pairs nearly every negative
+    sits ~90 below its row's positive, and one N = 2048 fwd+bwd took 39 s instead of well under one."""
+    return x.clamp_(min=math.log(torch.finfo(x.dtype).tiny) + 24).exp_()
+
+
+def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int]) -> Tensor:
+    """L = qs @ k.T for one tile, with the entries j = i + mask_shift set to -inf when mask_shift is not None."""
+    logits = qs @ k.T
+    if mask_shift is not None:
+        rows, cols = _tile_positives(qs.shape[0], k.shape[0], mask_shift, qs.device)
+        logits[rows, cols] = -math.inf
+    return logits
 
 
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
 
     Tiles are ``chunk_size`` rows by ``max(chunk_size, 2^23 / chunk_size)`` columns (at most M), so memory is
-    bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size.
+    bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size or logit scale.
 
-    Every logit is at most ``sigma = |s| max|q_i| max|k_j|`` (Cauchy-Schwarz), so one shift serves every row,
-    column and block: a block costs a matmul with the shift fused in (addmm), one exp, and a row and a column
-    sum; no running maxima. Rows or columns whose shifted sum falls below ``M * tiny`` (where terms lost to
-    underflow could exceed one ulp of the sum; in float32 only when a whole row sits some 80 below sigma) are
-    recomputed exactly with a running max.
+    Forward keeps a running maximum and a sum rescaled to it for every row (within a row block) and for every
+    column (across row blocks), the online softmax of flash attention in both directions: per tile one
+    matmul, the tile's row and column maxima, and exp(L - row max) and exp(L - column max). Every sum is thus
+    taken relative to its own largest term, which is exactly 1, so nothing underflows that could matter
+    whatever the scale and the alignment of the features (a shift shared by all rows underflows whole rows
+    of weakly aligned features at logit scale 100).
 
-    Backward recomputes each block once and applies ``G = g_row * softmax_row + g_col * softmax_col``: with
-    E = exp(L - sigma) and S the shifted sums, softmax_row_ij = E_ij / S_i, so ``G = E * (g_row/S_row + g_col/S_col)``
-    and both directions cost one elementwise product. Half-precision inputs are computed in float32.
+    Backward recomputes each tile once and forms ``G = g_row * exp(L - lse_row) + g_col * exp(L - lse_col)``
+    (the softmax in each direction, each at most 1: no overflow, and a term underflows only when it is below
+    the smallest float relative to its own sum).
 
-    With ``positive_offset`` set, the outputs are per-row InfoNCE losses ``lse_i - L[i, offset + i]`` (and for
-    columns ``col_lse_j - L[j, j]``, which needs offset 0 and n == M): folding the positive logit in here keeps
+    ``positive_offset`` set: the outputs are per-row InfoNCE losses ``lse_i - L[i, offset + i]`` (and for
+    columns ``col_lse_j - L[j, j]``, which needs offset 0 and n == M); folding the positive logit in here keeps
     its gradient in the same buffers instead of two more (n, D) tensors.
+    ``mask_offset`` set: the entries ``L[i, mask_offset + i]`` are left out of every sum (set to -inf inside
+    each tile), which gives the log-sum-exp over negatives only without subtracting the positive afterwards
+    (that subtraction cancels completely once the positive dominates its row). Columns need offset 0, n == M.
+    ``gammas`` set (a tuple of positive floats, without ``positive_offset``): the log-sum-exps of ``gamma * L``
+    for every gamma from the same tiles, one matmul per tile for all of them (the hard-negative loss needs
+    gamma = 1 + beta and beta); the outputs are then (G, n) [and (G, M)].
 
     Args (apply): queries (n, D), keys (M, D), logit_scale 0-dim, chunk_size int, with_cols bool,
-    positive_offset int or None. Returns (n,) [and (M,)] in float32 for half inputs, else the input dtype.
+    positive_offset int or None, mask_offset int or None, gammas tuple or None. Returns (n,) [and (M,)]; float32
+    for half inputs, else the input dtype.
     """
 
     @staticmethod
-    def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None):
+    def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
+                mask_offset=None, gammas=None):
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
-        assert positive_offset is None or not with_cols or (positive_offset == 0 and n == m), "square batch expected"
-        neg_sigma = -(scale.abs() * q32.norm(dim=1).max() * k32.norm(dim=1).max())
-        row_sum = torch.zeros(n, dtype=acc, device=q32.device)
-        col_sum = torch.zeros(m if with_cols else 0, dtype=acc, device=q32.device)
+        for off in (positive_offset, mask_offset):
+            assert off is None or not with_cols or (off == 0 and n == m), "square batch expected"
+        multi = gammas is not None
+        gammas = (1.0,) if gammas is None else tuple(float(g) for g in gammas)
+        assert all(g > 0 for g in gammas) and (positive_offset is None or not multi), "bad gammas"
+        n_g = len(gammas)
+        minus_inf = torch.tensor(-math.inf, dtype=acc, device=q32.device)
+        row_lse = torch.empty(n_g, n, dtype=acc, device=q32.device)
+        row_out = torch.empty(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
+        m_cols = m if with_cols else 0
+        col_max = minus_inf.expand(m_cols).clone()  # of L; the maximum of gamma * L is gamma times it
+        col_sum = torch.zeros(n_g, m_cols, dtype=acc, device=q32.device)
         width = _tile_width(chunk_size, m)
+        # The positive logits L[i, offset + i], read from the tiles themselves: lse_i - L_ii is then formed from
+        # the same rounded number on both sides, exactly 0 + log(sum) when the positive is the row's maximum.
+        positive = torch.zeros(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
+
+        def scaled_exp(x, g, last):
+            # exp(g * x), reusing x's storage for the last gamma
+            if g != 1.0:
+                return _exp_(x.mul_(g) if last else torch.mul(x, g))
+            return _exp_(x if last else x.clone())
+
         for i0 in range(0, n, chunk_size):
             qs = q32[i0:i0 + chunk_size] * scale  # (c, D): the scale folded into the smaller operand
+            r_max = minus_inf.expand(qs.shape[0]).clone()
+            r_sum = torch.zeros(n_g, qs.shape[0], dtype=acc, device=q32.device)
             for j0 in range(0, m, width):
-                e = torch.addmm(neg_sigma, qs, k32[j0:j0 + width].T).exp_()  # exp(L - sigma), (c, w)
-                row_sum[i0:i0 + chunk_size] += e.sum(dim=1)
+                j1 = min(m, j0 + width)
+                logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0)
+                if positive_offset is not None:
+                    rows, cols = _tile_positives(qs.shape[0], j1 - j0, positive_offset + i0 - j0, q32.device)
+                    positive[i0 + rows] = logits[rows, cols]
+                new_max = torch.maximum(r_max, logits.amax(dim=1))
+                shift = _finite_or_zero(new_max)
+                d = torch.sub(logits, shift[:, None])
+                for gi, g in enumerate(gammas):
+                    e = scaled_exp(d, g, gi == n_g - 1)
+                    r_sum[gi] = r_sum[gi] * torch.exp(g * (r_max - shift)) + e.sum(dim=1)
+                r_max = new_max
                 if with_cols:
-                    col_sum[j0:j0 + width] += e.sum(dim=0)
-        tiny = torch.finfo(acc).tiny
-        row_lse = torch.log(row_sum) - neg_sigma
-        row_bad = row_sum < m * tiny
-        if row_bad.any():
-            row_lse[row_bad] = _online_lse(q32[row_bad] * scale, k32, chunk_size)
-        col_lse, col_bad = row_lse, row_bad  # placeholders, unused without columns
-        if with_cols:
-            col_lse = torch.log(col_sum) - neg_sigma
-            col_bad = col_sum < n * tiny
-            if col_bad.any():
-                col_lse[col_bad] = _online_lse(k32[col_bad] * scale, q32, chunk_size)
-        ctx.chunk_size, ctx.with_cols, ctx.positive_offset = chunk_size, with_cols, positive_offset
-        ctx.save_for_backward(
-            queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad
-        )
+                    c_max = col_max[j0:j1]
+                    new_c = torch.maximum(c_max, logits.amax(dim=0))
+                    shift_c = _finite_or_zero(new_c)
+                    d = logits.sub_(shift_c)
+                    for gi, g in enumerate(gammas):
+                        e = scaled_exp(d, g, gi == n_g - 1)
+                        col_sum[gi, j0:j1] = col_sum[gi, j0:j1] * torch.exp(g * (c_max - shift_c)) + e.sum(dim=0)
+                    col_max[j0:j1] = new_c
+                del logits, d, e
+            for gi, g in enumerate(gammas):
+                row_lse[gi, i0:i0 + chunk_size] = g * r_max + torch.log(r_sum[gi])
+                if positive_offset is not None:  # (max - positive) + log(sum): no cancellation of two large terms
+                    row_out[i0:i0 + chunk_size] = (r_max - positive[i0:i0 + chunk_size]) + torch.log(r_sum[gi])
+        col_lse = torch.stack([g * col_max for g in gammas]) + torch.log(col_sum)
+        ctx.chunk_size, ctx.with_cols, ctx.gammas, ctx.multi = chunk_size, with_cols, gammas, multi
+        ctx.positive_offset, ctx.mask_offset = positive_offset, mask_offset
+        ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse)
         if positive_offset is not None:
-            positive = scale * torch.linalg.vecdot(q32, k32[positive_offset:positive_offset + n])  # (n,)
-            row_lse = row_lse - positive
-            col_lse = col_lse - positive if with_cols else None
+            row_lse = row_out
+            col_lse = (col_max - positive) + torch.log(col_sum[0]) if with_cols else None
+        elif not multi:
+            row_lse, col_lse = row_lse[0], col_lse[0]
         if with_cols:
             return row_lse, col_lse
         return row_lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_row: Optional[Tensor], grad_col: Optional[Tensor] = None):
-        queries, keys, logit_scale, neg_sigma, row_lse, row_sum, row_bad, col_lse, col_sum, col_bad = ctx.saved_tensors
-        c = ctx.chunk_size
+    def backward(ctx, grad_row: Optional[Tensor], grad_col: Optional[Tensor] = None, *unused):
+        queries, keys, logit_scale, row_lse, col_lse = ctx.saved_tensors
+        c, mask_offset, gammas = ctx.chunk_size, ctx.mask_offset, ctx.gammas
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
-        use_cols = ctx.with_cols and grad_col is not None
-        grad_row = torch.zeros_like(row_lse) if grad_row is None else grad_row.to(acc)
-        # softmax_row_ij = exp(L_ij - sigma) / S_i; rows needing the exact path are handled after the main loop.
-        row_coef = torch.where(row_bad, 0.0, grad_row / row_sum)
-        col_coef = torch.where(col_bad, 0.0, grad_col.to(acc) / col_sum) if use_cols else None
+        n, m = q32.shape[0], k32.shape[0]
         grad_q = torch.zeros_like(q32)  # sum_j G_ij k_j
         grad_k = torch.zeros_like(k32)  # sum_i G_ij q_i
-        width = _tile_width(c, k32.shape[0])
-        for i0 in range(0, q32.shape[0], c):
-            q_raw = q32[i0:i0 + c]
-            qs = q_raw * scale
-            for j0 in range(0, k32.shape[0], width):
-                k = k32[j0:j0 + width]
-                g = torch.addmm(neg_sigma, qs, k.T).exp_()
-                if use_cols:
-                    g.mul_(row_coef[i0:i0 + c, None] + col_coef[None, j0:j0 + width])
-                else:
-                    g.mul_(row_coef[i0:i0 + c, None])
-                grad_q[i0:i0 + c].addmm_(g, k)
-                grad_k[j0:j0 + width].addmm_(g.T, q_raw)
-        if row_bad.any():
-            rows = row_bad.nonzero().squeeze(1)
-            _exact_softmax_grad(q32[rows], k32, scale, row_lse[rows], grad_row[rows], c, grad_q, grad_k, rows)
-        if use_cols and col_bad.any():
-            cols = col_bad.nonzero().squeeze(1)
-            _exact_softmax_grad(k32[cols], q32, scale, col_lse[cols], grad_col.to(acc)[cols], c, grad_k, grad_q, cols)
-        off = ctx.positive_offset
-        if off is not None:
-            # d(-L[i, off+i]) / dL = -1 at the positive, from the row loss and (with columns) the column loss.
-            diag = grad_row + grad_col.to(acc) if use_cols else grad_row
-            n = q32.shape[0]
-            grad_q.addcmul_(k32[off:off + n], diag[:, None], value=-1)
-            grad_k[off:off + n].addcmul_(q32, diag[:, None], value=-1)
+        # One term per (gamma, direction) with a gradient: d lse_gamma / dL = gamma * softmax(gamma L), formed as
+        # exp(gamma L - lse) times gamma * g. (Folding log(gamma g) into the shift would save a pass but round
+        # the shift at the size of lse: a relative error of ~1e-5 on every softmax entry at scale 100, and
+        # softmax_ii - 1 would no longer vanish where the positive dominates.)
+        terms = []  # (gamma, is_row, lse, coefficient)
+        diag = torch.zeros(n if ctx.positive_offset is not None else 0, dtype=acc, device=q32.device)
+        for is_row, grad, lse in ((True, grad_row, row_lse), (False, grad_col if ctx.with_cols else None, col_lse)):
+            if grad is None:
+                continue
+            grad = grad.to(acc).reshape(len(gammas), -1)
+            if ctx.positive_offset is not None:
+                diag += grad[0]  # d(-L[i, off+i]) / dL = -1 at the positive, from rows and from columns
+            for gi, g in enumerate(gammas):
+                terms.append((g, is_row, _finite_or_zero(lse[gi]), grad[gi] * g))
+        width = _tile_width(c, m)
+        if terms:
+            for i0 in range(0, n, c):
+                q_raw = q32[i0:i0 + c]
+                qs = q_raw * scale
+                for j0 in range(0, m, width):
+                    j1 = min(m, j0 + width)
+                    k = k32[j0:j1]
+                    logits = _logit_tile(qs, k, None if mask_offset is None else mask_offset + i0 - j0)
+                    g_tile = None
+                    for t, (g, is_row, lse, coef) in enumerate(terms):
+                        sh = lse[i0:i0 + c, None] if is_row else lse[None, j0:j1]
+                        if t < len(terms) - 1:
+                            x = torch.add(-sh, logits, alpha=g)  # g * L - lse in one pass, L kept
+                        else:
+                            x = (logits if g == 1.0 else logits.mul_(g)).sub_(sh)
+                        _exp_(x).mul_(coef[i0:i0 + c, None] if is_row else coef[None, j0:j1])
+                        g_tile = x if g_tile is None else g_tile.add_(x)
+                    if ctx.positive_offset is not None:
+                        # The -1 of the positive inside the tile, so that softmax_ii - 1 is formed before the
+                        # matmul (exactly 0 when the positive dominates) instead of cancelling after it.
+                        rows, cols = _tile_positives(q_raw.shape[0], j1 - j0, ctx.positive_offset + i0 - j0,
+                                                     q32.device)
+                        g_tile[rows, cols] -= diag[i0 + rows]
+                    grad_q[i0:i0 + c].addmm_(g_tile, k)
+                    grad_k[j0:j1].addmm_(g_tile.T, q_raw)
+                    del logits, g_tile, x
         # dL/ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G K)_i, which reuses the unscaled query gradient.
         grad_scale = torch.dot(q32.reshape(-1), grad_q.reshape(-1))
         return (
@@ -206,20 +265,9 @@ class TiledLogSumExp(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
-
-
-def _exact_softmax_grad(a, b, scale, lse, grad, chunk_size, grad_a, grad_b, a_index):
-    """Add the unscaled gradients of ``sum_i grad_i * lse_i`` (lse over rows of s * a @ b.T) into grad_a/grad_b."""
-    ga = torch.zeros_like(a)
-    as_ = a * scale
-    width = _tile_width(chunk_size, b.shape[0])
-    for j0 in range(0, b.shape[0], width):
-        bj = b[j0:j0 + width]
-        p = torch.addmm(-lse[:, None], as_, bj.T).exp_().mul_(grad[:, None])  # g_i * softmax_ij
-        ga.addmm_(p, bj)
-        grad_b[j0:j0 + width].addmm_(p.T, a)
-    grad_a.index_add_(0, a_index, ga)
 
 
 def _check_chunk(chunk_size: Optional[int]) -> None:
@@ -228,11 +276,19 @@ def _check_chunk(chunk_size: Optional[int]) -> None:
 
 
 def _as_scale(logit_scale, like: Tensor) -> Tensor:
+    # In float32 at least, like the features after `_upcast`.
     if not torch.is_tensor(logit_scale):
-        return torch.tensor(float(logit_scale), dtype=like.dtype, device=like.device)
+        return torch.tensor(float(logit_scale), dtype=_acc_dtype(like.dtype), device=like.device)
     if logit_scale.numel() != 1:
         raise ConfigError(f"logit_scale must be a scalar (got shape {tuple(logit_scale.shape)}, expected ())")
-    return logit_scale.reshape(())
+    return logit_scale.reshape(()).to(_acc_dtype(logit_scale.dtype))
+
+
+def _upcast(*features: Optional[Tensor]):
+    """Half-precision features as float32 (others unchanged): logits, log-sum-exps and every sum are then
+    float32, and the gradients of a feature's several uses (as a row and as a column, in the positive) add up
+    in float32 behind the one cast, rounded to the input dtype once."""
+    return tuple(None if x is None else x.to(_acc_dtype(x.dtype)) for x in features)
 
 
 def logsumexp_rows(
@@ -249,9 +305,9 @@ def logsumexp_rows(
     """
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, queries)
+    queries, keys = _upcast(queries, keys)
     if chunk_size is None:
-        logits = logit_scale * (queries @ keys.T)
-        logits = logits.to(_acc_dtype(logits.dtype))
+        logits = _dense_logits(queries, keys, logit_scale)
         if with_cols:
             return torch.logsumexp(logits, dim=1), torch.logsumexp(logits, dim=0)
         return torch.logsumexp(logits, dim=1)
@@ -299,8 +355,15 @@ def _columns(image_features, text_features, all_image_features, all_text_feature
 
 
 def _positive_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor, offset: int) -> Tensor:
+    acc = _acc_dtype(queries.dtype)
     positives = keys[offset:offset + queries.shape[0]]
-    return logit_scale * (queries * positives).sum(dim=1)  # (n,)
+    return logit_scale.to(acc) * torch.linalg.vecdot(queries.to(acc), positives.to(acc))  # (n,)
+
+
+def _dense_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor) -> Tensor:
+    """``s * queries @ keys.T`` built in float32 at least: bf16 logits at scale 100 are off by about 0.4."""
+    acc = _acc_dtype(queries.dtype)
+    return logit_scale.to(acc) * (queries.to(acc) @ keys.to(acc).T)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -322,11 +385,12 @@ def infonce_rows(
     """
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, queries)
+    queries, keys = _upcast(queries, keys)
     n = queries.shape[0]
     if chunk_size is None:
-        logits = logit_scale * (queries @ keys.T)
+        logits = _dense_logits(queries, keys, logit_scale)
         target = torch.arange(offset, offset + n, device=queries.device)
-        return F.cross_entropy(logits.to(_acc_dtype(logits.dtype)), target, reduction="none")
+        return F.cross_entropy(logits, target, reduction="none")
     return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, False, offset)
 
 
@@ -356,12 +420,14 @@ def clip_loss(
     _check_pair(image_features, text_features)
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
+    image_features, text_features, all_image_features, all_text_features = _upcast(
+        image_features, text_features, all_image_features, all_text_features
+    )
     all_img, all_txt, offset, single = _columns(
         image_features, text_features, all_image_features, all_text_features, offset
     )
     if single and chunk_size is None:
-        logits = logit_scale * (image_features @ text_features.T)
-        logits = logits.to(_acc_dtype(logits.dtype))
+        logits = _dense_logits(image_features, text_features, logit_scale)
         target = torch.arange(logits.shape[0], device=logits.device)
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
     if single:
@@ -388,8 +454,7 @@ def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
 
 def _supcon_rows_dense(queries, keys, logit_scale, q_labels, k_labels, offset):
     n = queries.shape[0]
-    logits = logit_scale * (queries @ keys.T)
-    log_prob = torch.log_softmax(logits.to(_acc_dtype(logits.dtype)), dim=1)  # (n, M)
+    log_prob = torch.log_softmax(_dense_logits(queries, keys, logit_scale), dim=1)  # (n, M)
     rows = torch.arange(n, device=queries.device)
     positive = (q_labels[:, None] == k_labels[None, :]) & (q_labels[:, None] >= 0)
     positive[rows, rows + offset] = True  # the pair itself, also for unlabelled (-1) pairs
@@ -431,6 +496,11 @@ def supcon_loss(
     of -1 means "no label": that pair's only positive is its own caption, so with all labels distinct or -1
     this equals `clip_loss`.
 
+    Where this differs from the authors' SupContrast code: there the anchors and the contrasted set are the
+    2N augmented views of one modality, the anchor itself is left out of the denominator and of its
+    positives, and unlabelled samples do not exist. Here the anchors are one modality and the contrasted set
+    the other (the denominator runs over all M keys, like CLIP's), and the own caption is always a positive.
+
     Args:
         image_features, text_features: (n, D) float, L2-normalised.  labels: (n,) integer or None (all -1).
         logit_scale: 0-dim tensor s.  chunk_size: None (dense) or block size of the tiled log-sum-exp; the
@@ -442,6 +512,9 @@ def supcon_loss(
     _check_pair(image_features, text_features)
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
+    image_features, text_features, all_image_features, all_text_features = _upcast(
+        image_features, text_features, all_image_features, all_text_features
+    )
     n = image_features.shape[0]
     labels = _check_labels(labels, n, image_features.device)
     all_img, all_txt, offset, single = _columns(
@@ -463,8 +536,11 @@ def supcon_loss(
         lse_i2t = TiledLogSumExp.apply(image_features, all_txt, logit_scale, chunk_size, False)
         lse_t2i = TiledLogSumExp.apply(text_features, all_img, logit_scale, chunk_size, False)
     # mean_{p in P(i)} -log softmax_ip = lse_i - s * q_i . mean_{p in P(i)} k_p
-    pos_i2t = logit_scale * (image_features * _positive_means(all_txt, labels, all_labels, offset)).sum(1)
-    pos_t2i = logit_scale * (text_features * _positive_means(all_img, labels, all_labels, offset)).sum(1)
+    acc = _acc_dtype(image_features.dtype)
+    pos_i2t = _positive_logits(image_features, _positive_means(all_txt.to(acc), labels, all_labels, offset),
+                               logit_scale, 0)
+    pos_t2i = _positive_logits(text_features, _positive_means(all_img.to(acc), labels, all_labels, offset),
+                               logit_scale, 0)
     return ((lse_i2t - pos_i2t).mean() + (lse_t2i - pos_t2i).mean()) / 2
 
 
@@ -501,6 +577,7 @@ def siglip_loss(
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
     logit_bias = _as_scale(logit_bias, image_features)
+    image_features, text_features, all_text_features = _upcast(image_features, text_features, all_text_features)
     keys = text_features if all_text_features is None else all_text_features
     n, m = image_features.shape[0], keys.shape[0]
     if all_text_features is None and offset != 0:
@@ -536,7 +613,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
     then dq = s G k, dk = s G^T q, ds = sum_i q_i . (G k)_i and db = sum G. Sums accumulate in float32 at least.
 
     Args (apply): queries (n, D), keys (m, D), logit_scale and logit_bias 0-dim, chunk_size int, offset int
-    (row i's positive is column ``offset + i``). Returns a 0-dim tensor.
+    (row i's positive is column ``offset + i``). Returns a 0-dim tensor, float32 for half inputs.
     """
 
     @staticmethod
@@ -555,7 +632,9 @@ class TiledSigmoidPairs(torch.autograd.Function):
                 total += x.clamp_(max=0).sub_(soft).sum()
         ctx.save_for_backward(queries, keys, logit_scale, logit_bias)
         ctx.chunk_size, ctx.offset = chunk_size, offset
-        return total.to(queries.dtype)
+        # The float32 accumulator itself: the sum over n * M pairs overflows fp16 (inf at n = 256, scale 100) and
+        # loses ~2 significant digits in bf16 before the division by n.
+        return total
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -591,8 +670,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
 
 def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, offset: int) -> Tensor:
     """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) from the whole (n, M) logits; row i's positive is column i + offset."""
-    logits = logit_scale * (queries @ keys.T) + logit_bias
-    logits = logits.to(_acc_dtype(logits.dtype))
+    logits = _dense_logits(queries, keys, logit_scale) + logit_bias.to(_acc_dtype(queries.dtype))
     rows, cols = _tile_positives(queries.shape[0], keys.shape[0], offset, logits.device)
     positive = logits[rows, cols]
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
@@ -608,42 +686,39 @@ def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _log1mexp(x: Tensor) -> Tensor:
-    """log(1 - exp(x)) for x < 0, accurate on both sides of -log 2 (Maechler 2012); NaN-free gradients."""
-    x = x.clamp(max=-torch.finfo(x.dtype).tiny)  # x == 0 would mean no negatives survived rounding
-    near = x > -math.log(2)
-    # Each branch only sees inputs where it is finite, so the unused branch cannot poison the gradient.
-    a = torch.log(-torch.expm1(torch.where(near, x, -1.0)))
-    b = torch.log1p(-torch.exp(torch.where(near, -1.0, x)))
-    return torch.where(near, a, b)
+def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
+                  single):
+    """Per gamma, the (n,) image->text and (n,) text->image log sums over the negatives j != offset+i of
+    exp(gamma * s * q_i.k_j): a list of (i2t, t2i) pairs, one per gamma.
 
-
-def _negative_lse(queries, keys, logit_scale, gamma, offset, chunk_size):
-    """(n,) log sum over negatives j != offset+i of exp(gamma * s * q_i.k_j)."""
-    scale = logit_scale * gamma
+    The positive is excluded inside the sum (masked to -inf), never subtracted from the full log-sum-exp:
+    log(e^lse - e^p) cancels completely once the positive dominates its row (a trained model at scale 100).
+    All gammas come from one logit matrix (one pass over the tiles), and with the whole batch in this process
+    both directions too.
+    """
     if chunk_size is None:
-        logits = scale * (queries @ keys.T)
-        logits = logits.to(_acc_dtype(logits.dtype))
-        rows = torch.arange(queries.shape[0], device=queries.device)
-        minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
-        logits = logits.index_put((rows, rows + offset), minus_inf)
-        return torch.logsumexp(logits, dim=1)
-    lse = TiledLogSumExp.apply(queries, keys, scale, chunk_size, False)
-    positive = _positive_logits(queries, keys, scale, offset).to(lse.dtype)
-    return lse + _log1mexp(positive - lse)
+        def masked(q, k):
+            logits = _dense_logits(q, k, logit_scale)
+            rows = torch.arange(q.shape[0], device=q.device)
+            minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+            return logits.index_put((rows, rows + offset), minus_inf)
+
+        if single:
+            logits = masked(image_features, text_features)
+            return [(torch.logsumexp(g * logits, dim=1), torch.logsumexp(g * logits, dim=0)) for g in gammas]
+        i2t, t2i = masked(image_features, all_txt), masked(text_features, all_img)
+        return [(torch.logsumexp(g * i2t, dim=1), torch.logsumexp(g * t2i, dim=1)) for g in gammas]
+    if single:
+        rows, cols = TiledLogSumExp.apply(image_features, text_features, logit_scale, chunk_size, True, None, 0,
+                                          gammas)
+        return list(zip(rows.unbind(0), cols.unbind(0)))
+    i2t = TiledLogSumExp.apply(image_features, all_txt, logit_scale, chunk_size, False, None, offset, gammas)
+    t2i = TiledLogSumExp.apply(text_features, all_img, logit_scale, chunk_size, False, None, offset, gammas)
+    return list(zip(i2t.unbind(0), t2i.unbind(0)))
 
 
-def _reweighted_rows(queries, keys, logit_scale, offset, tau_plus, beta, chunk_size):
-    """Per-row loss of Robinson et al. (2021) eq. with beta; beta = 0 is Chuang et al. (2020)."""
-    m = keys.shape[0]
-    n_neg = m - 1
-    positive = _positive_logits(queries, keys, logit_scale, offset)
-    positive = positive.to(_acc_dtype(positive.dtype))
-    # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
-    # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
-    log_neg = _negative_lse(queries, keys, logit_scale, 1.0 + beta, offset, chunk_size)
-    if beta != 0:
-        log_neg = log_neg - _negative_lse(queries, keys, logit_scale, beta, offset, chunk_size) + math.log(n_neg)
+def _reweighted_rows(positive, log_neg, logit_scale, n_neg, tau_plus):
+    """Per-row loss of Robinson et al. (2021) from the positive logit and the log of the reweighted negative sum."""
     shift = torch.maximum(positive, log_neg).detach()
     pos_e = torch.exp(positive - shift)
     neg_g = (torch.exp(log_neg - shift) - tau_plus * n_neg * pos_e) / (1 - tau_plus)
@@ -680,6 +755,13 @@ def hard_negative_clip_loss(
     and ``loss = -log(e^p / (e^p + Ng))``; beta = 0 is the debiased loss of Chuang et al. (2020), and
     beta = tau_plus = 0 is InfoNCE.
 
+    Where this differs from the authors' code (DCL, HCL): there the negatives of an anchor are the 2B - 2 other
+    views of a two-view batch of one modality (N = 2B - 2); here they are the M - 1 other items of the other
+    modality (N = M - 1). Their floor ``N e^{-1/t}`` is a constant of the fixed temperature; with the learned
+    scale here the floor ``N e^{-s}`` is detached, so it never trains the temperature. The negatives-only sums
+    leave the positive out inside the sum (dense and tiled alike), never by subtraction, so they stay exact
+    when the positive dominates its row.
+
     Args:
         image_features, text_features: (n, D) float, L2-normalised.  logit_scale: 0-dim tensor s.
         tau_plus: class prior in [0, 1).  beta: concentration >= 0.
@@ -691,11 +773,25 @@ def hard_negative_clip_loss(
     _check_chunk(chunk_size)
     _check_tau_beta(tau_plus, beta)
     logit_scale = _as_scale(logit_scale, image_features)
-    all_img, all_txt, offset, _ = _columns(image_features, text_features, all_image_features, all_text_features, offset)
+    image_features, text_features, all_image_features, all_text_features = _upcast(
+        image_features, text_features, all_image_features, all_text_features
+    )
+    all_img, all_txt, offset, single = _columns(
+        image_features, text_features, all_image_features, all_text_features, offset
+    )
     if all_img.shape[0] < 2:
         raise DataError(f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
-    i2t = _reweighted_rows(image_features, all_txt, logit_scale, offset, tau_plus, beta, chunk_size)
-    t2i = _reweighted_rows(text_features, all_img, logit_scale, offset, tau_plus, beta, chunk_size)
+    n_neg = all_img.shape[0] - 1
+    # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
+    # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
+    gammas = (1.0 + beta, beta) if beta != 0 else (1.0,)
+    lse = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
+                        single)
+    log_neg = lse[0] if beta == 0 else tuple(a - b + math.log(n_neg) for a, b in zip(lse[0], lse[1]))
+    i2t = _reweighted_rows(_positive_logits(image_features, all_txt, logit_scale, offset), log_neg[0], logit_scale,
+                           n_neg, tau_plus)
+    t2i = _reweighted_rows(_positive_logits(text_features, all_img, logit_scale, offset), log_neg[1], logit_scale,
+                           n_neg, tau_plus)
     return (i2t.mean() + t2i.mean()) / 2
 
 
@@ -731,27 +827,29 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
     combined with the synthetic negatives' log-sum-exp; the same value and gradients as the dense form.
     """
     n, m = queries.shape[0], keys.shape[0]
+    acc = _acc_dtype(queries.dtype)  # hard-negative ranking, synthetic features and logits in float32 at least
     n_queue = 0 if queue is None else queue.shape[0]
     k = min(n_hard, m - 1 + n_queue)
     rows = torch.arange(n, device=queries.device)
     # Draws are made for all M queries of the global batch and sliced at this rank's offset, so every rank
     # (sharing one seed) synthesises exactly what a single process holding the global batch would.
     pairs = torch.randint(0, max(k, 1), (m, s, 2), generator=generator)[offset:offset + n].to(queries.device)
-    alpha = torch.rand(m, s, 1, generator=generator)[offset:offset + n].to(queries.device, queries.dtype)
+    alpha = torch.rand(m, s, 1, generator=generator)[offset:offset + n].to(queries.device, acc)
     picks = torch.randint(0, max(k, 1), (m, s_prime), generator=generator)[offset:offset + n].to(queries.device)
     beta = (torch.rand(m, s_prime, 1, generator=generator) * mix_max)[offset:offset + n].to(
-        queries.device, queries.dtype
+        queries.device, acc
     )
     if queue is not None and n_queue > 0:
-        queue = queue.detach().to(queries.dtype)
+        queue = queue.detach().to(acc)
     else:
         queue = None
 
     synthetic_logits = None
     if k > 0 and s + s_prime > 0:
         with torch.no_grad():
-            q = queries.detach()
-            candidates = keys.detach() if queue is None else torch.cat([keys.detach(), queue])  # (M+Q, D)
+            q = queries.detach().to(acc)
+            candidates = keys.detach().to(acc)
+            candidates = candidates if queue is None else torch.cat([candidates, queue])  # (M+Q, D)
             block = n if chunk_size is None else chunk_size
             hard = []
             for i0 in range(0, n, block):
@@ -773,20 +871,18 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
                 for i0 in range(0, n, chunk_size)])
 
     if chunk_size is not None:
-        real = keys if queue is None else torch.cat([keys, queue])
+        real = keys if queue is None else torch.cat([keys.to(acc), queue])
         lse = logsumexp_rows(queries, real, logit_scale, chunk_size)
         if synthetic_logits is not None:
             lse = torch.logaddexp(lse, torch.logsumexp(synthetic_logits.to(lse.dtype), dim=1))
-        positive = logit_scale * (queries * keys[rows + offset]).sum(dim=1)
-        return lse - positive.to(lse.dtype)
+        return lse - _positive_logits(queries, keys, logit_scale, offset)
 
-    parts = [logit_scale * (queries @ keys.T)]  # (n, M)
+    parts = [_dense_logits(queries, keys, logit_scale)]  # (n, M)
     if queue is not None:
-        parts.append(logit_scale * (queries @ queue.T))  # (n, Q)
+        parts.append(_dense_logits(queries, queue, logit_scale))  # (n, Q)
     if synthetic_logits is not None:
         parts.append(synthetic_logits)
     all_logits = torch.cat(parts, dim=1)
-    all_logits = all_logits.to(_acc_dtype(all_logits.dtype))
     return F.cross_entropy(all_logits, rows + offset, reduction="none")
 
 
@@ -799,8 +895,9 @@ def _synthetic_logits(queries: Tensor, candidates: Tensor, hard: Tensor, draws, 
     away from them.
     """
     pairs, alpha, picks, beta = draws
+    acc = _acc_dtype(queries.dtype)
     with torch.no_grad():
-        q = queries.detach()
+        q = queries.detach().to(acc)
         synthetic = []
         if pairs.shape[1] > 0:
             first = candidates[hard.gather(1, pairs[..., 0])]  # (n, s, D)
@@ -810,7 +907,7 @@ def _synthetic_logits(queries: Tensor, candidates: Tensor, hard: Tensor, draws, 
             negative = candidates[hard.gather(1, picks)]  # (n, s', D)
             synthetic.append(F.normalize(beta * q[:, None, :] + (1 - beta) * negative, dim=-1))
         synthetic = torch.cat(synthetic, dim=1)  # (n, s + s', D)
-    return logit_scale * torch.einsum("nd,nkd->nk", queries, synthetic)
+    return logit_scale.to(acc) * torch.einsum("nd,nkd->nk", queries.to(acc), synthetic)
 
 
 def mochi_loss(
@@ -859,6 +956,9 @@ def mochi_loss(
     if not 0 < mix_max <= 1:
         raise ConfigError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
     logit_scale = _as_scale(logit_scale, image_features)
+    image_features, text_features, all_image_features, all_text_features = _upcast(
+        image_features, text_features, all_image_features, all_text_features
+    )
     all_img, all_txt, offset, _ = _columns(image_features, text_features, all_image_features, all_text_features, offset)
     i2t = _mochi_rows(image_features, all_txt, text_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
                       chunk_size)
@@ -897,7 +997,10 @@ class FeatureQueue(nn.Module):
             self.features = torch.zeros(self.size, x.shape[1], dtype=torch.float32, device=x.device)
         x = x.detach()[-self.size:].to(self.features)
         idx = (int(self.ptr) + torch.arange(x.shape[0], device=x.device)) % self.size
-        self.features[idx] = x
+        # A new buffer, not a write into the old one: the tensor `get` returned for this step's loss is still
+        # in the autograd graph (the queries' gradient needs it), and an in-place write would invalidate the
+        # backward that follows. The copy costs one pass over the queue per step.
+        self.features = self.features.index_copy(0, idx, x)
         self.ptr.fill_((int(self.ptr) + x.shape[0]) % self.size)
         self.count.fill_(min(int(self.count) + x.shape[0], self.size))
 
@@ -931,6 +1034,8 @@ def align_loss(x: Tensor, y: Tensor, alpha: float = 2.0) -> Tensor:
     """
     if x.shape != y.shape:
         raise DataError(f"align_loss needs equal shapes (got {tuple(x.shape)} and {tuple(y.shape)})")
+    acc = _acc_dtype(x.dtype)
+    x, y = x.to(acc), y.to(acc)  # half-precision differences of near-equal features lose most of their bits
     if alpha == 2:
         # The squared norm avoids the sqrt, whose gradient is undefined at x_i == y_i.
         return (x - y).pow(2).sum(dim=1).mean()
@@ -938,7 +1043,10 @@ def align_loss(x: Tensor, y: Tensor, alpha: float = 2.0) -> Tensor:
 
 
 def _sq_dists(a: Tensor, b: Tensor) -> Tensor:
-    # |a|^2 + |b|^2 - 2 a.b: one matmul and a smooth gradient everywhere (cdist's is undefined at 0).
+    # |a|^2 + |b|^2 - 2 a.b: one matmul and a smooth gradient everywhere (cdist's is undefined at 0). Built
+    # in float32 at least: in bf16 the three terms of size ~1 cancel to distances with an error of ~1e-2.
+    acc = _acc_dtype(a.dtype)
+    a, b = a.to(acc), b.to(acc)
     d = a.pow(2).sum(1, keepdim=True) + b.pow(2).sum(1)[None, :] - 2 * (a @ b.T)
     return d.clamp_min(0)
 
@@ -952,6 +1060,7 @@ def uniform_loss(x: Tensor, t: float = 2.0) -> Tensor:
     b = x.shape[0]
     if b < 2:
         raise DataError(f"uniform_loss needs at least 2 items (got {b})")
+    x = x.to(_acc_dtype(x.dtype))  # one cast, so both uses of x add their gradients in float32
     i, j = torch.triu_indices(b, b, offset=1, device=x.device)
     d = _sq_dists(x, x)[i, j]
     return torch.logsumexp(-t * d, dim=0) - math.log(d.numel())

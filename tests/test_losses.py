@@ -127,9 +127,28 @@ def test_tiled_logsumexp_gradcheck(tiles):
     assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q[:5], k, s, 2, True, 0), (q, k, s))
 
 
+
+def test_tiled_logsumexp_gradcheck_masked_and_several_gammas(tiles):
+    """The negatives-only (masked) log-sum-exps of gamma * L for several gammas from one pass, as the
+    hard-negative loss uses them: gradcheck of rows and columns, and the values against torch.logsumexp."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    s = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+    for gammas in (None, (2.0, 1.0), (0.5, 1.0, 3.0)):
+        assert torch.autograd.gradcheck(
+            lambda q, k, s: TiledLogSumExp.apply(q, k, s, 3, True, None, 0, gammas), (q, k, s))
+        assert torch.autograd.gradcheck(
+            lambda q, k, s: TiledLogSumExp.apply(q[:4], k, s, 2, False, None, 2, gammas), (q, k, s))
+    rows, cols = TiledLogSumExp.apply(q, k, s, 3, True, None, 0, (2.0, 0.5))
+    logits = (2.5 * q @ k.T).masked_fill(torch.eye(7, dtype=torch.bool), -math.inf)
+    for i, gamma in enumerate((2.0, 0.5)):
+        torch.testing.assert_close(rows[i], torch.logsumexp(gamma * logits, 1), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(cols[i], torch.logsumexp(gamma * logits, 0), rtol=1e-12, atol=1e-12)
+
 def _mixed_norms(dtype, big):
-    """One query far longer than the rest: the shared shift sigma then leaves the other rows' and many
-    columns' shifted sums below M * tiny, so both the fast and the exact fallback paths run."""
+    """One query far longer than the rest: a shift shared by all rows (s times the largest norm product) would
+    leave the other rows' and many columns' shifted sums below M * tiny; per-row and per-column maxima must not."""
     q, k = _features(9, 4, dtype, seed=3, correlated=False)
     k = k[:7]
     q, k = q.clone(), k.clone()
@@ -145,7 +164,7 @@ def _underflowing(q, k, s):
     return (e.sum(1) < k.shape[0] * tiny).sum().item(), (e.sum(0) < q.shape[0] * tiny).sum().item()
 
 
-def test_tiled_logsumexp_gradcheck_with_exact_fallback(tiles):
+def test_tiled_logsumexp_gradcheck_with_mixed_norms(tiles):
     q, k = _mixed_norms(torch.float64, 900.0)
     bad_rows, bad_cols = _underflowing(q, k, 1.0)
     assert 0 < bad_rows < q.shape[0] and 0 < bad_cols < k.shape[0]
@@ -156,7 +175,7 @@ def test_tiled_logsumexp_gradcheck_with_exact_fallback(tiles):
     assert torch.autograd.gradcheck(lambda q, k, s: TiledLogSumExp.apply(q[:7], k, s, 4, True, 0), (q, k, s))
 
 
-def test_tiled_exact_fallback_matches_dense_float32(tiles):
+def test_tiled_mixed_norms_match_dense_float32(tiles):
     q, k = _mixed_norms(torch.float32, 60.0)
     s = torch.tensor(3.0)
     bad_rows, bad_cols = _underflowing(q, k, 3.0)
@@ -530,7 +549,7 @@ def test_hard_negative_tiled_matches_dense(tau_plus, beta, tiles):
     a, b = _leaves(img, txt, s), _leaves(img, txt, s)
     dense = hard_negative_clip_loss(*a, tau_plus=tau_plus, beta=beta)
     tiled = hard_negative_clip_loss(*b, tau_plus=tau_plus, beta=beta, chunk_size=7)
-    # float64; the tiled path removes the positive by log(1 - e^x) instead of masking.
+    # float64; only the order of the additions differs (the tiled path masks the positive inside each tile).
     torch.testing.assert_close(tiled, dense, rtol=1e-10, atol=1e-12)
     for ga, gb in zip(_grads(dense, a), _grads(tiled, b)):
         torch.testing.assert_close(gb, ga, rtol=1e-8, atol=1e-10)
@@ -767,3 +786,153 @@ def test_objective_chunk_size_reaches_every_tiled_term():
     torch.testing.assert_close(c_loss, a_loss, rtol=1e-12, atol=1e-12)
     for name in ("clip", "siglip", "mochi"):
         torch.testing.assert_close(c_terms[f"loss/{name}"], a_terms[f"loss/{name}"], rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- regimes of a trained model, half precision
+
+
+def _dominant_features(n, d, dtype, seed):
+    """Pairs at cosine ~0.97 among random negatives: at scale 100 each row's positive exceeds its best negative
+    by ~50-90 logits (a trained model), while half of the rows keep a near-duplicate negative so the loss is not
+    all zero."""
+    g = torch.Generator().manual_seed(seed)
+    img = F.normalize(torch.randn(n, d, generator=g, dtype=torch.float64), dim=1)
+    txt = F.normalize(img + 0.25 * torch.randn(n, d, generator=g, dtype=torch.float64) / d ** 0.5, dim=1)
+    twins = torch.arange(0, n - 1, 2)
+    img[twins + 1] = F.normalize(img[twins] + 0.15 * torch.randn(len(twins), d, generator=g, dtype=torch.float64)
+                                 / d ** 0.5, dim=1)
+    return img.to(dtype), txt.to(dtype)
+
+
+@pytest.mark.parametrize("tau_plus,beta", [(0.1, 1.0), (0.1, 0.0), (0.05, 3.0)])
+def test_hard_negative_tiled_equals_dense_when_the_positive_dominates(tau_plus, beta, tiles):
+    img, txt = _dominant_features(120, 64, torch.float64, seed=50)
+    s = torch.tensor(100.0, dtype=torch.float64)
+    logits = 100.0 * img @ txt.T
+    margin = logits.diagonal() - logits.masked_fill(torch.eye(120, dtype=torch.bool), -math.inf).amax(1)
+    assert (margin > 40).sum() > 30  # rows where lse + log(1 - e^(p - lse)) would cancel completely
+    a, b = _leaves(img, txt, s), _leaves(img, txt, s)
+    dense = hard_negative_clip_loss(*a, tau_plus=tau_plus, beta=beta)
+    tiled = hard_negative_clip_loss(*b, tau_plus=tau_plus, beta=beta, chunk_size=16)
+    assert dense.item() > 0.1  # the twins keep it away from zero, so a relative comparison means something
+    # float64: summation order only; the definition of "done" for this regime is 1e-9.
+    torch.testing.assert_close(tiled, dense, rtol=1e-9, atol=1e-9)
+    for ga, gb in zip(_grads(dense, a), _grads(tiled, b)):
+        torch.testing.assert_close(gb, ga, rtol=1e-9, atol=1e-9)
+    ref = ref_reweighted(img, txt, 100.0, tau_plus, beta)
+    assert abs(dense.item() - ref) <= 1e-9 * max(1.0, abs(ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_siglip_half_precision_is_finite_and_close_to_float64(dtype, chunk):
+    img, txt = _features(256, 32, dtype, seed=51)
+    s, bias = torch.tensor(100.0, dtype=dtype), torch.tensor(-10.0, dtype=dtype)
+    got = siglip_loss(img, txt, s, bias, chunk_size=chunk)
+    assert got.dtype == torch.float32 and torch.isfinite(got)
+    # Reference on the same (rounded) inputs in float64: what is left is float32 accumulation, ~1e-6 relative.
+    ref = siglip_loss(img.double(), txt.double(), s.double(), bias.double())
+    assert abs(got.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dense_losses_build_logits_in_float32_for_half_inputs(dtype):
+    img, txt = _features(64, 32, dtype, seed=52)
+    s = torch.tensor(100.0, dtype=dtype)
+    labels = torch.tensor([0, 1, 2, -1] * 16)
+    f64 = dict(image_features=img.double(), text_features=txt.double(), logit_scale=s.double())
+    half = dict(image_features=img, text_features=txt, logit_scale=s)
+    cases = [
+        (clip_loss, {}),
+        (supcon_loss, {"labels": labels}),
+        (hard_negative_clip_loss, {"tau_plus": 0.1, "beta": 1.0}),
+        (debiased_clip_loss, {"tau_plus": 0.1}),
+    ]
+    for fn, kw in cases:
+        for chunk in (None, 16):
+            got = fn(**half, **kw, chunk_size=chunk)
+            ref = fn(**f64, **kw)
+            assert got.dtype == torch.float32
+            # Same rounded inputs: float32 logits of size <= 100 carry ~100 * 2^-24 each.
+            assert abs(got.item() - ref.item()) <= 2e-5 * max(1.0, abs(ref.item())), (fn.__name__, chunk)
+    got = mochi_loss(img, txt, s, 8, 4, 2, 0.5, torch.Generator().manual_seed(0))
+    ref = mochi_loss(img.double(), txt.double(), s.double(), 8, 4, 2, 0.5, torch.Generator().manual_seed(0))
+    assert got.dtype == torch.float32 and abs(got.item() - ref.item()) <= 2e-5 * max(1.0, abs(ref.item()))
+    for fn in (uniform_loss, lambda x: align_loss(x, txt)):
+        got, ref = fn(img), fn(img.double()) if fn is uniform_loss else align_loss(img.double(), txt.double())
+        assert got.dtype == torch.float32 and abs(got.item() - ref.item()) <= 1e-5 * max(1.0, abs(ref.item()))
+
+
+def _mochi_cfg(chunk):
+    return LossConfig(clip=0.0, chunk_size=chunk,
+                      mochi=MochiConfig(weight=1.0, n_hard=8, s=4, s_prime=2, mix_max=0.5, queue_size=12))
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_objective_with_queue_backward_after_enqueue(chunk):
+    """forward (which enqueues the batch) then backward: the queue tensor the loss used must be left intact, and
+    the gradient equals that of the loss against a copy of the queue taken before the step."""
+    obj = build_objective(_mochi_cfg(chunk)).train()
+    s = torch.tensor(10.0)
+    for step in range(3):  # the queue fills (8 of 12), then wraps around
+        img, txt = _leaves(*_features(8, 6, torch.float32, seed=60 + step), s)[:2]
+        iq, tq = (None if q is None else q.clone() for q in (obj.image_queue.get(), obj.text_queue.get()))
+        state = obj.generator.get_state()
+        total, _ = obj(img, txt, s)
+        total.backward()
+        a = _leaves(img, txt)
+        ref = mochi_loss(a[0], a[1], s, 8, 4, 2, 0.5, torch.Generator().set_state(state), iq, tq, chunk_size=chunk)
+        ref.backward()
+        torch.testing.assert_close(total, ref, rtol=0, atol=0)
+        torch.testing.assert_close(img.grad, a[0].grad, rtol=0, atol=0)
+        torch.testing.assert_close(txt.grad, a[1].grad, rtol=0, atol=0)
+    assert len(obj.image_queue) == 12
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_train_step_with_mochi_queue_backpropagates(chunk):
+    from accelerate import Accelerator
+
+    from mmcl import models
+    from mmcl.config import load_config
+    from mmcl.train import train_step
+
+    torch.manual_seed(0)
+    model_cfg = load_config(None, ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
+                                   "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]).model
+    model, *_ = models.build(model_cfg)
+    acc = Accelerator(cpu=True)
+    obj = build_objective(_mochi_cfg(chunk)).train()
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        batch = {"image": torch.randn(6, 3, 64, 64, generator=g), "text": torch.randint(1, 1000, (6, 32), generator=g),
+                 "label": torch.full((6,), -1, dtype=torch.long)}
+        model.zero_grad()
+        loss, terms, backward = train_step(model, obj, [batch], acc)
+        backward()  # raised "modified by an inplace operation" once the queue held a batch
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(gr).all() for gr in grads) and math.isfinite(terms["loss/mochi"])
+    assert len(obj.text_queue) == 12
+
+
+@pytest.mark.parametrize("noise", [0.5, 0.05])  # aligned pairs (cosine ~0.9) and near-duplicates (~0.999)
+def test_tiled_float32_as_accurate_as_dense_when_the_positive_dominates(noise, tiles):
+    """At scale 100 every row's positive dominates: the loss and its gradients are ~e^-50. The tiled path must
+    form lse - positive and softmax_ii - 1 from the same rounded logit (it subtracted a separately computed
+    positive, leaving one float32 ulp of a logit of 90, ~1e-6 in the loss and ~1e-8 in the gradients)."""
+    g = torch.Generator().manual_seed(70)
+    img = F.normalize(torch.randn(256, 64, generator=g, dtype=torch.float64), dim=1)
+    txt = F.normalize(img + noise * torch.randn(256, 64, generator=g, dtype=torch.float64) / 8, dim=1)
+    s = torch.tensor(100.0, dtype=torch.float64)
+    ref = _leaves(img, txt, s)
+    ref_loss = clip_loss(*ref)
+    ref_grads = _grads(ref_loss, ref)
+    errors = {}
+    for chunk in (None, 64):
+        x = _leaves(img.float(), txt.float(), s.float())
+        loss = clip_loss(*x, chunk_size=chunk)
+        errors[chunk] = [abs(loss.item() - ref_loss.item())] + [
+            (gr.double() - rg).abs().max().item() for gr, rg in zip(_grads(loss, x), ref_grads)]
+    # Within 10x of the dense float32 path's own error (which is ~1e-16 for the value here), plus 1e-20.
+    for tiled_err, dense_err in zip(errors[64], errors[None]):
+        assert tiled_err <= 10 * dense_err + 1e-20, (errors[64], errors[None])

@@ -26,6 +26,9 @@ CONFIGS = {
     "supcon_tiled": LossConfig(clip=0.0, supcon=1.0, chunk_size=4),
     "siglip": LossConfig(clip=0.0, siglip=1.0),
     "mochi": LossConfig(clip=0.5, mochi=MochiConfig(weight=1.0, n_hard=5, s=4, s_prime=3, queue_size=9)),
+    "mochi_tiled": LossConfig(clip=0.0, chunk_size=4,
+                              mochi=MochiConfig(weight=1.0, n_hard=5, s=4, s_prime=3, queue_size=9)),
+    "hard_negative_tiled": LossConfig(clip=0.0, hard_negative=1.0, tau_plus=0.1, hn_beta=2.0, chunk_size=5),
     "regularisers": LossConfig(clip=1.0, align=0.3, uniform=0.5, debiased=0.2, hard_negative=0.2, hn_beta=0.5,
                                chunk_size=4),
 }
