@@ -545,8 +545,8 @@ def test_parse_sample_reads_the_fields_for_training_and_evaluation_alike():
             with pytest.raises(data.SkipSample) as info:
                 data.parse_sample(files, caption_required=required)
             assert info.value.reason == reason
-    for files, reason in (({"png": b"P", "cls": b"1"}, "missing_caption"), ({"png": b"P", "txt": b"\xff"}, "bad_caption"),
-                          ({"png": b"P", "txt": b"  "}, "bad_caption")):
+    for files, reason in (({"png": b"P", "cls": b"1"}, "missing_caption"),
+                          ({"png": b"P", "txt": b"\xff"}, "bad_caption"), ({"png": b"P", "txt": b"  "}, "bad_caption")):
         with pytest.raises(data.SkipSample) as info:
             data.parse_sample(files)
         assert info.value.reason == reason
