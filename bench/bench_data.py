@@ -8,8 +8,7 @@ shards hold photo-like JPEGs of about 500 px (smooth gradients, shapes and noise
 
 Prints one JSON line per loader and round, then one line of ratios against the first loader: best round of
 each loader, the median over rounds of the ratio within a round, and the ratio of median samples per CPU second
-(the loaders' own cost, which the load of a shared machine does not change). The ``..._tarfile`` loader is
-mmcl's default loader with tars read by the standard library's `tarfile` instead of mmcl's own reader.
+(the loaders' own cost, which the load of a shared machine does not change).
 """
 
 from __future__ import annotations
@@ -85,34 +84,14 @@ def ours_loader(spec, preprocess, tokenizer, batch, workers, shuffle, fast, uint
     return build_train_stream(cfg, preprocess, tokenizer, seed=0)
 
 
-class TarfileReader:
-    """The interface of `mmcl.data.reading.TarReader` over the standard library's `tarfile` in stream mode: the
-    alternative to mmcl's own reader, measured end to end by the ``mmcl_..._tarfile`` loader. Bench only: it lacks
-    the reader's checks (tarfile ends an archive silently at a damaged header)."""
-
-    def __init__(self, stream):
-        import tarfile
-
-        self._tar = tarfile.open(fileobj=stream, mode="r|*")
-        self._member = None
-
-    def __iter__(self):
-        for member in self._tar:
-            if member.isfile():
-                self._member = member
-                yield member.name
-
-    def read(self) -> bytes:
-        return self._tar.extractfile(self._member).read()
-
-
 def cpu_seconds() -> float:
     """CPU time of this process and its DataLoader workers: the loader's own cost, whatever else runs."""
     return sum(tree_cpu_seconds(os.getpid()))
 
 
 def tar_member_costs(spec: str) -> dict:
-    """Microseconds per tar member to read every member's bytes of the shards: mmcl's reader vs tarfile."""
+    """Microseconds per tar member to read every member's bytes of the shards: `tarfile` in stream mode, and
+    mmcl's `TarReader` (tarfile with its damage checks, seeking over unread members)."""
     import tarfile
 
     from mmcl.data import TarReader, expand_urls
@@ -158,7 +137,7 @@ def measure(loader, n_batches: int, batch: int):
     return n_batches * batch / elapsed, n_batches * batch / cpu
 
 
-LOADERS = ("webdataset", "mmcl", "mmcl_fast_decode", "mmcl_fast_decode_uint8", "mmcl_fast_decode_uint8_tarfile")
+LOADERS = ("webdataset", "mmcl", "mmcl_fast_decode", "mmcl_fast_decode_uint8")
 
 
 def main() -> None:
@@ -198,23 +177,12 @@ def main() -> None:
             # The default: draft decoding, and uint8 images finished in the main process (on the GPU in training).
             "mmcl_fast_decode_uint8": lambda: ours_loader(spec, preprocess, tokenizer, args.batch, args.workers,
                                                           args.shuffle, True, True),
-            # The same with tars read by the standard library's tarfile instead of mmcl's own reader.
-            "mmcl_fast_decode_uint8_tarfile": lambda: ours_loader(spec, preprocess, tokenizer, args.batch,
-                                                                  args.workers, args.shuffle, True, True),
         }
         loaders = {name: make for name, make in loaders.items() if name in args.loaders.split(",")}
-        from mmcl.data import reading
-
-        own_reader = reading.TarReader
         best, rates, per_cpu = {}, {name: [] for name in loaders}, {name: [] for name in loaders}
         for rnd in range(args.rounds):
             for name, make in loaders.items():
-                # Workers fork when the loader is iterated, inside `measure`, and keep the reader set here.
-                reading.TarReader = TarfileReader if name.endswith("_tarfile") else own_reader
-                try:
-                    rate, cpu_rate = measure(make(), n_batches, args.batch)
-                finally:
-                    reading.TarReader = own_reader
+                rate, cpu_rate = measure(make(), n_batches, args.batch)
                 best[name] = max(best.get(name, 0.0), rate)
                 rates[name].append(rate)
                 per_cpu[name].append(cpu_rate)

@@ -1,19 +1,18 @@
 """Reading tar shards into raw samples: consecutive members sharing a key form one sample.
 
-`TarReader` streams the regular files of a tar archive (ustar, pax and GNU formats; plain, gzip, bzip2 or xz)
-and verifies every header, so a damaged header mid-shard or a cut-off member is reported rather than read as the
-end of the archive. `read_raw_samples` turns an epoch's shard plan into `RawSample` items (a sample's undecoded
-files by extension, and its position), passing over the samples a resumed stream has already consumed by their
-headers alone, and reporting a shard that cannot be opened or breaks off as a counted item.
+`TarReader` streams the regular files of a tar archive through the standard library's `tarfile` (ustar, pax and
+GNU formats; plain, gzip, bzip2 or xz), with the endings `tarfile` keeps silent made errors: a damaged header
+mid-shard or a cut-off member is reported rather than read as the end of the archive. `read_raw_samples` turns an
+epoch's shard plan into `RawSample` items (a sample's undecoded files by extension, and its position), passing
+over the samples a resumed stream has already consumed by their headers alone, and reporting a shard that cannot
+be opened or breaks off as a counted item.
 """
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import io
 import lzma
 import os
+import tarfile
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -46,184 +45,75 @@ class RawSample:
 class TarFormatError(Exception):
     """A tar stream that is cut off or whose header is damaged."""
 
-class _Prefixed(io.RawIOBase):
-    """A stream with bytes already read from it put back in front (for compression sniffing)."""
 
-    def __init__(self, head: bytes, stream):
-        self.head, self.stream = head, stream
+class _CheckedTarInfo(tarfile.TarInfo):
+    """A `tarfile.TarInfo` that notes on its archive why header reading stopped: `tarfile` ends an archive at a
+    damaged or cut-off header without a word, as if it had reached the end-of-archive block."""
 
-    def readable(self) -> bool:
-        return True
+    @classmethod
+    def fromtarfile(cls, tar):
+        try:
+            return super().fromtarfile(tar)
+        except (tarfile.EOFHeaderError, tarfile.EmptyHeaderError):
+            raise  # the end-of-archive block, or the end of an archive written without one
+        except tarfile.InvalidHeaderError:
+            tar.damage = "bad header checksum"
+            raise
+        except tarfile.TruncatedHeaderError:
+            tar.damage = "truncated header"
+            raise
 
-    def readinto(self, buf) -> int:
-        if self.head:
-            n = min(len(buf), len(self.head))
-            buf[:n], self.head = self.head[:n], self.head[n:]
-            return n
-        data = self.stream.read(len(buf))
-        buf[:len(data)] = data
-        return len(data)
-
-_TAR_FILE_TYPES = (b"0", b"\0", b"7")  # regular file, old-style regular file, contiguous file
 
 class TarReader:
     """Streaming reader of the regular files in a tar archive (POSIX ustar, pax and GNU formats; plain, gzip,
-    bzip2 or xz compressed), 3-6x faster per member than `tarfile` in stream mode (BENCHMARKS.md).
+    bzip2 or xz compressed), the standard library's `tarfile` with its silent endings turned into errors.
 
-    Iterating yields member names; `read` returns the current member's bytes, and a member that is not read
-    is passed over (by seeking where the stream allows). Every header's checksum is verified, so a damaged
-    header or an archive cut off inside a member raises `TarFormatError` instead of ending the archive early.
-    Constructing the reader reads the first header: a 0-byte stream or one that is not a tar raises there; an
-    archive with no members (its first block is an end-of-archive block) yields nothing.
+    Iterating yields member names in archive order; `read` returns the current member's bytes, and a member that is
+    not read is passed over (by seeking where the stream allows). A damaged header or an archive cut off inside a
+    member raises `TarFormatError` instead of ending the archive early. Constructing the reader reads the first
+    header: a 0-byte stream or one that is not a tar raises there; an archive with no members (its first block is
+    an end-of-archive block) yields nothing.
     """
 
     def __init__(self, stream):
-        head = _read_exact(stream, 512)
-        compressed = False
-        for magic, module in ((b"\x1f\x8b", gzip), (b"BZh", bz2), (b"\xfd7zXZ\x00", lzma)):
-            if head.startswith(magic):
-                stream = module.open(io.BufferedReader(_Prefixed(head, stream)), "rb")
-                head = _read_exact(stream, 512)
-                compressed = True  # decompressors "seek" by decompressing: passed-over members are read instead
-                break
-        if not head:
-            # tarfile and webdataset refuse a 0-byte file too ("empty file"): nothing marks it as an archive.
-            raise TarFormatError("empty file")
-        self.stream, self._first = stream, head
-        if head == bytes(512):
-            # A valid archive without members (only end-of-archive blocks), as `tar -cf x.tar -T /dev/null` or
-            # img2dataset after a shard's every download failed writes: it holds no sample, and tarfile reads
-            # it as empty too.
-            self._end, self._pending, self._size = None, 0, 0
-            return
-        self._end = None  # the stream's length where it can seek, to tell a cut-off member when skipping it
         try:
-            if not compressed and stream.seekable():
-                here = stream.tell()
-                self._end = stream.seek(0, io.SEEK_END)
-                stream.seek(here)
+            seekable = bool(stream.seekable())
         except (AttributeError, OSError, ValueError):
-            self._end = None
-        self._pending = 0  # unread payload + padding of the current member
-        self._size = 0
-        self._parse(head, first=True)  # fail now on a stream that is not a tar
-
-    def _skip(self, n: int) -> None:
-        if n <= 0:
-            return
-        if self._end is not None:
-            if self.stream.seek(n, io.SEEK_CUR) > self._end:
-                raise TarFormatError("unexpected end of data")
-            return
-        while n > 0:
-            got = len(self.stream.read(min(n, 1 << 20)))
-            if got == 0:
-                raise TarFormatError("unexpected end of data")
-            n -= got
-
-    def _parse(self, h: bytes, first: bool = False) -> Tuple[bytes, int, Optional[str]]:
-        """(type flag, payload size, name) of a header block; raises on a bad checksum."""
-        if len(h) < 512:
-            raise TarFormatError("not a tar file" if first else "truncated header")
-        stored = h[148:156].split(b"\0", 1)[0].strip()
-        unsigned = sum(h[:148]) + 256 + sum(h[156:])
+            seekable = False
         try:
-            want = int(stored, 8) if stored else -1
-        except ValueError:
-            want = -1
-        # Some old writers summed the bytes as signed chars; tarfile accepts both, and so does this.
-        ok = want == unsigned or want == unsigned - 256 * sum(1 for b in h[:148] + h[156:] if b > 127)
-        if not ok:
-            raise TarFormatError("not a tar file" if first else "bad header checksum")
-        field = h[124:136]
-        if field[0] & 0x80:  # GNU base-256 size
-            size = int.from_bytes(field[1:], "big")
-        else:
-            size = int(field.split(b"\0", 1)[0].strip() or b"0", 8)
-        name = h[:100].split(b"\0", 1)[0]
-        if h[257:263] == b"ustar\0":  # POSIX ustar: a path longer than 100 bytes is split into prefix/name
-            prefix = h[345:500].split(b"\0", 1)[0]
-            if prefix:
-                name = prefix + b"/" + name
-        return h[156:157], size, name.decode("utf-8", "surrogateescape")
+            # "r:*" seeks over members that are not read (a resumed stream passes over whole blocks of samples);
+            # "r|*" reads through them, for pipes and HTTP.
+            self._tar = tarfile.open(fileobj=stream, mode="r:*" if seekable else "r|*", tarinfo=_CheckedTarInfo)
+        except tarfile.ReadError as err:
+            raise TarFormatError("empty file" if "empty file" in str(err) else "not a tar file") from None
+        except tarfile.CompressionError as err:
+            raise TarFormatError(f"not a tar file ({err})") from None
+        self._tar.damage = None
+        self._member: Optional[tarfile.TarInfo] = None
 
     def __iter__(self) -> Iterator[str]:
-        head, long_name, pax_name, pax_size = self._first, None, None, None
-        self._first = None
+        tar = self._tar
         while True:
-            if head is None:
-                self._skip(self._pending)
-                self._pending = 0
-                head = _read_exact(self.stream, 512)
-                if len(head) == 0:
-                    return  # an archive without its end-of-archive blocks ends here, as tarfile does
-            if head == bytes(512):
+            try:
+                member = tar.next()
+            except tarfile.TarError as err:
+                raise TarFormatError(str(err)) from None
+            if member is None:
+                if tar.damage is not None:
+                    raise TarFormatError(tar.damage)
                 return
-            kind, size, name = self._parse(head)
-            head = None
-            padded = size + (-size) % 512
-            if kind in (b"L", b"x", b"g"):  # GNU long name, pax extended header, pax global header
-                payload = _read_exact(self.stream, padded)
-                if len(payload) < padded:
-                    raise TarFormatError("unexpected end of data")
-                payload = payload[:size]
-                if kind == b"L":
-                    long_name = payload.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-                elif kind == b"x":
-                    pax_name, pax_size = _parse_pax(payload, pax_name, pax_size)
-                continue
-            if pax_size is not None:
-                size, padded = pax_size, pax_size + (-pax_size) % 512
-            name = pax_name or long_name or name
-            long_name = pax_name = pax_size = None
-            self._size, self._pending = size, padded
-            if kind in _TAR_FILE_TYPES:
-                yield name
+            tar.members.clear()  # tarfile keeps every member it met; a stream needs none of them again
+            if member.isfile():
+                self._member = member
+                yield member.name
 
     def read(self) -> bytes:
         """The bytes of the member just yielded."""
-        data = _read_exact(self.stream, self._size)
-        if len(data) < self._size:
-            raise TarFormatError("unexpected end of data")
-        self._pending -= self._size
-        self._size = 0
-        return data
-
-def _read_exact(stream, n: int) -> bytes:
-    """Up to n bytes; fewer only at the end of the stream (pipes and decompressors may return short reads)."""
-    data = stream.read(n)
-    if len(data) == n or not data:
-        return data
-    parts = [data]
-    got = len(data)
-    while got < n:
-        more = stream.read(n - got)
-        if not more:
-            break
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
-
-def _parse_pax(payload: bytes, name: Optional[str], size: Optional[int]) -> Tuple[Optional[str], Optional[int]]:
-    """The path and size records of a pax extended header ('LEN key=value\\n' records)."""
-    pos = 0
-    while pos < len(payload):
-        space = payload.find(b" ", pos)
-        if space < 0:
-            break
         try:
-            length = int(payload[pos:space])
-        except ValueError:
-            raise TarFormatError("bad pax header")
-        if length <= 0:
-            raise TarFormatError("bad pax header")
-        key, _, value = payload[space + 1:pos + length - 1].partition(b"=")
-        if key == b"path":
-            name = value.decode("utf-8", "surrogateescape")
-        elif key == b"size":
-            size = int(value)
-        pos += length
-    return name, size
+            return self._tar.extractfile(self._member).read()
+        except tarfile.TarError as err:
+            raise TarFormatError(str(err)) from None
+
 
 def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], start: Tuple[int, int] = (0, 0),
                      open_fn: Callable[[str], Any] = open_shard) -> Iterator[RawSample]:
