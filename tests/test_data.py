@@ -826,6 +826,34 @@ def test_tar_reader_reports_damage_that_tarfile_would_hide():
             data.TarReader(io.BytesIO(bad))
 
 
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_cut_anywhere_is_an_error_unless_cut_between_members(fmt):
+    sizes = [0, 1, 511, 512, 513, 1500, 7]
+    members = [(f"k{i}.{'p' * 120 if fmt == tarfile.PAX_FORMAT else 'bin'}", os.urandom(n))
+               for i, n in enumerate(sizes)]
+    raw = _tar_bytes(members, fmt)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        every = tar.getmembers()  # the files and a folder
+        ends = {m.offset_data + m.size + (-m.size) % 512 for m in every}
+    starts = [m.offset for m in every if m.isfile()]  # where a member's first header (pax: extended header) begins
+    last = max(ends)
+    for cut in sorted(set(range(0, last + 1024, 97)) | {m.offset for m in every} | ends):
+        # Clean: the archive ends between two members (as if written without end-of-archive blocks) or after its
+        # first end-of-archive block.
+        clean = cut in ends or cut >= last + 512
+        for stream in (io.BytesIO(raw[:cut]), io.BufferedReader(_Pipe(raw[:cut]))):
+            got = []
+            try:
+                reader = data.TarReader(stream)
+                for name in reader:
+                    got.append((name, reader.read()))
+            except data.TarFormatError:
+                assert not clean or cut == 0, cut  # a 0-byte stream is no archive
+                continue
+            assert clean, f"cut at byte {cut} of {len(raw)} went unnoticed"
+            assert got == [m for m, start in zip(members, starts) if start < cut], cut
+
+
 def niceness_tokenizer(texts):
     """Records the niceness of the process that tokenizes (a DataLoader worker) in every token."""
     return torch.full((len(texts), 4), os.nice(0), dtype=torch.long)
