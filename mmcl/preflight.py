@@ -13,7 +13,7 @@ import os
 from typing import List
 
 from .config import TrainConfig
-from .data import _has_scheme, _is_image_folder, missing_shards
+from .data import has_scheme, is_image_folder, missing_shards
 from .errors import ConfigError
 
 _TEMPLATE_NAMES = ("auto", "openai_imagenet_template", "openai", "imagenet", "simple_imagenet_template", "simple")
@@ -29,7 +29,7 @@ def _is_hub_name(name: str) -> bool:
 
 
 def _path_problem(key: str, path: str) -> List[str]:
-    if _has_scheme(path) or os.path.exists(os.path.expanduser(path)):
+    if has_scheme(path) or os.path.exists(os.path.expanduser(path)):
         return []
     return [f"{key}: {os.path.abspath(os.path.expanduser(path))} does not exist"]
 
@@ -42,7 +42,7 @@ def input_problems(cfg: TrainConfig) -> List[str]:
     else:
         problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train)]
     zeroshot = cfg.eval.zeroshot
-    if zeroshot and not _is_image_folder(os.path.expanduser(zeroshot)):  # else a directory of shards or a spec
+    if zeroshot and not is_image_folder(os.path.expanduser(zeroshot)):  # else a directory of shards or a spec
         problems += [f"eval.zeroshot: {p}" for p in missing_shards(zeroshot)]
     if cfg.eval.retrieval:
         problems += [f"eval.retrieval: {p}" for p in missing_shards(cfg.eval.retrieval)]

@@ -66,7 +66,7 @@ def test_mmcl_warnings_are_one_line_once_and_others_keep_their_format(capsys):
 
     from mmcl import cli
 
-    mmcl_file = str(Path(cli.__file__).parent / "data.py")
+    mmcl_file = str(Path(cli.__file__).parent / "data" / "reading.py")
     others = []
     with warnings.catch_warnings():
         warnings.simplefilter("always")

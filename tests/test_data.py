@@ -535,6 +535,66 @@ def test_parse_caption_and_label():
         assert info.value.reason == reason
 
 
+def test_parse_sample_reads_the_fields_for_training_and_evaluation_alike():
+    good = {"png": b"P", "jpg": b"J", "txt": b" a dog \n", "cls": b"3"}
+    for required in (True, False):
+        assert data.parse_sample(good, caption_required=required) == (b"J", "a dog", 3)  # jpg before png
+        assert data.parse_sample({"webp": b"W", "txt": b"x"}, caption_required=required) == (b"W", "x", -1)
+        for files, reason in (({"txt": b"no image"}, "missing_image"),
+                              ({"png": b"P", "txt": b"x", "cls": b"-1"}, "bad_label")):
+            with pytest.raises(data.SkipSample) as info:
+                data.parse_sample(files, caption_required=required)
+            assert info.value.reason == reason
+    for files, reason in (({"png": b"P", "cls": b"1"}, "missing_caption"),
+                          ({"png": b"P", "txt": b"\xff"}, "bad_caption"), ({"png": b"P", "txt": b"  "}, "bad_caption")):
+        with pytest.raises(data.SkipSample) as info:
+            data.parse_sample(files)
+        assert info.value.reason == reason
+        assert data.parse_sample(files, caption_required=False)[1] == ""
+    with pytest.raises(data.SkipSample) as info:  # without a caption to check first, evaluation checks the label
+        data.parse_sample({"png": b"P", "cls": b"seven"}, caption_required=False)
+    assert info.value.reason == "bad_label"
+
+
+def test_a_labelled_sample_without_caption_is_kept_for_evaluation_and_skipped_in_training(tmp_path):
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), (200, 10, 10)).save(buf, format="PNG")
+    shard = tmp_path / "shard-000000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name, payload in (("a.png", buf.getvalue()), ("a.cls", b"4"), ("b.png", buf.getvalue()),
+                              ("b.txt", b"a red box"), ("b.cls", b"2")):
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    items = list(data.build_eval_dataset(str(shard), T.ToTensor()))
+    assert [(label, caption, key) for _, label, caption, key in items] == [(4, "", "a"), (2, "a red box", "b")]
+    assert items[0][0].shape == (3, 6, 8)
+    raw = list(data.read_raw_samples([(str(shard), None)]))
+    with pytest.raises(data.SkipSample) as info:
+        data.decode_sample(raw[0].files, T.ToTensor(), 10**6)
+    assert info.value.reason == "missing_caption"
+    image, caption, label = data.decode_sample(raw[1].files, T.ToTensor(), 10**6)
+    assert torch.equal(image, items[1][0]) and (caption, label) == ("a red box", 2)
+
+
+def test_data_modules_import_only_the_modules_before_them():
+    import ast
+
+    order = ["sources", "reading", "decode", "transforms", "pipeline", "eval_sets", "writer", "demo"]
+    folder = os.path.dirname(data.__file__)
+    assert sorted(order + ["__init__"]) == sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py"))
+    for i, name in enumerate(order):
+        tree = ast.parse(open(os.path.join(folder, name + ".py")).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                assert node.module in order[:i], f"{name}.py imports .{node.module}"
+            elif isinstance(node, ast.ImportFrom) and node.level == 2:
+                assert node.module in ("config", "errors"), f"{name}.py imports ..{node.module}"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                assert not any(m.split(".")[0] == "mmcl" for m in modules), f"{name}.py imports {modules}"
+
+
 def test_epoch_shard_plan_partitions_and_reshuffles():
     sources = [[f"s{i}" for i in range(10)]]
     for epoch in range(3):
@@ -764,6 +824,34 @@ def test_tar_reader_reports_damage_that_tarfile_would_hide():
     for bad, why in ((b"", "empty file"), (b"not a tar" * 100, "not a tar file")):
         with pytest.raises(data.TarFormatError, match=why):
             data.TarReader(io.BytesIO(bad))
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_cut_anywhere_is_an_error_unless_cut_between_members(fmt):
+    sizes = [0, 1, 511, 512, 513, 1500, 7]
+    members = [(f"k{i}.{'p' * 120 if fmt == tarfile.PAX_FORMAT else 'bin'}", os.urandom(n))
+               for i, n in enumerate(sizes)]
+    raw = _tar_bytes(members, fmt)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        every = tar.getmembers()  # the files and a folder
+        ends = {m.offset_data + m.size + (-m.size) % 512 for m in every}
+    starts = [m.offset for m in every if m.isfile()]  # where a member's first header (pax: extended header) begins
+    last = max(ends)
+    for cut in sorted(set(range(0, last + 1024, 97)) | {m.offset for m in every} | ends):
+        # Clean: the archive ends between two members (as if written without end-of-archive blocks) or after its
+        # first end-of-archive block.
+        clean = cut in ends or cut >= last + 512
+        for stream in (io.BytesIO(raw[:cut]), io.BufferedReader(_Pipe(raw[:cut]))):
+            got = []
+            try:
+                reader = data.TarReader(stream)
+                for name in reader:
+                    got.append((name, reader.read()))
+            except data.TarFormatError:
+                assert not clean or cut == 0, cut  # a 0-byte stream is no archive
+                continue
+            assert clean, f"cut at byte {cut} of {len(raw)} went unnoticed"
+            assert got == [m for m, start in zip(members, starts) if start < cut], cut
 
 
 def niceness_tokenizer(texts):

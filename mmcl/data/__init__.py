@@ -1,0 +1,45 @@
+"""WebDataset streaming for training and evaluation, shard writing, and the synthetic demo set.
+
+Shards follow the img2dataset / WebDataset convention: consecutive tar members sharing a key form one sample
+(``KEY.jpg|jpeg|png|webp`` image, ``KEY.txt`` caption, optional ``KEY.cls`` label, optional ``KEY.json``).
+One concern per module, imported in this order (each uses only those above it)::
+
+    sources.py     shard specs (braces, globs, directories, '::' sources, YAML lists) -> URLs; `open_shard`
+                   opens any URL (local, ``pipe:``, http) through webdataset's ``gopen``
+    reading.py     tar streams -> raw samples with their positions (`TarReader`, `read_raw_samples`)
+    decode.py      raw sample -> image bytes, caption, label (`parse_sample`); bytes -> RGB (`decode_image`,
+                   `to_rgb`); the skip reasons
+    transforms.py  decoded image -> tensor: seeded per-sample transforms, the uint8 hand-off (`split_transform`,
+                   `ImageFinish`), the cheaper random crop
+    pipeline.py    the resumable training stream (`build_train_stream`, `TrainStream`): shard plan, block
+                   shuffle, workers, batching
+    eval_sets.py   evaluation datasets (`build_eval_dataset`): ImageFolder or shards, each sample once
+    writer.py      writing shards (`write_shards`, `ShardWriter`) and `mmcl shards` (`shards_from_input`)
+    demo.py        the synthetic coloured-shapes set (`make_demo_data`)
+
+The names below are the package's public interface; import them from ``mmcl.data``.
+"""
+
+from .decode import (IMAGE_EXTS, SKIP_REASONS, SkipSample, decode_image, image_bytes, parse_caption, parse_label,
+                     parse_sample, to_rgb, zero_skips)
+from .eval_sets import (EvalFailure, EvalSkip, ImageFolderDataset, ShardEvalDataset, build_eval_dataset,
+                        eval_collate, is_image_folder, open_rgb)
+from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, collate, epoch_shard_plan,
+                       role_batches, shuffle_block)
+from .reading import RawSample, TarFormatError, TarReader, read_raw_samples
+from .sources import SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard
+from .transforms import (ImageFinish, PyRandomResizedCrop, TransformOutputError, decode_sample, draft_size_of,
+                         pil_to_uint8, random_crop_box, split_transform, training_sample_transform)
+from .writer import ShardWriter, shards_from_input, write_shards
+
+__all__ = [
+    "IMAGE_EXTS", "SKIP_REASONS", "SHARD_SUFFIXES", "WORKER_STOP_GRACE_S",
+    "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "PyRandomResizedCrop", "RawSample",
+    "ShardEvalDataset", "ShardWriter", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
+    "TransformOutputError",
+    "build_eval_dataset", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",
+    "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
+    "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
+    "pil_to_uint8", "random_crop_box", "read_raw_samples", "role_batches", "shards_from_input", "shuffle_block",
+    "split_transform", "to_rgb", "training_sample_transform", "write_shards", "zero_skips",
+]

@@ -1,0 +1,219 @@
+"""Evaluation sets: an ImageFolder or WebDataset shards, each sample exactly once.
+
+`build_eval_dataset` picks `ImageFolderDataset` for a directory of class folders and `ShardEvalDataset` for a
+shard spec. A sample that cannot be used travels through the DataLoader as an `EvalSkip` item and a user error
+raised in a worker as an `EvalFailure`; `eval_collate` sets both aside so evaluation counts them. The folder
+walking helpers here (hidden names ignored, sorted class folders) also serve `mmcl shards` (writer.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+from PIL import Image
+
+from ..config import DataConfig
+from ..errors import DataError, MmclError
+from .decode import SkipSample, decode_image, parse_sample, zero_skips
+from .reading import read_raw_samples
+from .sources import SHARD_SUFFIXES, expand_urls, has_scheme
+
+FOLDER_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def _read_lines(path: str) -> Optional[List[str]]:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def _visible(name: str) -> bool:
+    """Hidden names (``.ipynb_checkpoints``, ``.DS_Store``, macOS ``._*`` files) are neither classes nor samples."""
+    return not name.startswith(".")
+
+
+def class_folders(root: str) -> List[str]:
+    """The visible subfolders of an ImageFolder root, sorted (their order gives the labels)."""
+    return sorted(d for d in os.listdir(root) if _visible(d) and os.path.isdir(os.path.join(root, d)))
+
+
+def walk_files(folder: str) -> Iterator[str]:
+    """Paths of the visible files under `folder` in sorted order, hidden folders not entered."""
+    for dirpath, dirnames, names in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if _visible(d))
+        for name in sorted(names):
+            if _visible(name):
+                yield os.path.join(dirpath, name)
+
+
+def is_image_folder(path: str) -> bool:
+    """Whether `path` is a directory of class folders (and holds no shards)."""
+    if not os.path.isdir(path):
+        return False
+    if any(name.endswith(SHARD_SUFFIXES) for name in os.listdir(path)):
+        return False
+    return bool(class_folders(path))
+
+
+@dataclass
+class EvalSkip:
+    """An evaluation sample that cannot be used; it travels through the DataLoader in place of the sample.
+
+    ``reason`` is a skip reason (``decode``, ``unsupported_mode``, ``too_large``, ``missing_file``, ...) and
+    ``where`` names the file or shard sample.
+    """
+
+    reason: str
+    where: str
+    detail: str = ""
+
+
+@dataclass
+class EvalFailure:
+    """A user error (`MmclError`) raised while reading evaluation data, carried out of a DataLoader worker so the
+    main process re-raises the original error (a worker's exception would come back wrapped in its traceback)."""
+
+    error: Exception
+
+
+def _decode_file(path: str, max_pixels: int) -> Image.Image:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise SkipSample("missing_file", "the file is gone")
+    except OSError as err:
+        raise SkipSample("decode", f"{type(err).__name__}: {err}")
+    return decode_image(data, max_pixels)
+
+
+def open_rgb(path: str, max_pixels: int = DataConfig.max_image_pixels) -> Image.Image:
+    """An image file decoded by `decode_image` (RGB, any pixel mode converted by `to_rgb`).
+
+    Raises `DataError` naming the file and the skip reason when it cannot be used.
+    """
+    try:
+        return _decode_file(path, max_pixels)
+    except SkipSample as skip:
+        raise DataError(f"cannot read image {path} ({skip})") from None
+
+
+class ImageFolderDataset(torch.utils.data.Dataset):
+    """An ImageFolder (``root/<class>/<image>``) for evaluation: items (image (3,H,W) float, label, "", key).
+
+    Labels are the index of the class folder in sorted order; ``classnames`` are the folder names, or
+    the lines of ``root/classnames.txt`` when it has one line per folder (human-readable names for folders
+    such as WordNet ids). ``templates`` are the lines of ``root/templates.txt`` when present, else None.
+    Hidden folders and files (names starting with '.') are ignored. An image that cannot be decoded gives an
+    `EvalSkip` item instead (`eval_collate` separates them), so evaluation counts it and goes on.
+    """
+
+    def __init__(self, root: str, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels):
+        self.root, self.preprocess, self.max_pixels = root, preprocess, max_pixels
+        self.folders = class_folders(root)
+        self.items: List[Tuple[str, int]] = []
+        for label, folder in enumerate(self.folders):
+            for path in walk_files(os.path.join(root, folder)):
+                if path.lower().endswith(FOLDER_IMAGE_EXTS):
+                    self.items.append((path, label))
+        if not self.items:
+            raise DataError(f"no images found in ImageFolder {root} (expected {root}/<class>/<image>.jpg|png|...)")
+        names = _read_lines(os.path.join(root, "classnames.txt"))
+        self.classnames = names if names is not None and len(names) == len(self.folders) else list(self.folders)
+        self.templates = _read_lines(os.path.join(root, "templates.txt"))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        path, label = self.items[i]
+        key = os.path.relpath(path, self.root)
+        try:
+            img = _decode_file(path, self.max_pixels)
+            return self.preprocess(img), label, "", key
+        except SkipSample as skip:
+            return EvalSkip(skip.reason, key, str(skip))
+        except MmclError as err:
+            return EvalFailure(err)
+
+
+class ShardEvalDataset(torch.utils.data.IterableDataset):
+    """WebDataset shards for evaluation: each sample once, in shard order; items (image, label, caption, key).
+
+    ``label`` is the ``.cls`` value (-1 when absent), ``caption`` the ``.txt`` text ("" when absent).
+    Samples without a readable image give an `EvalSkip` item instead (`eval_collate` separates them) and are
+    counted in ``skipped`` (of this process); a user error while reading gives an `EvalFailure` item that ends
+    the iteration. Under a DataLoader with workers, shards (or, with fewer shards than workers, samples) are
+    split across them. ``classnames``/``templates`` come from ``classnames.txt`` and ``templates.txt`` (or
+    CLIP_benchmark's ``zeroshot_classification_templates.txt``) next to the shards, when present.
+    """
+
+    def __init__(self, spec: Any, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels):
+        self.urls = expand_urls(spec)
+        self.preprocess, self.max_pixels = preprocess, max_pixels
+        self.skipped = zero_skips()
+        folder = os.path.dirname(self.urls[0]) if not has_scheme(self.urls[0]) else None
+        self.classnames = _read_lines(os.path.join(folder, "classnames.txt")) if folder is not None else None
+        self.templates = None
+        if folder is not None:
+            self.templates = (_read_lines(os.path.join(folder, "templates.txt"))
+                              or _read_lines(os.path.join(folder, "zeroshot_classification_templates.txt")))
+
+    def __iter__(self):
+        try:
+            yield from self._samples()
+        except MmclError as err:
+            yield EvalFailure(err)
+
+    def _samples(self):
+        info = torch.utils.data.get_worker_info()
+        n, k = (1, 0) if info is None else (info.num_workers, info.id)
+        if len(self.urls) >= n:
+            plan = [(u, None) for u in self.urls[k::n]]
+        else:
+            plan = [(u, (k, n)) for u in self.urls]
+        for item in read_raw_samples(plan):
+            if item.error is not None:
+                self.skipped[item.error] += 1
+                yield EvalSkip(item.error, item.url)
+                continue
+            try:
+                data, caption, label = parse_sample(item.files, caption_required=False)
+                img = decode_image(data, self.max_pixels)
+            except SkipSample as skip:
+                self.skipped[skip.reason] += 1
+                yield EvalSkip(skip.reason, f"{item.url}:{item.key}", str(skip))
+                continue
+            yield self.preprocess(img), label, caption, item.key
+
+
+def eval_collate(items: List[Any]):
+    """Collate evaluation items, setting aside the `EvalSkip` / `EvalFailure` ones.
+
+    Returns:
+        (images (B,3,H,W) float or None when B == 0, labels (B,) int64, captions [B str], keys [B str],
+        problems: the `EvalSkip` and `EvalFailure` items in order).
+    """
+    good = [it for it in items if not isinstance(it, (EvalSkip, EvalFailure))]
+    problems = [it for it in items if isinstance(it, (EvalSkip, EvalFailure))]
+    if not good:
+        return None, torch.zeros(0, dtype=torch.long), [], [], problems
+    images = torch.stack([it[0] for it in good])
+    labels = torch.tensor([int(it[1]) for it in good], dtype=torch.long)
+    return images, labels, [it[2] for it in good], [it[3] for it in good], problems
+
+
+def build_eval_dataset(path: Any, preprocess: Callable):
+    """An evaluation dataset from an ImageFolder directory or a shard spec.
+
+    Returns a torch Dataset (ImageFolder) or IterableDataset (shards) yielding
+    (image FloatTensor (3,H,W), label int (-1 if none), caption str ("" if none), key str), with
+    ``classnames`` (list or None) and ``templates`` (list or None). Finite: each sample exactly once.
+    """
+    if isinstance(path, str) and is_image_folder(path):
+        return ImageFolderDataset(path, preprocess)
+    return ShardEvalDataset(path, preprocess)

@@ -1,0 +1,459 @@
+"""The resumable training stream: shard plan, block shuffle, decoding in workers, batching.
+
+One stage per function, chained by `role_batches` (see `TrainStream`)::
+
+    expand_sources        spec -> shard URLs per '::'-separated source               (sources.py)
+    epoch_shard_plan      (seed, epoch, slot) -> this slot's shards, in this epoch's order
+    read_raw_samples      shards -> raw samples (bytes per extension), position after each   (reading.py)
+    shuffle_block         blocks of `shuffle_buffer` raw samples -> a permutation from a seeded RNG
+    decode_sample         raw sample -> (image tensor, caption, label) or a skip reason      (transforms.py)
+    collate               samples -> batch dict, captions tokenized
+
+A *slot* is one (rank, worker) pair: ``slot = rank * workers + worker``. Each slot reads a disjoint set
+of whole shards per epoch, the same number for every slot; the shards left over (all of them when there are
+fewer shards than slots) are read by every slot, each taking the samples whose index is its slot modulo the
+number of slots. Each sample is so seen once per epoch across all ranks and workers, and every slot gets an
+equal share.
+
+Shuffling permutes fixed blocks rather than sampling from a rolling buffer, so a worker's position is
+three numbers: the epoch, where its current block starts (shard ordinal, sample index) and how many
+samples of the block it has emitted. Resuming re-reads that one block from its start (tar headers only
+for what comes before it) and drops the emitted part before decoding; nothing else is replayed.
+
+Data workers outlive a stop signal sent to the whole process group (`WORKER_STOP_GRACE_S`) and send their
+warnings to the training process with their batches, which shows each once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import warnings
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..config import DataConfig
+from ..errors import ConfigError, DataError
+from .decode import SkipSample, zero_skips
+from .reading import RawSample, read_raw_samples
+from .sources import expand_sources, has_scheme
+from .transforms import (TransformOutputError, decode_sample, draft_size_of, split_transform,
+                         training_sample_transform)
+
+_STATE_VERSION = 1
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (order matters), for per-sample RNGs: splitmix64 (Steele et al. 2014)
+    folded over the values; a few integer operations, so it costs nothing next to decoding."""
+    mask = (1 << 64) - 1
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & mask)) + 0x9E3779B97F4A7C15 & mask
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & mask
+        h ^= h >> 31
+    return h >> 1
+
+
+def epoch_shard_plan(sources: List[List[str]], epoch: int, seed: int, slot: int, n_slots: int,
+                     resampled: bool = False, weights: Optional[Sequence[float]] = None
+                     ) -> List[Tuple[str, Optional[Tuple[int, int]]]]:
+    """The shards slot `slot` of `n_slots` reads in `epoch`, in order, as (url, modulo) pairs.
+
+    Without resampling, all slots permute the full shard list with the same RNG (seed, epoch). Of the first
+    n_slots * floor(n_shards / n_slots) shards slot k takes shards k, k + n_slots, ... whole; each of the
+    remaining n_shards mod n_slots shards is read by every slot, which takes the samples whose index is k
+    modulo n_slots. Every sample is then read once per epoch and, with shards of equal size, every slot gets
+    the same number of samples (within one per remaining shard): with a slot holding one whole shard more
+    than another, the smaller slot would wrap into its next epoch sooner and its samples would be seen more
+    often. With fewer shards than slots all shards are split this way. With resampling, each slot draws
+    ceil(n_shards / n_slots) shards with replacement, the source picked by `weights`, from an RNG of
+    (seed, slot, epoch).
+    """
+    urls = [u for src in sources for u in src]
+    if resampled:
+        rng = np.random.default_rng([seed & 0xFFFFFFFF, slot, epoch, 1])
+        p = np.asarray(weights if weights is not None else [len(s) for s in sources], dtype=np.float64)
+        p = p / p.sum()
+        n_draws = max(1, math.ceil(len(urls) / n_slots))
+        plan = []
+        for _ in range(n_draws):
+            src = sources[int(rng.choice(len(sources), p=p))]
+            plan.append((src[int(rng.integers(len(src)))], None))
+        return plan
+    order = np.random.default_rng([seed & 0xFFFFFFFF, epoch, 0]).permutation(len(urls))
+    n_whole = len(urls) // n_slots * n_slots
+    return ([(urls[i], None) for i in order[:n_whole][slot::n_slots]]
+            + [(urls[i], (slot, n_slots)) for i in order[n_whole:]])
+
+def _fresh_position() -> Dict[str, Any]:
+    return {"epoch": 0, "shard": 0, "sample": 0, "emitted": 0, "skipped": zero_skips(),
+            "skipped_before_epoch": zero_skips()}
+
+def _copy_position(p: Dict[str, Any]) -> Dict[str, Any]:
+    before = p.get("skipped_before_epoch", p["skipped"])
+    return dict(p, skipped=dict(p["skipped"]), skipped_before_epoch=dict(before))
+
+# How long a data worker goes on serving after a stop signal meant for the whole process group: time for the
+# training process to finish its step and save (a scheduler's SIGKILL ends everything later anyway).
+WORKER_STOP_GRACE_S = 60.0
+
+def _worker_stop_signal(signum, frame) -> None:
+    """SIGTERM in a data worker: the first one (a scheduler's, sent to the whole group) is outlived for
+    `WORKER_STOP_GRACE_S`; a second one (the loader's own shutdown) ends the worker at once."""
+    if getattr(_worker_stop_signal, "seen", False):
+        os._exit(0)
+    _worker_stop_signal.seen = True
+    timer = threading.Timer(WORKER_STOP_GRACE_S, os._exit, (0,))
+    timer.daemon = True
+    timer.start()
+
+class _SlotStreams(torch.utils.data.IterableDataset):
+    """The per-worker batch generator; one instance is copied into each DataLoader worker."""
+
+    def __init__(self, stream: "TrainStream", starts: List[Dict[str, Any]], role_offset: int):
+        super().__init__()
+        self.s = stream._spec()
+        self.starts = starts
+        self.role_offset = role_offset
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker = 0 if info is None else info.id
+        role = (worker + self.role_offset) % self.s["n_roles"]
+        if info is not None and self.s["worker_nice"]:
+            os.nice(self.s["worker_nice"])
+        if info is not None:
+            # A scheduler's stop signal often goes to the whole process group (SLURM at a time limit, `kill --
+            # -PGID`): the training process stops at a step boundary and saves; its workers must not die first.
+            # They end with the training process (the DataLoader shuts them down, or they see it gone).
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, _worker_stop_signal)
+        if info is None:
+            yield from role_batches(self.s, role, self.starts[role])
+            return
+        # A worker's warnings travel with its next batch to the training process, which shows them there once
+        # (`TrainStream.__iter__`): printed here, every worker would repeat them, in its own format.
+        sent = set()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # the training process's filters decide what is shown
+            for batch in role_batches(self.s, role, self.starts[role]):
+                new = [w for w in caught if (str(w.message), w.category) not in sent]
+                del caught[:]
+                if new:
+                    sent.update((str(w.message), w.category) for w in new)
+                    batch["__warnings__"] = [(str(w.message), _picklable_category(w.category), w.filename,
+                                              w.lineno) for w in new]
+                yield batch
+
+def _picklable_category(category: type) -> type:
+    """`category`, or UserWarning for a warning class that cannot travel between processes."""
+    import pickle
+
+    try:
+        pickle.dumps(category)
+        return category
+    except Exception:  # e.g. a class defined inside a function
+        return UserWarning
+
+def shuffle_block(n: int, seed: int, slot: int, epoch: int, start: Tuple[int, int]) -> np.ndarray:
+    """The order (int64 (n,), a permutation) in which a block of n raw samples is emitted.
+
+    Seeded by the block's identity (seed, slot, epoch, start position), so a resumed stream that re-reads
+    the block from `start` emits it in the same order.
+    """
+    return np.random.default_rng([seed & 0xFFFFFFFF, slot, epoch, start[0], start[1], 2]).permutation(n)
+
+def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
+    """Infinite batches of one worker role, starting at position `start`; each carries ``__state__``."""
+    rank, n_roles = s["rank"], s["n_roles"]
+    slot, n_slots = rank * n_roles + role, s["world_size"] * n_roles
+    block_size = max(1, s["shuffle_buffer"])
+    epoch, shard, sample, emitted = start["epoch"], start["shard"], start["sample"], start["emitted"]
+    skipped = dict(zero_skips(), **start["skipped"])
+    skipped_before_epoch = dict(zero_skips(), **start.get("skipped_before_epoch", start["skipped"]))
+    images: List[torch.Tensor] = []
+    captions: List[str] = []
+    labels: List[int] = []
+    keys: List[str] = []
+    empty_epochs = 0
+    while True:
+        plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
+        full_epoch = (shard, sample, emitted) == (0, 0, 0)
+        raw_seen, good_seen = 0, 0
+        reader = read_raw_samples(plan, (shard, sample))
+        while True:
+            block: List[RawSample] = []
+            for item in reader:
+                block.append(item)
+                if len(block) == block_size:
+                    break
+            if not block:
+                break
+            perm = shuffle_block(len(block), s["seed"], slot, epoch, (shard, sample))
+            for j in range(emitted, len(block)):
+                item = block[perm[j]]
+                emitted = j + 1
+                if item.error is not None:
+                    skipped[item.error] += 1
+                    continue
+                raw_seen += 1
+                try:
+                    tensor, caption, label = decode_sample(
+                        item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
+                        aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"])
+                except SkipSample as skip:
+                    skipped[skip.reason] += 1
+                    continue
+                except TransformOutputError as err:
+                    yield {"__error__": str(err)}
+                    return
+                good_seen += 1
+                images.append(tensor)
+                captions.append(caption)
+                labels.append(label)
+                keys.append(item.key)
+                if len(images) == s["batch_size"]:
+                    batch = collate(images, captions, labels, keys, s["tokenizer"])
+                    batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
+                                          "emitted": emitted, "skipped": dict(skipped),
+                                          "skipped_before_epoch": dict(skipped_before_epoch)}
+                    images, captions, labels, keys = [], [], [], []
+                    yield batch
+            emitted = 0
+            shard, sample = block[-1].pos
+        if full_epoch and good_seen == 0:
+            empty_epochs += 1
+            problem = _empty_epoch_problem(s, rank, role, n_slots, raw_seen, skipped, plan, empty_epochs)
+            if problem is not None:
+                yield {"__error__": problem}
+                return
+        elif good_seen:
+            empty_epochs = 0
+        epoch, shard, sample, emitted = epoch + 1, 0, 0, 0
+        skipped_before_epoch = dict(skipped)
+
+_MAX_EMPTY_EPOCHS = 50  # a slot that drew only bad shards this often, while good ones exist, stops the run
+
+def _first_valid_sample(s: Dict[str, Any]) -> Optional[str]:
+    """The key of the first sample that decodes, over all shards in order; None when no shard has one."""
+    urls = [(u, None) for src in s["sources"] for u in src]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the slots' own reading already warned about these shards
+        for item in read_raw_samples(urls):
+            if item.error is None:
+                try:
+                    decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
+                                  as_uint8=s["as_uint8"])
+                    return item.key
+                except SkipSample:
+                    continue
+    return None
+
+def _empty_epoch_problem(s: Dict[str, Any], rank: int, role: int, n_slots: int, raw_seen: int,
+                         skipped: Dict[str, int], plan: Sequence, empty_epochs: int) -> Optional[str]:
+    """Why a slot's epoch without a valid sample must stop the stream, or None to go on to the next epoch.
+
+    Going on is right when other shards hold valid samples and the next epoch's shard draw may reach them;
+    stopping is right when no shard holds one, or when the split gives this slot the same samples every
+    epoch (fewer shards than slots), since it would otherwise spin forever without a batch.
+    """
+    n_urls = sum(len(src) for src in s["sources"])
+    counts = ", ".join(f"{k}={v}" for k, v in skipped.items() if v) or "none"
+    if _first_valid_sample(s) is None:
+        return f"no valid sample in any of the {n_urls} shards (skipped so far: {counts})"
+    within_shards = all(modulo is not None for _, modulo in plan)  # the same samples in every epoch
+    if within_shards and raw_seen == 0:
+        return (f"no samples reach rank {rank} worker {role}: {n_urls} shards for {n_slots} rank x worker slots "
+                f"and too few samples to split within shards; use fewer workers or more data")
+    if within_shards:
+        return (f"no valid sample reaches rank {rank} worker {role} ({raw_seen} read, all skipped: {counts}); "
+                f"with {n_urls} shards for {n_slots} rank x worker slots each slot always gets the same samples")
+    if empty_epochs >= _MAX_EMPTY_EPOCHS:
+        return (f"rank {rank} worker {role} found no valid sample in {empty_epochs} consecutive passes over its "
+                f"shards (skipped so far: {counts}); most shards are unreadable")
+    return None
+
+def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], keys: List[str],
+            tokenizer: Callable[[List[str]], torch.Tensor]) -> Dict[str, Any]:
+    """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list."""
+    text = tokenizer(captions)
+    if not isinstance(text, torch.Tensor):
+        text = torch.as_tensor(text)
+    out = None
+    if torch.utils.data.get_worker_info() is not None:
+        # Stacking straight into shared memory saves the copy the DataLoader's queue would make to send it.
+        out = torch.empty((len(images),) + tuple(images[0].shape), dtype=images[0].dtype).share_memory_()
+    return {"image": torch.stack(images, out=out), "text": text.long(),
+            "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+class TrainStream:
+    """An infinite stream of training batches for one process (see `build_train_stream`).
+
+    Iterating yields dicts ``image`` (B,3,H,W), ``text`` LongTensor (B,L), ``label`` LongTensor (B,) (-1 where
+    a sample has no ``.cls``) and ``key`` (list of B sample keys). ``image`` is what the transform gives, or,
+    with ``data.uint8_transfer`` and a transform ending in ToTensor [+ Normalize], uint8 pixels:
+    `finish_images` turns either into the float model input (call it where the model runs). Each new
+    iteration continues after the last batch consumed. `skipped`, `epoch` and `state_dict` describe the
+    batches consumed so far, not those prefetched by workers.
+    """
+
+    def __init__(self, cfg: DataConfig, preprocess: Callable, tokenizer: Callable, *, seed: int, rank: int = 0,
+                 world_size: int = 1, pin_memory: bool = False):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
+        self.sources = expand_sources(cfg.train)
+        self.urls = [u for src in self.sources for u in src]
+        if cfg.weights is not None:
+            if not cfg.resampled:
+                raise ConfigError("data.weights needs data.resampled=true (got weights with resampled=false)")
+            if len(cfg.weights) != len(self.sources):
+                raise ConfigError(f"data.weights needs one weight per '::'-separated source (got "
+                                  f"{len(cfg.weights)} weights for {len(self.sources)} sources)")
+            if sum(cfg.weights) <= 0:
+                raise ConfigError(f"data.weights must not all be zero (got {list(cfg.weights)})")
+        self.cfg, self.preprocess, self.tokenizer = cfg, preprocess, tokenizer
+        self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
+        self.workers = int(cfg.workers)
+        self.n_roles = max(1, self.workers)
+        self.pin_memory = pin_memory
+        self.worker_nice = int(cfg.worker_nice)
+        self.draft_size = draft_size_of(preprocess) if cfg.fast_decode else None
+        sample_transform = training_sample_transform(preprocess)
+        self.sample_transform, finish = (split_transform(sample_transform) if cfg.uint8_transfer
+                                         else (sample_transform, None))
+        self.uint8 = finish is not None
+        self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
+        self._positions = [_fresh_position() for _ in range(self.n_roles)]
+        self._next_role = 0
+        self.batches = 0
+        self._warned: Dict[Any, Any] = {}  # the workers' warnings already shown (a `warnings` registry)
+        slots = self.world_size * self.n_roles
+        leftover = len(self.urls) % slots if not cfg.resampled else 0
+        if leftover and rank == 0 and any(has_scheme(u) for u in self.urls):
+            # Local shards are skipped through by seeking; remote ones are downloaded in full by every slot.
+            warnings.warn(f"{leftover} of {len(self.urls)} shards do not divide among the {slots} rank x worker "
+                          f"slots and are read by every slot (each keeping 1/{slots} of their samples); with "
+                          f"remote shards use a multiple of {slots} shards or data.resampled=true")
+
+    def _spec(self) -> Dict[str, Any]:
+        return {"sources": self.sources, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "n_roles": self.n_roles, "resampled": bool(self.cfg.resampled),
+                "weights": None if self.cfg.weights is None else list(self.cfg.weights),
+                "shuffle_buffer": int(self.cfg.shuffle_buffer), "batch_size": int(self.cfg.batch_size),
+                "max_pixels": int(self.cfg.max_image_pixels), "draft_size": self.draft_size,
+                "preprocess": self.sample_transform, "as_uint8": self.uint8, "tokenizer": self.tokenizer,
+                "worker_nice": self.worker_nice}
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        starts = [_copy_position(p) for p in self._positions]
+        if self.workers == 0:
+            source: Iterable = role_batches(self._spec(), 0, starts[0])
+        else:
+            # Workers deliver batches round-robin starting at worker 0; shifting roles by the next expected
+            # role makes a new loader continue the exact batch order of the previous one.
+            source = torch.utils.data.DataLoader(
+                _SlotStreams(self, starts, self._next_role), batch_size=None, num_workers=self.workers,
+                pin_memory=self.pin_memory)
+        for batch in source:
+            for message, category, filename, lineno in batch.pop("__warnings__", ()):
+                warnings.warn_explicit(message, category, filename, lineno, registry=self._warned)
+            if "__error__" in batch:
+                raise DataError(batch["__error__"])
+            state = batch.pop("__state__")
+            role = state.pop("role")
+            self._positions[role] = state
+            self._next_role = (role + 1) % self.n_roles
+            self.batches += 1
+            yield batch
+
+    @property
+    def skipped(self) -> Dict[str, int]:
+        """Running totals of skipped samples of this process: ``total`` and one count per reason."""
+        out = zero_skips()
+        for pos in self._positions:
+            for reason, n in pos["skipped"].items():
+                out[reason] = out.get(reason, 0) + n
+        out["total"] = sum(out.values())
+        return out
+
+    @property
+    def epoch(self) -> int:
+        """The lowest epoch any worker of this process is in (data passes completed by all workers)."""
+        return min(p["epoch"] for p in self._positions)
+
+    def _layout(self) -> Dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "workers": self.n_roles, "seed": self.seed,
+                "n_shards": len(self.urls), "batch_size": int(self.cfg.batch_size),
+                "shuffle_buffer": int(self.cfg.shuffle_buffer), "resampled": bool(self.cfg.resampled),
+                "shard_split": self._shard_split()}
+
+    def _shard_split(self) -> str:
+        """How `epoch_shard_plan` deals shards here: "balanced" where the shards that do not divide evenly among
+        the slots are split by sample index (states saved before that rule, which dealt them whole, lack the
+        key), "whole" where both rules give the same plan."""
+        n, slots = len(self.urls), self.world_size * self.n_roles
+        return "whole" if self.cfg.resampled or n < slots or n % slots == 0 else "balanced"
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The position after the last consumed batch (per worker: epoch, shard, sample, skips); plain types."""
+        return {"version": _STATE_VERSION, "layout": self._layout(), "next_role": self._next_role,
+                "batches": self.batches, "positions": [_copy_position(p) for p in self._positions]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from `state`. With the same data, seed and layout the next batches equal those an
+        uninterrupted stream would yield; after a layout change (workers, ranks, batch size, shards) the
+        stream restarts the earliest saved epoch and warns, since exact continuation is then impossible.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise DataError(f"unrecognised data stream state (got version {got}, expected {_STATE_VERSION})")
+        layout = self._layout()
+        saved = dict({"shard_split": "whole"}, **state["layout"])
+        if saved != layout:
+            changed = sorted(k for k in layout if saved.get(k) != layout[k])
+            warnings.warn("data stream layout changed since the checkpoint (" + ", ".join(
+                f"{k}: {saved.get(k)} -> {layout[k]}" for k in changed) +
+                "); restarting the earliest saved epoch, exact data order is not preserved")
+            epoch = min(p["epoch"] for p in state["positions"])
+            totals = zero_skips()
+            for p in state["positions"]:
+                for k, v in p["skipped"].items():
+                    totals[k] = totals.get(k, 0) + v
+            self._positions = [_fresh_position() for _ in range(self.n_roles)]
+            for p in self._positions:
+                p["epoch"] = epoch
+            self._positions[0]["skipped"] = totals
+            self._positions[0]["skipped_before_epoch"] = dict(totals)
+            self._next_role = 0
+        else:
+            self._positions = [_copy_position(p) for p in state["positions"]]
+            self._next_role = int(state["next_role"])
+        self.batches = int(state.get("batches", 0))
+
+def build_train_stream(cfg: DataConfig, preprocess: Callable, tokenizer: Callable, *, seed: int, rank: int = 0,
+                       world_size: int = 1, pin_memory: bool = False) -> TrainStream:
+    """Build this process's infinite training stream from ``cfg.train``.
+
+    Args:
+        cfg: data config (train spec, batch_size per process, workers, shuffle_buffer, resampled, weights,
+            max_image_pixels, fast_decode).
+        preprocess: PIL.Image -> FloatTensor (3, H, W), e.g. open_clip's train transform (with
+            ``cfg.uint8_transfer`` its ToTensor/Normalize tail runs in `TrainStream.finish_images` instead).
+        tokenizer: list[str] (B) -> LongTensor (B, L).
+        seed: base seed; shard order, shuffling and augmentation derive from (seed, rank, worker, epoch).
+        rank, world_size: this process's place among data-parallel processes.
+        pin_memory: page-locked batches (for a GPU).
+    Raises:
+        DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
+    """
+    return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
+                       pin_memory=pin_memory)

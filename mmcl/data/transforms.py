@@ -1,0 +1,244 @@
+"""Sample transforms: from a decoded image to the tensor a batch holds.
+
+- `decode_sample` runs one raw sample through `parse_sample`, `decode_image` and the image transform, with
+  augmentation drawn from a per-sample seed so a replayed sample is augmented the same way after a resume.
+- `training_sample_transform` makes a torchvision ``Compose`` cheaper without changing its output distribution
+  (`PyRandomResizedCrop` draws its `random_crop_box` from Python's RNG; an RGB conversion of an RGB image is
+  skipped).
+- `split_transform` cuts a transform ending in ToTensor [+ Normalize] into a PIL stage for the data workers
+  (`pil_to_uint8` then ships uint8 pixels) and `ImageFinish`, the float tail run on the batch where the model is.
+- `draft_size_of` reads from a transform how small a JPEG may be draft-decoded.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .decode import decode_image, parse_sample
+
+
+def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
+    """The (width, height) a JPEG may be draft-decoded to without losing what `preprocess` keeps.
+
+    Reads the first resizing step of a torchvision ``Compose`` (Resize, CenterCrop, RandomResizedCrop,
+    open_clip's ResizeKeepRatio); returns None when the output size cannot be inferred.
+    """
+    from torchvision import transforms as T
+
+    steps = getattr(preprocess, "transforms", [preprocess])
+    for step in steps:
+        if isinstance(step, T.RandomResizedCrop):
+            h, w = step.size
+            # The crop keeps at least `scale[0]` of the area, so each side shrinks by at most sqrt(scale[0]).
+            grow = 1.0 / math.sqrt(max(step.scale[0], 1e-3))
+            return int(math.ceil(w * grow)), int(math.ceil(h * grow))
+        size = getattr(step, "size", None)
+        if isinstance(step, (T.Resize, T.CenterCrop)) or type(step).__name__ in ("ResizeKeepRatio", "CenterCropOrPad"):
+            if isinstance(size, int):
+                return size, size
+            if isinstance(size, (list, tuple)) and len(size) == 1:
+                return int(size[0]), int(size[0])
+            if isinstance(size, (list, tuple)) and len(size) == 2:
+                side = max(size)  # aspect-keeping resizes fit one side; the larger bound is the safe one
+                return int(side), int(side)
+    return None
+
+
+def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
+                  draft_size: Optional[Tuple[int, int]] = None,
+                  aug_seed: Optional[int] = None, as_uint8: bool = False) -> Tuple[torch.Tensor, str, int]:
+    """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
+
+    Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
+    `aug_seed` is given, random transforms in `preprocess` draw from torch's RNG seeded with it, so a sample
+    gets the same augmentation when it is replayed after a resume; outside a DataLoader worker the caller's RNG
+    state is restored (a worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a
+    split transform (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad
+    samples and `TransformOutputError` when the PIL stage gives no RGB image.
+    """
+    data, caption, label = parse_sample(files)
+    img = decode_image(data, max_pixels, draft_size)
+    if aug_seed is None:
+        out = preprocess(img)
+    elif torch.utils.data.get_worker_info() is not None:
+        torch.default_generator.manual_seed(aug_seed)
+        random.seed(aug_seed)
+        out = preprocess(img)
+    else:
+        # Only the CPU generator and Python's `random` (used by some open_clip transforms) are reseeded, and
+        # both are restored, so the caller's RNG streams (including CUDA's) are untouched.
+        py_state, torch_state = random.getstate(), torch.get_rng_state()
+        try:
+            torch.default_generator.manual_seed(aug_seed)
+            random.seed(aug_seed)
+            out = preprocess(img)
+        finally:
+            random.setstate(py_state)
+            torch.set_rng_state(torch_state)
+    return (pil_to_uint8(out) if as_uint8 else out), caption, label
+
+
+class TransformOutputError(Exception):
+    """The PIL stage of a split transform returned something other than an RGB PIL image."""
+
+
+def pil_to_uint8(img: Any) -> torch.Tensor:
+    """RGB PIL image -> uint8 tensor (3, H, W), the pixels `ToTensor` would scale by 1/255."""
+    if not isinstance(img, Image.Image) or img.mode != "RGB":
+        what = f"a PIL image of mode {img.mode}" if isinstance(img, Image.Image) else type(img).__name__
+        raise TransformOutputError(
+            f"the image transform before ToTensor gave {what}, not an RGB PIL image, so images cannot travel as "
+            f"uint8; set data.uint8_transfer=false")
+    return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
+
+
+class ImageFinish:
+    """The tail of an image transform, ToTensor [+ Normalize], applied to a batch of uint8 images (B, 3, H, W)
+    where the model runs. Elementwise the same float32 operations in the same order as torchvision's, so the
+    result is bitwise equal to transforming each image in the data worker. Float input is returned unchanged.
+    """
+
+    def __init__(self, mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None):
+        self.mean = None if mean is None else [float(m) for m in mean]
+        self.std = None if std is None else [float(s) for s in std]
+        self._cache: Dict[Tuple[Any, Any], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            return images
+        x = images.to(torch.get_default_dtype()).div_(255)
+        if self.mean is not None:
+            key = (x.device, x.dtype)
+            if key not in self._cache:
+                self._cache[key] = (torch.as_tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1),
+                                    torch.as_tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1))
+            mean, std = self._cache[key]
+            x.sub_(mean).div_(std)
+        return x
+
+    def __repr__(self) -> str:
+        return f"ImageFinish(mean={self.mean}, std={self.std})"
+
+
+def split_transform(preprocess: Callable) -> Tuple[Callable, Optional[ImageFinish]]:
+    """Split a torchvision ``Compose`` ending in ToTensor [+ Normalize] into (PIL stage, `ImageFinish`).
+
+    Workers then run only the PIL stage and send uint8 images; the float conversion and normalisation run on
+    the batch where the model is. Returns ``(preprocess, None)`` for transforms of any other shape.
+    """
+    from torchvision import transforms as T
+
+    to_tensor_types: Tuple[type, ...] = (T.ToTensor,)
+    try:
+        from open_clip.transform import MaybeToTensor
+
+        to_tensor_types += (MaybeToTensor,)
+    except ImportError:  # an older open_clip without it
+        pass
+    if not isinstance(preprocess, T.Compose):
+        return preprocess, None
+    steps = list(preprocess.transforms)
+    normalize = steps.pop() if steps and type(steps[-1]) is T.Normalize else None
+    if not steps or type(steps[-1]) not in to_tensor_types:
+        return preprocess, None
+    steps.pop()
+    if normalize is not None and any(float(s) == 0 for s in normalize.std):
+        return preprocess, None  # torchvision raises on a zero std; keep its error
+    finish = ImageFinish(normalize.mean, normalize.std) if normalize is not None else ImageFinish()
+    return T.Compose(steps), finish
+
+
+class _ConvertIfNeeded:
+    """PIL ``convert(mode)`` that returns an image already in `mode` as it is (convert would only copy it)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def __call__(self, img: Any) -> Any:
+        if isinstance(img, Image.Image) and img.mode != self.mode:
+            return img.convert(self.mode)
+        return img
+
+    def __repr__(self) -> str:
+        return f"ConvertIfNeeded({self.mode!r})"
+
+
+def _skip_same_mode_convert(step: Callable) -> Callable:
+    """open_clip's RGB conversion steps (MaybeConvertMode, _convert_to_rgb) as `_ConvertIfNeeded`."""
+    if type(step).__name__ == "MaybeConvertMode" and isinstance(getattr(step, "mode", None), str):
+        return _ConvertIfNeeded(step.mode)
+    if getattr(step, "__name__", "") == "_convert_to_rgb" and getattr(step, "__module__", "") == "open_clip.transform":
+        return _ConvertIfNeeded("RGB")
+    return step
+
+
+def random_crop_box(width: int, height: int, scale: Sequence[float], ratio: Sequence[float],
+                    rng: Any = random) -> Tuple[int, int, int, int]:
+    """A random-resized-crop box (top, left, height, width) for a `width` x `height` image.
+
+    The distribution of torchvision's ``RandomResizedCrop``: up to ten tries of an area fraction uniform in
+    `scale` and an aspect ratio log-uniform in `ratio`, the first box that fits placed uniformly; when none
+    fits, the largest centred box whose aspect ratio is clamped into `ratio`. Draws come from `rng` (Python's
+    `random` by default): a few float operations instead of torchvision's tiny torch tensors, which cost
+    45-80 us per image in a data worker.
+    """
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    image_ratio = width / height
+    if image_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif image_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _python_rng_crop(step: Callable) -> Callable:
+    """torchvision's RandomResizedCrop as `PyRandomResizedCrop` (same distribution, cheaper draws)."""
+    from torchvision import transforms as T
+
+    return PyRandomResizedCrop(step) if type(step) is T.RandomResizedCrop else step
+
+
+class PyRandomResizedCrop:
+    """A torchvision ``RandomResizedCrop`` whose box is drawn by `random_crop_box` from Python's RNG (seeded
+    per sample in the training stream, as torch's is); cropping and resizing are torchvision's own."""
+
+    def __init__(self, crop: Any):
+        self.crop = crop
+
+    def __call__(self, img: Any) -> Any:
+        from torchvision.transforms import functional as F
+
+        c = self.crop
+        _, height, width = F.get_dimensions(img)
+        top, left, h, w = random_crop_box(width, height, c.scale, c.ratio)
+        return F.resized_crop(img, top, left, h, w, c.size, c.interpolation, antialias=c.antialias)
+
+    def __repr__(self) -> str:
+        return f"Py{self.crop!r}"
+
+
+def training_sample_transform(preprocess: Callable) -> Callable:
+    """The per-sample transform the training stream runs: `preprocess` with its steps made cheaper where that
+    changes no output distribution (RGB conversion of an RGB image skipped; RandomResizedCrop's box drawn
+    with Python's RNG). Anything but a torchvision ``Compose`` is returned as it is."""
+    from torchvision import transforms as T
+
+    if not isinstance(preprocess, T.Compose):
+        return preprocess
+    return T.Compose([_python_rng_crop(_skip_same_mode_convert(step)) for step in preprocess.transforms])
