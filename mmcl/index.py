@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,7 +29,7 @@ import torch
 
 from . import models
 from .errors import CheckpointError, DataError
-from .fsutil import new_temp_dir, output_dir, replace_dir
+from .fsutil import atomic_dir, output_dir
 
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.jsonl"
@@ -101,31 +100,22 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
         raise DataError(f"index target {out_dir} is not empty and holds no mmcl index (expected a new or empty "
                         f"directory; choose another --out)")
-    tmp = None
     try:
         import faiss
 
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = new_temp_dir(out_dir)
-        faiss.write_index(index, str(tmp / INDEX_FILE))
-        with open(tmp / ITEMS_FILE, "w") as f:
-            for key, caption, label in zip(keys, captions, labels.tolist()):
-                item = {"key": key, "caption": caption}
-                if label >= 0:
-                    item["label"] = label
-                f.write(json.dumps(item) + "\n")
-        meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         # Only the index's own files are replaced; anything the user added to the directory is kept.
-        replace_dir(tmp, out_dir, [INDEX_FILE, ITEMS_FILE, META_FILE])
+        with atomic_dir(out_dir, [INDEX_FILE, ITEMS_FILE, META_FILE]) as tmp:
+            faiss.write_index(index, str(tmp / INDEX_FILE))
+            with open(tmp / ITEMS_FILE, "w") as f:
+                for key, caption, label in zip(keys, captions, labels.tolist()):
+                    item = {"key": key, "caption": caption}
+                    if label >= 0:
+                        item["label"] = label
+                    f.write(json.dumps(item) + "\n")
+            meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     except OSError as err:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(f"cannot write the index to {out_dir}: {models.os_error_text(err)}") from None
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -22,8 +22,6 @@ import functools
 import hashlib
 import json
 import os
-import re
-import shutil
 import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -32,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import hf_clip
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
-from .fsutil import files_under, new_temp_dir, output_dir, replace_dir
+from .fsutil import atomic_dir, files_under, output_dir
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 CONFIG_FILE = "open_clip_config.json"
@@ -512,30 +511,21 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     model_cfg = copy.deepcopy(model_cfg)
     text_cfg = model_cfg.get("text_cfg", {})
     meta_extra = dict(extra or {})
-    tmp = None
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = new_temp_dir(out_dir)
-        save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS_FILE))
-        if text_cfg.get("hf_model_name"):
-            _save_hf_text_files(model, text_cfg, tmp)
-            text_cfg.pop("hf_model_pretrained", None)
-            meta_extra.setdefault("text_source", text_cfg["hf_model_name"])
-            if _is_local(text_cfg["hf_model_name"]):
-                text_cfg["hf_model_name"] = text_cfg["hf_tokenizer_name"] = str(out_dir.resolve())
-        meta = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
-        if meta_extra:
-            meta["mmcl"] = meta_extra
-        write_config_with_record(tmp, meta)
-        replace_dir(tmp, out_dir, previous_files(out_dir, CONFIG_FILE, is_model_file_name))
+        with atomic_dir(out_dir, previous_files(out_dir, CONFIG_FILE, is_model_file_name)) as tmp:
+            save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS_FILE))
+            if text_cfg.get("hf_model_name"):
+                _save_hf_text_files(model, text_cfg, tmp)
+                text_cfg.pop("hf_model_pretrained", None)
+                meta_extra.setdefault("text_source", text_cfg["hf_model_name"])
+                if _is_local(text_cfg["hf_model_name"]):
+                    text_cfg["hf_model_name"] = text_cfg["hf_tokenizer_name"] = str(out_dir.resolve())
+            meta = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
+            if meta_extra:
+                meta["mmcl"] = meta_extra
+            write_config_with_record(tmp, meta)
     except (OSError, SafetensorError) as err:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot save the model to {out_dir}: {os_error_text(err)}") from None
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -690,58 +680,6 @@ def load(path):
 
 
 # ------------------------------------------------------------------------------------------------ init_from
-def hf_clip_to_open_clip(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Rename a transformers ``CLIPModel`` state dict to open_clip's ``CLIP`` layout.
-
-    q/k/v projections are concatenated into ``in_proj`` (open_clip uses ``nn.MultiheadAttention``, q then k then
-    v), and the two projections are transposed: transformers stores ``Linear`` weights (out, in), open_clip
-    multiplies ``x @ proj`` with proj (in, out).
-    """
-    out: Dict[str, torch.Tensor] = {}
-    layer_map = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
-                 "self_attn.out_proj": "attn.out_proj"}
-    fixed = {
-        "logit_scale": "logit_scale",
-        "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
-        "text_model.embeddings.position_embedding.weight": "positional_embedding",
-        "text_model.final_layer_norm.weight": "ln_final.weight",
-        "text_model.final_layer_norm.bias": "ln_final.bias",
-        "vision_model.embeddings.class_embedding": "visual.class_embedding",
-        "vision_model.embeddings.patch_embedding.weight": "visual.conv1.weight",
-        "vision_model.embeddings.position_embedding.weight": "visual.positional_embedding",
-        "vision_model.pre_layrnorm.weight": "visual.ln_pre.weight",  # sic: transformers' spelling
-        "vision_model.pre_layrnorm.bias": "visual.ln_pre.bias",
-        "vision_model.post_layernorm.weight": "visual.ln_post.weight",
-        "vision_model.post_layernorm.bias": "visual.ln_post.bias",
-    }
-    qkv: Dict[str, Dict[str, torch.Tensor]] = {}
-    layer_re = re.compile(r"^(text|vision)_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-    for key, value in state.items():
-        if key in fixed:
-            out[fixed[key]] = value
-        elif key == "visual_projection.weight":
-            out["visual.proj"] = value.t().contiguous()
-        elif key == "text_projection.weight":
-            out["text_projection"] = value.t().contiguous()
-        elif (m := layer_re.match(key)) is not None:
-            tower, idx, name, kind = m.groups()
-            prefix = f"{'visual.' if tower == 'vision' else ''}transformer.resblocks.{idx}"
-            if name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-                qkv.setdefault(f"{prefix}.attn.in_proj_{kind}", {})[name[10]] = value
-            elif name in layer_map:
-                out[f"{prefix}.{layer_map[name]}.{kind}"] = value
-            else:
-                out[key] = value  # reported as unexpected
-        elif not key.endswith("position_ids"):
-            out[key] = value
-    for key, parts in qkv.items():
-        if set(parts) != {"q", "k", "v"}:
-            raise CheckpointError(f"Hugging Face CLIP checkpoint lacks part of {key} (got {sorted(parts)}, "
-                                  f"expected q, k and v)")
-        out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
-    return out
-
-
 def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -813,7 +751,7 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
         if state and all(k.startswith(prefix) for k in state):
             state = {k[len(prefix):]: v for k, v in state.items()}
     if any(k.startswith(("vision_model.", "text_model.")) for k in state):
-        state, what = hf_clip_to_open_clip(state), f"{what}, transformers CLIP layout mapped to open_clip"
+        state, what = hf_clip.from_hf(state), f"{what}, transformers CLIP layout mapped to open_clip"
     return state, what
 
 
