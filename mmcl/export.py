@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import hf_clip, models
+from . import hf_clip, models, weights
 from .errors import CheckpointError, ConfigError
 from .fsutil import atomic_dir, atomic_write_text, files_under, output_dir
 
@@ -58,7 +58,7 @@ MIN_COSINE = {"open_clip": 0.9999, "safetensors": 0.9999, "hf": 0.9999, "onnx": 
 
 # open_clip's SimpleTokenizer names its special tokens differently from the CLIP tokenizer transformers ships;
 # the ids are the same, so the HF files use the transformers names and keep open_clip's ids.
-_TOKENIZER_FILE_PREFIXES = models.TOKENIZER_FILE_PREFIXES
+_TOKENIZER_FILE_PREFIXES = weights.TOKENIZER_FILE_PREFIXES
 _HF_SPECIAL_TOKENS = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
 
 
@@ -79,8 +79,8 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format '{fmt}' (expected one of {', '.join(FORMATS)})")
-    model, model_cfg, pp_cfg = models.load_model_dir(model_path)
-    src_dir = models.find_model_dir(model_path)
+    model, model_cfg, pp_cfg = weights.load_model_dir(model_path)
+    src_dir = weights.find_model_dir(model_path)
     out_dir = output_dir(out_dir)
     previous = _check_out_dir(out_dir)
     if fmt == "hf":
@@ -103,7 +103,7 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
             marker["files"] = sorted(files_under(tmp) | {MARKER_FILE})
             (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     except (OSError, SafetensorError) as err:
-        raise ConfigError(f"cannot write the export to {out_dir}: {models.os_error_text(err)}") from None
+        raise ConfigError(f"cannot write the export to {out_dir}: {weights.os_error_text(err)}") from None
     return out_dir
 
 
@@ -114,7 +114,7 @@ _EXPORT_FILE_PREFIXES = ("model.safetensors", "model-0", "pytorch_model", "prepr
 
 
 def _is_export_file_name(name: str) -> bool:
-    return (models.is_model_file_name(name) or name.startswith(_EXPORT_FILE_PREFIXES)
+    return (weights.is_model_file_name(name) or name.startswith(_EXPORT_FILE_PREFIXES)
             or name in (MARKER_FILE, ONNX_IMAGE_FILE, ONNX_TEXT_FILE, ONNX_CONFIG_FILE))
 
 
@@ -130,7 +130,7 @@ def _check_out_dir(out_dir: Path) -> List[str]:
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         raise ConfigError(f"export target {out_dir} is not empty and holds no earlier mmcl export (got {shown}; "
                           f"expected a new or empty directory; choose another --out)")
-    return models.previous_files(out_dir, MARKER_FILE, _is_export_file_name)
+    return weights.previous_files(out_dir, MARKER_FILE, _is_export_file_name)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -183,9 +183,9 @@ def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Opt
     """The weights, then the config with their size and SHA-256 and the list of files (written last)."""
     from safetensors.torch import save_file
 
-    state = models._state_dict_for_saving(model)
+    state = weights._state_dict_for_saving(model)
     save_file(state, str(out / models.WEIGHTS_FILE), metadata=metadata)
-    models.write_config_with_record(out, {"model_cfg": model_cfg, "preprocess_cfg": pp_cfg})
+    weights.write_config_with_record(out, {"model_cfg": model_cfg, "preprocess_cfg": pp_cfg})
 
 
 def _write_open_clip(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
@@ -439,7 +439,7 @@ def export_encoders(out: Path, fmt: str) -> Tuple[Callable, Callable]:
         return (lambda x: oc_model.encode_image(x, normalize=True),
                 lambda t: oc_model.encode_text(t, normalize=True))
     if fmt == "safetensors":
-        loaded, _, _ = models.load(out)
+        loaded, _, _ = weights.load(out)
         return (lambda x: loaded.encode_image(x, normalize=True), lambda t: loaded.encode_text(t, normalize=True))
     if fmt == "hf":
         from transformers import CLIPModel

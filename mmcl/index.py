@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import models
+from . import models, weights
 from .errors import CheckpointError, DataError
 from .fsutil import atomic_dir, output_dir
 
@@ -87,8 +87,8 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     """
     from . import evaluate
 
-    model_dir = models.find_model_dir(model_path).resolve()
-    model, preprocess, _ = models.load(model_dir)
+    model_dir = weights.find_model_dir(model_path).resolve()
+    model, preprocess, _ = weights.load(model_dir)
     _, loader = evaluate.eval_loader(data, preprocess, batch_size, workers)
     model = model.to(device).eval()
     feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, "index", data)
@@ -115,7 +115,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
             meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     except OSError as err:
-        raise DataError(f"cannot write the index to {out_dir}: {models.os_error_text(err)}") from None
+        raise DataError(f"cannot write the index to {out_dir}: {weights.os_error_text(err)}") from None
     return out_dir
 
 
@@ -128,7 +128,7 @@ def load_index(index_dir) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     if missing:
         raise DataError(f"{index_dir} is not an mmcl index (missing {', '.join(missing)}; build one with "
                         f"`mmcl index --model M --data SHARDS --out DIR`)")
-    meta = models.read_json_file(index_dir / META_FILE, DataError)
+    meta = weights.read_json_file(index_dir / META_FILE, DataError)
     if not isinstance(meta, dict) or "model" not in meta:
         raise DataError(f"{index_dir / META_FILE} is damaged (expected a JSON object naming the model; rebuild "
                         f"the index)")
@@ -166,7 +166,7 @@ def _load_query_model(meta: Dict[str, Any], index_dir):
     if meta.get("weights") and _weights_stamp(model_dir) != meta["weights"]:
         warnings.warn(f"the model at {model_dir} changed since {index_dir} was built; query embeddings may not "
                       f"match the indexed ones (rebuild the index)")
-    return models.load(model_dir)
+    return weights.load(model_dir)
 
 
 @torch.no_grad()
