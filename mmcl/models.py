@@ -20,9 +20,8 @@ import difflib
 import functools
 import json
 import os
-import types
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +131,17 @@ def _clip_class():
     from open_clip.model import CLIP
 
     class ShortTextCLIP(CLIP):
+        text_frozen = False  # set by apply_locks when every text parameter is locked
+
         def encode_text(self, text, normalize: bool = False):
+            if not self.text_frozen:
+                return self._encode_text(text, normalize)
+            for module in _clip_text_modules(self):  # a locked tower: eval mode, no autograd state
+                module.eval()
+            with torch.no_grad():
+                return self._encode_text(text, normalize)
+
+        def _encode_text(self, text, normalize: bool):
             full = self.positional_embedding.shape[0]
             # Only while training: evaluation and exports keep open_clip's exact full-context numbers, and a traced
             # graph (ONNX, TorchScript) must not bake in a data-dependent cut.
@@ -305,27 +314,45 @@ def _all_frozen(params) -> bool:
     return bool(params) and not any(p.requires_grad for p in params)
 
 
-def _run_frozen(owner: Any, method: str, modules: Callable[[Any], List[nn.Module]]) -> None:
-    """Make ``owner.<method>`` run under ``torch.no_grad`` with ``modules(owner)`` in eval mode.
+FROZEN_ATTR = "mmcl_frozen"  # set on a module whose forward runs without autograd (see `_run_frozen`)
 
-    An instance attribute wraps the class's method; it is a bound method, so ``copy.deepcopy`` rebinds it to the
-    copy, and the state dict is unchanged.
+
+class _NoGradForward:
+    """Forward hooks that run a module's forward under ``torch.no_grad`` in eval mode.
+
+    The pre-hook puts the module in eval mode and turns autograd off; the forward hook (``always_call``, so also
+    when the forward raises) restores the caller's grad mode. The hooks act on the module they are called with,
+    so a ``copy.deepcopy`` of the model (EMA) runs its own weights the same way; the state dict is unchanged.
     """
-    original = getattr(type(owner), method)
 
-    def frozen(self, *args, **kwargs):
-        for module in modules(self):
-            module.eval()
-        with torch.no_grad():
-            return original(self, *args, **kwargs)
+    def __init__(self):
+        self.grad_modes: List[bool] = []
 
-    setattr(owner, method, types.MethodType(frozen, owner))
+    def enter(self, module: nn.Module, args) -> None:
+        module.eval()
+        self.grad_modes.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)
+
+    def leave(self, module: nn.Module, args, output) -> None:
+        torch.set_grad_enabled(self.grad_modes.pop())
+
+
+def _run_frozen(module: nn.Module) -> None:
+    """Make `module`'s forward run under ``torch.no_grad`` with the module in eval mode (`_NoGradForward`)."""
+    if getattr(module, FROZEN_ATTR, False):
+        return
+    hooks = _NoGradForward()
+    module.register_forward_pre_hook(hooks.enter)
+    module.register_forward_hook(hooks.leave, always_call=True)
+    setattr(module, FROZEN_ATTR, True)
 
 
 def is_frozen_call(owner: Any, method: str = "forward") -> bool:
-    """Whether `apply_locks` made ``owner.<method>`` run without autograd."""
-    bound = owner.__dict__.get(method)
-    return isinstance(bound, types.MethodType) and bound.__func__.__name__ == "frozen"
+    """Whether `apply_locks` made ``owner.<method>`` run without autograd: a module's ``forward``, or the
+    ``encode_text`` of open_clip's CLIP class (whose text parts live on the model, see `_clip_class`)."""
+    if method == "encode_text":
+        return bool(getattr(owner, "text_frozen", False))
+    return method == "forward" and bool(getattr(owner, FROZEN_ATTR, False))
 
 
 def _unfreeze_layer_norms(modules: List[nn.Module]) -> None:
@@ -392,10 +419,10 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
                               f"(got {groups}; open_clip locks them only whole)")
         model.lock_image_tower(groups, cfg.lock_image_freeze_bn_stats)
         if _all_frozen(model.visual.parameters()):
-            _run_frozen(model.visual, "forward", lambda v: [v])
+            _run_frozen(model.visual)
         elif _all_frozen(getattr(model.visual, "trunk", nn.Module()).parameters()):
             # A timm tower locks its trunk and keeps the projection head trainable.
-            _run_frozen(model.visual.trunk, "forward", lambda t: [t])
+            _run_frozen(model.visual.trunk)
     if cfg.lock_text:
         layers = cfg.lock_text_unlocked_layers
         if layers < 0:
@@ -407,17 +434,21 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
             if not freeze_ln:
                 _unfreeze_layer_norms(_clip_text_modules(model))
             if _all_frozen(_clip_text_params(model)):
-                _run_frozen(model, "encode_text", _clip_text_modules)
+                if isinstance(model, _clip_class()):
+                    model.text_frozen = True  # read by its encode_text
+                else:  # another CLIP instance: each part of the text tower runs without autograd
+                    for module in _clip_text_modules(model):
+                        _run_frozen(module)
         elif hasattr(text, "transformer") and hasattr(text, "config"):  # Hugging Face tower
             _lock_hf_backbone(text.transformer, layers, freeze_ln)
             if _all_frozen(text.parameters()):
-                _run_frozen(text, "forward", lambda t: [t])
+                _run_frozen(text)
             elif _all_frozen(text.transformer.parameters()):
                 # The backbone is locked, the projection head trains: only the backbone runs without autograd.
-                _run_frozen(text.transformer, "forward", lambda t: [t])
+                _run_frozen(text.transformer)
         else:  # open_clip TextTransformer inside CustomTextCLIP
             lock_text_tower(text, layers)
             if not freeze_ln:
                 _unfreeze_layer_norms([text])
             if _all_frozen(text.parameters()):
-                _run_frozen(text, "forward", lambda t: [t])
+                _run_frozen(text)

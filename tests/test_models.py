@@ -230,8 +230,26 @@ def test_lock_image_tower(tmp_path):
     changed = _check_locked(model, before, optimizer, ("visual.",))
     assert any(n.startswith("transformer.") for n in changed)
     # copies (e.g. for EMA) keep the behaviour and run their own weights
-    clone = copy.deepcopy(model)
-    assert clone.visual.forward.__self__ is clone.visual
+    clone = copy.deepcopy(model).train()
+    assert models.is_frozen_call(clone.visual)
+    assert _grad_mode_inside(clone.visual.transformer.resblocks[0], lambda: clone.encode_image(images())) == [
+        (False, False)]
+    with torch.no_grad():
+        clone.visual.proj.add_(1.0)  # the clone's own weights, not the original's
+        assert not torch.equal(clone.encode_image(images()), model.encode_image(images()))
+
+
+def test_locked_tower_gives_back_grad_mode_when_its_forward_raises():
+    cfg = ModelConfig(name="tiny", lock_image=True)
+    model = models.build(cfg)[0]
+    models.apply_locks(model, cfg)
+    with pytest.raises(RuntimeError):
+        model.encode_image(torch.zeros(1, 5, 64, 64))  # 5 channels: the stem's convolution refuses them
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        model.encode_image(images())
+        assert not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
 
 
 def test_lock_image_partial_groups_keep_autograd():
