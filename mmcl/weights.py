@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import hf_clip
+from . import checkpoints, hf_clip
 from .errors import CheckpointError, ConfigError
 from .fsutil import atomic_dir, files_under, output_dir
 from .models import (_DIR_WEIGHTS, CONFIG_FILE, HF_CONFIG_FILE, WEIGHTS_FILE, _is_local, build_tokenizer,
@@ -303,13 +303,6 @@ def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
     return obj
 
 
-def _latest_train_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest training checkpoint of `run_dir` whose weights file matches its recorded size and checksum."""
-    from .checkpoints import newest_verified_checkpoint
-
-    return newest_verified_checkpoint(run_dir / "checkpoints", only=("model.safetensors",))
-
-
 def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
     """Weights from any supported source, in open_clip key layout; returns (state_dict, description).
 
@@ -337,11 +330,11 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
                 raise CheckpointError(f"{path} is a Hugging Face '{model_type}' model, not CLIP (expected "
                                       f"model_type 'clip', or an open_clip/mmcl model directory)")
             weights_dir, what = path, "transformers CLIP dir"
-        if weights_dir is None and (ckpt := _latest_train_checkpoint(path)) is not None:
+        if weights_dir is None and (ckpt := checkpoints.newest_run_weights(path)) is not None:
             weights_dir, what = ckpt, "mmcl training checkpoint"
         if weights_dir is None:
             raise CheckpointError(f"no weights found in {path} (expected {CONFIG_FILE}, a model/ subdirectory, "
-                                  f"checkpoints/latest, or a transformers CLIP config.json)")
+                                  f"a complete training checkpoint, or a transformers CLIP config.json)")
         files = [weights_dir / name for name in _DIR_WEIGHTS if (weights_dir / name).is_file()]
         if not files:
             raise CheckpointError(f"{weights_dir} has no weights file (expected one of {', '.join(_DIR_WEIGHTS)})")

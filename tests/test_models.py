@@ -1,6 +1,7 @@
 """Model layer: open_clip architectures, Hugging Face text towers, locking, saving, init_from."""
 
 import copy
+import hashlib
 import importlib.util
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 from open_clip.model import CLIP
 
-from mmcl import models, weights
+from mmcl import checkpoints, models, weights
 from mmcl.config import ModelConfig, OptimConfig, TextTowerConfig
 from mmcl.errors import CheckpointError, ConfigError
 from mmcl.train import build_optimizer
@@ -420,8 +421,15 @@ def test_init_from_training_checkpoint(tmp_path, open_clip_reference):
     ref, tokens, ref_img, _ = open_clip_reference
     step = tmp_path / "run" / "checkpoints" / "step-00000010"
     step.mkdir(parents=True)
-    save_file(ref.state_dict(), str(step / "model.safetensors"))  # accelerate's save_state name
-    (step.parent / "latest").write_text(step.name)
+    weights_file = step / checkpoints.MODEL_WEIGHTS  # accelerate's save_state name
+    save_file(ref.state_dict(), str(weights_file))
+    record = {"size": weights_file.stat().st_size, "sha256": hashlib.sha256(weights_file.read_bytes()).hexdigest()}
+    (step / checkpoints.COMPLETE).write_text(json.dumps({"step": 10, "files": {weights_file.name: record}}))
+    (step.parent / checkpoints.LATEST).write_text(step.name)
+    newer = step.with_name("step-00000020")  # newer, but its weights were altered after its marker was written
+    newer.mkdir()
+    save_file({k: v + 1 for k, v in ref.state_dict().items()}, str(newer / weights_file.name))
+    (newer / checkpoints.COMPLETE).write_text(json.dumps({"step": 20, "files": {weights_file.name: record}}))
     model = models.build(ModelConfig(name="tiny"))[0].eval()
     assert "mmcl training checkpoint" in weights.init_from(model, tmp_path / "run")
     with torch.no_grad():
