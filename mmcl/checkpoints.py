@@ -6,7 +6,8 @@ every file, so a truncated or altered file is found before loading, not halfway 
 fails this check is renamed ``damaged-step-NNNNNNNN`` (never deleted: it is evidence, and the new name keeps it
 out of ``keep_checkpoints`` rotation and out of the way of a new save of the same step).
 
-Imports no training code: `newest_verified_checkpoint` is what loading a run directory uses.
+Imports no training code: `newest_run_weights` is what loading a run directory (``mmcl.weights``) uses, so the
+layout and the COMPLETE check are known here only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .errors import StorageError
 from .fsutil import atomic_write_text
 
+CHECKPOINTS_DIR = "checkpoints"  # inside a run's output directory
+MODEL_WEIGHTS = "model.safetensors"  # accelerate's name for the model's weights in its saved state
 CKPT_PREFIX = "step-"
 DAMAGED_PREFIX = "damaged-"
 LATEST = "latest"
@@ -147,9 +150,15 @@ def newest_verified_checkpoint(ckpt_dir: Path, only: Optional[Tuple[str, ...]] =
     and checksums, or None.
 
     Reads only; changes nothing on disk. Loading weights from a run directory calls it with
-    ``only=("model.safetensors",)``, so the optimiser state (2/3 of the bytes with AdamW) is not read.
+    ``only=(MODEL_WEIGHTS,)`` (`newest_run_weights`), so the optimiser state (2/3 of the bytes with AdamW) is not read.
     """
     return damaged_and_usable(Path(ckpt_dir), only)[1]
+
+
+def newest_run_weights(run_dir: Path) -> Optional[Path]:
+    """The newest training checkpoint of the run at `run_dir` whose model weights match their recorded size and
+    checksum (the optimiser state is not read), or None. Reads only."""
+    return newest_verified_checkpoint(Path(run_dir) / CHECKPOINTS_DIR, only=(MODEL_WEIGHTS,))
 
 
 def set_aside(ckpt: Path) -> Path:
@@ -242,6 +251,10 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
     A write failure on any process (full disk, read-only) removes the temporary directory, leaves the previous
     checkpoints and ``latest`` as they were and raises `StorageError` on every process (through `agreed`,
     ``agree.agreed`` in a multi-process run). `needed` is the expected size in bytes (for the message).
+
+    Not `fsutil.atomic_dir`: the temporary directory is made by the main process, filled by every process and
+    renamed by the main one in three agreed phases (one with-block cannot span them), a checkpoint directory
+    holds no user files to keep, and its completeness is the COMPLETE marker, which resume checks.
     """
     import torch
 

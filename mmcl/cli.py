@@ -112,7 +112,7 @@ def cmd_shards(args) -> int:
 
 
 def _load(args):
-    from .models import load
+    from .weights import load
 
     return load(args.model)
 

@@ -40,9 +40,9 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import models
+from . import hf_clip, models, weights
 from .errors import CheckpointError, ConfigError
-from .fsutil import atomic_write_text, files_under, new_temp_dir, output_dir, roll_back, swap_in
+from .fsutil import atomic_dir, atomic_write_text, files_under, output_dir
 
 FORMATS = ("open_clip", "hf", "onnx", "safetensors")
 MARKER_FILE = "mmcl_export.json"
@@ -58,7 +58,7 @@ MIN_COSINE = {"open_clip": 0.9999, "safetensors": 0.9999, "hf": 0.9999, "onnx": 
 
 # open_clip's SimpleTokenizer names its special tokens differently from the CLIP tokenizer transformers ships;
 # the ids are the same, so the HF files use the transformers names and keep open_clip's ids.
-_TOKENIZER_FILE_PREFIXES = models.TOKENIZER_FILE_PREFIXES
+_TOKENIZER_FILE_PREFIXES = weights.TOKENIZER_FILE_PREFIXES
 _HF_SPECIAL_TOKENS = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
 
 
@@ -79,8 +79,8 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format '{fmt}' (expected one of {', '.join(FORMATS)})")
-    model, model_cfg, pp_cfg = models.load_model_dir(model_path)
-    src_dir = models.find_model_dir(model_path)
+    model, model_cfg, pp_cfg = weights.load_model_dir(model_path)
+    src_dir = weights.find_model_dir(model_path)
     out_dir = output_dir(out_dir)
     previous = _check_out_dir(out_dir)
     if fmt == "hf":
@@ -88,38 +88,22 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
     writer = {"open_clip": _write_open_clip, "safetensors": _write_safetensors, "hf": _write_hf,
               "onnx": _write_onnx}[fmt]
     marker = {"format": fmt, "source": str(src_dir.resolve()), "min_cosine_vs_source": None}
-    tmp, old = None, None
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        final = out_dir.resolve()
-        tmp = new_temp_dir(out_dir)
-        writer(model, model_cfg, pp_cfg, src_dir, tmp, final)
-        # The list of mmcl's files is in place before the swap, so even an export killed right after it knows
-        # which files a later export may replace.
-        marker["files"] = sorted(files_under(tmp) | {MARKER_FILE})
-        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-        # Verified in its final place: an export may name its own directory (a Hugging Face text tower's config).
-        old = swap_in(tmp, out_dir, previous)
-    except (OSError, SafetensorError) as err:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"cannot write the export to {out_dir}: {models.os_error_text(err)}") from None
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
+
+    def check(final_dir: Path) -> None:  # verified in its final place: an export may name its own directory
         if verify:
-            marker["min_cosine_vs_source"] = verify_export(model, model_cfg, out_dir, fmt)
-            atomic_write_text(out_dir / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
-    except OSError as err:
-        roll_back(out_dir, old)
-        raise ConfigError(f"cannot write the export to {out_dir}: {models.os_error_text(err)}") from None
-    except BaseException:
-        roll_back(out_dir, old)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+            marker["min_cosine_vs_source"] = verify_export(model, model_cfg, final_dir, fmt)
+            atomic_write_text(final_dir / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
+
+    try:
+        final = out_dir.resolve()
+        with atomic_dir(out_dir, previous, check=check) as tmp:
+            writer(model, model_cfg, pp_cfg, src_dir, tmp, final)
+            # The list of mmcl's files is in place before the swap, so even an export killed right after it knows
+            # which files a later export may replace.
+            marker["files"] = sorted(files_under(tmp) | {MARKER_FILE})
+            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    except (OSError, SafetensorError) as err:
+        raise ConfigError(f"cannot write the export to {out_dir}: {weights.os_error_text(err)}") from None
     return out_dir
 
 
@@ -130,7 +114,7 @@ _EXPORT_FILE_PREFIXES = ("model.safetensors", "model-0", "pytorch_model", "prepr
 
 
 def _is_export_file_name(name: str) -> bool:
-    return (models.is_model_file_name(name) or name.startswith(_EXPORT_FILE_PREFIXES)
+    return (weights.is_model_file_name(name) or name.startswith(_EXPORT_FILE_PREFIXES)
             or name in (MARKER_FILE, ONNX_IMAGE_FILE, ONNX_TEXT_FILE, ONNX_CONFIG_FILE))
 
 
@@ -146,7 +130,7 @@ def _check_out_dir(out_dir: Path) -> List[str]:
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         raise ConfigError(f"export target {out_dir} is not empty and holds no earlier mmcl export (got {shown}; "
                           f"expected a new or empty directory; choose another --out)")
-    return models.previous_files(out_dir, MARKER_FILE, _is_export_file_name)
+    return weights.previous_files(out_dir, MARKER_FILE, _is_export_file_name)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -199,9 +183,9 @@ def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Opt
     """The weights, then the config with their size and SHA-256 and the list of files (written last)."""
     from safetensors.torch import save_file
 
-    state = models._state_dict_for_saving(model)
+    state = weights._state_dict_for_saving(model)
     save_file(state, str(out / models.WEIGHTS_FILE), metadata=metadata)
-    models.write_config_with_record(out, {"model_cfg": model_cfg, "preprocess_cfg": pp_cfg})
+    weights.write_config_with_record(out, {"model_cfg": model_cfg, "preprocess_cfg": pp_cfg})
 
 
 def _write_open_clip(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
@@ -303,53 +287,13 @@ def hf_clip_config(model_cfg: Dict[str, Any]):
                       logit_scale_init_value=float(model_cfg.get("init_logit_scale", 2.6592)))
 
 
-def _map_block(prefix_in: str, prefix_out: str, sd: Dict[str, torch.Tensor], out: Dict[str, torch.Tensor],
-               used: set) -> None:
-    """One open_clip ResidualAttentionBlock -> one transformers CLIPEncoderLayer."""
-    def take(name):
-        used.add(prefix_in + name)
-        return sd[prefix_in + name]
-
-    for src, dst in (("ln_1", "layer_norm1"), ("ln_2", "layer_norm2"), ("attn.out_proj", "self_attn.out_proj"),
-                     ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
-        out[f"{prefix_out}{dst}.weight"] = take(f"{src}.weight")
-        out[f"{prefix_out}{dst}.bias"] = take(f"{src}.bias")
-    # nn.MultiheadAttention packs q, k, v row-wise into one projection; CLIPAttention keeps three.
-    for kind, w, b in zip("qkv", take("attn.in_proj_weight").chunk(3, dim=0), take("attn.in_proj_bias").chunk(3)):
-        out[f"{prefix_out}self_attn.{kind}_proj.weight"] = w.clone()
-        out[f"{prefix_out}self_attn.{kind}_proj.bias"] = b.clone()
-
-
 def hf_clip_state_dict(sd: Dict[str, torch.Tensor], n_vision_layers: int, n_text_layers: int
                        ) -> Dict[str, torch.Tensor]:
-    """Rename and reshape an open_clip CLIP state dict into transformers ``CLIPModel``'s layout.
+    """An open_clip CLIP state dict in transformers ``CLIPModel``'s layout (the table of `mmcl.hf_clip`).
 
-    Raises `ConfigError` naming any open_clip parameter the mapping does not place (an unsupported feature).
+    Raises `ConfigError` naming any open_clip parameter the table does not place (an unsupported feature).
     """
-    out: Dict[str, torch.Tensor] = {}
-    used: set = set()
-
-    def take(name):
-        used.add(name)
-        return sd[name]
-
-    out["vision_model.embeddings.class_embedding"] = take("visual.class_embedding")
-    out["vision_model.embeddings.patch_embedding.weight"] = take("visual.conv1.weight")
-    out["vision_model.embeddings.position_embedding.weight"] = take("visual.positional_embedding")
-    for src, dst in (("visual.ln_pre", "vision_model.pre_layrnorm"), ("visual.ln_post", "vision_model.post_layernorm"),
-                     ("ln_final", "text_model.final_layer_norm")):
-        out[f"{dst}.weight"], out[f"{dst}.bias"] = take(f"{src}.weight"), take(f"{src}.bias")
-    # open_clip projects with x @ proj (width, embed); nn.Linear computes x @ W.T, so W = proj.T.
-    out["visual_projection.weight"] = take("visual.proj").t().contiguous()
-    out["text_projection.weight"] = take("text_projection").t().contiguous()
-    out["text_model.embeddings.token_embedding.weight"] = take("token_embedding.weight")
-    out["text_model.embeddings.position_embedding.weight"] = take("positional_embedding")
-    out["logit_scale"] = take("logit_scale")
-    for i in range(n_vision_layers):
-        _map_block(f"visual.transformer.resblocks.{i}.", f"vision_model.encoder.layers.{i}.", sd, out, used)
-    for i in range(n_text_layers):
-        _map_block(f"transformer.resblocks.{i}.", f"text_model.encoder.layers.{i}.", sd, out, used)
-    left = sorted(set(sd) - used - {"attn_mask"})
+    out, left = hf_clip.to_hf(sd, n_vision_layers, n_text_layers)
     if left:
         raise ConfigError(f"hf export cannot place {len(left)} parameters of this model in CLIPModel (e.g. "
                           f"{', '.join(left[:3])}); export it as open_clip, safetensors or onnx")
@@ -495,7 +439,7 @@ def export_encoders(out: Path, fmt: str) -> Tuple[Callable, Callable]:
         return (lambda x: oc_model.encode_image(x, normalize=True),
                 lambda t: oc_model.encode_text(t, normalize=True))
     if fmt == "safetensors":
-        loaded, _, _ = models.load(out)
+        loaded, _, _ = weights.load(out)
         return (lambda x: loaded.encode_image(x, normalize=True), lambda t: loaded.encode_text(t, normalize=True))
     if fmt == "hf":
         from transformers import CLIPModel

@@ -18,8 +18,9 @@ import os
 import secrets
 import shutil
 import socket
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, List, Optional, Set
+from typing import Callable, Iterable, Iterator, List, Optional, Set
 
 from .errors import ConfigError
 
@@ -170,6 +171,39 @@ def roll_back(out_dir: Path, old: Optional[Path]) -> None:
 def replace_dir(tmp: Path, out_dir: Path, ours: Iterable[str] = ()) -> None:
     """`swap_in`, then delete the old version (the user's files live on in the new one)."""
     old = swap_in(tmp, out_dir, ours)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_dir(out_dir, ours: Iterable[str] = (), check: Optional[Callable[[Path], None]] = None) -> Iterator[Path]:
+    """Write a whole output directory or nothing: ``with atomic_dir(out_dir, ours) as tmp:`` yields an empty
+    directory beside `out_dir`; when the block ends normally it is swapped in (`swap_in`, keeping the user's
+    files: those of the old `out_dir` that are not in `ours`).
+
+    Args:
+        ours: relative paths of the files mmcl wrote in `out_dir` before (see `swap_in`).
+        check: called with `out_dir` once the new version is in place and the old one still aside, for checks
+            that need the final path (an export that names its own directory); when it raises, the new version
+            is removed and the old one put back.
+    On any exception in the block (or from the swap) the temporary directory is removed, `out_dir` is left as
+    it was, and the exception propagates: callers turn OSError into their own one-line error.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = new_temp_dir(out_dir)
+    try:
+        yield tmp
+        old = swap_in(tmp, out_dir, ours)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if check is not None:
+        try:
+            check(out_dir)
+        except BaseException:
+            roll_back(out_dir, old)
+            raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

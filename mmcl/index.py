@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,9 +27,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import models
+from . import models, weights
 from .errors import CheckpointError, DataError
-from .fsutil import new_temp_dir, output_dir, replace_dir
+from .fsutil import atomic_dir, output_dir
 
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.jsonl"
@@ -88,8 +87,8 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     """
     from . import evaluate
 
-    model_dir = models.find_model_dir(model_path).resolve()
-    model, preprocess, _ = models.load(model_dir)
+    model_dir = weights.find_model_dir(model_path).resolve()
+    model, preprocess, _ = weights.load(model_dir)
     _, loader = evaluate.eval_loader(data, preprocess, batch_size, workers)
     model = model.to(device).eval()
     feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, "index", data)
@@ -101,31 +100,22 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
         raise DataError(f"index target {out_dir} is not empty and holds no mmcl index (expected a new or empty "
                         f"directory; choose another --out)")
-    tmp = None
     try:
         import faiss
 
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = new_temp_dir(out_dir)
-        faiss.write_index(index, str(tmp / INDEX_FILE))
-        with open(tmp / ITEMS_FILE, "w") as f:
-            for key, caption, label in zip(keys, captions, labels.tolist()):
-                item = {"key": key, "caption": caption}
-                if label >= 0:
-                    item["label"] = label
-                f.write(json.dumps(item) + "\n")
-        meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         # Only the index's own files are replaced; anything the user added to the directory is kept.
-        replace_dir(tmp, out_dir, [INDEX_FILE, ITEMS_FILE, META_FILE])
+        with atomic_dir(out_dir, [INDEX_FILE, ITEMS_FILE, META_FILE]) as tmp:
+            faiss.write_index(index, str(tmp / INDEX_FILE))
+            with open(tmp / ITEMS_FILE, "w") as f:
+                for key, caption, label in zip(keys, captions, labels.tolist()):
+                    item = {"key": key, "caption": caption}
+                    if label >= 0:
+                        item["label"] = label
+                    f.write(json.dumps(item) + "\n")
+            meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     except OSError as err:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(f"cannot write the index to {out_dir}: {models.os_error_text(err)}") from None
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise DataError(f"cannot write the index to {out_dir}: {weights.os_error_text(err)}") from None
     return out_dir
 
 
@@ -138,7 +128,7 @@ def load_index(index_dir) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     if missing:
         raise DataError(f"{index_dir} is not an mmcl index (missing {', '.join(missing)}; build one with "
                         f"`mmcl index --model M --data SHARDS --out DIR`)")
-    meta = models.read_json_file(index_dir / META_FILE, DataError)
+    meta = weights.read_json_file(index_dir / META_FILE, DataError)
     if not isinstance(meta, dict) or "model" not in meta:
         raise DataError(f"{index_dir / META_FILE} is damaged (expected a JSON object naming the model; rebuild "
                         f"the index)")
@@ -176,7 +166,7 @@ def _load_query_model(meta: Dict[str, Any], index_dir):
     if meta.get("weights") and _weights_stamp(model_dir) != meta["weights"]:
         warnings.warn(f"the model at {model_dir} changed since {index_dir} was built; query embeddings may not "
                       f"match the indexed ones (rebuild the index)")
-    return models.load(model_dir)
+    return weights.load(model_dir)
 
 
 @torch.no_grad()

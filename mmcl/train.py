@@ -19,7 +19,7 @@ import torch
 
 from . import checkpoints
 from . import data as data_mod
-from . import losses, models
+from . import losses, models, weights
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import (COMPLETE, CKPT_PREFIX, LATEST, latest_checkpoint,  # noqa: F401 - names of the layout
                           list_checkpoints, save_checkpoint)
@@ -369,7 +369,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     set_seed(cfg.train.seed)
     model, model_cfg, pp_cfg, train_tf, _, tokenizer = models.build(cfg.model)
     if cfg.model.init_from:
-        from .models import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
+        from .weights import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
 
         report = init_from(model, cfg.model.init_from)
         log(report)
@@ -537,7 +537,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     accelerator.wait_for_everyone()
     eval_failure = None
     if main:
-        models.save_model_dir(raw_model, model_cfg, pp_cfg, out_dir / "model",
+        weights.save_model_dir(raw_model, model_cfg, pp_cfg, out_dir / "model",
                               extra={"steps": progress.step, "samples": progress.samples})
         log(f"model saved to {out_dir / 'model'}")
         # The final evaluation runs after model/ is written, so a failing evaluation never loses the model; the

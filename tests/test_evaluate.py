@@ -12,7 +12,7 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms.functional import to_tensor
 
-from mmcl import evaluate, models
+from mmcl import evaluate, models, weights
 from mmcl.errors import DataError
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
@@ -308,7 +308,7 @@ def tiny_model_dir(tmp_path_factory):
     cfg["text_cfg"].update(layers=1)
     torch.manual_seed(0)
     model = models.create(cfg)
-    return models.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path_factory.mktemp("m") / "model")
+    return weights.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path_factory.mktemp("m") / "model")
 
 
 def test_training_loop_call_and_cli(tiny_model_dir, tmp_path):
@@ -317,7 +317,7 @@ def test_training_loop_call_and_cli(tiny_model_dir, tmp_path):
     folder = write_folder(tmp_path / "zs", {name: [rgb, rgb] for name, rgb in COLOURS.items()})
     shard = write_shard(tmp_path / "ret" / "0.tar", [(f"k{i}", rgb, f"a {name} image\n{name}", i)
                                                      for i, (name, rgb) in enumerate(COLOURS.items())])
-    model, eval_tf, tokenizer = models.load(tiny_model_dir)
+    model, eval_tf, tokenizer = weights.load(tiny_model_dir)
     model.train()
     res = evaluate.zeroshot(model, eval_tf, tokenizer, str(folder), classnames=None,
                             templates="openai_imagenet_template", batch_size=4, device="cpu", progress=False)

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from mmcl import export as export_mod
-from mmcl import models
+from mmcl import models, weights
 from mmcl.errors import ConfigError
 
 # Minimum cosine between an export's normalised embeddings and mmcl.load's on the same inputs. Float32 math done
@@ -36,13 +36,13 @@ def model_dir(tmp_path_factory):
     model = models.create(cfg)
     with torch.no_grad():  # a trained-like logit scale, so the mapping of logit_scale is checked too
         model.logit_scale.fill_(3.5)
-    return models.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path_factory.mktemp("src") / "m")
+    return weights.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path_factory.mktemp("src") / "m")
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """mmcl.load's embeddings for real images (preprocessed) and CAPTIONS."""
-    model, preprocess, tokenizer = models.load(model_dir)
+    model, preprocess, tokenizer = weights.load(model_dir)
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((64, 64), (80, 96))]
     pixels = torch.stack([preprocess(im) for im in images])
@@ -179,13 +179,13 @@ def test_re_export_replaces_an_earlier_export_and_keeps_the_users_files(model_di
     assert (second / "notes" / "run.txt").read_text() == "from before"
     marker = json.loads((second / export_mod.MARKER_FILE).read_text())
     assert marker["format"] == "safetensors" and "results.json" not in marker["files"]
-    assert models.load(second)[0] is not None
+    assert weights.load(second)[0] is not None
 
 
 def test_hf_export_rejects_what_clipmodel_cannot_hold(tmp_path):
     cfg = _tiny_cfg(ls_init_value=0.1)  # layer scale: no CLIPModel counterpart
     model = models.create(cfg)
-    src = models.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path / "ls")
+    src = weights.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path / "ls")
     with pytest.raises(ConfigError, match="ls_init_value"):
         export_mod.export(src, "hf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -227,8 +227,8 @@ def test_hugging_face_text_tower_exports_are_self_contained(tmp_path):
                          intermediate_size=64, max_position_embeddings=32)).save_pretrained(str(bert))
     cfg = models.resolve_model_config(ModelConfig(name="tiny", text=TextTowerConfig(hf=str(bert)), context_length=16))
     cfg["vision_cfg"].update(layers=1, image_size=32)
-    src = models.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg), tmp_path / "src")
-    model, preprocess, tokenizer = models.load(src)
+    src = weights.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg), tmp_path / "src")
+    model, preprocess, tokenizer = weights.load(src)
     pixels = torch.rand(2, 3, 32, 32)
     tokens = tokenizer(["a red circle", "blue square photo"])
     with torch.no_grad():

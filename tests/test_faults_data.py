@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmcl import data, evaluate, fsutil, models
+from mmcl import data, evaluate, fsutil, models, weights
 from mmcl import export as export_mod
 from mmcl.errors import CheckpointError, ConfigError, DataError
 
@@ -462,7 +462,7 @@ def tiny_model(tmp_path_factory):
     cfg["text_cfg"].update(layers=1)
     torch.manual_seed(0)
     model = models.create(cfg)
-    return models.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path_factory.mktemp("m") / "model")
+    return weights.save_model_dir(model, cfg, models.preprocess_config(cfg), tmp_path_factory.mktemp("m") / "model")
 
 
 def _copy_model(src: Path, dst: Path) -> Path:
@@ -516,17 +516,17 @@ def test_damaged_model_files_are_checkpoint_errors(tiny_model, tmp_path, damage,
     from safetensors.torch import load_file, save_file
 
     d = _copy_model(tiny_model, tmp_path / "m")
-    weights, config = d / models.WEIGHTS_FILE, d / models.CONFIG_FILE
+    weights_file, config = d / models.WEIGHTS_FILE, d / models.CONFIG_FILE
     meta = json.loads(config.read_text())
     if damage.startswith("truncate_weights"):
-        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
         if damage.endswith("unrecorded"):  # a model saved before mmcl recorded sizes
             meta.pop("mmcl")
             config.write_text(json.dumps(meta))
     elif damage == "flip_weights_byte":
-        raw = bytearray(weights.read_bytes())
+        raw = bytearray(weights_file.read_bytes())
         raw[-100] ^= 0x40  # inside a tensor: safetensors itself cannot notice
-        weights.write_bytes(bytes(raw))
+        weights_file.write_bytes(bytes(raw))
     elif damage == "truncate_config":
         config.write_text(config.read_text()[:200])
     elif damage == "binary_config":
@@ -537,21 +537,21 @@ def test_damaged_model_files_are_checkpoint_errors(tiny_model, tmp_path, damage,
         meta["model_cfg"]["vision_cfg"]["layers"] = "twelve"
         config.write_text(json.dumps(meta))
     elif damage == "remove_weights":
-        weights.unlink()
+        weights_file.unlink()
     elif damage == "remove_config":
         config.unlink()
     else:
-        state = load_file(str(weights))
+        state = load_file(str(weights_file))
         if damage == "wrong_shapes":
             state["visual.proj"] = torch.zeros(3, 5)
         else:
             del state["ln_final.weight"], state["ln_final.bias"]
-        save_file(state, str(weights))
+        save_file(state, str(weights_file))
         meta.pop("mmcl")
         config.write_text(json.dumps(meta))
     before = _snapshot(d)
     with pytest.raises(CheckpointError, match=match) as err:
-        models.load(d)
+        weights.load(d)
     assert "\n" not in str(err.value)
     assert _snapshot(d) == before  # the damaged files are evidence: nothing is deleted or rewritten
 
@@ -605,7 +605,7 @@ def test_export_and_model_dirs_get_the_umask_mode(tiny_model, tmp_path):
     try:
         out = export_mod.export(tiny_model, "safetensors", tmp_path / "e", verify=False)
         assert out.stat().st_mode & 0o777 == 0o750  # not mkdtemp's 0o700
-        saved = models.save_model_dir(models.load(tiny_model)[0], *models.load_model_dir(tiny_model)[1:],
+        saved = weights.save_model_dir(weights.load(tiny_model)[0], *weights.load_model_dir(tiny_model)[1:],
                                       tmp_path / "saved")
         assert saved.stat().st_mode & 0o777 == 0o750
     finally:
@@ -618,11 +618,11 @@ def test_export_and_model_dirs_get_the_umask_mode(tiny_model, tmp_path):
 def test_re_saved_model_and_rebuilt_index_keep_the_users_files(tiny_model, tmp_path):
     from mmcl import index as index_mod
 
-    model, model_cfg, pp = models.load_model_dir(tiny_model)
-    saved = models.save_model_dir(model, model_cfg, pp, tmp_path / "run" / "model")
+    model, model_cfg, pp = weights.load_model_dir(tiny_model)
+    saved = weights.save_model_dir(model, model_cfg, pp, tmp_path / "run" / "model")
     (saved / "README.md").write_text("my model\n")
-    models.save_model_dir(model, model_cfg, pp, saved)
-    assert (saved / "README.md").read_text() == "my model\n" and models.load(saved)[0] is not None
+    weights.save_model_dir(model, model_cfg, pp, saved)
+    assert (saved / "README.md").read_text() == "my model\n" and weights.load(saved)[0] is not None
     folder = _colour_folder(tmp_path / "colours")  # with a cut-off image and hidden entries
     idx = index_mod.build_index(saved, str(folder), tmp_path / "idx", progress=False)
     meta = json.loads((idx / index_mod.META_FILE).read_text())
@@ -636,7 +636,7 @@ def test_re_saved_model_and_rebuilt_index_keep_the_users_files(tiny_model, tmp_p
 
 _KILL_AT = {
     # SIGKILL while the new export's config is being written (files half there in the temporary directory)
-    "writing": "mmcl.models.write_config_with_record = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)",
+    "writing": "mmcl.weights.write_config_with_record = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)",
     # SIGKILL between the two renames of the swap: the old export moved aside, the new one not yet in place
     "swapping": ("import mmcl.fsutil as fs\n"
                  "calls = []\n"
@@ -652,7 +652,7 @@ _KILL_AT = {
 
 def _run_export(src, out, fmt, inject="", limit_bytes=None):
     """`mmcl export` in a subprocess, after running `inject` (fault-injection code) in it."""
-    code = ["import os, signal, sys, resource", "import mmcl.models, mmcl.export"]
+    code = ["import os, signal, sys, resource", "import mmcl.weights, mmcl.export"]
     if limit_bytes is not None:  # a size-limited file system: writes past the limit fail with EFBIG
         code += ["signal.signal(signal.SIGXFSZ, signal.SIG_IGN)",
                  f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes}))"]
@@ -674,7 +674,7 @@ def test_export_killed_leaves_the_old_export_and_a_re_run_continues(tiny_model, 
     if when == "swapping":
         assert not out.exists()  # killed between the renames
         fsutil.recover(out)  # what the next write does first
-    assert _snapshot(out) == before and models.load(out)[0] is not None  # the old export, intact
+    assert _snapshot(out) == before and weights.load(out)[0] is not None  # the old export, intact
     export_mod.export(tiny_model, "open_clip", out, verify=False)  # the same export again, as a re-run does
     assert sorted(os.listdir(tmp_path)) == ["e"]  # leftovers of the killed export removed
     assert (out / "results.json").read_text() == '{"acc1": 0.9}\n'
@@ -761,7 +761,7 @@ def test_damaged_init_from_config_is_a_checkpoint_error(tmp_path):
     hf.mkdir()
     (hf / "config.json").write_text('{"model_type": "cl')
     with pytest.raises(CheckpointError, match=r"config.json is damaged \(not valid JSON"):
-        models.read_checkpoint(hf)
+        weights.read_checkpoint(hf)
 
 
 def test_recover_handles_host_names_with_dashes(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import webdataset as wds
 from PIL import Image
 
 from mmcl import index as index_mod
-from mmcl import models
+from mmcl import models, weights
 from mmcl.errors import CheckpointError, DataError
 
 
@@ -62,7 +62,7 @@ def indexed(tmp_path_factory):
     cfg["vision_cfg"].update(layers=1, image_size=32)
     cfg["text_cfg"].update(layers=1)
     torch.manual_seed(0)
-    model_dir = models.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg), root / "model")
+    model_dir = weights.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg), root / "model")
     rng = np.random.default_rng(0)
     images = {}
     with wds.TarWriter(str(root / "shard-000000.tar")) as sink:
@@ -76,7 +76,7 @@ def indexed(tmp_path_factory):
 
 
 def _reference_image_features(indexed):
-    model, preprocess, _ = models.load(indexed["model_dir"])
+    model, preprocess, _ = weights.load(indexed["model_dir"])
     keys = sorted(indexed["images"])
     with torch.no_grad():
         feats = model.encode_image(torch.stack([preprocess(indexed["images"][k]) for k in keys]), normalize=True)
@@ -93,7 +93,7 @@ def test_index_dir_records_model_items_and_kind(indexed):
 
 def test_text_search_equals_brute_force(indexed):
     model, _, keys, feats = _reference_image_features(indexed)
-    tokenizer = models.load(indexed["model_dir"])[2]
+    tokenizer = weights.load(indexed["model_dir"])[2]
     query = "caption number 7"
     with torch.no_grad():
         q = model.encode_text(tokenizer([query]), normalize=True).numpy()

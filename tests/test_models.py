@@ -1,6 +1,7 @@
 """Model layer: open_clip architectures, Hugging Face text towers, locking, saving, init_from."""
 
 import copy
+import hashlib
 import importlib.util
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 from open_clip.model import CLIP
 
-from mmcl import models
+from mmcl import checkpoints, models, weights
 from mmcl.config import ModelConfig, OptimConfig, TextTowerConfig
 from mmcl.errors import CheckpointError, ConfigError
 from mmcl.train import build_optimizer
@@ -157,10 +158,10 @@ def test_saved_lit_model_is_self_contained(tmp_path, minilm_dir):
     with torch.no_grad():  # weights that differ from the pretrained ones must come back from the saved file
         model.text.transformer.encoder.layer[0].output.dense.weight.mul_(1.5)
     model.eval()
-    out = models.save_model_dir(model, model_cfg, pp, tmp_path / "run" / "model")
+    out = weights.save_model_dir(model, model_cfg, pp, tmp_path / "run" / "model")
     shutil.rmtree(source)  # the original tower is gone
 
-    loaded, preprocess, loaded_tok = models.load(tmp_path / "run")
+    loaded, preprocess, loaded_tok = weights.load(tmp_path / "run")
     tokens = loaded_tok(SENTENCES)
     assert torch.equal(tokens, tokenizer(SENTENCES))
     with torch.no_grad():
@@ -230,8 +231,26 @@ def test_lock_image_tower(tmp_path):
     changed = _check_locked(model, before, optimizer, ("visual.",))
     assert any(n.startswith("transformer.") for n in changed)
     # copies (e.g. for EMA) keep the behaviour and run their own weights
-    clone = copy.deepcopy(model)
-    assert clone.visual.forward.__self__ is clone.visual
+    clone = copy.deepcopy(model).train()
+    assert models.is_frozen_call(clone.visual)
+    assert _grad_mode_inside(clone.visual.transformer.resblocks[0], lambda: clone.encode_image(images())) == [
+        (False, False)]
+    with torch.no_grad():
+        clone.visual.proj.add_(1.0)  # the clone's own weights, not the original's
+        assert not torch.equal(clone.encode_image(images()), model.encode_image(images()))
+
+
+def test_locked_tower_gives_back_grad_mode_when_its_forward_raises():
+    cfg = ModelConfig(name="tiny", lock_image=True)
+    model = models.build(cfg)[0]
+    models.apply_locks(model, cfg)
+    with pytest.raises(RuntimeError):
+        model.encode_image(torch.zeros(1, 5, 64, 64))  # 5 channels: the stem's convolution refuses them
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        model.encode_image(images())
+        assert not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
 
 
 def test_lock_image_partial_groups_keep_autograd():
@@ -375,7 +394,7 @@ def test_init_from_open_clip_checkpoint_is_exact(kind, tmp_path, open_clip_refer
     ref, tokens, ref_img, ref_txt = open_clip_reference
     path = _write(kind, ref, tmp_path)
     model = models.build(ModelConfig(name="tiny"))[0].eval()
-    report = models.init_from(model, path)
+    report = weights.init_from(model, path)
     n = len(model.state_dict())
     assert f"loaded {n}/{n} tensors; missing 0; unexpected 0" in report
     with torch.no_grad():
@@ -388,10 +407,10 @@ def test_init_from_open_clip_checkpoint_is_exact(kind, tmp_path, open_clip_refer
 
 def test_init_from_mmcl_run_and_export(tmp_path, open_clip_reference):
     ref, tokens, ref_img, ref_txt = open_clip_reference
-    models.save_model_dir(ref, TINY, {}, tmp_path / "run" / "model")
+    weights.save_model_dir(ref, TINY, {}, tmp_path / "run" / "model")
     for path in (tmp_path / "run", tmp_path / "run" / "model"):
         model = models.build(ModelConfig(name="tiny"))[0].eval()
-        assert "missing 0; unexpected 0" in models.init_from(model, path)
+        assert "missing 0; unexpected 0" in weights.init_from(model, path)
         with torch.no_grad():
             assert torch.equal(model.encode_text(tokens), ref_txt)
 
@@ -402,14 +421,17 @@ def test_init_from_training_checkpoint(tmp_path, open_clip_reference):
     ref, tokens, ref_img, _ = open_clip_reference
     step = tmp_path / "run" / "checkpoints" / "step-00000010"
     step.mkdir(parents=True)
-    save_file(ref.state_dict(), str(step / "model.safetensors"))  # accelerate's save_state name
-    (step.parent / "latest").write_text(step.name)
+    weights_file = step / checkpoints.MODEL_WEIGHTS  # accelerate's save_state name
+    save_file(ref.state_dict(), str(weights_file))
+    record = {"size": weights_file.stat().st_size, "sha256": hashlib.sha256(weights_file.read_bytes()).hexdigest()}
+    (step / checkpoints.COMPLETE).write_text(json.dumps({"step": 10, "files": {weights_file.name: record}}))
+    (step.parent / checkpoints.LATEST).write_text(step.name)
+    newer = step.with_name("step-00000020")  # newer, but its weights were altered after its marker was written
+    newer.mkdir()
+    save_file({k: v + 1 for k, v in ref.state_dict().items()}, str(newer / weights_file.name))
+    (newer / checkpoints.COMPLETE).write_text(json.dumps({"step": 20, "files": {weights_file.name: record}}))
     model = models.build(ModelConfig(name="tiny"))[0].eval()
-    # Without its COMPLETE marker the checkpoint may be half-written: it is not a source of weights.
-    with pytest.raises(CheckpointError, match="no weights found"):
-        models.init_from(model, tmp_path / "run")
-    (step / "COMPLETE").write_text(json.dumps({"step": 10, "world_size": 1}))  # a marker without a file record
-    assert "mmcl training checkpoint" in models.init_from(model, tmp_path / "run")
+    assert "mmcl training checkpoint" in weights.init_from(model, tmp_path / "run")
     with torch.no_grad():
         assert torch.equal(model.encode_image(images()), ref_img)
 
@@ -428,7 +450,7 @@ def test_init_from_transformers_clip(tmp_path):
     hf = CLIPModel(hf_cfg).eval()
     hf.save_pretrained(tmp_path / "hf-clip")
     model = models.build(ModelConfig(name="tiny"))[0].eval()
-    report = models.init_from(model, tmp_path / "hf-clip")
+    report = weights.init_from(model, tmp_path / "hf-clip")
     assert "transformers CLIP" in report and "missing 0; unexpected 0" in report and "WARNING" not in report
     tokens = open_clip.tokenizer.SimpleTokenizer(context_length=32)(SENTENCES)
     with torch.no_grad():
@@ -445,7 +467,7 @@ def test_init_from_reports_missing_and_unexpected(tmp_path, open_clip_reference,
     path = _write(".safetensors", ref, tmp_path)
     model = models.build(lit_config(minilm_dir, embed_dim=128, projection="linear"))[0]
     minilm_before = model.text.transformer.embeddings.word_embeddings.weight.detach().clone()
-    report = models.init_from(model, path)
+    report = weights.init_from(model, path)
     # The image tower and scale come from the CLIP checkpoint; the Hugging Face tower keeps its weights.
     n_visual = sum(1 for k in model.state_dict() if k.startswith("visual."))
     assert f"loaded {n_visual + 1}/" in report and "missing" in report and "text.transformer." in report
@@ -463,30 +485,30 @@ def test_init_from_shape_mismatch_is_a_checkpoint_error(tmp_path):
     model = models.build(ModelConfig(name="tiny"))[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError, match=r"has shape \(128, 64\) in the checkpoint, expected \(128, 128\)"):
-        models.init_from(model, path)
+        weights.init_from(model, path)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing half-loaded
 
 
 def test_init_from_bad_paths(tmp_path):
     model = models.build(ModelConfig(name="tiny"))[0]
     with pytest.raises(CheckpointError, match="init_from path not found"):
-        models.init_from(model, tmp_path / "missing.pt")
+        weights.init_from(model, tmp_path / "missing.pt")
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no weights found in"):
-        models.init_from(model, tmp_path / "empty")
+        weights.init_from(model, tmp_path / "empty")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="cannot read"):
-        models.init_from(model, tmp_path / "junk.pt")
+        weights.init_from(model, tmp_path / "junk.pt")
     torch.save({"a": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="none of its 1 tensors matches"):
-        models.init_from(model, tmp_path / "other.pt")
+        weights.init_from(model, tmp_path / "other.pt")
 
 
 def test_image_position_grid_is_resized(tmp_path, open_clip_reference):
     ref = open_clip_reference[0]
     path = _write(".safetensors", ref, tmp_path)
     model = models.build(ModelConfig(name="tiny", image_size=96))[0]
-    report = models.init_from(model, path)
+    report = weights.init_from(model, path)
     assert "resized image position grid (65, 128) -> (145, 128)" in report
 
 

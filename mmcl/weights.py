@@ -1,0 +1,428 @@
+"""Weights apart from building: saving and loading model directories, reading checkpoints, ``init_from``.
+
+A saved model directory is open_clip's local-dir layout (``open_clip_config.json`` + ``open_clip_model.safetensors``),
+so open_clip, CLIP_benchmark and `mmcl.load` all read the same files. With a Hugging Face text tower the directory
+also holds that tower's ``config.json`` and tokenizer files, so it loads after the source checkpoint is gone. The
+config records the weights' size and SHA-256, checked on every load.
+
+Weights are read from files (.pt/.pth/.bin/.safetensors), open_clip local dirs, mmcl runs (their newest verified
+training checkpoint, through `mmcl.checkpoints`), mmcl exports and transformers CLIP directories (keys mapped by
+`mmcl.hf_clip`). Towers are built by `mmcl.models`; directories are written through `mmcl.fsutil.atomic_dir`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import checkpoints, hf_clip
+from .errors import CheckpointError, ConfigError
+from .fsutil import atomic_dir, files_under, output_dir
+from .models import (_DIR_WEIGHTS, CONFIG_FILE, HF_CONFIG_FILE, WEIGHTS_FILE, _is_local, build_tokenizer,
+                     build_transforms, create, preprocess_config)
+
+def _state_dict_for_saving(model: nn.Module) -> Dict[str, torch.Tensor]:
+    # safetensors refuses tensors that share storage (tied embeddings of some Hugging Face towers): clone them.
+    seen, out = {}, {}
+    for key, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu()
+        ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        out[key] = tensor.clone() if ptr in seen else tensor.contiguous()
+        seen[ptr] = key
+    return out
+
+
+def _save_hf_text_files(model: nn.Module, text_cfg: Dict[str, Any], dest: Path) -> None:
+    """The Hugging Face tower's config.json (from the live model) and its tokenizer files, written into `dest`."""
+    from transformers import AutoTokenizer
+
+    model.text.config.to_json_file(str(dest / HF_CONFIG_FILE))
+    source = text_cfg.get("hf_tokenizer_name") or text_cfg["hf_model_name"]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as err:
+        raise CheckpointError(f"cannot save the text tower's tokenizer: '{source}' is not readable "
+                              f"({str(err).splitlines()[0]})") from None
+    tokenizer.save_pretrained(str(dest))
+
+
+# Names of the files a saved model or an export may hold besides the config and weights: a Hugging Face text
+# tower's config and tokenizer files. Used to tell mmcl's files from the user's in a directory written before
+# mmcl recorded the list of its files.
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "special_tokens", "merges", "spiece", "sentencepiece",
+                           "added_tokens")
+
+
+def is_model_file_name(name: str) -> bool:
+    """Whether a file of this name is one a model directory written by mmcl holds."""
+    return name in (CONFIG_FILE, WEIGHTS_FILE, HF_CONFIG_FILE) or name.startswith(TOKENIZER_FILE_PREFIXES)
+
+
+def previous_files(out_dir: Path, listing_file: str, default: Callable[[str], bool]) -> List[str]:
+    """The files mmcl wrote in `out_dir` before: the ``files`` list of the JSON `listing_file` there (its
+    ``mmcl`` section or top level), else the top-level files whose name `default` accepts."""
+    listing = out_dir / listing_file
+    try:
+        meta = json.loads(listing.read_text(encoding="utf-8"))
+        files = (meta.get("mmcl") or {}).get("files") or meta.get("files")
+        if isinstance(files, list) and all(isinstance(f, str) for f in files):
+            return list(files) + [listing_file]
+    except (OSError, ValueError, AttributeError):
+        pass  # no listing (an older or damaged directory): go by the names mmcl writes
+    if not out_dir.is_dir():
+        return []
+    return [n for n in os.listdir(out_dir) if (out_dir / n).is_file() and default(n)]
+
+
+def write_config_with_record(out: Path, meta: Dict[str, Any], config_name: str = CONFIG_FILE,
+                             weights_name: str = WEIGHTS_FILE) -> None:
+    """Write the config JSON into the directory `out` with, in its ``mmcl`` section, the size and SHA-256 of the
+    weights file (checked by `load_model_dir`) and the list of the files mmcl wrote there (so that a later write
+    replaces only those and keeps the user's)."""
+    meta = dict(meta)
+    extra = dict(meta.get("mmcl") or {})
+    extra["weights"] = weights_record(out / weights_name)
+    extra["files"] = sorted(files_under(out) | {config_name})
+    meta["mmcl"] = extra
+    (out / config_name).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: Dict[str, Any], out_dir,
+                   extra: Optional[Dict[str, Any]] = None) -> Path:
+    """Write open_clip's local-dir layout atomically: a temp dir beside `out_dir`, then a rename.
+
+    With a Hugging Face text tower, its ``config.json`` and tokenizer files are written too, and when the tower
+    came from a local directory the saved ``hf_model_name`` points at `out_dir` itself, so neither mmcl nor
+    open_clip (``local-dir:``) needs the original directory. A hub name is kept as it is. The config records the
+    weights' size and SHA-256 and the files written; files the user added to an earlier `out_dir` are kept.
+    Raises `CheckpointError` when the directory cannot be written (read-only, disk full), naming the cause.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    out_dir = output_dir(out_dir)
+    model_cfg = copy.deepcopy(model_cfg)
+    text_cfg = model_cfg.get("text_cfg", {})
+    meta_extra = dict(extra or {})
+    try:
+        with atomic_dir(out_dir, previous_files(out_dir, CONFIG_FILE, is_model_file_name)) as tmp:
+            save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS_FILE))
+            if text_cfg.get("hf_model_name"):
+                _save_hf_text_files(model, text_cfg, tmp)
+                text_cfg.pop("hf_model_pretrained", None)
+                meta_extra.setdefault("text_source", text_cfg["hf_model_name"])
+                if _is_local(text_cfg["hf_model_name"]):
+                    text_cfg["hf_model_name"] = text_cfg["hf_tokenizer_name"] = str(out_dir.resolve())
+            meta = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
+            if meta_extra:
+                meta["mmcl"] = meta_extra
+            write_config_with_record(tmp, meta)
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"cannot save the model to {out_dir}: {os_error_text(err)}") from None
+    return out_dir
+
+
+def os_error_text(err: Exception) -> str:
+    """'No space left on device (/path)' from an OSError (safetensors' own errors give their message)."""
+    strerror, filename = getattr(err, "strerror", None), getattr(err, "filename", None)
+    if strerror:
+        return f"{strerror} ({filename})" if filename else strerror
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def find_model_dir(path) -> Path:
+    """Resolve a run directory, its ``model/``, or an export directory to the directory holding the weights."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"model path not found: {path}")
+    for candidate in (path, path / "model", path / "open_clip"):
+        if (candidate / CONFIG_FILE).is_file():
+            return candidate
+    raise CheckpointError(
+        f"no model in {path} (expected {CONFIG_FILE} there or in {path}/model; train or export one first)")
+
+
+def weights_record(weights: Path) -> Dict[str, Any]:
+    """Size and SHA-256 of a weights file, kept in the config file beside it so that damage is found at load."""
+    digest = hashlib.sha256()
+    with open(weights, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return {"file": weights.name, "size": weights.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _damaged(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{path} is damaged ({what}); save, export or copy the model again")
+
+
+def read_json_file(path: Path, error: Callable[[str], Exception] = CheckpointError) -> Any:
+    """A JSON file's content; a truncated, non-UTF-8 or unreadable file raises `error` naming it and the cause."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise error(f"{path} is damaged (not valid JSON: {err.msg} at line {err.lineno} column {err.colno})"
+                    ) from None
+    except UnicodeDecodeError:
+        raise error(f"{path} is damaged (not UTF-8 text)") from None
+    except OSError as err:
+        raise error(f"cannot read {path} ({os_error_text(err)})") from None
+
+
+def _read_model_meta(model_dir: Path) -> Dict[str, Any]:
+    """The parsed ``open_clip_config.json`` of a model directory, checked for the fields loading needs."""
+    config = model_dir / CONFIG_FILE
+    meta = read_json_file(config)
+    if not isinstance(meta, dict):
+        raise _damaged(config, f"expected a JSON object, got {type(meta).__name__}")
+    model_cfg = meta.get("model_cfg", meta)
+    problems = [] if isinstance(model_cfg, dict) else [f"model_cfg is a {type(model_cfg).__name__}"]
+    if not problems:
+        problems += [f"no {key}" for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in model_cfg]
+        problems += [f"{key} is not an object" for key in ("vision_cfg", "text_cfg")
+                     if key in model_cfg and not isinstance(model_cfg[key], dict)]
+    pp = meta.get("preprocess_cfg")
+    if pp is not None and not isinstance(pp, dict):
+        problems.append(f"preprocess_cfg is a {type(pp).__name__}")
+    if problems:
+        raise _damaged(config, f"expected an open_clip model config: {', '.join(problems)}")
+    return meta
+
+
+def _check_weights_record(weights: Path, meta: Dict[str, Any]) -> None:
+    """Compare the weights file with the size and SHA-256 recorded when it was written (models saved without a
+    record are loaded unchecked)."""
+    mmcl_meta = meta.get("mmcl")
+    record = mmcl_meta.get("weights") if isinstance(mmcl_meta, dict) else None
+    if not isinstance(record, dict) or record.get("file") != weights.name:
+        return
+    size = weights.stat().st_size
+    if record.get("size") is not None and size != record["size"]:
+        cut = "truncated" if size < record["size"] else "longer than written"
+        raise _damaged(weights, f"{size} bytes, {record['size']} were written: {cut}")
+    if record.get("sha256") and weights_record(weights)["sha256"] != record["sha256"]:
+        raise _damaged(weights, "its SHA-256 differs from the one recorded when it was written")
+
+
+def _fit_state(model: nn.Module, state: Dict[str, torch.Tensor], weights: Path, config: Path) -> None:
+    """Load `state` strictly; a mismatch is a `CheckpointError` naming missing, unexpected and misshapen keys."""
+    own = model.state_dict()
+    missing = sorted(k for k in own if k not in state)
+    unexpected = sorted(k for k in state if k not in own)
+    shapes = sorted(k for k in state if k in own and tuple(state[k].shape) != tuple(own[k].shape))
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({_preview(missing, 3)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({_preview(unexpected, 3)})")
+        if shapes:
+            k = shapes[0]
+            parts.append(f"{len(shapes)} of another shape (e.g. {k}: {tuple(state[k].shape)} in the file, "
+                         f"{tuple(own[k].shape)} by the config)")
+        raise CheckpointError(f"weights in {weights} do not fit {config.name}: {'; '.join(parts)}")
+    model.load_state_dict(state, strict=True)
+
+
+def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
+    """Load a saved model directory: (model in eval mode, model_cfg, preprocess_cfg).
+
+    A Hugging Face text tower is rebuilt from the ``config.json`` saved in the directory (no download, no
+    reference to where it first came from); the returned model_cfg then names the directory as its source.
+    A missing, truncated or altered file (config, weights; checked against the size and SHA-256 recorded when
+    mmcl wrote them) and weights that do not fit the config are `CheckpointError` naming the file and the cause.
+    """
+    model_dir = find_model_dir(path)
+    config = model_dir / CONFIG_FILE
+    meta = _read_model_meta(model_dir)
+    model_cfg = copy.deepcopy(meta.get("model_cfg", meta))
+    text_cfg = model_cfg.get("text_cfg", {})
+    if text_cfg.get("hf_model_name"):
+        if (model_dir / HF_CONFIG_FILE).is_file():
+            text_cfg["hf_model_name"] = str(model_dir.resolve())
+            if (model_dir / "tokenizer_config.json").is_file():
+                text_cfg["hf_tokenizer_name"] = str(model_dir.resolve())
+        text_cfg.pop("hf_model_pretrained", None)
+    weights = model_dir / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{model_dir} has {CONFIG_FILE} but no {WEIGHTS_FILE} (an incomplete copy?)")
+    _check_weights_record(weights, meta)
+    cfg_for_create = copy.deepcopy(model_cfg)
+    if text_cfg.get("hf_model_name"):
+        cfg_for_create["text_cfg"]["hf_model_pretrained"] = False  # weights come from our file
+    try:
+        model = create(cfg_for_create)
+        pp = meta.get("preprocess_cfg") or preprocess_config(model_cfg)
+    except (ConfigError, TypeError, ValueError, KeyError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"cannot build the model {config} describes: {detail}") from None
+    _fit_state(model, _read_weight_file(weights), weights, config)
+    model.eval()
+    return model, model_cfg, pp
+
+
+def load(path):
+    """``model, preprocess, tokenizer = mmcl.load(path)`` for a run dir, its ``model/``, or an export.
+
+    ``model.encode_image(images (B,3,H,W) float)`` / ``model.encode_text(tokens (B,L) long)`` give (B, D)
+    features (pass ``normalize=True`` for unit vectors); ``model.logit_scale`` is log s.
+    """
+    model, model_cfg, pp = load_model_dir(path)
+    _, eval_tf = build_transforms(pp)
+    tokenizer = build_tokenizer(model_cfg, source_dir=str(find_model_dir(path)))
+    return model, eval_tf, tokenizer
+
+
+# ------------------------------------------------------------------------------------------------ init_from
+def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as err:  # safetensors raises its own error types for bad headers
+            raise _damaged(path, f"not a readable safetensors file: {str(err).splitlines()[0]}") from None
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # unpickling errors come in many types
+        raise CheckpointError(f"cannot read {path} as a weights-only torch checkpoint: "
+                              f"{str(err).splitlines()[0]}") from None
+    if isinstance(obj, dict):
+        for key in ("state_dict", "model", "module"):  # open_clip_train, and other trainers' wrappers
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path} holds no state dict (expected a dict of tensors, or one under 'state_dict')")
+    return obj
+
+
+def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
+    """Weights from any supported source, in open_clip key layout; returns (state_dict, description).
+
+    Sources: a file (.pt/.pth/.bin torch checkpoint, open_clip_train's ``{'state_dict': ...}`` included, or
+    .safetensors); an open_clip local-dir / mmcl export / mmcl run (its ``model/``, else its latest training
+    checkpoint); a transformers CLIP directory (``config.json`` with model_type clip).
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"init_from path not found: {path}")
+    if path.is_file():
+        state, what = _read_weight_file(path), f"{path.suffix.lstrip('.')} file"
+    else:
+        weights_dir, what = None, ""
+        for candidate, label in ((path, "open_clip/mmcl model dir"), (path / "model", "mmcl run"),
+                                 (path / "open_clip", "mmcl export")):
+            if (candidate / CONFIG_FILE).is_file():
+                weights_dir, what = candidate, label
+                break
+        hf_config = path / HF_CONFIG_FILE
+        if weights_dir is None and hf_config.is_file():
+            hf_meta = read_json_file(hf_config)
+            model_type = hf_meta.get("model_type") if isinstance(hf_meta, dict) else None
+            if model_type != "clip":
+                raise CheckpointError(f"{path} is a Hugging Face '{model_type}' model, not CLIP (expected "
+                                      f"model_type 'clip', or an open_clip/mmcl model directory)")
+            weights_dir, what = path, "transformers CLIP dir"
+        if weights_dir is None and (ckpt := checkpoints.newest_run_weights(path)) is not None:
+            weights_dir, what = ckpt, "mmcl training checkpoint"
+        if weights_dir is None:
+            raise CheckpointError(f"no weights found in {path} (expected {CONFIG_FILE}, a model/ subdirectory, "
+                                  f"a complete training checkpoint, or a transformers CLIP config.json)")
+        files = [weights_dir / name for name in _DIR_WEIGHTS if (weights_dir / name).is_file()]
+        if not files:
+            raise CheckpointError(f"{weights_dir} has no weights file (expected one of {', '.join(_DIR_WEIGHTS)})")
+        state = _read_weight_file(files[0])
+        what = f"{what}, {files[0].name}"
+    for prefix in ("module.", "_orig_mod."):  # DDP and torch.compile wrappers
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    if any(k.startswith(("vision_model.", "text_model.")) for k in state):
+        state, what = hf_clip.from_hf(state), f"{what}, transformers CLIP layout mapped to open_clip"
+    return state, what
+
+
+def _adapt_to_model(state: Dict[str, torch.Tensor], model: nn.Module) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """open_clip's layout fixes: CLIP -> CustomTextCLIP text keys, scalar vs 1-d scale, resized position grids."""
+    from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
+
+    notes = []
+    state = dict(state)
+    if "positional_embedding" in state and not hasattr(model, "positional_embedding"):
+        state = convert_to_custom_text_state_dict(state)
+    for key in ("logit_scale", "logit_bias"):
+        target = getattr(model, key, None)
+        if key in state and target is not None and state[key].numel() == target.numel():
+            state[key] = state[key].reshape(target.shape)
+    own = model.state_dict()
+    for key, label, resize in (("visual.positional_embedding", "image position grid", resize_pos_embed),
+                               ("positional_embedding", "text positions", resize_text_pos_embed),
+                               ("text.positional_embedding", "text positions", resize_text_pos_embed)):
+        if key in state and key in own and state[key].shape != own[key].shape \
+                and state[key].shape[-1] == own[key].shape[-1]:
+            before = tuple(state[key].shape)
+            resize(state, model)
+            notes.append(f"resized {label} {before} -> {tuple(state[key].shape)}")
+    return state, notes
+
+
+def _hf_activation_note(path: Path, model: nn.Module) -> Optional[str]:
+    from open_clip.transformer import QuickGELU
+
+    cfg_file = path / HF_CONFIG_FILE if path.is_dir() else None
+    if cfg_file is None or not cfg_file.is_file():
+        return None
+    hf_meta = read_json_file(cfg_file)
+    vision = (hf_meta.get("vision_config") if isinstance(hf_meta, dict) else None) or {}
+    quick = vision.get("hidden_act") == "quick_gelu"
+    has_quick = any(isinstance(m, QuickGELU) for m in model.modules())
+    if quick != has_quick:
+        want = "a -quickgelu architecture" if quick else "an architecture without quick_gelu"
+        return f"WARNING: the checkpoint uses {vision.get('hidden_act')}, the model does not match (pick {want})"
+    return None
+
+
+def _preview(keys: List[str], n: int = 6) -> str:
+    return ", ".join(keys[:n]) + (f", ... (+{len(keys) - n})" if len(keys) > n else "")
+
+
+def init_from(model: nn.Module, path) -> str:
+    """Load pretrained weights into `model` in place; returns a one-paragraph report.
+
+    `path`: an open_clip checkpoint (.pt/.pth/.bin/.safetensors, or an open_clip_train ``epoch_N.pt``), an open_clip
+    local-dir, an mmcl run directory or export, or a transformers CLIP directory. Keys the model lacks are
+    reported as unexpected, model keys the checkpoint lacks keep their current values and are reported as
+    missing. A tensor whose shape differs from the model's raises `CheckpointError` (position grids are resized
+    as open_clip does).
+    """
+    state, what = read_checkpoint(path)
+    state, notes = _adapt_to_model(state, model)
+    own = model.state_dict()
+    mismatched = [k for k in state if k in own and state[k].shape != own[k].shape]
+    if mismatched:
+        k = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise CheckpointError(f"init_from {path}: {k} has shape {tuple(state[k].shape)} in the checkpoint, "
+                              f"expected {tuple(own[k].shape)} by the model{more}; check model.name and the "
+                              f"model.* overrides")
+    matched = {k: v for k, v in state.items() if k in own}
+    if not matched:
+        raise CheckpointError(f"init_from {path}: none of its {len(state)} tensors matches a model key "
+                              f"(got e.g. {_preview(sorted(state), 3)}; expected e.g. {_preview(sorted(own), 3)})")
+    model.load_state_dict(matched, strict=False)
+    missing = sorted(k for k in own if k not in state)
+    unexpected = sorted(k for k in state if k not in own)
+    parts = [f"init_from {path} ({what}): loaded {len(matched)}/{len(own)} tensors"]
+    parts.append(f"missing {len(missing)}" + (f": {_preview(missing)}" if missing else ""))
+    parts.append(f"unexpected {len(unexpected)}" + (f": {_preview(unexpected)}" if unexpected else ""))
+    parts += notes
+    note = _hf_activation_note(Path(path), model)
+    if note:
+        parts.append(note)
+    return "; ".join(parts)
