@@ -49,6 +49,7 @@ model FLOPs utilisation: the step's FLOPs counted by torch's FlopCounterMode ove
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -516,8 +517,8 @@ def pure_step_child(args) -> None:
     # text lengths after the padding cut) as the training runs, without any loading.
     from mmcl.data import build_train_stream
 
-    cfg.data.train, cfg.data.workers = args.shards, 0
-    stream = build_train_stream(cfg.data, train_tf, tokenizer, seed=0)
+    data_cfg = dataclasses.replace(cfg.data, train=args.shards, workers=0)  # the loaded config is read-only
+    stream = build_train_stream(data_cfg, train_tf, tokenizer, seed=0)
     it = iter(stream)
     held, raw = [], []
     for _ in range(args.pure_batches):
