@@ -474,3 +474,27 @@ def test_a_bad_shard_read_by_two_processes_warns_once(demo, tmp_path):
         f"mmcl: warning: cannot open shard {shards}/shard-000001.tar: TarFormatError: not a tar file; skipping it"], \
         p.stderr
     assert not re.search(r"mmcl[/\\]\w+\.py:\d+: \w*Warning", p.stderr), p.stderr  # none in Python's format
+
+
+def test_a_second_run_in_one_process_may_use_another_precision(monkeypatch):
+    """accelerate's process-wide state is started afresh only when the precision asked for differs."""
+    from accelerate.state import AcceleratorState
+
+    from mmcl.train import make_accelerator
+
+    resets = []
+    real_reset = AcceleratorState._reset_state
+    monkeypatch.setattr(AcceleratorState, "_reset_state",
+                        staticmethod(lambda *a, **k: (resets.append(1), real_reset(*a, **k))[1]))
+    first = make_accelerator("fp32")
+    assert first.mixed_precision == "no"
+    before = len(resets)
+    assert make_accelerator("fp32").mixed_precision == "no"
+    assert len(resets) == before  # same precision: accelerate's state is kept as it is
+    bf16 = make_accelerator("bf16")
+    assert bf16.mixed_precision == "bf16" and len(resets) == before + 1
+    with bf16.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert make_accelerator("fp32").mixed_precision == "no" and len(resets) == before + 2
+    with make_accelerator("fp32").autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
