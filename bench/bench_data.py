@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from proc_cpu import tree_cpu_seconds  # bench/proc_cpu.py
+from harness import tree_cpu_seconds  # bench/harness.py
 
 
 def photo_like(rng: np.random.Generator, width: int, height: int) -> bytes:

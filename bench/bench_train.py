@@ -49,6 +49,7 @@ model FLOPs utilisation: the step's FLOPs counted by torch's FlopCounterMode ove
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -61,12 +62,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from proc_cpu import tree_cpu_seconds  # bench/proc_cpu.py
+from harness import (Run, Slicer, common_interval, on_own_clock, running_time, signal_group,  # bench/harness.py
+                     steady_rate)
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peak per GPU (NVIDIA datasheets), for MFU; fp32 needs --peak-tflops
@@ -159,178 +160,6 @@ def prepare_data(work: Path, n_train: int, image_size: int = 64, n_shards: int =
     return paths["train"], csv, len(rows) - 1
 
 
-# ------------------------------------------------------------------------------------------ log-arrival timer
-class LineTimer:
-    """Polls a growing text file; stamps each complete new line with the monotonic time it was first seen
-    and the CPU seconds used so far by the process tree of `pid`."""
-
-    def __init__(self, path: Path, pid: int, interval: float = 0.005):
-        self.path, self.pid, self.interval = path, pid, interval
-        self.lines: List[Tuple[float, Tuple[float, float], str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "LineTimer":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()  # the thread reads the file once more after the stop flag, so nothing is missed
-
-    def _run(self) -> None:
-        offset, partial = 0, b""
-        while True:
-            stopping = self._stop.is_set()
-            try:
-                with open(self.path, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except FileNotFoundError:
-                chunk = b""
-            if chunk:
-                now = time.monotonic()
-                cpu = tree_cpu_seconds(self.pid) if not stopping else (float("nan"), float("nan"))
-                offset += len(chunk)
-                data = partial + chunk
-                *complete, partial = data.split(b"\n")
-                self.lines += [(now, cpu, ln.decode("utf-8", "replace")) for ln in complete if ln.strip()]
-            if stopping:
-                return
-            time.sleep(self.interval)
-
-
-def steady_rate(points: List[Tuple[float, Tuple[float, float], int]], skip_samples: int,
-                interval: Optional[Tuple[float, float]] = None) -> Dict[str, float]:
-    """samples/s and CPU ms per sample over the steady-state window of one run's log records.
-
-    Without `interval`: from the first record with samples >= skip_samples to the last record. With `interval`
-    (t0, t1): over exactly that span, the samples and CPU seconds at t0 and t1 interpolated linearly between
-    the records around them (used to give two concurrent runs the same window).
-    """
-    # A line first seen after the process exited has no CPU reading; such a line only ends a run.
-    window = sorted((p for p in points if p[2] >= skip_samples and math.isfinite(p[1][0])), key=lambda p: p[0])
-    if len(window) < 2:
-        raise RuntimeError(f"too few log records after the warm-up window ({len(window)}): {points}")
-    if interval is None:
-        (t0, c0, s0), (t1, c1, s1) = window[0], window[-1]
-    else:
-        t0, t1 = interval
-
-        def at(t: float) -> Tuple[Tuple[float, float], float]:
-            for (ta, ca, sa), (tb, cb, sb) in zip(window, window[1:]):
-                if ta <= t <= tb:
-                    w = (t - ta) / (tb - ta) if tb > ta else 0.0
-                    return (ca[0] + w * (cb[0] - ca[0]), ca[1] + w * (cb[1] - ca[1])), sa + w * (sb - sa)
-            raise RuntimeError(f"time {t} outside the records' span {window[0][0]}..{window[-1][0]}")
-
-        (c0, s0), (c1, s1) = at(t0), at(t1)
-    main_ms = 1000.0 * (c1[0] - c0[0]) / (s1 - s0)
-    workers_ms = 1000.0 * (c1[1] - c0[1]) / (s1 - s0)
-    return {"samples_per_s": (s1 - s0) / (t1 - t0), "cpu_ms_per_sample": main_ms + workers_ms,
-            "main_cpu_ms_per_sample": main_ms, "workers_cpu_ms_per_sample": workers_ms,
-            "window_samples": s1 - s0, "window_s": t1 - t0}
-
-
-def common_interval(runs_points: List[List[Tuple[float, Tuple[float, float], int]]], skips: List[int]
-                    ) -> Tuple[float, float]:
-    """The span in which every run is past its warm-up and still logging: (latest first, earliest last) time."""
-    spans = []
-    for points, skip_samples in zip(runs_points, skips):
-        ts = [p[0] for p in points if p[2] >= skip_samples and math.isfinite(p[1][0])]
-        if len(ts) < 2:
-            raise RuntimeError(f"too few log records after the warm-up window ({len(ts)})")
-        spans.append((min(ts), max(ts)))
-    t0, t1 = max(s[0] for s in spans), min(s[1] for s in spans)
-    if t1 <= t0:
-        raise RuntimeError("the concurrent runs' steady-state windows do not overlap; use more --steps")
-    return t0, t1
-
-
-class Run:
-    """A training subprocess whose log records are being timed (see `LineTimer`)."""
-
-    def __init__(self, name: str, cmd: List[str], log_path: Path, env: Dict[str, str], out: Path):
-        self.name, self.cmd, self.out = name, cmd, out
-        self.t0 = time.monotonic()
-        self.sink = open(out, "w")
-        # Its own process group (with its data-loader workers), so that `Slicer` can hold and resume it whole.
-        self.proc = subprocess.Popen(cmd, stdout=self.sink, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                     start_new_session=True)
-        self.timer = LineTimer(log_path, self.proc.pid).__enter__()
-        self.running: Optional[List[Tuple[float, float]]] = None  # set by `Slicer`: the spans it ran in
-
-    def finish(self, stop: bool = False) -> Tuple[List[Tuple[float, Tuple[float, float], str]], float]:
-        """Wait for the process (or end it when `stop`); returns (stamped log lines, wall seconds)."""
-        if stop:
-            self.timer.__exit__(None, None, None)  # the last reading is taken while the process still runs
-            self.proc.terminate()
-            _signal_group(self.proc, signal.SIGCONT)  # a held process acts on SIGTERM only once resumed
-            self.proc.wait()
-            self.sink.close()
-            return self.timer.lines, time.monotonic() - self.t0
-        code = self.proc.wait()
-        wall = time.monotonic() - self.t0
-        self.timer.__exit__(None, None, None)
-        self.sink.close()
-        if code != 0:
-            raise RuntimeError(f"{self.name} failed with exit code {code}:\n{self.out.read_text()[-3000:]}")
-        return self.timer.lines, wall
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-class Slicer:
-    """Lets one run's process group at a time use the machine, `slice_s` seconds each, in turn.
-
-    `run` goes on until every run in `finite` has exited; the others (the endless pure-step loop) are held from
-    then on. Each run's ``running`` is the list of (start, end) monotonic spans in which it was allowed to run.
-    """
-
-    def __init__(self, runs: List[Run], finite: List[Run], slice_s: float):
-        self.runs, self.finite, self.slice_s = runs, finite, slice_s
-        for run in runs:
-            run.running = []
-            _signal_group(run.proc, signal.SIGSTOP)
-
-    def run(self) -> None:
-        live = list(self.runs)
-        turn = 0
-        while any(r.proc.poll() is None for r in self.finite) and live:
-            run = live[turn % len(live)]
-            _signal_group(run.proc, signal.SIGCONT)
-            start = time.monotonic()
-            try:
-                run.proc.wait(timeout=self.slice_s)
-                exited = True
-            except subprocess.TimeoutExpired:
-                exited = False
-                _signal_group(run.proc, signal.SIGSTOP)
-            run.running.append((start, time.monotonic()))
-            if exited:
-                live.remove(run)
-            else:
-                turn += 1
-
-
-def running_time(spans: List[Tuple[float, float]], t: float) -> float:
-    """Seconds a sliced run had been allowed to run by monotonic time `t` (its own clock)."""
-    return sum(min(b, t) - a for a, b in spans if a < t)
-
-
-def on_own_clock(run: Run, points: List[Tuple[float, Tuple[float, float], int]]
-                 ) -> List[Tuple[float, Tuple[float, float], int]]:
-    """A sliced run's records with their times on its own running-time clock (unchanged for other runs)."""
-    if run.running is None:
-        return points
-    return [(running_time(run.running, t), cpu, n) for t, cpu, n in points]
-
-
 # ------------------------------------------------------------------------------------------------- the runs
 def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str], extra: Tuple[str, ...] = ()) -> Run:
     run_dir = work / f"mmcl-{tag}"
@@ -342,7 +171,7 @@ def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str], ext
            f"model.name={args.model}", f"train.precision={args.precision}", "train.save_every=0",
            "train.plot=false", "train.progress=false",
            "eval.zeroshot=null", "eval.retrieval=null", *args.mmcl_override, *extra]
-    run = Run("mmcl", cmd, run_dir / "metrics.jsonl", env, work / f"mmcl-{tag}.out")
+    run = Run("mmcl", cmd, run_dir / "metrics.jsonl", env, work / f"mmcl-{tag}.out", REPO)
     run.run_dir = run_dir
     return run
 
@@ -368,7 +197,7 @@ def start_open_clip(args, work: Path, csv: Path, n_train: int, tag: str, env: Di
            "--lr", "1e-3", "--wd", "0.1", "--warmup", "15", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
            "--grad-clip-norm", "1.0", "--seed", "0", "--log-every-n-steps", str(args.log_every),
            "--save-frequency", "0", "--logs", str(logs), "--name", name, "--report-to", ""]
-    run = Run("open_clip", cmd, logs / name / "out.log", env, work / f"{name}.out")
+    run = Run("open_clip", cmd, logs / name / "out.log", env, work / f"{name}.out", REPO)
     run.run_dir = logs / name
     return run
 
@@ -402,7 +231,7 @@ def start_pure_loop(args, work: Path, shards: str, tag: str, env: Dict[str, str]
     log.unlink(missing_ok=True)
     return Run("pure", [sys.executable, str(Path(__file__).resolve()), "--pure-step-child",
                         *child_args(args, work, shards), "--log-every", str(args.log_every), "--pure-log", str(log)],
-               log, env, work / f"pure-{tag}.out")
+               log, env, work / f"pure-{tag}.out", REPO)
 
 
 def child_args(args, work: Path, shards: str) -> List[str]:
@@ -442,7 +271,7 @@ def sliced_round(args, work: Path, shards: str, csv: Path, n_train: int, r: int,
     finally:
         for run in turns:  # after a failure or an interrupt, leave no held process behind
             if run.proc.poll() is None:
-                _signal_group(run.proc, signal.SIGKILL)
+                signal_group(run.proc, signal.SIGKILL)
                 run.proc.wait()
     res = steady_rate(on_own_clock(pure, pure_points(p_lines)), 0)
     res.update(wall_s=p_wall, running_s=running_time(pure.running, math.inf))
@@ -516,8 +345,8 @@ def pure_step_child(args) -> None:
     # text lengths after the padding cut) as the training runs, without any loading.
     from mmcl.data import build_train_stream
 
-    cfg.data.train, cfg.data.workers = args.shards, 0
-    stream = build_train_stream(cfg.data, train_tf, tokenizer, seed=0)
+    data_cfg = dataclasses.replace(cfg.data, train=args.shards, workers=0)  # the loaded config is read-only
+    stream = build_train_stream(data_cfg, train_tf, tokenizer, seed=0)
     it = iter(stream)
     held, raw = [], []
     for _ in range(args.pure_batches):
@@ -553,7 +382,7 @@ def pure_step_child(args) -> None:
     # loading. Its time over full_step's is the step's code overhead.
     from accelerate import Accelerator
 
-    from mmcl.train import apply_update, train_step
+    from mmcl.train import apply_update, max_log_logit_scale, train_step
 
     accelerator = Accelerator(cpu=not cuda, mixed_precision={"fp32": "no"}.get(args.precision, args.precision))
     acc_model, acc_optimizer = accelerator.prepare(model, optimizer)
@@ -565,8 +394,7 @@ def pure_step_child(args) -> None:
         if not torch.isfinite(loss.detach()):
             raise SystemExit("non-finite loss in the step benchmark")
         backward()
-        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip,
-                     math.log(cfg.loss.max_logit_scale))
+        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip, max_log_logit_scale(cfg))
 
     for _ in range(3):  # allocator and kernel warm-up
         full_step()

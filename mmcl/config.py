@@ -3,6 +3,10 @@
 The schema is the dataclasses below; OmegaConf does the YAML parsing, merging and type conversion
 (it parses override values by the field's declared type). Unknown keys and bad values become a
 `ConfigError` that names the key and the closest valid keys, and every problem is reported at once.
+
+A config returned by `load_config` or `from_dict` is read-only: assigning to any of its fields raises
+`dataclasses.FrozenInstanceError`, so nothing changes it during a run. A changed copy is made with
+`dataclasses.replace` (or, better, with an override).
 """
 
 from __future__ import annotations
@@ -20,8 +24,29 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from .errors import ConfigError
 
 
+class _Section:
+    """Base of the config dataclasses: fields can be assigned until `freeze` marks the instance read-only."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to {type(self).__name__}.{name}: the config is read-only once validated "
+                f"(make a changed copy with dataclasses.replace, or pass an override)")
+        object.__setattr__(self, name, value)
+
+
+def freeze(cfg: _Section) -> _Section:
+    """Make `cfg` and every section under it read-only (in place); returns `cfg`."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, _Section):
+            freeze(value)
+    object.__setattr__(cfg, "_frozen", True)
+    return cfg
+
+
 @dataclass
-class TextTowerConfig:
+class TextTowerConfig(_Section):
     """Text tower choice. ``hf`` set means a Hugging Face transformers model (name or local path)."""
 
     hf: Optional[str] = None
@@ -30,7 +55,7 @@ class TextTowerConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     name: str = "tiny"  # an mmcl model config (mmcl/model_configs/*.json) or any open_clip architecture
     embed_dim: Optional[int] = None
     image_size: Optional[int] = None
@@ -51,7 +76,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     train: Any = None  # brace-expanded spec, '::'-separated specs, a glob, or a list of those
     weights: Optional[List[float]] = None  # per-source sampling weights (resampled mode)
     batch_size: int = 64  # per process
@@ -69,7 +94,7 @@ class DataConfig:
 
 
 @dataclass
-class MochiConfig:
+class MochiConfig(_Section):
     weight: float = 0.0
     n_hard: int = 64  # N: hardest negatives considered per query
     s: int = 32  # synthetic negatives mixed from two hard negatives
@@ -79,7 +104,7 @@ class MochiConfig:
 
 
 @dataclass
-class LossConfig:
+class LossConfig(_Section):
     clip: float = 1.0
     supcon: float = 0.0
     siglip: float = 0.0
@@ -97,7 +122,7 @@ class LossConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(_Section):
     lr: float = 5e-4
     weight_decay: float = 0.2
     beta1: float = 0.9
@@ -110,7 +135,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainSection:
+class TrainSection(_Section):
     steps: int = 150
     samples: Optional[int] = None  # a budget in samples (all processes); when set it gives the number of steps
     output_dir: str = "runs/tiny"
@@ -127,7 +152,7 @@ class TrainSection:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(_Section):
     every: int = 0  # steps between evaluations during training; 0 evaluates only at the end if data is set
     zeroshot: Optional[str] = None  # ImageFolder or shards with .cls
     classnames: Optional[str] = None
@@ -137,7 +162,7 @@ class EvalConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -246,7 +271,8 @@ def parse_overrides(overrides: List[str]) -> List[tuple]:
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> TrainConfig:
-    """Load a YAML file (optional) and apply ``dotted.key=value`` overrides; validate; return the dataclass tree.
+    """Load a YAML file (optional) and apply ``dotted.key=value`` overrides; validate; return the dataclass tree,
+    read-only.
 
     Raises `ConfigError` listing every problem found.
     """
@@ -272,7 +298,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         errors += validate(obj)
     if errors:
         raise ConfigError("; ".join(errors) if len(errors) > 1 else errors[0])
-    return obj
+    return freeze(obj)
 
 
 def get(cfg, key: str):
@@ -318,4 +344,4 @@ def to_dict(cfg) -> Dict[str, Any]:
 def from_dict(data: Dict[str, Any]) -> TrainConfig:
     """Rebuild a config saved by `to_yaml`/`to_dict` (e.g. a run's config.yaml)."""
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(data))
-    return OmegaConf.to_object(cfg)
+    return freeze(OmegaConf.to_object(cfg))

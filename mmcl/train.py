@@ -1,4 +1,9 @@
-"""The training loop: build, ``accelerator.prepare``, loop, save.
+"""The training loop.
+
+`train` reads top to bottom: `build_run` (accelerator, signal handlers, the output directory's lock, model,
+objective, optimiser, data stream, ``accelerator.prepare``), `resume_or_start`, then per step `train_step`,
+`agree_on_step` (finite loss and stop signal, one all-reduce), `apply_update`, `log_record`, `maybe_save`,
+and `finish_run` (model/ saved, then the final evaluation). A `Run` holds what these share.
 
 Resumable: checkpoints are written into a temporary directory and renamed into place, then a ``latest``
 pointer is replaced atomically; starting the same command on the same output directory continues from the
@@ -21,8 +26,7 @@ from . import checkpoints
 from . import data as data_mod
 from . import losses, models, weights
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
-from .checkpoints import (COMPLETE, CKPT_PREFIX, LATEST, latest_checkpoint,  # noqa: F401 - names of the layout
-                          list_checkpoints, save_checkpoint)
+from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
 from .fsutil import atomic_write_text
 from .errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError, RunStopped, TrainingError
@@ -253,9 +257,10 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
     if len(batches) == 1:
         b = batches[0]
         with accelerator.autocast():
-            img, txt, scale, bias = _forward(model, _images(b, device, finish_images), _moved(b["text"], device))
-            loss, terms = objective(img.float(), txt.float(), scale.float(),
-                                    None if bias is None else bias.float(), _moved(b["label"], device))
+            image_features, text_features, logit_scale, logit_bias = _forward(
+                model, _images(b, device, finish_images), _moved(b["text"], device))
+            loss, terms = objective(image_features.float(), text_features.float(), logit_scale.float(),
+                                    None if logit_bias is None else logit_bias.float(), _moved(b["label"], device))
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
@@ -265,20 +270,21 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
         for b in batches:
             rng_states.append(torch.get_rng_state())
             with accelerator.autocast():
-                img, txt, scale, bias = _forward(model, _images(b, device, finish_images), _moved(b["text"], device))
-            feats.append((img.float(), txt.float()))
-    img_all = torch.cat([f[0] for f in feats]).requires_grad_(True)
-    txt_all = torch.cat([f[1] for f in feats]).requires_grad_(True)
+                image_features, text_features, _, _ = _forward(model, _images(b, device, finish_images),
+                                                               _moved(b["text"], device))
+            feats.append((image_features.float(), text_features.float()))
+    all_image_features = torch.cat([f[0] for f in feats]).requires_grad_(True)
+    all_text_features = torch.cat([f[1] for f in feats]).requires_grad_(True)
     # logit scale/bias come from the unwrapped parameters so their gradient flows directly.
     raw = accelerator.unwrap_model(model)
-    scale = raw.logit_scale.exp().reshape(())
-    bias = raw.logit_bias.reshape(()) if getattr(raw, "logit_bias", None) is not None else None
+    logit_scale = raw.logit_scale.exp().reshape(())
+    logit_bias = raw.logit_bias.reshape(()) if getattr(raw, "logit_bias", None) is not None else None
     labels = torch.cat([b["label"] for b in batches]).to(device)
-    loss, terms = objective(img_all, txt_all, scale, bias, labels)
+    loss, terms = objective(all_image_features, all_text_features, logit_scale, logit_bias, labels)
 
     def backward():
         accelerator.backward(loss)  # grads for the features, logit scale and bias
-        g_img, g_txt = img_all.grad, txt_all.grad
+        grad_image, grad_text = all_image_features.grad, all_text_features.grad
         start = 0
         for i, b in enumerate(batches):
             n = b["image"].shape[0]
@@ -287,10 +293,11 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
                 cur = torch.get_rng_state()
                 torch.set_rng_state(rng_states[i])
                 with accelerator.autocast():
-                    img, txt, scale_out, bias_out = _forward(model, _images(b, device, finish_images),
-                                                             _moved(b["text"], device))
+                    image_features, text_features, scale_out, bias_out = _forward(
+                        model, _images(b, device, finish_images), _moved(b["text"], device))
                 torch.set_rng_state(cur)
-                surrogate = (img.float() * g_img[start:start + n]).sum() + (txt.float() * g_txt[start:start + n]).sum()
+                surrogate = ((image_features.float() * grad_image[start:start + n]).sum()
+                             + (text_features.float() * grad_text[start:start + n]).sum())
                 # Zero-weighted so the scale/bias stay in DDP's graph: their gradient, accumulated above, is then
                 # averaged across processes with the rest.
                 surrogate = surrogate + 0.0 * scale_out.sum() + (0.0 * bias_out.sum() if bias_out is not None else 0.0)
@@ -300,7 +307,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
     return loss, terms, backward
 
 
-def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_log_scale: float):
+def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_log_logit_scale: float):
     """After backward: clip the gradients (when `grad_clip`), step and clear the optimiser, and keep the learned
     temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``. Returns the
     gradient norm before clipping as a tensor (read it, a device sync, only when it is logged), or None
@@ -309,7 +316,7 @@ def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[f
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
-        raw_model.logit_scale.clamp_(0, max_log_scale)
+        raw_model.logit_scale.clamp_(0, max_log_logit_scale)
     return grad_norm
 
 
@@ -332,268 +339,375 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    from accelerate.state import AcceleratorState
-
+    """The run from start to end: check the inputs, build, prepare, resume, loop (step, log, save), finish."""
     from .preflight import check_inputs
 
     check_inputs(cfg)  # every missing path in one error, before the model, the data workers or any step
-    # accelerate keeps its state process-wide; a second train() in one Python session (notebooks, tests) may ask
-    # for another precision. The process group and device (PartialState) are kept.
-    AcceleratorState._reset_state()
-    precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
-    accelerator = Accelerator(mixed_precision=precision, cpu=_cpu_processes())
-    main = accelerator.is_main_process
-    out_dir = Path(cfg.train.output_dir)
-    ckpt_dir = out_dir / "checkpoints"
-
-    def log(msg: str) -> None:
-        if main:
-            print(f"mmcl: {msg}", flush=True)
-
-    stop = held.enter_context(StopSignals())
-
-    def take_directory():
-        if main:
-            checkpoints.check_output_dir(out_dir, ckpt_dir)
-            lock = RunLock(out_dir)
-            warning = lock.acquire()
-            held.callback(lock.release)
-            if warning:
-                log(warning)
-
-    agreed(accelerator, take_directory)
-
-    set_seed(cfg.train.seed)
-    model, model_cfg, pp_cfg, train_tf, _, tokenizer = models.build(cfg.model)
-    if cfg.model.init_from:
-        from .weights import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
-
-        report = init_from(model, cfg.model.init_from)
-        log(report)
-    models.apply_locks(model, cfg.model)
-    objective = losses.build_objective(cfg.loss)
-    objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
-    optimizer = build_optimizer(model, cfg.optim)
-    stream = agreed(accelerator, lambda: data_mod.build_train_stream(
-        cfg.data, train_tf, tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
-        world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
-    if cfg.train.compile:
-        model = torch.compile(model)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    objective.to(accelerator.device)
-    progress = TrainProgress()
-    accelerator.register_for_checkpointing(progress)
-
-    def load(resume: Path) -> None:
-        saved_cfg_path = out_dir / "config.yaml"
-        if saved_cfg_path.is_file():
-            from omegaconf import OmegaConf
-
-            check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)), to_dict(cfg), log)
-        rank_file = resume / f"rank_state_{accelerator.process_index}.pt"
-        if not rank_file.is_file():
-            if checkpoints.read_marker(resume).get("world_size", 0) != accelerator.num_processes:
-                raise CheckpointError(f"{resume} was written by a run with a different number of processes "
-                                      f"(no {rank_file.name}); resume with the same launch configuration")
-            raise DamagedCheckpointError(f"cannot resume from {resume}: {rank_file.name} is missing")
-        accelerator.load_state(str(resume))
-        rank_state = torch.load(rank_file, weights_only=False)
-        stream.load_state_dict(rank_state["data"])
-        objective.load_state_dict(rank_state["objective"])
-
-    resume = resume_from_newest(accelerator, ckpt_dir, load, log)
-    if resume is not None:
-        log(f"resuming from {resume} at step {progress.step}")
-
-    def write_config():
-        if main:
-            try:
-                atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
-            except OSError as err:
-                raise (checkpoints.storage_error(err, "config.yaml", out_dir) or err) from None
-
-    agreed(accelerator, write_config)
-    ckpt_bytes = checkpoints.state_bytes(accelerator.unwrap_model(model))
-    if main and cfg.train.save_every:
-        warning = checkpoints.free_space_warning(out_dir, ckpt_bytes)
-        if warning:
-            log(warning)
-
-    metrics = agreed(accelerator, lambda: MetricsLog(out_dir, progress.step, main))
-    total = total_steps(cfg, accelerator.num_processes)
-    dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
-    log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
-        f"{cfg.train.precision}; global batch {global_batch_size(cfg, accelerator.num_processes)}")
-    for mode, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
-        if os.environ.get(var, "").lower() in ("1", "true") and dist_type != mode:
-            log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
-                f"the model is replicated on every process")
-    if cfg.train.samples is not None:
-        log(f"train.samples={cfg.train.samples}: {total} steps of {global_batch_size(cfg, accelerator.num_processes)} "
-            f"samples")
-    raw_model = accelerator.unwrap_model(model)
-    max_log_scale = math.log(cfg.loss.max_logit_scale)
-    global_batch = global_batch_size(cfg, accelerator.num_processes)
-    bar = None
-    show_bar = main and cfg.train.progress
-    data_iter = iter(stream)
+    run = build_run(cfg, held)
+    resume_or_start(run)
+    describe_setup(run)
+    data_iter = iter(run.stream)
     # Closed when the run ends by any path, so the data workers are shut down before the interpreter exits
     # (an exception's traceback would otherwise keep them alive until multiprocessing's exit handler).
     held.callback(data_iter.close)
-    saved_at = -1
     last: Dict[str, Any] = {}
-    window_t, window_samples = time.perf_counter(), 0
-    data_time = 0.0
-    model.train()
-    while progress.step < total:
-        lr = lr_at(progress.step, cfg.optim, total)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-        batches = [next(data_iter) for _ in range(cfg.train.accum_steps)]
-        data_time += time.perf_counter() - t0
-        objective.report_metrics = (progress.step + 1) % cfg.train.log_every == 0 or progress.step + 1 == total
-        loss, terms, backward = train_step(model, objective, batches, accelerator, stream.finish_images)
-        # [loss is finite, a stop signal came]: one all-reduce of both flags. All processes must take the same
-        # branch: one skipping backward while the others run it would pair their gradient all-reduces with the
-        # wrong steps (and end in a hang); and all must stop after the same step, whichever of them got the signal.
-        flags = torch.stack([torch.isfinite(loss.detach()).reshape(()).float(),
-                             torch.tensor(float(stop.requested), device=loss.device)])
-        if accelerator.num_processes > 1:
-            flags = accelerator.reduce(flags, reduction="sum")
-        finite_count, stop_count = flags.tolist()
-        stopping = stop_count > 0
-        if finite_count < accelerator.num_processes:
-            good = latest_checkpoint(ckpt_dir)
-            where = (f"{loss.item()}" if accelerator.num_processes == 1
-                     else f"not finite on some process ({loss.item()} here)")
-            if cfg.train.nan_policy == "stop":
-                err = TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
-                                    f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
-                err.quiet = not main  # all processes stop alike; one line
-                raise err
-            optimizer.zero_grad(set_to_none=True)
-            progress.skipped_steps += 1
-            progress.step += 1
-            log(f"skipped step {progress.step}: loss is {where}")
-            if stopping and progress.step < total:
-                _stop(accelerator, ckpt_dir, progress, stream, objective, cfg, stop, ckpt_bytes, bar, metrics,
-                      saved_at)
-            continue
-        backward()
-        grad_norm = apply_update(accelerator, model, raw_model, optimizer, cfg.optim.grad_clip, max_log_scale)
-        progress.step += 1
-        progress.samples += global_batch
-        window_samples += global_batch
-        if show_bar and bar is None:
-            # Created after the first step, so a data or config error is not preceded by an empty bar.
-            from tqdm import tqdm
+    run.start_window()
+    run.model.train()
+    while run.progress.step < run.total:
+        lr = set_learning_rate(run)
+        batches = next_batches(run, data_iter)
+        request_loss_metrics(run)
+        loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
+                                           run.stream.finish_images)
+        finite, stopping = agree_on_step(run, loss)
+        if not finite:
+            skip_step(run, loss)  # raises under train.nan_policy=stop
+        else:
+            backward()
+            grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, cfg.optim.grad_clip,
+                                     max_log_logit_scale(cfg))
+            count_step(run)
+            if run.logged_at(run.progress.step):
+                last = log_record(run, loss, terms, lr, grad_norm)
+            stopping = maybe_save(run) or stopping
+        if stopping and run.progress.step < run.total:  # on the last step the run simply finishes
+            stop_run(run)
+    return finish_run(run, last)
 
-            bar = tqdm(total=total, initial=progress.step - 1, desc="train", unit="step", dynamic_ncols=True)
-        if bar is not None:
-            bar.update(1)
 
-        if progress.step % cfg.train.log_every == 0 or progress.step == total:
-            elapsed = time.perf_counter() - window_t
-            skipped = stream.skipped
-            if accelerator.num_processes > 1:
-                vec = torch.tensor([float(skipped.get("total", 0))], device=accelerator.device)
-                skipped_total = int(accelerator.reduce(vec, reduction="sum").item())
-            else:
-                skipped_total = int(skipped.get("total", 0))
-            record = {"step": progress.step, "samples": progress.samples, "loss": float(loss.detach()),
-                      **{k: float(v) for k, v in terms.items()}, "lr": lr,
-                      "logit_scale": float(raw_model.logit_scale.detach().exp()),
-                      "samples_per_s": window_samples / max(elapsed, 1e-9),
-                      "data_time_frac": data_time / max(elapsed, 1e-9), "data/skipped": skipped_total}
-            if getattr(raw_model, "logit_bias", None) is not None:
-                record["logit_bias"] = float(raw_model.logit_bias.detach())
-            if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
-            if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < total:
-                record.update(run_eval(cfg, raw_model, tokenizer, pp_cfg, accelerator))
-            last = record
-            if progress.step < total:  # the last record waits for the final evaluation, after model/ is saved
-                metrics.write(record)
-            if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", sps=f"{record['samples_per_s']:.0f}")
-            window_t, window_samples, data_time = time.perf_counter(), 0, 0.0
+class Run:
+    """What one training run holds: its config, accelerate's objects, the model, objective, optimiser and data
+    stream, its progress, where it writes, and the counters of the current logging window.
 
-        if cfg.train.save_every and (progress.step % cfg.train.save_every == 0 or progress.step == total):
-            save_checkpoint(accelerator, ckpt_dir, progress.state_dict(),
-                            {"data": stream.state_dict(), "objective": objective.state_dict()},
-                            cfg.train.keep_checkpoints, needed=ckpt_bytes)
-            saved_at = progress.step
-            # A signal that came during the save stops the run now rather than after one more step (one
-            # all-reduce per save, none per step).
-            stopping = stopping or any_process(accelerator, stop.requested)
-        if stopping and progress.step < total:  # on the last step the run simply finishes
-            _stop(accelerator, ckpt_dir, progress, stream, objective, cfg, stop, ckpt_bytes, bar, metrics, saved_at)
-    if bar is not None:
-        bar.close()
-    accelerator.wait_for_everyone()
-    eval_failure = None
-    if main:
-        weights.save_model_dir(raw_model, model_cfg, pp_cfg, out_dir / "model",
-                              extra={"steps": progress.step, "samples": progress.samples})
-        log(f"model saved to {out_dir / 'model'}")
-        # The final evaluation runs after model/ is written, so a failing evaluation never loses the model; the
-        # run then ends with an error naming where the model is (exit code 2 from the command line).
-        from .errors import MmclError
+    `build_run` fills it; the loop's helpers below read and advance it.
+    """
 
-        unwritten = last.get("step") == progress.step  # the final step's record, held back above
-        final = last if unwritten else {"step": progress.step, "samples": progress.samples}
-        try:
-            final.update(run_eval(cfg, raw_model, tokenizer, pp_cfg, accelerator))
-        except MmclError as err:
-            eval_failure = (f"final evaluation failed: {err}; the trained model is saved in {out_dir / 'model'} "
-                            f"(evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
-        if unwritten or len(final) > 2:
-            metrics.write(final)
-            last = final
-    metrics.close()
-    if main:
-        if cfg.train.plot:
+    def __init__(self, cfg: TrainConfig, accelerator, stop: StopSignals):
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.stop = stop
+        self.main = accelerator.is_main_process
+        self.out_dir = Path(cfg.train.output_dir)
+        self.ckpt_dir = self.out_dir / checkpoints.CHECKPOINTS_DIR
+        self.total = total_steps(cfg, accelerator.num_processes)
+        self.global_batch = global_batch_size(cfg, accelerator.num_processes)
+        self.progress = TrainProgress()
+        self.saved_at = -1  # the step of the last checkpoint this run saved
+        self.bar = None  # the progress bar, from the first step on (main process, train.progress)
+        self.metrics: Optional[MetricsLog] = None
+        self.ckpt_bytes = 0
+        self.window_start, self.window_samples, self.data_time = 0.0, 0, 0.0
+
+    def log(self, msg: str) -> None:
+        if self.main:
+            print(f"mmcl: {msg}", flush=True)
+
+    def logged_at(self, step: int) -> bool:
+        """Whether the metrics of optimiser step `step` (1-based) are written."""
+        return step % self.cfg.train.log_every == 0 or step == self.total
+
+    def start_window(self) -> None:
+        self.window_start, self.window_samples, self.data_time = time.perf_counter(), 0, 0.0
+
+    def rank_state(self) -> Dict[str, Any]:
+        """What each process saves beside accelerate's state: its data position and the objective's state."""
+        return {"data": self.stream.state_dict(), "objective": self.objective.state_dict()}
+
+
+def make_accelerator(precision: str):
+    """An `Accelerator` for ``train.precision`` (fp32 | bf16 | fp16).
+
+    accelerate keeps its state process-wide and refuses a second Accelerator with another mixed precision. Only
+    when a second `train()` in one Python process (notebooks, tests) asks for another precision is that state
+    started afresh; the process group and device (PartialState) are kept. accelerate 1.x offers no public call
+    for this, so the one private call is made here and only then.
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, is_initialized
+
+    mixed_precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
+    if is_initialized() and AcceleratorState().mixed_precision != mixed_precision:
+        AcceleratorState._reset_state()
+    return Accelerator(mixed_precision=mixed_precision, cpu=_cpu_processes())
+
+
+def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
+    """Accelerator, signal handlers, the output directory's lock, model, objective, optimiser and data stream,
+    prepared by accelerate. User errors end every process alike (`agreed`)."""
+    from accelerate.utils import set_seed
+
+    accelerator = make_accelerator(cfg.train.precision)
+    run = Run(cfg, accelerator, held.enter_context(StopSignals()))
+
+    def take_directory():
+        if run.main:
+            checkpoints.check_output_dir(run.out_dir, run.ckpt_dir)
+            lock = RunLock(run.out_dir)
+            warning = lock.acquire()
+            held.callback(lock.release)
+            if warning:
+                run.log(warning)
+
+    agreed(accelerator, take_directory)
+    set_seed(cfg.train.seed)
+    model, run.model_cfg, run.pp_cfg, train_tf, _, run.tokenizer = models.build(cfg.model)
+    if cfg.model.init_from:
+        from .weights import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
+
+        run.log(init_from(model, cfg.model.init_from))
+    models.apply_locks(model, cfg.model)
+    run.objective = losses.build_objective(cfg.loss)
+    run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
+    optimizer = build_optimizer(model, cfg.optim)
+    run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
+        cfg.data, train_tf, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
+    if cfg.train.compile:
+        model = torch.compile(model)
+    run.model, run.optimizer = accelerator.prepare(model, optimizer)
+    run.raw_model = accelerator.unwrap_model(run.model)
+    run.objective.to(accelerator.device)
+    accelerator.register_for_checkpointing(run.progress)
+    return run
+
+
+def load_checkpoint(run: Run, resume: Path) -> None:
+    """Load `resume` into the run on this process (weights, optimiser, RNG, progress, data position, objective)."""
+    accelerator = run.accelerator
+    saved_cfg_path = run.out_dir / "config.yaml"
+    if saved_cfg_path.is_file():
+        from omegaconf import OmegaConf
+
+        check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)), to_dict(run.cfg), run.log)
+    rank_file = resume / f"rank_state_{accelerator.process_index}.pt"
+    if not rank_file.is_file():
+        if checkpoints.read_marker(resume).get("world_size", 0) != accelerator.num_processes:
+            raise CheckpointError(f"{resume} was written by a run with a different number of processes "
+                                  f"(no {rank_file.name}); resume with the same launch configuration")
+        raise DamagedCheckpointError(f"cannot resume from {resume}: {rank_file.name} is missing")
+    accelerator.load_state(str(resume))
+    rank_state = torch.load(rank_file, weights_only=False)
+    run.stream.load_state_dict(rank_state["data"])
+    run.objective.load_state_dict(rank_state["objective"])
+
+
+def resume_or_start(run: Run) -> None:
+    """Resume from the newest intact checkpoint if there is one; write config.yaml; open the metrics log."""
+    resume = resume_from_newest(run.accelerator, run.ckpt_dir, lambda path: load_checkpoint(run, path), run.log)
+    if resume is not None:
+        run.log(f"resuming from {resume} at step {run.progress.step}")
+
+    def write_config():
+        if run.main:
             try:
-                from .plot import plot_run
+                atomic_write_text(run.out_dir / "config.yaml", to_yaml(run.cfg))
+            except OSError as err:
+                raise (checkpoints.storage_error(err, "config.yaml", run.out_dir) or err) from None
 
-                for p in plot_run(out_dir):
-                    log(f"plot written: {p}")
-            except ImportError as err:  # matplotlib is optional
-                log(f"plots skipped: {err}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if eval_failure is not None:
-        raise TrainingError(eval_failure)
-    return last
+    agreed(run.accelerator, write_config)
+    run.ckpt_bytes = checkpoints.state_bytes(run.raw_model)
+    if run.main and run.cfg.train.save_every:
+        warning = checkpoints.free_space_warning(run.out_dir, run.ckpt_bytes)
+        if warning:
+            run.log(warning)
+    run.metrics = agreed(run.accelerator, lambda: MetricsLog(run.out_dir, run.progress.step, run.main))
 
 
-def _stop(accelerator, ckpt_dir, progress, stream, objective, cfg, stop, ckpt_bytes, bar, metrics,
-          saved_at: int) -> None:
+def describe_setup(run: Run) -> None:
+    """Log the processes, distribution, device, precision and global batch, and launch settings not in effect."""
+    cfg, accelerator = run.cfg, run.accelerator
+    dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    run.log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
+            f"{cfg.train.precision}; global batch {run.global_batch}")
+    for mode, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
+        if os.environ.get(var, "").lower() in ("1", "true") and dist_type != mode:
+            run.log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
+                    f"the model is replicated on every process")
+    if cfg.train.samples is not None:
+        run.log(f"train.samples={cfg.train.samples}: {run.total} steps of {run.global_batch} samples")
+
+
+def max_log_logit_scale(cfg: TrainConfig) -> float:
+    """The upper limit of the learned log-temperature parameter: ``log(loss.max_logit_scale)``."""
+    return math.log(cfg.loss.max_logit_scale)
+
+
+def set_learning_rate(run: Run) -> float:
+    """Set the scheduled learning rate of the coming optimiser step on every parameter group; returns it."""
+    lr = lr_at(run.progress.step, run.cfg.optim, run.total)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def next_batches(run: Run, data_iter) -> List[Dict[str, Any]]:
+    """The coming step's ``train.accum_steps`` micro-batches; the wait counts towards ``data_time_frac``."""
+    t0 = time.perf_counter()
+    batches = [next(data_iter) for _ in range(run.cfg.train.accum_steps)]
+    run.data_time += time.perf_counter() - t0
+    return batches
+
+
+def request_loss_metrics(run: Run) -> None:
+    """Ask the objective for its per-term metrics on the steps whose record is written, only those."""
+    run.objective.report_metrics = run.logged_at(run.progress.step + 1)
+
+
+def agree_on_step(run: Run, loss: torch.Tensor):
+    """Returns (the loss is finite on every process, a stop signal came to some process), from one all-reduce.
+
+    All processes must take the same branch: one skipping backward while the others run it would pair their
+    gradient all-reduces with the wrong steps (and end in a hang); and all must stop after the same step,
+    whichever of them got the signal.
+    """
+    accelerator = run.accelerator
+    flags = torch.stack([torch.isfinite(loss.detach()).reshape(()).float(),
+                         torch.tensor(float(run.stop.requested), device=loss.device)])
+    if accelerator.num_processes > 1:
+        flags = accelerator.reduce(flags, reduction="sum")
+    finite_count, stop_count = flags.tolist()
+    return finite_count >= accelerator.num_processes, stop_count > 0
+
+
+def skip_step(run: Run, loss: torch.Tensor) -> None:
+    """A step whose loss is not finite on some process: raise TrainingError (``train.nan_policy=stop``), or count
+    it as skipped without an update (``skip``)."""
+    cfg, progress = run.cfg, run.progress
+    good = latest_checkpoint(run.ckpt_dir)
+    where = (f"{loss.item()}" if run.accelerator.num_processes == 1
+             else f"not finite on some process ({loss.item()} here)")
+    if cfg.train.nan_policy == "stop":
+        err = TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
+                            f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
+        err.quiet = not run.main  # all processes stop alike; one line
+        raise err
+    run.optimizer.zero_grad(set_to_none=True)
+    progress.skipped_steps += 1
+    progress.step += 1
+    run.log(f"skipped step {progress.step}: loss is {where}")
+
+
+def count_step(run: Run) -> None:
+    """Advance the progress (and the progress bar) by one applied optimiser step."""
+    run.progress.step += 1
+    run.progress.samples += run.global_batch
+    run.window_samples += run.global_batch
+    if run.main and run.cfg.train.progress and run.bar is None:
+        # Created after the first step, so a data or config error is not preceded by an empty bar.
+        from tqdm import tqdm
+
+        run.bar = tqdm(total=run.total, initial=run.progress.step - 1, desc="train", unit="step",
+                       dynamic_ncols=True)
+    if run.bar is not None:
+        run.bar.update(1)
+
+
+def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr: float, grad_norm) -> Dict[str, Any]:
+    """The step's metrics record (with an evaluation when ``eval.every`` falls on it); written now except on the
+    last step, whose record waits for the final evaluation. Starts the next timing window."""
+    cfg, accelerator, progress, raw_model = run.cfg, run.accelerator, run.progress, run.raw_model
+    elapsed = time.perf_counter() - run.window_start
+    skipped = run.stream.skipped
+    if accelerator.num_processes > 1:
+        vec = torch.tensor([float(skipped.get("total", 0))], device=accelerator.device)
+        skipped_total = int(accelerator.reduce(vec, reduction="sum").item())
+    else:
+        skipped_total = int(skipped.get("total", 0))
+    record = {"step": progress.step, "samples": progress.samples, "loss": float(loss.detach()),
+              **{k: float(v) for k, v in terms.items()}, "lr": lr,
+              "logit_scale": float(raw_model.logit_scale.detach().exp()),
+              "samples_per_s": run.window_samples / max(elapsed, 1e-9),
+              "data_time_frac": run.data_time / max(elapsed, 1e-9), "data/skipped": skipped_total}
+    if getattr(raw_model, "logit_bias", None) is not None:
+        record["logit_bias"] = float(raw_model.logit_bias.detach())
+    if grad_norm is not None:
+        record["grad_norm"] = float(grad_norm)
+    if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < run.total:
+        record.update(run_eval(cfg, raw_model, run.tokenizer, run.pp_cfg, accelerator))
+    if progress.step < run.total:  # the last record waits for the final evaluation, after model/ is saved
+        run.metrics.write(record)
+    if run.bar is not None:
+        run.bar.set_postfix(loss=f"{record['loss']:.3f}", sps=f"{record['samples_per_s']:.0f}")
+    run.start_window()
+    return record
+
+
+def maybe_save(run: Run) -> bool:
+    """Save a checkpoint when ``train.save_every`` falls on this step or on the last one. Returns whether a stop
+    signal came to some process meanwhile: such a run then stops now rather than after one more step (one
+    all-reduce per save, none per step)."""
+    cfg, step = run.cfg, run.progress.step
+    if not cfg.train.save_every or (step % cfg.train.save_every != 0 and step != run.total):
+        return False
+    save_checkpoint(run.accelerator, run.ckpt_dir, run.progress.state_dict(), run.rank_state(),
+                    cfg.train.keep_checkpoints, needed=run.ckpt_bytes)
+    run.saved_at = step
+    return any_process(run.accelerator, run.stop.requested)
+
+
+def stop_run(run: Run) -> None:
     """After a step on which some process got a stop signal: save a checkpoint (unless this step's was just
     saved) and raise RunStopped on every process."""
-    saved = ckpt_dir / f"{CKPT_PREFIX}{progress.step:08d}"
-    if saved_at != progress.step:
-        saved = save_checkpoint(accelerator, ckpt_dir, progress.state_dict(),
-                                {"data": stream.state_dict(), "objective": objective.state_dict()},
-                                cfg.train.keep_checkpoints, needed=ckpt_bytes)
-    if bar is not None:
-        bar.close()
-    metrics.close()
-    received = stop.received
+    accelerator, progress = run.accelerator, run.progress
+    saved = run.ckpt_dir / f"{CKPT_PREFIX}{progress.step:08d}"
+    if run.saved_at != progress.step:
+        saved = save_checkpoint(accelerator, run.ckpt_dir, progress.state_dict(), run.rank_state(),
+                                run.cfg.train.keep_checkpoints, needed=run.ckpt_bytes)
+    if run.bar is not None:
+        run.bar.close()
+    run.metrics.close()
+    received = run.stop.received
     if accelerator.num_processes > 1:  # the signal may have reached some processes only (once per run)
         from accelerate.utils import gather_object
 
-        received = next(name for name in gather_object([stop.received]) if name)
+        received = next(name for name in gather_object([run.stop.received]) if name)
     how = "interrupted" if received == "SIGINT" else "preempted"
     code = INTERRUPT_EXIT_CODE if received == "SIGINT" else REQUEUE_EXIT_CODE
     err = RunStopped(f"{how} ({received}) at step {progress.step}; checkpoint saved to {saved}; "
                      f"re-run the same command to resume", code)
     err.quiet = not accelerator.is_main_process
     raise err
+
+
+def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
+    """Save model/ (main process), then run the final evaluation and write the last record, draw the plots and
+    end accelerate's run. Returns the last record; an evaluation that fails raises TrainingError naming where the
+    model is, after everything else is done."""
+    cfg, accelerator, progress, out_dir = run.cfg, run.accelerator, run.progress, run.out_dir
+    if run.bar is not None:
+        run.bar.close()
+    accelerator.wait_for_everyone()
+    eval_failure = None
+    if run.main:
+        weights.save_model_dir(run.raw_model, run.model_cfg, run.pp_cfg, out_dir / "model",
+                               extra={"steps": progress.step, "samples": progress.samples})
+        run.log(f"model saved to {out_dir / 'model'}")
+        # The final evaluation runs after model/ is written, so a failing evaluation never loses the model; the
+        # run then ends with an error naming where the model is (exit code 2 from the command line).
+        unwritten = last.get("step") == progress.step  # the final step's record, held back by log_record
+        final = last if unwritten else {"step": progress.step, "samples": progress.samples}
+        try:
+            final.update(run_eval(cfg, run.raw_model, run.tokenizer, run.pp_cfg, accelerator))
+        except MmclError as err:
+            eval_failure = (f"final evaluation failed: {err}; the trained model is saved in {out_dir / 'model'} "
+                            f"(evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
+        if unwritten or len(final) > 2:
+            run.metrics.write(final)
+            last = final
+    run.metrics.close()
+    if run.main and cfg.train.plot:
+        try:
+            from .plot import plot_run
+
+            for p in plot_run(out_dir):
+                run.log(f"plot written: {p}")
+        except ImportError as err:  # matplotlib is optional
+            run.log(f"plots skipped: {err}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if eval_failure is not None:
+        raise TrainingError(eval_failure)
+    return last
 
 
 def _cpu_processes() -> bool:

@@ -72,3 +72,19 @@ def test_valid_keys_cover_nested_sections():
     for k in ("data.train", "data.batch_size", "train.steps", "train.output_dir", "train.seed", "loss.clip",
               "loss.mochi.queue_size", "model.text.hf"):
         assert k in keys
+
+
+def test_loaded_config_is_read_only():
+    import dataclasses
+
+    cfg = load_config(None, ["data.batch_size=3"])
+    for section, key in ((cfg.train, "steps"), (cfg.data, "batch_size"), (cfg.loss.mochi, "weight"), (cfg, "eval")):
+        with pytest.raises(dataclasses.FrozenInstanceError, match="read-only"):
+            setattr(section, key, None)
+    assert cfg.data.batch_size == 3 and cfg.train.steps == 150  # unchanged by the refused assignments
+    again = from_dict(to_dict(cfg))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.train.seed = 1
+    copy = dataclasses.replace(cfg.data, workers=0)  # a changed copy is the way to vary a loaded config
+    assert copy.workers == 0 and cfg.data.workers == 2 and copy.batch_size == 3
+    assert TrainConfig().train.steps == 150  # a config built in code stays assignable until frozen

@@ -19,8 +19,8 @@ from mmcl import models
 from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.errors import TrainingError
 from mmcl.losses import build_objective
-from mmcl.train import (latest_checkpoint, list_checkpoints, lr_at, param_groups, train,
-                        train_step)
+from mmcl.checkpoints import latest_checkpoint, list_checkpoints
+from mmcl.train import lr_at, param_groups, train, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 # A smaller tower than configs/tiny.yaml so each step takes milliseconds on a busy 2-core machine.
@@ -474,3 +474,27 @@ def test_a_bad_shard_read_by_two_processes_warns_once(demo, tmp_path):
         f"mmcl: warning: cannot open shard {shards}/shard-000001.tar: TarFormatError: not a tar file; skipping it"], \
         p.stderr
     assert not re.search(r"mmcl[/\\]\w+\.py:\d+: \w*Warning", p.stderr), p.stderr  # none in Python's format
+
+
+def test_a_second_run_in_one_process_may_use_another_precision(monkeypatch):
+    """accelerate's process-wide state is started afresh only when the precision asked for differs."""
+    from accelerate.state import AcceleratorState
+
+    from mmcl.train import make_accelerator
+
+    resets = []
+    real_reset = AcceleratorState._reset_state
+    monkeypatch.setattr(AcceleratorState, "_reset_state",
+                        staticmethod(lambda *a, **k: (resets.append(1), real_reset(*a, **k))[1]))
+    first = make_accelerator("fp32")
+    assert first.mixed_precision == "no"
+    before = len(resets)
+    assert make_accelerator("fp32").mixed_precision == "no"
+    assert len(resets) == before  # same precision: accelerate's state is kept as it is
+    bf16 = make_accelerator("bf16")
+    assert bf16.mixed_precision == "bf16" and len(resets) == before + 1
+    with bf16.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert make_accelerator("fp32").mixed_precision == "no" and len(resets) == before + 2
+    with make_accelerator("fp32").autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
