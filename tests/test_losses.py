@@ -51,7 +51,7 @@ def tiles(request, monkeypatch):
     """Run a tiled test with the production tile area (whole rows at these sizes) and with tiles of 64
     logits, so several column tiles per row block are exercised too."""
     if request.param == "small_tiles":
-        monkeypatch.setattr(losses, "_TILE_ELEMENTS", 64)
+        monkeypatch.setattr(losses.tiling, "_TILE_ELEMENTS", 64)
     return request.param
 
 
