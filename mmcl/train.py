@@ -240,7 +240,7 @@ def _images(b, device, finish_images):
     return x if finish_images is None else finish_images(x)
 
 
-def train_step(model, objective, batches, accelerator, finish_images=None):
+def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True):
     """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
 
     With several micro-batches the features of all of them form one contrastive problem (GradCache, Gao et al.
@@ -248,6 +248,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
     concatenation, then each micro-batch is re-run with autograd and back-propagated with its slice of that
     gradient. Loss and parameter gradients equal those of the single large batch. `finish_images` turns a
     batch's images into model input on the device (`TrainStream.finish_images`: uint8 -> normalised float).
+    ``with_metrics`` is passed to the objective (the align/uniform metrics, needed only on logged steps).
     """
     device = accelerator.device
     if len(batches) == 1:
@@ -255,7 +256,8 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
         with accelerator.autocast():
             img, txt, scale, bias = _forward(model, _images(b, device, finish_images), _moved(b["text"], device))
             loss, terms = objective(img.float(), txt.float(), scale.float(),
-                                    None if bias is None else bias.float(), _moved(b["label"], device))
+                                    None if bias is None else bias.float(), _moved(b["label"], device),
+                                    with_metrics=with_metrics)
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
@@ -274,7 +276,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
     scale = raw.logit_scale.exp().reshape(())
     bias = raw.logit_bias.reshape(()) if getattr(raw, "logit_bias", None) is not None else None
     labels = torch.cat([b["label"] for b in batches]).to(device)
-    loss, terms = objective(img_all, txt_all, scale, bias, labels)
+    loss, terms = objective(img_all, txt_all, scale, bias, labels, with_metrics=with_metrics)
 
     def backward():
         accelerator.backward(loss)  # grads for the features, logit scale and bias
@@ -455,8 +457,8 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         t0 = time.perf_counter()
         batches = [next(data_iter) for _ in range(cfg.train.accum_steps)]
         data_time += time.perf_counter() - t0
-        objective.report_metrics = (progress.step + 1) % cfg.train.log_every == 0 or progress.step + 1 == total
-        loss, terms, backward = train_step(model, objective, batches, accelerator, stream.finish_images)
+        logged = (progress.step + 1) % cfg.train.log_every == 0 or progress.step + 1 == total
+        loss, terms, backward = train_step(model, objective, batches, accelerator, stream.finish_images, logged)
         # [loss is finite, a stop signal came]: one all-reduce of both flags. All processes must take the same
         # branch: one skipping backward while the others run it would pair their gradient all-reduces with the
         # wrong steps (and end in a hang); and all must stop after the same step, whichever of them got the signal.

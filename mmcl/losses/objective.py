@@ -72,9 +72,6 @@ class ContrastiveObjective(nn.Module):
         self.text_queue = FeatureQueue(size)
         self.generator = torch.Generator()
         self.generator.manual_seed(0)
-        # The align/uniform metrics cost a pairwise pass over the batch; a trainer may turn them off on steps it
-        # does not log (same value on every rank, since the logged numbers are reduced together).
-        self.report_metrics = True
 
     def reseed(self, seed: int) -> None:
         """Seed the generator that draws MoCHi's mixing indices and coefficients (same seed on every rank)."""
@@ -97,7 +94,11 @@ class ContrastiveObjective(nn.Module):
         logit_scale: Tensor,
         logit_bias: Optional[Tensor] = None,
         labels: Optional[Tensor] = None,
+        with_metrics: bool = True,
     ):
+        """Weighted loss and the logged numbers. ``with_metrics`` adds the align/uniform metrics, which cost a
+        pairwise pass over the batch; a trainer may leave them out on steps it does not log (pass the same value
+        on every rank, since the logged numbers are reduced together)."""
         _check_pair(image_features, text_features)
         cfg, w = self.cfg, self.weights
         logit_scale = _as_scale(logit_scale, image_features).clamp(max=cfg.max_logit_scale)
@@ -157,7 +158,7 @@ class ContrastiveObjective(nn.Module):
             # float64 keeps the logged numbers exact for float64 inputs; MPS has no float64.
             log_dtype = torch.float32 if image_features.device.type == "mps" else torch.float64
             logged = {f"loss/{name}": value.detach().to(log_dtype) for name, value in values.items()}
-            if self.report_metrics:
+            if with_metrics:
                 logged.update(self._metrics(image_features, text_features))
             names = list(logged)
             stacked = torch.stack([logged[k].reshape(()).to(log_dtype) for k in names])
