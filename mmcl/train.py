@@ -244,7 +244,7 @@ def _images(b, device, finish_images):
     return x if finish_images is None else finish_images(x)
 
 
-def train_step(model, objective, batches, accelerator, finish_images=None):
+def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True):
     """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
 
     With several micro-batches the features of all of them form one contrastive problem (GradCache, Gao et al.
@@ -252,6 +252,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
     concatenation, then each micro-batch is re-run with autograd and back-propagated with its slice of that
     gradient. Loss and parameter gradients equal those of the single large batch. `finish_images` turns a
     batch's images into model input on the device (`TrainStream.finish_images`: uint8 -> normalised float).
+    `with_metrics` is passed to the objective (its align/uniform metrics, needed only on logged steps).
     """
     device = accelerator.device
     if len(batches) == 1:
@@ -260,7 +261,8 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
             image_features, text_features, logit_scale, logit_bias = _forward(
                 model, _images(b, device, finish_images), _moved(b["text"], device))
             loss, terms = objective(image_features.float(), text_features.float(), logit_scale.float(),
-                                    None if logit_bias is None else logit_bias.float(), _moved(b["label"], device))
+                                    None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
+                                    with_metrics=with_metrics)
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
@@ -280,7 +282,8 @@ def train_step(model, objective, batches, accelerator, finish_images=None):
     logit_scale = raw.logit_scale.exp().reshape(())
     logit_bias = raw.logit_bias.reshape(()) if getattr(raw, "logit_bias", None) is not None else None
     labels = torch.cat([b["label"] for b in batches]).to(device)
-    loss, terms = objective(all_image_features, all_text_features, logit_scale, logit_bias, labels)
+    loss, terms = objective(all_image_features, all_text_features, logit_scale, logit_bias, labels,
+                            with_metrics=with_metrics)
 
     def backward():
         accelerator.backward(loss)  # grads for the features, logit scale and bias
@@ -356,9 +359,8 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     while run.progress.step < run.total:
         lr = set_learning_rate(run)
         batches = next_batches(run, data_iter)
-        request_loss_metrics(run)
         loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
-                                           run.stream.finish_images)
+                                           run.stream.finish_images, with_metrics=run.logged_at(run.progress.step + 1))
         finite, stopping = agree_on_step(run, loss)
         if not finite:
             skip_step(run, loss)  # raises under train.nan_policy=stop
@@ -546,11 +548,6 @@ def next_batches(run: Run, data_iter) -> List[Dict[str, Any]]:
     batches = [next(data_iter) for _ in range(run.cfg.train.accum_steps)]
     run.data_time += time.perf_counter() - t0
     return batches
-
-
-def request_loss_metrics(run: Run) -> None:
-    """Ask the objective for its per-term metrics on the steps whose record is written, only those."""
-    run.objective.report_metrics = run.logged_at(run.progress.step + 1)
 
 
 def agree_on_step(run: Run, loss: torch.Tensor):

@@ -51,7 +51,7 @@ def tiles(request, monkeypatch):
     """Run a tiled test with the production tile area (whole rows at these sizes) and with tiles of 64
     logits, so several column tiles per row block are exercised too."""
     if request.param == "small_tiles":
-        monkeypatch.setattr(losses, "_TILE_ELEMENTS", 64)
+        monkeypatch.setattr(losses.tiling, "_TILE_ELEMENTS", 64)
     return request.param
 
 
@@ -296,6 +296,19 @@ def test_objective_clip_terms_and_metrics():
     assert terms["uniform_text"] == pytest.approx(uniform_loss(txt.double()).item(), rel=1e-5)
     total.backward()
     assert s.grad is not None and torch.isfinite(s.grad)
+
+
+def test_objective_without_metrics_skips_them_and_keeps_the_loss():
+    """``with_metrics=False`` (steps that are not logged) leaves out the pairwise metrics; loss and terms agree."""
+    img, txt = _features(32, 16, torch.float32, seed=9)
+    s = torch.tensor(14.0)
+    obj = build_objective(LossConfig(clip=1.0, align=0.5))
+    full_total, full = obj(img, txt, s, with_metrics=True)
+    total, terms = obj(img, txt, s, with_metrics=False)
+    assert set(terms) == {"loss", "loss/clip", "loss/align"}
+    assert "uniform_image" in full
+    assert total.item() == full_total.item()
+    assert all(terms[k] == full[k] for k in terms)
 
 
 def test_objective_tiled_matches_dense_and_clamps_scale():

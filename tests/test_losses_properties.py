@@ -64,12 +64,12 @@ def problems(draw, min_n=1, max_n=160):
 
 @contextlib.contextmanager
 def tile_elements(value):
-    old = losses._TILE_ELEMENTS
-    losses._TILE_ELEMENTS = value
+    old = losses.tiling._TILE_ELEMENTS
+    losses.tiling._TILE_ELEMENTS = value
     try:
         yield
     finally:
-        losses._TILE_ELEMENTS = old
+        losses.tiling._TILE_ELEMENTS = old
 
 
 def leaves(*tensors):

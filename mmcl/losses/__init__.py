@@ -1,0 +1,57 @@
+"""Contrastive objectives for image-text pretraining.
+
+Every loss is a pure function of L2-normalised features ``(B, D)`` and the already-exponentiated logit
+scale ``s`` (a 0-dim tensor that carries gradient to the learned temperature ``t = log s``).
+
+Distributed layout. The functions never read rank or world size. To train on a global batch split over
+ranks, a caller gathers the features of all ranks (`gather_features`, which keeps the gradient and sums it
+back in backward) and passes them as ``all_image_features`` / ``all_text_features`` together with
+``offset``, the global index of this rank's first row. The local features are then the rows (queries), the
+gathered ones the columns (keys), and the positive of local row ``i`` is global column ``offset + i``.
+Each rank's loss is the mean over its own rows, so the mean over ranks equals the global-batch loss; with
+the summing all-gather backward each rank holds ``W`` times the global gradient of its own features and
+DDP's averaging of parameter gradients turns that into exactly the global-batch gradient.
+
+Memory. ``chunk_size`` switches the softmax losses (clip, supcon, debiased, hard-negative) to a tiled
+computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to 2^23 / chunk_size columns) of the
+logits are formed, reduced into row and column sums and dropped; backward recomputes each tile once. Extra
+memory is O((n + M) * D) plus two tiles instead of O(n * M), with the same value and gradients as the dense
+computation, which stays in the package as the specification. SigLIP's sum over pairs is tiled the same way
+(`TiledSigmoidPairs`, each tile recomputed once in backward), and MoCHi's real negatives and queue too (its
+synthetic negatives are n x (s + s') x D).
+
+`ContrastiveObjective` (built by `build_objective` from `mmcl.config.LossConfig`) combines the weighted
+terms, gathers across ranks when ``torch.distributed`` is initialised, and holds the only state: the MoCHi
+feature queues and the random generator used to synthesise negatives.
+
+Layout: `tiling` (the shared autograd machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and
+hard-negative), `mochi`, `geometry` (align, uniform), `distributed` (gather) and `objective`.
+"""
+
+from .clip import clip_loss, infonce_rows, logsumexp_rows
+from .distributed import gather_features
+from .geometry import align_loss, uniform_loss
+from .mochi import FeatureQueue, mochi_loss
+from .objective import ContrastiveObjective, build_objective
+from .reweighted import debiased_clip_loss, hard_negative_clip_loss
+from .siglip import TiledSigmoidPairs, siglip_loss
+from .supcon import supcon_loss
+from .tiling import TiledLogSumExp
+
+__all__ = [
+    "TiledLogSumExp",
+    "logsumexp_rows",
+    "infonce_rows",
+    "clip_loss",
+    "supcon_loss",
+    "siglip_loss",
+    "debiased_clip_loss",
+    "hard_negative_clip_loss",
+    "mochi_loss",
+    "align_loss",
+    "uniform_loss",
+    "gather_features",
+    "FeatureQueue",
+    "ContrastiveObjective",
+    "build_objective",
+]

@@ -1,0 +1,74 @@
+"""Gathering features across ranks with a gradient-carrying all-gather (`gather_features`)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..errors import DataError
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_gather_with_grad(x: Tensor) -> Tensor:
+    """Concatenate `x` (n, ...) of every rank along dim 0, differentiably (backward: summing reduce-scatter).
+
+    torch's functional collective `all_gather_single` where this torch has it, else the older
+    `torch.distributed.nn.functional.all_gather`, which torch 2.14 deprecates.
+    """
+    try:
+        from torch.distributed._functional_collectives import all_gather_single, wait_tensor
+    except ImportError:
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(x.contiguous()), dim=0)
+    return wait_tensor(all_gather_single(x.contiguous(), 0, dist.group.WORLD))
+
+
+def gather_features(
+    image_features: Tensor, text_features: Tensor, labels: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor, Optional[Tensor], int]:
+    """All-gather features over the default process group, keeping the gradient.
+
+    Backward sums the gradients of every rank's copy into the owner's features (the all-gather's backward is a
+    summing reduce-scatter), which is what the local-rows / global-columns losses need.
+
+    Args:
+        image_features, text_features: (n, D) this rank's features; n must be equal on all ranks.
+        labels: optional (n,) long; gathered without gradient.
+    Returns:
+        (all_image (W*n, D), all_text (W*n, D), all_labels (W*n,) or None, offset = rank * n).
+        Without an initialised process group of more than one rank, the inputs unchanged and offset 0.
+    """
+    if not _distributed():
+        return image_features, text_features, labels, 0
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = image_features.shape[0]
+    sizes = [torch.zeros(1, dtype=torch.long, device=image_features.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=image_features.device))
+    sizes = [int(s.item()) for s in sizes]
+    if len(set(sizes)) != 1:
+        raise DataError(
+            f"every rank must hold the same number of pairs (got per-rank batch sizes {sizes}; "
+            "drop the last partial batch)"
+        )
+    all_image = _all_gather_with_grad(image_features)
+    all_text = _all_gather_with_grad(text_features)
+    all_labels = None
+    if labels is not None:
+        gathered = [torch.empty_like(labels) for _ in range(world)]
+        dist.all_gather(gathered, labels.contiguous())
+        all_labels = torch.cat(gathered, dim=0)
+    return all_image, all_text, all_labels, rank * n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The combined objective
+# ----------------------------------------------------------------------------------------------------------
+
+

@@ -1,0 +1,255 @@
+"""Shared autograd machinery of the tiled losses: `TiledLogSumExp`, the tile helpers and the dtype helpers."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+
+# Tiles of the logit matrix span chunk_size rows and enough columns to hold about this many logits (32 MiB in
+# float32): few, large elementwise kernels (each a thread barrier on CPU, a launch on GPU) at bounded memory.
+_TILE_ELEMENTS = 1 << 23
+
+
+def _tile_width(chunk_size: int, n_cols: int) -> int:
+    return min(n_cols, max(chunk_size, _TILE_ELEMENTS // chunk_size))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tiled log-sum-exp over the logits s * Q K^T
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision features still build their logits and accumulate their sums in float32.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _finite_or_zero(x: Tensor) -> Tensor:
+    # A maximum over an empty set (every entry masked so far) is -inf; shifting by it would give inf - inf.
+    return torch.where(x == -math.inf, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
+def _exp_(x: Tensor) -> Tensor:
+    """exp of a tile in place, with arguments below log(smallest normal float) + 24 raised to that first.
+
+    Such terms (e^-63 in float32) are far below one ulp of any sum they join (every sum here holds a term equal
+    to 1), but as subnormals (also after the backward's multiplication by a gradient >= e^-24) they cost ~100x
+    per element on x86, in the exp and in the matmuls: at scale 100 with aligned pairs nearly every negative
+    sits ~90 below its row's positive, and one N = 2048 fwd+bwd took 39 s instead of well under one."""
+    return x.clamp_(min=math.log(torch.finfo(x.dtype).tiny) + 24).exp_()
+
+
+def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int]) -> Tensor:
+    """L = qs @ k.T for one tile, with the entries j = i + mask_shift set to -inf when mask_shift is not None."""
+    logits = qs @ k.T
+    if mask_shift is not None:
+        rows, cols = _tile_positives(qs.shape[0], k.shape[0], mask_shift, qs.device)
+        logits[rows, cols] = -math.inf
+    return logits
+
+
+class TiledLogSumExp(torch.autograd.Function):
+    """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
+
+    Tiles are ``chunk_size`` rows by ``max(chunk_size, 2^23 / chunk_size)`` columns (at most M), so memory is
+    bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size or logit scale.
+
+    Forward keeps a running maximum and a sum rescaled to it for every row (within a row block) and for every
+    column (across row blocks), the online softmax of flash attention in both directions: per tile one
+    matmul, the tile's row and column maxima, and exp(L - row max) and exp(L - column max). Every sum is thus
+    taken relative to its own largest term, which is exactly 1, so nothing underflows that could matter
+    whatever the scale and the alignment of the features (a shift shared by all rows underflows whole rows
+    of weakly aligned features at logit scale 100).
+
+    Backward recomputes each tile once and forms ``G = g_row * exp(L - lse_row) + g_col * exp(L - lse_col)``
+    (the softmax in each direction, each at most 1: no overflow, and a term underflows only when it is below
+    the smallest float relative to its own sum).
+
+    ``positive_offset`` set: the outputs are per-row InfoNCE losses ``lse_i - L[i, offset + i]`` (and for
+    columns ``col_lse_j - L[j, j]``, which needs offset 0 and n == M); folding the positive logit in here keeps
+    its gradient in the same buffers instead of two more (n, D) tensors.
+    ``mask_offset`` set: the entries ``L[i, mask_offset + i]`` are left out of every sum (set to -inf inside
+    each tile), which gives the log-sum-exp over negatives only without subtracting the positive afterwards
+    (that subtraction cancels completely once the positive dominates its row). Columns need offset 0, n == M.
+    ``gammas`` set (a tuple of positive floats, without ``positive_offset``): the log-sum-exps of ``gamma * L``
+    for every gamma from the same tiles, one matmul per tile for all of them (the hard-negative loss needs
+    gamma = 1 + beta and beta); the outputs are then (G, n) [and (G, M)].
+
+    Args (apply): queries (n, D), keys (M, D), logit_scale 0-dim, chunk_size int, with_cols bool,
+    positive_offset int or None, mask_offset int or None, gammas tuple or None. Returns (n,) [and (M,)]; float32
+    for half inputs, else the input dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
+                mask_offset=None, gammas=None):
+        acc = _acc_dtype(queries.dtype)
+        q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
+        n, m = q32.shape[0], k32.shape[0]
+        for off in (positive_offset, mask_offset):
+            assert off is None or not with_cols or (off == 0 and n == m), "square batch expected"
+        multi = gammas is not None
+        gammas = (1.0,) if gammas is None else tuple(float(g) for g in gammas)
+        assert all(g > 0 for g in gammas) and (positive_offset is None or not multi), "bad gammas"
+        n_g = len(gammas)
+        minus_inf = torch.tensor(-math.inf, dtype=acc, device=q32.device)
+        row_lse = torch.empty(n_g, n, dtype=acc, device=q32.device)
+        row_out = torch.empty(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
+        m_cols = m if with_cols else 0
+        col_max = minus_inf.expand(m_cols).clone()  # of L; the maximum of gamma * L is gamma times it
+        col_sum = torch.zeros(n_g, m_cols, dtype=acc, device=q32.device)
+        width = _tile_width(chunk_size, m)
+        # The positive logits L[i, offset + i], read from the tiles themselves: lse_i - L_ii is then formed from
+        # the same rounded number on both sides, exactly 0 + log(sum) when the positive is the row's maximum.
+        positive = torch.zeros(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
+
+        def scaled_exp(x, g, last):
+            # exp(g * x), reusing x's storage for the last gamma
+            if g != 1.0:
+                return _exp_(x.mul_(g) if last else torch.mul(x, g))
+            return _exp_(x if last else x.clone())
+
+        for i0 in range(0, n, chunk_size):
+            qs = q32[i0:i0 + chunk_size] * scale  # (c, D): the scale folded into the smaller operand
+            r_max = minus_inf.expand(qs.shape[0]).clone()
+            r_sum = torch.zeros(n_g, qs.shape[0], dtype=acc, device=q32.device)
+            for j0 in range(0, m, width):
+                j1 = min(m, j0 + width)
+                logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0)
+                if positive_offset is not None:
+                    rows, cols = _tile_positives(qs.shape[0], j1 - j0, positive_offset + i0 - j0, q32.device)
+                    positive[i0 + rows] = logits[rows, cols]
+                new_max = torch.maximum(r_max, logits.amax(dim=1))
+                shift = _finite_or_zero(new_max)
+                d = torch.sub(logits, shift[:, None])
+                for gi, g in enumerate(gammas):
+                    e = scaled_exp(d, g, gi == n_g - 1)
+                    r_sum[gi] = r_sum[gi] * torch.exp(g * (r_max - shift)) + e.sum(dim=1)
+                r_max = new_max
+                if with_cols:
+                    c_max = col_max[j0:j1]
+                    new_c = torch.maximum(c_max, logits.amax(dim=0))
+                    shift_c = _finite_or_zero(new_c)
+                    d = logits.sub_(shift_c)
+                    for gi, g in enumerate(gammas):
+                        e = scaled_exp(d, g, gi == n_g - 1)
+                        col_sum[gi, j0:j1] = col_sum[gi, j0:j1] * torch.exp(g * (c_max - shift_c)) + e.sum(dim=0)
+                    col_max[j0:j1] = new_c
+                del logits, d, e
+            for gi, g in enumerate(gammas):
+                row_lse[gi, i0:i0 + chunk_size] = g * r_max + torch.log(r_sum[gi])
+                if positive_offset is not None:  # (max - positive) + log(sum): no cancellation of two large terms
+                    row_out[i0:i0 + chunk_size] = (r_max - positive[i0:i0 + chunk_size]) + torch.log(r_sum[gi])
+        col_lse = torch.stack([g * col_max for g in gammas]) + torch.log(col_sum)
+        ctx.chunk_size, ctx.with_cols, ctx.gammas, ctx.multi = chunk_size, with_cols, gammas, multi
+        ctx.positive_offset, ctx.mask_offset = positive_offset, mask_offset
+        ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse)
+        if positive_offset is not None:
+            row_lse = row_out
+            col_lse = (col_max - positive) + torch.log(col_sum[0]) if with_cols else None
+        elif not multi:
+            row_lse, col_lse = row_lse[0], col_lse[0]
+        if with_cols:
+            return row_lse, col_lse
+        return row_lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_row: Optional[Tensor], grad_col: Optional[Tensor] = None, *unused):
+        queries, keys, logit_scale, row_lse, col_lse = ctx.saved_tensors
+        c, mask_offset, gammas = ctx.chunk_size, ctx.mask_offset, ctx.gammas
+        acc = _acc_dtype(queries.dtype)
+        q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
+        n, m = q32.shape[0], k32.shape[0]
+        grad_q = torch.zeros_like(q32)  # sum_j G_ij k_j
+        grad_k = torch.zeros_like(k32)  # sum_i G_ij q_i
+        # One term per (gamma, direction) with a gradient: d lse_gamma / dL = gamma * softmax(gamma L), formed as
+        # exp(gamma L - lse) times gamma * g. (Folding log(gamma g) into the shift would save a pass but round
+        # the shift at the size of lse: a relative error of ~1e-5 on every softmax entry at scale 100, and
+        # softmax_ii - 1 would no longer vanish where the positive dominates.)
+        terms = []  # (gamma, is_row, lse, coefficient)
+        diag = torch.zeros(n if ctx.positive_offset is not None else 0, dtype=acc, device=q32.device)
+        for is_row, grad, lse in ((True, grad_row, row_lse), (False, grad_col if ctx.with_cols else None, col_lse)):
+            if grad is None:
+                continue
+            grad = grad.to(acc).reshape(len(gammas), -1)
+            if ctx.positive_offset is not None:
+                diag += grad[0]  # d(-L[i, off+i]) / dL = -1 at the positive, from rows and from columns
+            for gi, g in enumerate(gammas):
+                terms.append((g, is_row, _finite_or_zero(lse[gi]), grad[gi] * g))
+        width = _tile_width(c, m)
+        if terms:
+            for i0 in range(0, n, c):
+                q_raw = q32[i0:i0 + c]
+                qs = q_raw * scale
+                for j0 in range(0, m, width):
+                    j1 = min(m, j0 + width)
+                    k = k32[j0:j1]
+                    logits = _logit_tile(qs, k, None if mask_offset is None else mask_offset + i0 - j0)
+                    g_tile = None
+                    for t, (g, is_row, lse, coef) in enumerate(terms):
+                        sh = lse[i0:i0 + c, None] if is_row else lse[None, j0:j1]
+                        if t < len(terms) - 1:
+                            x = torch.add(-sh, logits, alpha=g)  # g * L - lse in one pass, L kept
+                        else:
+                            x = (logits if g == 1.0 else logits.mul_(g)).sub_(sh)
+                        _exp_(x).mul_(coef[i0:i0 + c, None] if is_row else coef[None, j0:j1])
+                        g_tile = x if g_tile is None else g_tile.add_(x)
+                    if ctx.positive_offset is not None:
+                        # The -1 of the positive inside the tile, so that softmax_ii - 1 is formed before the
+                        # matmul (exactly 0 when the positive dominates) instead of cancelling after it.
+                        rows, cols = _tile_positives(q_raw.shape[0], j1 - j0, ctx.positive_offset + i0 - j0,
+                                                     q32.device)
+                        g_tile[rows, cols] -= diag[i0 + rows]
+                    grad_q[i0:i0 + c].addmm_(g_tile, k)
+                    grad_k[j0:j1].addmm_(g_tile.T, q_raw)
+                    del logits, g_tile, x
+        # dL/ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G K)_i, which reuses the unscaled query gradient.
+        grad_scale = torch.dot(q32.reshape(-1), grad_q.reshape(-1))
+        return (
+            grad_q.mul_(scale).to(queries.dtype),
+            grad_k.mul_(scale).to(keys.dtype),
+            grad_scale.to(logit_scale.dtype).reshape(logit_scale.shape),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _check_chunk(chunk_size: Optional[int]) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
+        raise ConfigError(f"chunk_size must be a positive integer or None (got {chunk_size!r})")
+
+
+def _as_scale(logit_scale, like: Tensor) -> Tensor:
+    # In float32 at least, like the features after `_upcast`.
+    if not torch.is_tensor(logit_scale):
+        return torch.tensor(float(logit_scale), dtype=_acc_dtype(like.dtype), device=like.device)
+    if logit_scale.numel() != 1:
+        raise ConfigError(f"logit_scale must be a scalar (got shape {tuple(logit_scale.shape)}, expected ())")
+    return logit_scale.reshape(()).to(_acc_dtype(logit_scale.dtype))
+
+
+def _upcast(*features: Optional[Tensor]):
+    """Half-precision features as float32 (others unchanged): logits, log-sum-exps and every sum are then
+    float32, and the gradients of a feature's several uses (as a row and as a column, in the positive) add up
+    in float32 behind the one cast, rounded to the input dtype once."""
+    return tuple(None if x is None else x.to(_acc_dtype(x.dtype)) for x in features)
+
+
+
+
+def _tile_positives(n_rows: int, n_cols: int, shift: int, device) -> Tuple[Tensor, Tensor]:
+    """(rows, cols) of the positives j = i + shift that fall inside an (n_rows, n_cols) tile."""
+    rows = torch.arange(n_rows, device=device)
+    rows = rows[(rows + shift >= 0) & (rows + shift < n_cols)]
+    return rows, rows + shift
+
+
