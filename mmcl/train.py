@@ -359,8 +359,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     while run.progress.step < run.total:
         lr = set_learning_rate(run)
         batches = next_batches(run, data_iter)
+        with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
         loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
-                                           run.stream.finish_images, with_metrics=run.logged_at(run.progress.step + 1))
+                                           run.stream.finish_images, with_metrics)
         finite, stopping = agree_on_step(run, loss)
         if not finite:
             skip_step(run, loss)  # raises under train.nan_policy=stop
