@@ -621,7 +621,12 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
     if grad_norm is not None:
         record["grad_norm"] = float(grad_norm)
     if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < run.total:
-        record.update(run_eval(cfg, raw_model, run.tokenizer, run.pp_cfg, accelerator))
+        try:
+            record.update(run_eval(cfg, raw_model, run.tokenizer, run.pp_cfg, accelerator))
+        except MmclError as err:
+            # The evaluation runs on the main process only: training goes on, with nothing lost and no other
+            # process waiting on it. The final evaluation's failure still ends the run (after model/ is saved).
+            run.log(f"warning: evaluation at step {progress.step} failed, training goes on: {err}")
     if progress.step < run.total:  # the last record waits for the final evaluation, after model/ is saved
         run.metrics.write(record)
     if run.bar is not None:

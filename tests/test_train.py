@@ -425,6 +425,38 @@ def test_final_evaluation_failure_keeps_the_model(demo, tmp_path, capsys):
         assert torch.isfinite(model.encode_text(tokenizer(["thing 1"]), normalize=True)).all()
 
 
+def test_a_failing_periodic_evaluation_warns_and_training_goes_on(demo, tmp_path, capsys, monkeypatch):
+    """An evaluation set that breaks during the run (removed, unreadable) costs a warning line at each periodic
+    evaluation, not the steps since the last checkpoint."""
+    import mmcl.train as train_mod
+    from mmcl.cli import main
+    from mmcl.errors import DataError
+
+    real, calls = train_mod.run_eval, []
+
+    def broken_until_final(cfg, model, *a):
+        calls.append(1)
+        if len(calls) < 3:  # the periodic evaluations at steps 2 and 4; the final one (step 5) works
+            raise DataError("cannot read /gone/eval-set")
+        return real(cfg, model, *a)
+
+    monkeypatch.setattr(train_mod, "run_eval", broken_until_final)
+    out = tmp_path / "run"
+    code = main(["train", *run_args(demo, out, "train.steps=5", "data.batch_size=8", "data.workers=0",
+                                    f"eval.zeroshot={demo['zeroshot_colour']}", "eval.every=2",
+                                    "train.log_every=1", "train.save_every=0")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    for step in (2, 4):
+        assert (f"mmcl: warning: evaluation at step {step} failed, training goes on: cannot read /gone/eval-set"
+                in captured.out.splitlines())
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert not any(k.startswith("eval/") for r in records[:-1] for k in r)
+    assert any(k.startswith("eval/") for k in records[-1])
+    assert (out / "model" / "open_clip_config.json").is_file()
+
+
 def _bad_shard_set(demo, root: Path) -> Path:
     """The demo's first training shard, a file that is not a tar and an empty archive; returns the directory."""
     import shutil
