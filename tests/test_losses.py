@@ -146,6 +146,49 @@ def test_tiled_logsumexp_gradcheck_masked_and_several_gammas(tiles):
         torch.testing.assert_close(rows[i], torch.logsumexp(gamma * logits, 1), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(cols[i], torch.logsumexp(gamma * logits, 0), rtol=1e-12, atol=1e-12)
 
+def test_tiled_logsumexp_returns_masked_logits_differentiably(tiles):
+    """return_masked: the logits left out of the sums, read from the tiles, with their gradient folded into the
+    same buffers: gradcheck rows-only at an offset and square with columns, values against q_i . k_(off+i)."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(9, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    s = torch.tensor(1.7, dtype=torch.float64, requires_grad=True)
+    for gammas in (None, (2.0, 1.0)):
+        assert torch.autograd.gradcheck(
+            lambda q, k, s: TiledLogSumExp.apply(q[:4], k, s, 3, False, None, 2, gammas, True), (q, k, s))
+        assert torch.autograd.gradcheck(
+            lambda q, k, s: TiledLogSumExp.apply(q, k[:7], s, 2, True, None, 0, gammas, True), (q, k, s))
+    _, masked = TiledLogSumExp.apply(q[:4], k, s, 3, False, None, 2, None, True)
+    torch.testing.assert_close(masked, 1.7 * (q[:4] * k[2:6]).sum(1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("with_cols", [False, True])
+def test_tiled_logsumexp_backward_with_gradients_across_30_orders_of_magnitude(tiles, with_cols):
+    """Incoming row gradients of 1, 1e-12 and 1e-30 (MoCHi at scale 100: synthetic negatives dominate most rows
+    and leave their real-negative sums a tiny weight). The float32 backward forms every product relative to the
+    largest coefficient with no subnormal: the gradients agree with float64 to float32 precision relative to
+    the largest entry, rows weighted 1e-12 keep their own direction, and only rows below float32's resolution
+    of the whole (1e-30) are left out."""
+    q, k = _features(48, 16, torch.float64, seed=8, correlated=True)
+    s = 100.0
+    w = torch.ones(48, dtype=torch.float64)
+    w[1::4], w[3::4] = 1e-12, 1e-30
+    grads = {}
+    for dtype in (torch.float64, torch.float32):
+        qq, kk = q.detach().to(dtype).requires_grad_(True), k.detach().to(dtype).requires_grad_(True)
+        out = TiledLogSumExp.apply(qq, kk, torch.tensor(s, dtype=dtype), 8, with_cols)
+        rows = out[0] if with_cols else out
+        (rows * w.to(dtype)).sum().backward()
+        grads[dtype] = (qq.grad.double(), kk.grad.double())
+    for g32, g64 in zip(grads[torch.float32], grads[torch.float64]):
+        assert (g32 - g64).abs().max() <= 1e-5 * g64.abs().max()
+    small32, small64 = grads[torch.float32][0][1::4], grads[torch.float64][0][1::4]
+    assert 0 < small64.abs().max() < 1e-9  # the small rows' query gradients are themselves small ...
+    cos = torch.nn.functional.cosine_similarity(small32 * 1e12, small64 * 1e12, dim=1)  # above its eps
+    assert cos.min() > 0.999  # ... and still point where float64 says
+    assert grads[torch.float32][0][3::4].abs().max() < 1e-25
+
+
 def _mixed_norms(dtype, big):
     """One query far longer than the rest: a shift shared by all rows (s times the largest norm product) would
     leave the other rows' and many columns' shifted sums below M * tiny; per-row and per-column maxima must not."""

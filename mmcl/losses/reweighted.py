@@ -15,13 +15,13 @@ from .clip import _check_pair, _columns, _dense_logits, _positive_logits
 
 def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
                   single):
-    """Per gamma, the (n,) image->text and (n,) text->image log sums over the negatives j != offset+i of
-    exp(gamma * s * q_i.k_j): a list of (i2t, t2i) pairs, one per gamma.
+    """The positive logits and, per gamma, the log sums over the negatives j != offset+i of exp(gamma * s * q_i.k_j).
 
-    The positive is excluded inside the sum (masked to -inf), never subtracted from the full log-sum-exp:
-    log(e^lse - e^p) cancels completely once the positive dominates its row (a trained model at scale 100).
-    All gammas come from one logit matrix (one pass over the tiles), and with the whole batch in this process
-    both directions too.
+    Returns ((p_i2t, p_t2i), [(i2t, t2i) per gamma]), all (n,). The positive is excluded inside the sum (masked to
+    -inf), never subtracted from the full log-sum-exp: log(e^lse - e^p) cancels completely once the positive
+    dominates its row (a trained model at scale 100). All gammas come from one logit matrix (one pass over the
+    tiles), and with the whole batch in this process both directions too; the tiled path also reads the
+    positives from its tiles, so their gradient shares its buffers.
     """
     if chunk_size is None:
         def masked(q, k):
@@ -30,18 +30,23 @@ def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, 
             minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
             return logits.index_put((rows, rows + offset), minus_inf)
 
+        positives = (_positive_logits(image_features, all_txt, logit_scale, offset),
+                     _positive_logits(text_features, all_img, logit_scale, offset))
         if single:
             logits = masked(image_features, text_features)
-            return [(torch.logsumexp(g * logits, dim=1), torch.logsumexp(g * logits, dim=0)) for g in gammas]
+            return positives, [(torch.logsumexp(g * logits, dim=1), torch.logsumexp(g * logits, dim=0))
+                               for g in gammas]
         i2t, t2i = masked(image_features, all_txt), masked(text_features, all_img)
-        return [(torch.logsumexp(g * i2t, dim=1), torch.logsumexp(g * t2i, dim=1)) for g in gammas]
+        return positives, [(torch.logsumexp(g * i2t, dim=1), torch.logsumexp(g * t2i, dim=1)) for g in gammas]
     if single:
-        rows, cols = TiledLogSumExp.apply(image_features, text_features, logit_scale, chunk_size, True, None, 0,
-                                          gammas)
-        return list(zip(rows.unbind(0), cols.unbind(0)))
-    i2t = TiledLogSumExp.apply(image_features, all_txt, logit_scale, chunk_size, False, None, offset, gammas)
-    t2i = TiledLogSumExp.apply(text_features, all_img, logit_scale, chunk_size, False, None, offset, gammas)
-    return list(zip(i2t.unbind(0), t2i.unbind(0)))
+        rows, cols, positive = TiledLogSumExp.apply(image_features, text_features, logit_scale, chunk_size, True,
+                                                    None, 0, gammas, True)
+        return (positive, positive), list(zip(rows.unbind(0), cols.unbind(0)))
+    i2t, p_i2t = TiledLogSumExp.apply(image_features, all_txt, logit_scale, chunk_size, False, None, offset, gammas,
+                                      True)
+    t2i, p_t2i = TiledLogSumExp.apply(text_features, all_img, logit_scale, chunk_size, False, None, offset, gammas,
+                                      True)
+    return (p_i2t, p_t2i), list(zip(i2t.unbind(0), t2i.unbind(0)))
 
 
 def _reweighted_rows(positive, log_neg, logit_scale, n_neg, tau_plus):
@@ -112,13 +117,11 @@ def hard_negative_clip_loss(
     # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
     # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
     gammas = (1.0 + beta, beta) if beta != 0 else (1.0,)
-    lse = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
-                        single)
+    positives, lse = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset,
+                                   chunk_size, single)
     log_neg = lse[0] if beta == 0 else tuple(a - b + math.log(n_neg) for a, b in zip(lse[0], lse[1]))
-    i2t = _reweighted_rows(_positive_logits(image_features, all_txt, logit_scale, offset), log_neg[0], logit_scale,
-                           n_neg, tau_plus)
-    t2i = _reweighted_rows(_positive_logits(text_features, all_img, logit_scale, offset), log_neg[1], logit_scale,
-                           n_neg, tau_plus)
+    i2t = _reweighted_rows(positives[0], log_neg[0], logit_scale, n_neg, tau_plus)
+    t2i = _reweighted_rows(positives[1], log_neg[1], logit_scale, n_neg, tau_plus)
     return (i2t.mean() + t2i.mean()) / 2
 
 

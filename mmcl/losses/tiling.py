@@ -15,8 +15,10 @@ from ..errors import ConfigError
 _TILE_ELEMENTS = 1 << 23
 
 
-def _tile_width(chunk_size: int, n_cols: int) -> int:
-    return min(n_cols, max(chunk_size, _TILE_ELEMENTS // chunk_size))
+def _tile_width(chunk_size: int, n_cols: int, live_tiles: int = 1) -> int:
+    """Columns per tile: about _TILE_ELEMENTS logits in all, shared by the `live_tiles` tiles a pass holds at
+    once beyond the two every pass holds (the logits and one exp)."""
+    return min(n_cols, max(chunk_size, _TILE_ELEMENTS // (chunk_size * live_tiles)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -44,11 +46,14 @@ def _exp_(x: Tensor) -> Tensor:
     return x.clamp_(min=math.log(torch.finfo(x.dtype).tiny) + 24).exp_()
 
 
-def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int]) -> Tensor:
-    """L = qs @ k.T for one tile, with the entries j = i + mask_shift set to -inf when mask_shift is not None."""
+def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int], keep: Optional[Tensor] = None) -> Tensor:
+    """L = qs @ k.T for one tile, with the entries j = i + mask_shift set to -inf when mask_shift is not None
+    (their values first written to `keep`, indexed by the tile's row, when given)."""
     logits = qs @ k.T
     if mask_shift is not None:
         rows, cols = _tile_positives(qs.shape[0], k.shape[0], mask_shift, qs.device)
+        if keep is not None:
+            keep[rows] = logits[rows, cols]
         logits[rows, cols] = -math.inf
     return logits
 
@@ -78,16 +83,20 @@ class TiledLogSumExp(torch.autograd.Function):
     (that subtraction cancels completely once the positive dominates its row). Columns need offset 0, n == M.
     ``gammas`` set (a tuple of positive floats, without ``positive_offset``): the log-sum-exps of ``gamma * L``
     for every gamma from the same tiles, one matmul per tile for all of them (the hard-negative loss needs
-    gamma = 1 + beta and beta); the outputs are then (G, n) [and (G, M)].
+    gamma = 1 + beta and beta); the outputs are then (G, n) [and (G, M)], and tiles are narrower so that the
+    extra exp per gamma stays within the same memory.
+    ``return_masked`` (with ``mask_offset``): one more output, the (n,) logits ``L[i, mask_offset + i]`` left out
+    of the sums, read from the tiles and differentiable through the same gradient buffers (a separate
+    ``s * q_i . k_i`` would add two more (n, D) gradients to the peak).
 
     Args (apply): queries (n, D), keys (M, D), logit_scale 0-dim, chunk_size int, with_cols bool,
-    positive_offset int or None, mask_offset int or None, gammas tuple or None. Returns (n,) [and (M,)]; float32
-    for half inputs, else the input dtype.
+    positive_offset int or None, mask_offset int or None, gammas tuple or None, return_masked bool. Returns
+    (n,) [and (M,)] [and the (n,) masked logits]; float32 for half inputs, else the input dtype.
     """
 
     @staticmethod
     def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
-                mask_offset=None, gammas=None):
+                mask_offset=None, gammas=None, return_masked=False):
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
@@ -96,6 +105,7 @@ class TiledLogSumExp(torch.autograd.Function):
         multi = gammas is not None
         gammas = (1.0,) if gammas is None else tuple(float(g) for g in gammas)
         assert all(g > 0 for g in gammas) and (positive_offset is None or not multi), "bad gammas"
+        assert not return_masked or mask_offset is not None, "return_masked needs mask_offset"
         n_g = len(gammas)
         minus_inf = torch.tensor(-math.inf, dtype=acc, device=q32.device)
         row_lse = torch.empty(n_g, n, dtype=acc, device=q32.device)
@@ -103,7 +113,8 @@ class TiledLogSumExp(torch.autograd.Function):
         m_cols = m if with_cols else 0
         col_max = minus_inf.expand(m_cols).clone()  # of L; the maximum of gamma * L is gamma times it
         col_sum = torch.zeros(n_g, m_cols, dtype=acc, device=q32.device)
-        width = _tile_width(chunk_size, m)
+        width = _tile_width(chunk_size, m, n_g)
+        masked = torch.zeros(n if return_masked else 0, dtype=acc, device=q32.device)
         # The positive logits L[i, offset + i], read from the tiles themselves: lse_i - L_ii is then formed from
         # the same rounded number on both sides, exactly 0 + log(sum) when the positive is the row's maximum.
         positive = torch.zeros(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
@@ -120,7 +131,8 @@ class TiledLogSumExp(torch.autograd.Function):
             r_sum = torch.zeros(n_g, qs.shape[0], dtype=acc, device=q32.device)
             for j0 in range(0, m, width):
                 j1 = min(m, j0 + width)
-                logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0)
+                logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0,
+                                     masked[i0:i0 + chunk_size] if return_masked else None)
                 if positive_offset is not None:
                     rows, cols = _tile_positives(qs.shape[0], j1 - j0, positive_offset + i0 - j0, q32.device)
                     positive[i0 + rows] = logits[rows, cols]
@@ -147,20 +159,24 @@ class TiledLogSumExp(torch.autograd.Function):
                     row_out[i0:i0 + chunk_size] = (r_max - positive[i0:i0 + chunk_size]) + torch.log(r_sum[gi])
         col_lse = torch.stack([g * col_max for g in gammas]) + torch.log(col_sum)
         ctx.chunk_size, ctx.with_cols, ctx.gammas, ctx.multi = chunk_size, with_cols, gammas, multi
-        ctx.positive_offset, ctx.mask_offset = positive_offset, mask_offset
+        ctx.positive_offset, ctx.mask_offset, ctx.return_masked = positive_offset, mask_offset, return_masked
         ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse)
         if positive_offset is not None:
             row_lse = row_out
             col_lse = (col_max - positive) + torch.log(col_sum[0]) if with_cols else None
         elif not multi:
             row_lse, col_lse = row_lse[0], col_lse[0]
-        if with_cols:
-            return row_lse, col_lse
-        return row_lse
+        outputs = (row_lse, col_lse) if with_cols else (row_lse,)
+        if return_masked:
+            outputs += (masked,)
+        return outputs if len(outputs) > 1 else row_lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_row: Optional[Tensor], grad_col: Optional[Tensor] = None, *unused):
+    def backward(ctx, *grad_outputs: Optional[Tensor]):
+        grad_row = grad_outputs[0]
+        grad_col = grad_outputs[1] if ctx.with_cols else None
+        grad_masked = grad_outputs[-1] if ctx.return_masked else None
         queries, keys, logit_scale, row_lse, col_lse = ctx.saved_tensors
         c, mask_offset, gammas = ctx.chunk_size, ctx.mask_offset, ctx.gammas
         acc = _acc_dtype(queries.dtype)
@@ -172,18 +188,45 @@ class TiledLogSumExp(torch.autograd.Function):
         # exp(gamma L - lse) times gamma * g. (Folding log(gamma g) into the shift would save a pass but round
         # the shift at the size of lse: a relative error of ~1e-5 on every softmax entry at scale 100, and
         # softmax_ii - 1 would no longer vanish where the positive dominates.)
-        terms = []  # (gamma, is_row, lse, coefficient)
+        grads = [(is_row, grad.to(acc).reshape(len(gammas), -1), lse)
+                 for is_row, grad, lse in ((True, grad_row, row_lse), (False, grad_col if ctx.with_cols else None,
+                                                                         col_lse)) if grad is not None]
+        # No product in a gradient tile may be a subnormal float (they cost ~100x per element on x86). Where the
+        # incoming gradients span many orders of magnitude (MoCHi at scale 100: synthetic negatives dominate
+        # most rows and leave coefficients of 1e-17 on their real ones) they otherwise fill the tiles and the
+        # backward runs ~3x slower. So the tiles are formed relative to the largest coefficient (`unit`,
+        # multiplied back after the matmuls), and each row's (column's) exp argument is floored where
+        # exp(x) * |coef| / unit would fall below tiny * e^24, as the forward floors at tiny * e^24. A raised
+        # term adds at most e^floor to a softmax entry, so the floor is allowed up to log(eps / width): below
+        # eps of that row's own gradient. A row whose coefficient is too small even for that (under ~1e-19 of
+        # the largest at 16384 columns, in float32) is left out: all of it is below float32's resolution of any
+        # sum of gradients it joins.
+        unit = torch.zeros((), dtype=acc, device=q32.device)
+        for _, grad, _ in grads:
+            if grad.numel():
+                unit = torch.maximum(unit, grad.abs().amax() * max(gammas))
+        if grad_masked is not None:
+            grad_masked = grad_masked.to(acc)
+            unit = torch.maximum(unit, grad_masked.abs().amax())
+        unit = torch.where(unit > 0, unit, torch.ones_like(unit))  # all-zero gradients: any unit will do
+        finfo = torch.finfo(acc)
+        floor0 = math.log(finfo.tiny) + 24
+        terms = []  # (gamma, is_row, lse, coefficient / unit, floor of the exp argument)
         diag = torch.zeros(n if ctx.positive_offset is not None else 0, dtype=acc, device=q32.device)
-        for is_row, grad, lse in ((True, grad_row, row_lse), (False, grad_col if ctx.with_cols else None, col_lse)):
-            if grad is None:
-                continue
-            grad = grad.to(acc).reshape(len(gammas), -1)
-            if ctx.positive_offset is not None:
-                diag += grad[0]  # d(-L[i, off+i]) / dL = -1 at the positive, from rows and from columns
+        for is_row, grad, lse in grads:
+            cap = math.log(finfo.eps / (m if is_row else n))
             for gi, g in enumerate(gammas):
-                terms.append((g, is_row, _finite_or_zero(lse[gi]), grad[gi] * g))
-        width = _tile_width(c, m)
-        if terms:
+                coef = grad[gi] * g / unit
+                floor = floor0 - torch.log(coef.abs().clamp_min(finfo.tiny))
+                coef = coef.masked_fill(floor > cap, 0)
+                floor = floor.clamp_(max=cap)
+                terms.append((g, is_row, _finite_or_zero(lse[gi]), coef, floor))
+                if ctx.positive_offset is not None and gi == 0:
+                    diag += coef  # d(-L[i, off+i]) / dL = -1 at the positive, from rows and from columns
+        width = _tile_width(c, m, len(gammas))
+        if grad_masked is not None:
+            grad_masked = grad_masked / unit
+        if terms or grad_masked is not None:
             for i0 in range(0, n, c):
                 q_raw = q32[i0:i0 + c]
                 qs = q_raw * scale
@@ -191,14 +234,15 @@ class TiledLogSumExp(torch.autograd.Function):
                     j1 = min(m, j0 + width)
                     k = k32[j0:j1]
                     logits = _logit_tile(qs, k, None if mask_offset is None else mask_offset + i0 - j0)
-                    g_tile = None
-                    for t, (g, is_row, lse, coef) in enumerate(terms):
+                    g_tile = torch.zeros_like(logits) if not terms else None
+                    for t, (g, is_row, lse, coef, floor) in enumerate(terms):
                         sh = lse[i0:i0 + c, None] if is_row else lse[None, j0:j1]
                         if t < len(terms) - 1:
                             x = torch.add(-sh, logits, alpha=g)  # g * L - lse in one pass, L kept
                         else:
                             x = (logits if g == 1.0 else logits.mul_(g)).sub_(sh)
-                        _exp_(x).mul_(coef[i0:i0 + c, None] if is_row else coef[None, j0:j1])
+                        x = torch.maximum(x, floor[i0:i0 + c, None] if is_row else floor[None, j0:j1], out=x)
+                        x.exp_().mul_(coef[i0:i0 + c, None] if is_row else coef[None, j0:j1])
                         g_tile = x if g_tile is None else g_tile.add_(x)
                     if ctx.positive_offset is not None:
                         # The -1 of the positive inside the tile, so that softmax_ii - 1 is formed before the
@@ -206,15 +250,19 @@ class TiledLogSumExp(torch.autograd.Function):
                         rows, cols = _tile_positives(q_raw.shape[0], j1 - j0, ctx.positive_offset + i0 - j0,
                                                      q32.device)
                         g_tile[rows, cols] -= diag[i0 + rows]
+                    if grad_masked is not None:  # d L[i, mask_offset + i] at the entries left out of the sums
+                        rows, cols = _tile_positives(q_raw.shape[0], j1 - j0, mask_offset + i0 - j0, q32.device)
+                        g_tile[rows, cols] += grad_masked[i0 + rows]
                     grad_q[i0:i0 + c].addmm_(g_tile, k)
                     grad_k[j0:j1].addmm_(g_tile.T, q_raw)
-                    del logits, g_tile, x
+                    del logits, g_tile
         # dL/ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G K)_i, which reuses the unscaled query gradient.
-        grad_scale = torch.dot(q32.reshape(-1), grad_q.reshape(-1))
+        grad_scale = torch.dot(q32.reshape(-1), grad_q.reshape(-1)) * unit
         return (
-            grad_q.mul_(scale).to(queries.dtype),
-            grad_k.mul_(scale).to(keys.dtype),
+            grad_q.mul_(scale * unit).to(queries.dtype),
+            grad_k.mul_(scale * unit).to(keys.dtype),
             grad_scale.to(logit_scale.dtype).reshape(logit_scale.shape),
+            None,
             None,
             None,
             None,
