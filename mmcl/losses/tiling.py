@@ -58,6 +58,39 @@ def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int], keep: Optional
     return logits
 
 
+def _unit(coefficients, like: Tensor) -> Tensor:
+    """The largest |coefficient| of a backward (1 when all are 0): gradient tiles are formed relative to it."""
+    unit, seen = torch.ones((), dtype=like.dtype, device=like.device), None
+    for c in coefficients:
+        if c.numel():
+            top = c.abs().amax()
+            unit = top if seen is None else torch.maximum(unit, top)
+            seen = True
+    return torch.where(unit > 0, unit, torch.ones_like(unit))
+
+
+def _coefficient_floor(coef: Tensor, unit: Tensor, width: int) -> Tuple[Tensor, Tensor]:
+    """(coef / unit, floor of the exp argument) for softmax-times-coefficient products with no subnormal.
+
+    Subnormal floats cost ~100x per element on x86, in the elementwise ops and in the matmuls they feed. Where
+    the incoming gradients span many orders of magnitude (MoCHi at scale 100: synthetic negatives dominate most
+    rows and leave coefficients of 1e-17 on their real ones), products ``exp(x) * coef`` fill the tiles with
+    them and the backward runs ~3x slower; at scale 100 with aligned pairs the softmax entries alone sit in
+    that range (a dense fwd+bwd at N = 2048 took 27 s instead of 0.3 s). So the products are formed relative
+    to the largest coefficient (`unit`, multiplied back afterwards), and each row's (column's) exp argument is
+    floored where ``exp(x) * |coef| / unit`` would fall below tiny * e^24, as the forward floors at that. A
+    raised term adds at most e^floor to a softmax entry, so the floor may go up to ``log(eps / width)``: below
+    eps of that row's own gradient. A row whose coefficient is too small even for that (under ~1e-19 of the
+    largest at 16384 columns, in float32) is left out: all of it is below float32's resolution of any sum of
+    gradients it joins.
+    """
+    finfo = torch.finfo(coef.dtype)
+    coef = coef / unit
+    floor = (math.log(finfo.tiny) + 24) - torch.log(coef.abs().clamp_min(finfo.tiny))
+    cap = math.log(finfo.eps / max(width, 1))
+    return coef.masked_fill(floor > cap, 0), floor.clamp_(max=cap)
+
+
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
 
@@ -191,41 +224,22 @@ class TiledLogSumExp(torch.autograd.Function):
         grads = [(is_row, grad.to(acc).reshape(len(gammas), -1), lse)
                  for is_row, grad, lse in ((True, grad_row, row_lse), (False, grad_col if ctx.with_cols else None,
                                                                          col_lse)) if grad is not None]
-        # No product in a gradient tile may be a subnormal float (they cost ~100x per element on x86). Where the
-        # incoming gradients span many orders of magnitude (MoCHi at scale 100: synthetic negatives dominate
-        # most rows and leave coefficients of 1e-17 on their real ones) they otherwise fill the tiles and the
-        # backward runs ~3x slower. So the tiles are formed relative to the largest coefficient (`unit`,
-        # multiplied back after the matmuls), and each row's (column's) exp argument is floored where
-        # exp(x) * |coef| / unit would fall below tiny * e^24, as the forward floors at tiny * e^24. A raised
-        # term adds at most e^floor to a softmax entry, so the floor is allowed up to log(eps / width): below
-        # eps of that row's own gradient. A row whose coefficient is too small even for that (under ~1e-19 of
-        # the largest at 16384 columns, in float32) is left out: all of it is below float32's resolution of any
-        # sum of gradients it joins.
-        unit = torch.zeros((), dtype=acc, device=q32.device)
-        for _, grad, _ in grads:
-            if grad.numel():
-                unit = torch.maximum(unit, grad.abs().amax() * max(gammas))
+        # Gradient tiles without subnormal products: see `_coefficient_floor`.
+        coefs = [grad[gi] * g for _, grad, _ in grads for gi, g in enumerate(gammas)]
         if grad_masked is not None:
-            grad_masked = grad_masked.to(acc)
-            unit = torch.maximum(unit, grad_masked.abs().amax())
-        unit = torch.where(unit > 0, unit, torch.ones_like(unit))  # all-zero gradients: any unit will do
-        finfo = torch.finfo(acc)
-        floor0 = math.log(finfo.tiny) + 24
+            coefs.append(grad_masked.to(acc))
+        unit = _unit(coefs, q32)
         terms = []  # (gamma, is_row, lse, coefficient / unit, floor of the exp argument)
         diag = torch.zeros(n if ctx.positive_offset is not None else 0, dtype=acc, device=q32.device)
         for is_row, grad, lse in grads:
-            cap = math.log(finfo.eps / (m if is_row else n))
             for gi, g in enumerate(gammas):
-                coef = grad[gi] * g / unit
-                floor = floor0 - torch.log(coef.abs().clamp_min(finfo.tiny))
-                coef = coef.masked_fill(floor > cap, 0)
-                floor = floor.clamp_(max=cap)
+                coef, floor = _coefficient_floor(grad[gi] * g, unit, m if is_row else n)
                 terms.append((g, is_row, _finite_or_zero(lse[gi]), coef, floor))
                 if ctx.positive_offset is not None and gi == 0:
                     diag += coef  # d(-L[i, off+i]) / dL = -1 at the positive, from rows and from columns
         width = _tile_width(c, m, len(gammas))
         if grad_masked is not None:
-            grad_masked = grad_masked / unit
+            grad_masked = grad_masked.to(acc) / unit
         if terms or grad_masked is not None:
             for i0 in range(0, n, c):
                 q_raw = q32[i0:i0 + c]
