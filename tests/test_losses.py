@@ -1044,3 +1044,22 @@ def test_dense_clip_loss_forms_no_subnormal_gradient_at_scale_100():
     # row's log-sum-exp (N raised terms at most): the pairs here are so well separated that the whole float64
     # gradient is itself ~1e-23 at most.
     assert (grads[0].double() - grads[1]).abs().max() <= 1e-6 * grads[1].abs().max() + 256 * 1e-27 / 256
+
+
+def test_supcon_positive_mean_logits_gradcheck():
+    """The tiled SupCon's positive term (class means rebuilt in backward): gradcheck with repeated, single and
+    unlabelled (-1) classes, rows at an offset into a longer key set, and values against the autograd form."""
+    from mmcl.losses.clip import _positive_logits
+    from mmcl.losses.supcon import _PositiveMeanLogits, _positive_means
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(8, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    s = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    k_labels = torch.tensor([2, -1, 2, 7, -1, 4, 2, -1])
+    q_labels = k_labels[2:7]
+    assert torch.autograd.gradcheck(lambda q, k, s: _PositiveMeanLogits.apply(q, k, s, q_labels, k_labels, 2),
+                                    (q, k, s))
+    ours = _PositiveMeanLogits.apply(q, k, s, q_labels, k_labels, 2)
+    ref = _positive_logits(q, _positive_means(k, q_labels, k_labels, 2), s, 0)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)

@@ -10,9 +10,9 @@ from torch import Tensor
 
 from ..errors import ConfigError
 
-# Tiles of the logit matrix span chunk_size rows and enough columns to hold about this many logits (32 MiB in
+# Tiles of the logit matrix span chunk_size rows and enough columns to hold about this many logits (16 MiB in
 # float32): few, large elementwise kernels (each a thread barrier on CPU, a launch on GPU) at bounded memory.
-_TILE_ELEMENTS = 1 << 23
+_TILE_ELEMENTS = 1 << 22
 
 
 def _tile_width(chunk_size: int, n_cols: int, live_tiles: int = 1) -> int:
