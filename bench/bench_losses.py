@@ -261,6 +261,10 @@ def main() -> None:
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                         help="time only: per case one process alternating reference and tiled ROUNDS times "
                              "(the ratio stays meaningful on a machine shared with other jobs)")
+    parser.add_argument("--tiled-only", action="store_true",
+                        help="measure mmcl's tiled losses alone (memory ratios then divide by a reference measured "
+                             "in another run: ClipLoss's allocation does not depend on the scale or the features, "
+                             "while its time at scale 100 with aligned pairs runs past 1000 s at N=16384)")
     parser.add_argument("--case", nargs=5, metavar=("IMPL", "N", "KIND", "SCALE", "ALIGN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -299,6 +303,8 @@ def main() -> None:
                 references = {}  # one measurement of each reference per case, shared by the losses it serves
                 for kind in args.loss:
                     ref_name = REFERENCE[kind]
+                    if args.tiled_only:
+                        references[ref_name] = None
                     if ref_name not in references:
                         need = CLIPLOSS_MATRICES * n * n * 4
                         if ref_name != "mmcl_dense_mochi" and need > 0.8 * have:

@@ -48,9 +48,10 @@ def _positive_means(keys, q_labels, k_labels, offset):
     """Mean of each query's positive keys, (n, D): its class mean, or its own pair when unlabelled."""
     q_cls, k_cls, counts = _class_index(q_labels, k_labels)
     sums = keys.new_zeros(counts.shape[0], keys.shape[1]).index_add(0, k_cls, keys)
-    own = keys[offset:offset + q_labels.shape[0]]
-    means = sums[q_cls] / counts.to(keys.dtype)[q_cls][:, None]
-    return torch.where((q_labels >= 0)[:, None], means, own)
+    means = sums[q_cls]
+    means.div_(counts.to(keys.dtype)[q_cls].clamp_min(1)[:, None])  # (an unlabelled query's bucket may be empty)
+    unlabelled = torch.nonzero(q_labels < 0).squeeze(1)
+    return means.index_copy_(0, unlabelled, keys[offset + unlabelled])
 
 
 class _PositiveMeanLogits(torch.autograd.Function):
@@ -81,7 +82,10 @@ class _PositiveMeanLogits(torch.autograd.Function):
         q_cls, k_cls, counts = _class_index(q_labels, k_labels)
         labelled = q_labels >= 0
         per_query = torch.where(labelled, weight / counts.to(weight.dtype)[q_cls], 0)
-        class_sum = keys.new_zeros(counts.shape[0], keys.shape[1]).index_add(0, q_cls, queries * per_query[:, None])
+        # (C + 1, n) sparse one-hot of the query classes times the queries: no (n, D) temporary
+        onehot = torch.sparse_coo_tensor(torch.stack([q_cls, torch.arange(n, device=q_cls.device)]), per_query,
+                                         (counts.shape[0], n), check_invariants=False)  # valid by construction
+        class_sum = torch.sparse.mm(onehot, queries)
         class_sum[-1] = 0  # the spare bucket of unlabelled keys is nobody's class
         grad_k = class_sum[k_cls]
         own = torch.where(labelled, 0, weight)
