@@ -13,7 +13,7 @@ the summing all-gather backward each rank holds ``W`` times the global gradient 
 DDP's averaging of parameter gradients turns that into exactly the global-batch gradient.
 
 Memory. ``chunk_size`` switches the softmax losses (clip, supcon, debiased, hard-negative) to a tiled
-computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to 2^23 / chunk_size columns) of the
+computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to 2^22 / chunk_size columns) of the
 logits are formed, reduced into row and column sums and dropped; backward recomputes each tile once. Extra
 memory is O((n + M) * D) plus two tiles instead of O(n * M), with the same value and gradients as the dense
 computation, which stays in the package as the specification. SigLIP's sum over pairs is tiled the same way

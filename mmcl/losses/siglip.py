@@ -32,7 +32,7 @@ def siglip_loss(
             against every text and the positive of row i is column ``offset + i``. The sum over all pairs
             divided by the global batch size is the mean of the per-rank values.
         chunk_size: None computes the (n, M) logits at once; an int sums tiles of ``chunk_size`` rows (by up to
-            2^23 / chunk_size columns) with `TiledSigmoidPairs`, each recomputed in the backward pass instead of
+            2^22 / chunk_size columns) with `TiledSigmoidPairs`, each recomputed in the backward pass instead of
             stored, so memory stays a few tiles whatever the batch. The sum is separable over pairs, so tiling
             changes only the order of the additions.
     Returns:
@@ -65,7 +65,7 @@ def _signed_logit_tile(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, shift:
 class TiledSigmoidPairs(torch.autograd.Function):
     """``sum_ij log sigmoid(z_ij (s q_i.k_j + b))`` over all pairs, in tiles, with a hand-written backward.
 
-    Forward keeps no tile: per tile of ``chunk_size`` rows by up to ``2^23 / chunk_size`` columns it forms
+    Forward keeps no tile: per tile of ``chunk_size`` rows by up to ``2^22 / chunk_size`` columns it forms
     x = z (s q.k + b) and adds ``min(x, 0) - log1p(exp(-|x|))`` (log sigmoid without overflow). Backward
     recomputes each tile once: ``d/dl log sigmoid(z l) = z sigmoid(-z l)`` gives the tile's logit gradient G,
     then dq = s G k, dk = s G^T q, ds = sum_i q_i . (G k)_i and db = sum G. Sums accumulate in float32 at least.

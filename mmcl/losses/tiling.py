@@ -94,8 +94,8 @@ def _coefficient_floor(coef: Tensor, unit: Tensor, width: int) -> Tuple[Tensor, 
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
 
-    Tiles are ``chunk_size`` rows by ``max(chunk_size, 2^23 / chunk_size)`` columns (at most M), so memory is
-    bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size or logit scale.
+    Tiles are ``chunk_size`` rows by ``max(chunk_size, 2^22 / (chunk_size * G))`` columns (at most M; G gammas),
+    so memory is bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size or logit scale.
 
     Forward keeps a running maximum and a sum rescaled to it for every row (within a row block) and for every
     column (across row blocks), the online softmax of flash attention in both directions: per tile one
