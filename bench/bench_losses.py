@@ -10,6 +10,11 @@ logit scale. Prints one JSON line per measurement, then one per N with the ratio
                                       [--sizes 4096 16384] [--scales 14.3 100] [--align random aligned]
                                       [--dim 512] [--chunk 1024] [--repeats 3] [--threads T]
 
+For memory figures stable to about 1 MiB, run with ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment (it
+reaches every case's process): glibc otherwise raises its mmap threshold after the first large free, later tiles
+come from the heap, and the peak RSS of the same case varies by tens of MiB with allocation order (measured
+156-214 MiB for tiled clip at N=16384; 89.5-90.0 MiB at N=8192 with the fixed threshold).
+
 Every loss is measured at each logit scale and feature alignment (random, aligned, near-duplicate pairs); the
 ratio lines divide by the reference measured in the same run (for supcon, debiased and hard_negative the loss
 value differs from ClipLoss's by definition, only time and memory compare).
