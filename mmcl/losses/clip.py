@@ -30,8 +30,8 @@ def logsumexp_rows(
     if chunk_size is None:
         logits = _dense_logits(queries, keys, logit_scale)
         if with_cols:
-            return torch.logsumexp(logits, dim=1), torch.logsumexp(logits, dim=0)
-        return torch.logsumexp(logits, dim=1)
+            return DenseLogSumExp.apply(logits, 1), DenseLogSumExp.apply(logits, 0)
+        return DenseLogSumExp.apply(logits, 1)
     return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, with_cols)
 
 
@@ -96,6 +96,32 @@ def _logsumexp(logits: Tensor, dim: int) -> Tensor:
     """torch.logsumexp with the exp floored as in the tiles (`_exp_`): no subnormal is formed."""
     top = _finite_or_zero(logits.amax(dim=dim, keepdim=True))
     return (top + torch.log(_exp_(logits - top).sum(dim=dim, keepdim=True))).squeeze(dim)
+
+
+class DenseLogSumExp(torch.autograd.Function):
+    """``torch.logsumexp(x, dim)`` whose backward forms no subnormal float (as `DenseInfoNCE`'s).
+
+    Args (apply): x (..., M) float with dim 1 or 0 of a 2-D tensor. Returns the reduced tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim: int):
+        lse = _logsumexp(x, dim)
+        ctx.dim = dim
+        ctx.save_for_backward(x, lse)
+        return lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, lse = ctx.saved_tensors
+        dim = ctx.dim
+        grad = grad.to(x.dtype)
+        unit = _unit([grad], x)
+        coef, floor = _coefficient_floor(grad, unit, x.shape[dim])
+        coef, floor, lse = coef.unsqueeze(dim), floor.unsqueeze(dim), _finite_or_zero(lse).unsqueeze(dim)
+        out = torch.sub(x, lse)
+        return torch.maximum(out, floor, out=out).exp_().mul_(coef).mul_(unit), None
 
 
 class DenseInfoNCE(torch.autograd.Function):

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, DataError
 from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _upcast
-from .clip import _check_pair, _columns, _dense_logits, _positive_logits
+from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits, _positive_logits
 
 
 def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
@@ -34,10 +34,10 @@ def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, 
                      _positive_logits(text_features, all_img, logit_scale, offset))
         if single:
             logits = masked(image_features, text_features)
-            return positives, [(torch.logsumexp(g * logits, dim=1), torch.logsumexp(g * logits, dim=0))
+            return positives, [(DenseLogSumExp.apply(g * logits, 1), DenseLogSumExp.apply(g * logits, 0))
                                for g in gammas]
         i2t, t2i = masked(image_features, all_txt), masked(text_features, all_img)
-        return positives, [(torch.logsumexp(g * i2t, dim=1), torch.logsumexp(g * t2i, dim=1)) for g in gammas]
+        return positives, [(DenseLogSumExp.apply(g * i2t, 1), DenseLogSumExp.apply(g * t2i, 1)) for g in gammas]
     if single:
         rows, cols, positive = TiledLogSumExp.apply(image_features, text_features, logit_scale, chunk_size, True,
                                                     None, 0, gammas, True)

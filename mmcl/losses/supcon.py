@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..errors import DataError
 from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _upcast
-from .clip import _check_pair, _columns, _dense_logits
+from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits
 
 
 def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
@@ -25,11 +25,14 @@ def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
 
 def _supcon_rows_dense(queries, keys, logit_scale, q_labels, k_labels, offset):
     n = queries.shape[0]
-    log_prob = torch.log_softmax(_dense_logits(queries, keys, logit_scale), dim=1)  # (n, M)
+    logits = _dense_logits(queries, keys, logit_scale)  # (n, M)
     rows = torch.arange(n, device=queries.device)
     positive = (q_labels[:, None] == k_labels[None, :]) & (q_labels[:, None] >= 0)
     positive[rows, rows + offset] = True  # the pair itself, also for unlabelled (-1) pairs
-    return -(log_prob * positive).sum(dim=1) / positive.sum(dim=1)
+    # mean over positives of -log softmax = lse - mean of the positive logits; the log-sum-exp's backward forms
+    # no subnormal (log_softmax's took 67 s instead of 0.3 at N = 2048, scale 100, aligned pairs)
+    weights = positive.to(logits.dtype) / positive.sum(dim=1, keepdim=True)
+    return DenseLogSumExp.apply(logits, 1) - (logits * weights).sum(dim=1)
 
 
 def _class_index(q_labels, k_labels):
