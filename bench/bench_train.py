@@ -374,15 +374,14 @@ def pure_step_child(args) -> None:
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(cfg.loss.max_logit_scale))
+        models.clamp_logit_scale(model, cfg.loss.max_logit_scale)
 
     # mmcl's own step on the same batches: the training loop's code path (Accelerator-prepared model and
     # optimiser, train_step with the uint8 -> float finish, finiteness check, accelerate's clipping), no data
     # loading. Its time over full_step's is the step's code overhead.
     from accelerate import Accelerator
 
-    from mmcl.train import apply_update, max_log_logit_scale, train_step
+    from mmcl.train import apply_update, train_step
 
     accelerator = Accelerator(cpu=not cuda, mixed_precision={"fp32": "no"}.get(args.precision, args.precision))
     acc_model, acc_optimizer = accelerator.prepare(model, optimizer)
@@ -394,7 +393,7 @@ def pure_step_child(args) -> None:
         if not torch.isfinite(loss.detach()):
             raise SystemExit("non-finite loss in the step benchmark")
         backward()
-        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip, max_log_logit_scale(cfg))
+        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip, cfg.loss.max_logit_scale)
 
     for _ in range(3):  # allocator and kernel warm-up
         full_step()

@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -452,3 +453,11 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
                 _unfreeze_layer_norms([text])
             if _all_frozen(text.parameters()):
                 _run_frozen(text)
+
+
+def clamp_logit_scale(model: nn.Module, max_logit_scale: float) -> None:
+    """Keep the learned temperature within ``1 <= exp(logit_scale) <= max_logit_scale``, in place on the model's
+    log parameter (``model.logit_scale``, the unwrapped model). The one place the limit is applied: after each
+    optimiser step, so every forward returns a scale within it and the loss uses that scale as given."""
+    with torch.no_grad():
+        model.logit_scale.clamp_(0, math.log(max_logit_scale))

@@ -244,6 +244,19 @@ def _images(b, device, finish_images):
     return x if finish_images is None else finish_images(x)
 
 
+def _leaf(value: torch.Tensor) -> torch.Tensor:
+    """A 0-dim float32 copy of a forward output that collects the loss's gradient (GradCache's first pass)."""
+    return value.detach().float().reshape(()).clone().requires_grad_(True)
+
+
+def _through(output: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor:
+    """A term whose backward gives `output` the gradient `grad` (zero-weighted when the loss did not use it, so
+    that the parameter stays in DDP's graph)."""
+    if grad is None:
+        return 0.0 * output.sum()
+    return (output.float().reshape(()) * grad).sum()
+
+
 def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True):
     """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
 
@@ -272,15 +285,15 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
         for b in batches:
             rng_states.append(torch.get_rng_state())
             with accelerator.autocast():
-                image_features, text_features, _, _ = _forward(model, _images(b, device, finish_images),
-                                                               _moved(b["text"], device))
+                image_features, text_features, logit_scale, logit_bias = _forward(
+                    model, _images(b, device, finish_images), _moved(b["text"], device))
             feats.append((image_features.float(), text_features.float()))
     all_image_features = torch.cat([f[0] for f in feats]).requires_grad_(True)
     all_text_features = torch.cat([f[1] for f in feats]).requires_grad_(True)
-    # logit scale/bias come from the unwrapped parameters so their gradient flows directly.
-    raw = accelerator.unwrap_model(model)
-    logit_scale = raw.logit_scale.exp().reshape(())
-    logit_bias = raw.logit_bias.reshape(()) if getattr(raw, "logit_bias", None) is not None else None
+    # The scale and bias as the model's forward returns them (the same for every micro-batch), held like the
+    # features: the loss's gradient with respect to them reaches the parameters through the last re-run below.
+    logit_scale = _leaf(logit_scale)
+    logit_bias = None if logit_bias is None else _leaf(logit_bias)
     labels = torch.cat([b["label"] for b in batches]).to(device)
     loss, terms = objective(all_image_features, all_text_features, logit_scale, logit_bias, labels,
                             with_metrics=with_metrics)
@@ -288,10 +301,13 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
     def backward():
         accelerator.backward(loss)  # grads for the features, logit scale and bias
         grad_image, grad_text = all_image_features.grad, all_text_features.grad
+        grad_scale = logit_scale.grad
+        grad_bias = None if logit_bias is None else logit_bias.grad
         start = 0
         for i, b in enumerate(batches):
             n = b["image"].shape[0]
-            cm = accelerator.no_sync(model) if i < len(batches) - 1 else contextlib.nullcontext()
+            last = i == len(batches) - 1
+            cm = contextlib.nullcontext() if last else accelerator.no_sync(model)
             with cm:
                 cur = torch.get_rng_state()
                 torch.set_rng_state(rng_states[i])
@@ -301,25 +317,25 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
                 torch.set_rng_state(cur)
                 surrogate = ((image_features.float() * grad_image[start:start + n]).sum()
                              + (text_features.float() * grad_text[start:start + n]).sum())
-                # Zero-weighted so the scale/bias stay in DDP's graph: their gradient, accumulated above, is then
-                # averaged across processes with the rest.
-                surrogate = surrogate + 0.0 * scale_out.sum() + (0.0 * bias_out.sum() if bias_out is not None else 0.0)
+                if last:  # once, inside the backward DDP averages across processes
+                    surrogate = surrogate + _through(scale_out, grad_scale)
+                    if bias_out is not None:
+                        surrogate = surrogate + _through(bias_out, grad_bias)
                 surrogate.backward()
             start += n
 
     return loss, terms, backward
 
 
-def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_log_logit_scale: float):
+def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_logit_scale: float):
     """After backward: clip the gradients (when `grad_clip`), step and clear the optimiser, and keep the learned
-    temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``. Returns the
-    gradient norm before clipping as a tensor (read it, a device sync, only when it is logged), or None
-    without clipping."""
+    temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``
+    (`models.clamp_logit_scale`). Returns the gradient norm before clipping as a tensor (read it, a device sync,
+    only when it is logged), or None without clipping."""
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        raw_model.logit_scale.clamp_(0, max_log_logit_scale)
+    models.clamp_logit_scale(raw_model, max_logit_scale)
     return grad_norm
 
 
@@ -368,7 +384,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         else:
             backward()
             grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, cfg.optim.grad_clip,
-                                     max_log_logit_scale(cfg))
+                                     cfg.loss.max_logit_scale)
             count_step(run)
             if run.logged_at(run.progress.step):
                 last = log_record(run, loss, terms, lr, grad_norm)
@@ -528,11 +544,6 @@ def describe_setup(run: Run) -> None:
                     f"the model is replicated on every process")
     if cfg.train.samples is not None:
         run.log(f"train.samples={cfg.train.samples}: {run.total} steps of {run.global_batch} samples")
-
-
-def max_log_logit_scale(cfg: TrainConfig) -> float:
-    """The upper limit of the learned log-temperature parameter: ``log(loss.max_logit_scale)``."""
-    return math.log(cfg.loss.max_logit_scale)
 
 
 def set_learning_rate(run: Run) -> float:

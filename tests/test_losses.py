@@ -311,14 +311,17 @@ def test_objective_without_metrics_skips_them_and_keeps_the_loss():
     assert all(terms[k] == full[k] for k in terms)
 
 
-def test_objective_tiled_matches_dense_and_clamps_scale():
+def test_objective_tiled_matches_dense_and_uses_the_scale_as_given():
+    """The objective applies no limit of its own to the scale (the model's parameter is clamped after each
+    optimiser step, `models.clamp_logit_scale`): a scale of 80 is used as 80, whatever ``max_logit_scale`` says."""
     img, txt = _features(40, 8, torch.float32, seed=9)
     dense = build_objective(LossConfig(chunk_size=None, max_logit_scale=50.0))
     tiled = build_objective(LossConfig(chunk_size=16, max_logit_scale=50.0))
     s = torch.tensor(80.0)
     ld, _ = dense(img, txt, s)
     lt, _ = tiled(img, txt, s)
-    torch.testing.assert_close(ld, clip_loss(img, txt, torch.tensor(50.0)))
+    torch.testing.assert_close(ld, clip_loss(img, txt, torch.tensor(80.0)), rtol=0, atol=0)
+    assert ld.item() != clip_loss(img, txt, torch.tensor(50.0)).item()
     torch.testing.assert_close(lt, ld, rtol=1e-5, atol=0)  # float32 tiled vs dense
 
 

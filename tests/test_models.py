@@ -86,6 +86,27 @@ def test_mmcl_config_and_logit_init():
     assert model.logit_scale.item() == 2.0 and model.logit_bias.item() == -10.0
 
 
+def test_clamp_logit_scale_limits_the_parameter_and_the_forward_scale():
+    """The one limit on the temperature: the log parameter is clamped into [0, log(max_logit_scale)], so the scale
+    every forward returns stays within [1, max_logit_scale] (up to the float32 rounding of log and exp)."""
+    import math
+
+    model, *_ = models.build(ModelConfig(name="tiny"))
+    inside = model.logit_scale.detach().clone()
+    models.clamp_logit_scale(model, 100.0)
+    assert torch.equal(model.logit_scale.detach(), inside)  # within the limit: untouched
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(400.0))
+    models.clamp_logit_scale(model, 100.0)
+    assert model.logit_scale.item() == pytest.approx(math.log(100.0), rel=1e-7)  # float32 log(100)
+    out = model(images(1), torch.ones(1, TINY["text_cfg"]["context_length"], dtype=torch.long))
+    assert out["logit_scale"].item() == pytest.approx(100.0, rel=1e-6)
+    with torch.no_grad():
+        model.logit_scale.fill_(-3.0)
+    models.clamp_logit_scale(model, 100.0)
+    assert model.logit_scale.item() == 0.0
+
+
 # ------------------------------------------------------------------------------------------ Hugging Face text
 def _reference_tokens(reference_tok, sentences, length):
     enc = reference_tok(sentences, padding="max_length", max_length=length, truncation=True, return_tensors="pt")

@@ -101,7 +101,7 @@ class ContrastiveObjective(nn.Module):
         on every rank, since the logged numbers are reduced together)."""
         _check_pair(image_features, text_features)
         cfg, w = self.cfg, self.weights
-        logit_scale = _as_scale(logit_scale, image_features).clamp(max=cfg.max_logit_scale)
+        logit_scale = _as_scale(logit_scale, image_features)
         if labels is not None:
             labels = _check_labels(labels.to(image_features.device), image_features.shape[0], image_features.device)
         distributed = _distributed()
