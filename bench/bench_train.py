@@ -308,9 +308,9 @@ def pure_step_child(args) -> None:
     import open_clip
     import torch
 
-    from mmcl import losses, models
+    from mmcl import models
     from mmcl.config import load_config
-    from mmcl.train import build_optimizer
+    from mmcl.train import build_optimizer, objective_from_config
 
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"data.batch_size={args.batch_size}",
                                                               f"model.name={args.model}"])
@@ -330,7 +330,7 @@ def pure_step_child(args) -> None:
     del oc_model
 
     model.to(device)
-    objective = losses.build_objective(cfg.loss)
+    objective = objective_from_config(cfg.loss)
     optimizer = build_optimizer(model, cfg.optim)
     # Mixed precision as accelerate runs it for mmcl and open_clip's amp does: autocast for forward and loss,
     # float32 weights and optimiser (and a gradient scaler for fp16).

@@ -27,9 +27,10 @@ from . import data as data_mod
 from . import losses, models, weights
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
-from .config import OptimConfig, TrainConfig, to_dict, to_yaml
+from .config import LossConfig, OptimConfig, TrainConfig, to_dict, to_yaml
 from .fsutil import atomic_write_text
-from .errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError, RunStopped, TrainingError
+from .errors import (CheckpointError, ConfigError, DamagedCheckpointError, DataError, MmclError, RunStopped,
+                     TrainingError)
 from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
 from .runlock import RunLock
 
@@ -257,6 +258,28 @@ def _through(output: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor
     return (output.float().reshape(()) * grad).sum()
 
 
+def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
+    """The training objective from ``loss.*`` (validated by `config.validate`): term weights and parameters."""
+    m = cfg.mochi
+    weights = {name: getattr(cfg, name) for name in losses.TERMS if name != "mochi"}
+    weights["mochi"] = m.weight
+    return losses.ContrastiveObjective(
+        weights, chunk_size=cfg.chunk_size, tau_plus=cfg.tau_plus, hn_beta=cfg.hn_beta, align_alpha=cfg.align_alpha,
+        uniform_t=cfg.uniform_t, n_hard=m.n_hard, s=m.s, s_prime=m.s_prime, mix_max=m.mix_max,
+        queue_size=m.queue_size)
+
+
+def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True):
+    """The objective on this process's features: the global batch is gathered here when several processes run
+    (`losses.gather_batch`), and a loss's complaint about its inputs becomes a `DataError` (one line)."""
+    try:
+        gathered = losses.gather_batch(image_features, text_features, labels)
+        return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
+                         gathered=gathered)
+    except losses.LossInputError as err:
+        raise DataError(str(err)) from None
+
+
 def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True):
     """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
 
@@ -273,9 +296,9 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
         with accelerator.autocast():
             image_features, text_features, logit_scale, logit_bias = _forward(
                 model, _images(b, device, finish_images), _moved(b["text"], device))
-            loss, terms = objective(image_features.float(), text_features.float(), logit_scale.float(),
-                                    None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                    with_metrics=with_metrics)
+            loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
+                                None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
+                                with_metrics)
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
@@ -295,8 +318,8 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
     logit_scale = _leaf(logit_scale)
     logit_bias = None if logit_bias is None else _leaf(logit_bias)
     labels = torch.cat([b["label"] for b in batches]).to(device)
-    loss, terms = objective(all_image_features, all_text_features, logit_scale, logit_bias, labels,
-                            with_metrics=with_metrics)
+    loss, terms = score(objective, all_image_features, all_text_features, logit_scale, logit_bias, labels,
+                        with_metrics)
 
     def backward():
         accelerator.backward(loss)  # grads for the features, logit scale and bias
@@ -475,7 +498,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
         run.log(init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
-    run.objective = losses.build_objective(cfg.loss)
+    run.objective = objective_from_config(cfg.loss)
     run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     optimizer = build_optimizer(model, cfg.optim)
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
@@ -507,7 +530,19 @@ def load_checkpoint(run: Run, resume: Path) -> None:
     accelerator.load_state(str(resume))
     rank_state = torch.load(rank_file, weights_only=False)
     run.stream.load_state_dict(rank_state["data"])
+    check_objective_state(run.objective, rank_state["objective"], resume)
     run.objective.load_state_dict(rank_state["objective"])
+
+
+def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> None:
+    """A checkpoint's MoCHi queues must fit the configured ``loss.mochi.queue_size``; CheckpointError if not."""
+    for name in ("image_queue", "text_queue"):
+        saved = state.get(f"{name}.features")
+        size = getattr(objective, name).size
+        if saved is not None and (saved.dim() != 2 or saved.shape[0] not in (0, size)):
+            raise CheckpointError(
+                f"cannot resume from {resume}: its MoCHi queue has shape {tuple(saved.shape)}, expected "
+                f"({size}, D) (loss.mochi.queue_size changed?)")
 
 
 def resume_or_start(run: Run) -> None:

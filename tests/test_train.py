@@ -18,9 +18,8 @@ import torch
 from mmcl import models
 from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.errors import TrainingError
-from mmcl.losses import build_objective
 from mmcl.checkpoints import latest_checkpoint, list_checkpoints
-from mmcl.train import lr_at, param_groups, train, train_step
+from mmcl.train import lr_at, objective_from_config, param_groups, train, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 # A smaller tower than configs/tiny.yaml so each step takes milliseconds on a busy 2-core machine.
@@ -72,7 +71,7 @@ def test_accumulation_equals_the_large_batch():
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)
-    objective = build_objective(LossConfig())
+    objective = objective_from_config(LossConfig())
     big = fake_batch(12, seed=1)
     halves = [{k: v[:6] for k, v in big.items()}, {k: v[6:] for k, v in big.items()}]
 
@@ -91,6 +90,26 @@ def test_accumulation_equals_the_large_batch():
     assert g_big.keys() == g_acc.keys() and "logit_scale" in g_big
     for name in g_big:
         torch.testing.assert_close(g_acc[name], g_big[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_loss_input_error_is_one_data_error_and_a_changed_queue_a_checkpoint_error(tmp_path):
+    from mmcl.config import MochiConfig
+    from mmcl.errors import CheckpointError, DataError
+    from mmcl.train import check_objective_state, score
+
+    img = torch.nn.functional.normalize(torch.randn(4, 8), dim=1)
+    with pytest.raises(DataError, match="labels must be an integer tensor of shape"):
+        score(objective_from_config(LossConfig(clip=0.0, supcon=1.0)), img, img, torch.tensor(10.0), None,
+              torch.zeros(3, dtype=torch.long))
+    mochi = dict(weight=1.0, n_hard=2, s=1, s_prime=1)
+    saved = objective_from_config(LossConfig(mochi=MochiConfig(queue_size=8, **mochi)))
+    saved(img, img, torch.tensor(10.0))  # fills the queue with width-8 features
+    state = saved.state_dict()
+    check_objective_state(objective_from_config(LossConfig(mochi=MochiConfig(queue_size=8, **mochi))), state,
+                          tmp_path)
+    with pytest.raises(CheckpointError, match=r"MoCHi queue has shape \(8, 8\), expected \(4, D\)"):
+        check_objective_state(objective_from_config(LossConfig(mochi=MochiConfig(queue_size=4, **mochi))), state,
+                              tmp_path)
 
 
 class _HalfScale(torch.nn.Module):
@@ -113,7 +132,7 @@ def test_accumulation_reads_the_scale_and_bias_from_the_forward():
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)
-    objective = build_objective(LossConfig(clip=1.0, siglip=0.5))
+    objective = objective_from_config(LossConfig(clip=1.0, siglip=0.5))
     big = fake_batch(12, seed=2)
     thirds = [{k: v[i:i + 4] for k, v in big.items()} for i in (0, 4, 8)]
     runs = []
@@ -138,7 +157,7 @@ def _ddp_worker(rank, world, port, out_path, micro_batches=1):
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)
-    objective = build_objective(LossConfig())
+    objective = objective_from_config(LossConfig())
     model = acc.prepare(micro_model())
     big = fake_batch(12, seed=1)
     n = 12 // world
@@ -170,7 +189,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, micro_b
 
     acc = Accelerator(cpu=True)
     model = micro_model()
-    _, terms, backward = train_step(model, build_objective(LossConfig()), [fake_batch(12, seed=1)], acc)
+    _, terms, backward = train_step(model, objective_from_config(LossConfig()), [fake_batch(12, seed=1)], acc)
     backward()
     single = grads_of(model)
     # Same math, different float32 summation order across the all-gather: agreement to ~1e-6 relative.
@@ -430,7 +449,7 @@ def test_bf16_autocast_and_gradient_checkpointing(demo, tmp_path):
     for checkpointing in (False, True):
         model = micro_model()
         model.set_grad_checkpointing(checkpointing)
-        _, _, backward = train_step(model, build_objective(LossConfig()), [batch], acc)
+        _, _, backward = train_step(model, objective_from_config(LossConfig()), [batch], acc)
         backward()
         grads.append(grads_of(model))
     for name in grads[0]:
