@@ -459,17 +459,22 @@ class Run:
 def make_accelerator(precision: str):
     """An `Accelerator` for ``train.precision`` (fp32 | bf16 | fp16).
 
-    accelerate keeps its state process-wide and refuses a second Accelerator with another mixed precision. Only
-    when a second `train()` in one Python process (notebooks, tests) asks for another precision is that state
-    started afresh; the process group and device (PartialState) are kept. accelerate 1.x offers no public call
-    for this, so the one private call is made here and only then.
+    accelerate keeps its state, mixed precision included, for the life of the Python process and offers no public
+    call to start it afresh. A second run in one process (a notebook) with another precision therefore ends with
+    a ConfigError naming both, rather than with accelerate's ValueError or with a private reset; tests start each
+    test with fresh state (tests/conftest.py).
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, is_initialized
 
-    mixed_precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
+    names = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+    mixed_precision = names[precision]
     if is_initialized() and AcceleratorState().mixed_precision != mixed_precision:
-        AcceleratorState._reset_state()
+        held = {v: k for k, v in names.items()}.get(AcceleratorState().mixed_precision,
+                                                    AcceleratorState().mixed_precision)
+        raise ConfigError(f"train.precision={precision}, but this Python process already ran accelerate with "
+                          f"train.precision={held}, which accelerate keeps for the life of the process (expected "
+                          f"{held}; run the other precision in a new process, e.g. restart the notebook kernel)")
     return Accelerator(mixed_precision=mixed_precision, cpu=_cpu_processes())
 
 

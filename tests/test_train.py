@@ -571,25 +571,21 @@ def test_a_bad_shard_read_by_two_processes_warns_once(demo, tmp_path):
     assert not re.search(r"mmcl[/\\]\w+\.py:\d+: \w*Warning", p.stderr), p.stderr  # none in Python's format
 
 
-def test_a_second_run_in_one_process_may_use_another_precision(monkeypatch):
-    """accelerate's process-wide state is started afresh only when the precision asked for differs."""
-    from accelerate.state import AcceleratorState
-
+def test_a_second_run_in_one_process_with_another_precision_is_one_config_error(fresh_accelerate_state):
+    """accelerate keeps its precision for the life of the process: the same precision again is fine, another one
+    is a ConfigError naming both; in a fresh process (here: fresh state) bf16 autocasts."""
+    from mmcl.errors import ConfigError
     from mmcl.train import make_accelerator
 
-    resets = []
-    real_reset = AcceleratorState._reset_state
-    monkeypatch.setattr(AcceleratorState, "_reset_state",
-                        staticmethod(lambda *a, **k: (resets.append(1), real_reset(*a, **k))[1]))
-    first = make_accelerator("fp32")
-    assert first.mixed_precision == "no"
-    before = len(resets)
     assert make_accelerator("fp32").mixed_precision == "no"
-    assert len(resets) == before  # same precision: accelerate's state is kept as it is
+    assert make_accelerator("fp32").mixed_precision == "no"
+    with pytest.raises(ConfigError, match=r"train.precision=bf16, but .* already ran accelerate with "
+                                          r"train.precision=fp32"):
+        make_accelerator("bf16")
+    fresh_accelerate_state()
     bf16 = make_accelerator("bf16")
-    assert bf16.mixed_precision == "bf16" and len(resets) == before + 1
+    assert bf16.mixed_precision == "bf16"
     with bf16.autocast():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
-    assert make_accelerator("fp32").mixed_precision == "no" and len(resets) == before + 2
-    with make_accelerator("fp32").autocast():
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with pytest.raises(ConfigError, match="train.precision=fp16, but .* train.precision=bf16"):
+        make_accelerator("fp16")
