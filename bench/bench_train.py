@@ -317,7 +317,7 @@ def pure_step_child(args) -> None:
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    model, _, _, train_tf, _, tokenizer = models.build(cfg.model)
+    model, _, pp_cfg, _, _, tokenizer = models.build(cfg.model)
     # The model open_clip builds (from the registered copy of an mmcl config) must be the one mmcl trains.
     open_clip.add_model_config(args.oc_models)
     oc_model = open_clip.create_model(open_clip_model_name(args.model), precision="fp32", device="cpu")
@@ -343,10 +343,10 @@ def pure_step_child(args) -> None:
     b = args.batch_size
     # Real batches of the same data, decoded once and held in memory: the same images and captions (so the same
     # text lengths after the padding cut) as the training runs, without any loading.
-    from mmcl.data import build_train_stream
+    from mmcl.data import ImageSpec, build_train_stream
 
     data_cfg = dataclasses.replace(cfg.data, train=args.shards, workers=0)  # the loaded config is read-only
-    stream = build_train_stream(data_cfg, train_tf, tokenizer, seed=0)
+    stream = build_train_stream(data_cfg, ImageSpec.from_config(pp_cfg), tokenizer, seed=0)  # as train does
     it = iter(stream)
     held, raw = [], []
     for _ in range(args.pure_batches):

@@ -497,7 +497,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
     agreed(accelerator, take_directory)
     set_seed(cfg.train.seed)
-    model, run.model_cfg, run.pp_cfg, train_tf, _, run.tokenizer = models.build(cfg.model)
+    model, run.model_cfg, run.pp_cfg, _, _, run.tokenizer = models.build(cfg.model)
     if cfg.model.init_from:
         from .weights import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
 
@@ -506,8 +506,9 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     run.objective = objective_from_config(cfg.loss)
     run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     optimizer = build_optimizer(model, cfg.optim)
+    image_spec = data_mod.ImageSpec.from_config(run.pp_cfg)  # data builds the training transform from these
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
-        cfg.data, train_tf, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
+        cfg.data, image_spec, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
         world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
     if cfg.train.compile:
         model = torch.compile(model)
