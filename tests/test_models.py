@@ -145,6 +145,30 @@ def test_hf_projection_choices(minilm_dir):
         models.build(lit_config(minilm_dir, projection="none", embed_dim=64))
 
 
+@pytest.mark.parametrize("pooling, projection", [("mean", "mlp"), ("cls", "linear")])
+def test_hf_tower_built_without_open_clip_tables_equals_open_clip_build(minilm_dir, pooling, projection):
+    """The tower mmcl builds with the width and pooler given explicitly holds, for the same seed, exactly the
+    weights (vision tower, text projection, logit scale and bias) of open_clip's own CustomTextCLIP build, and
+    gives the same text features."""
+    from open_clip.model import CustomTextCLIP
+
+    cfg = models.resolve_model_config(lit_config(minilm_dir, pooling=pooling, projection=projection, embed_dim=48,
+                                                 init_logit_bias=-5.0))
+    oc_cfg = copy.deepcopy(cfg)
+    oc_cfg["text_cfg"]["hf_model_pretrained"] = True
+    torch.manual_seed(11)
+    ours = models.create(cfg)
+    torch.manual_seed(11)
+    theirs = CustomTextCLIP(**oc_cfg)
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys() and any(k.startswith("text.proj") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    tokens = models.build_tokenizer(cfg)(SENTENCES)
+    with torch.no_grad():
+        assert torch.equal(ours.eval().encode_text(tokens), theirs.eval().encode_text(tokens))
+
+
 def test_hf_tower_of_a_type_open_clip_lacks_leaves_its_table_unchanged(tmp_path, minilm_dir):
     """An MPNet tower (not in open_clip's architecture table) builds, and the table is as it was after."""
     from open_clip.hf_configs import arch_dict
