@@ -31,6 +31,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import ConfigError
+from .fsutil import is_local_dir
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 CONFIG_FILE = "open_clip_config.json"
@@ -39,10 +40,6 @@ HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside
 # 'cls' is the [CLS] token's last hidden state; open_clip's 'cls_pooler' would instead use BERT's pooler head
 # (dense + tanh trained for next-sentence prediction), an extra layer that many sentence encoders never trained.
 _HF_POOLERS = {"mean": "mean_pooler", "cls": "cls_last_hidden_state_pooler", "max": "max_pooler"}
-# Weight files of a local directory, most preferred first (open_clip's names, then transformers').
-_DIR_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
-                "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth",
-                "model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -68,10 +65,6 @@ def named_config(name: str) -> Dict[str, Any]:
     return copy.deepcopy(cfg)
 
 
-def _is_local(name_or_path: str) -> bool:
-    return os.path.isdir(os.path.expanduser(name_or_path))
-
-
 def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
     """Apply the ``model.*`` overrides to the named config; returns a new open_clip model-config dict."""
     model_cfg = named_config(cfg.name)
@@ -84,7 +77,7 @@ def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
                     "hf_model_pretrained"):
             text_cfg.pop(key, None)
         # A local directory is stored absolute so a resumed run or a saved config works from any directory.
-        source = os.path.abspath(os.path.expanduser(cfg.text.hf)) if _is_local(cfg.text.hf) else cfg.text.hf
+        source = os.path.abspath(os.path.expanduser(cfg.text.hf)) if is_local_dir(cfg.text.hf) else cfg.text.hf
         text_cfg.update(
             hf_model_name=source,
             hf_tokenizer_name=source,

@@ -36,7 +36,8 @@ from .writer import ShardWriter, shards_from_input, write_shards
 
 __all__ = [
     "IMAGE_EXTS", "SKIP_REASONS", "SHARD_SUFFIXES", "WORKER_STOP_GRACE_S",
-    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "ImageSpec", "PyRandomResizedCrop", "RawSample",
+    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "ImageSpec",
+    "PyRandomResizedCrop", "RawSample",
     "ShardEvalDataset", "ShardWriter", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
     "TransformOutputError",
     "build_eval_dataset", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",

@@ -449,8 +449,8 @@ class TrainStream:
             self._next_role = int(state["next_role"])
         self.batches = int(state.get("batches", 0))
 
-def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int, rank: int = 0,
-                       world_size: int = 1, pin_memory: bool = False) -> TrainStream:
+def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
+                       rank: int = 0, world_size: int = 1, pin_memory: bool = False) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:

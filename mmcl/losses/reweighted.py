@@ -107,7 +107,8 @@ def hard_negative_clip_loss(
         image_features, text_features, all_image_features, all_text_features, offset
     )
     if all_img.shape[0] < 2:
-        raise LossInputError(f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
+        raise LossInputError(
+            f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
     n_neg = all_img.shape[0] - 1
     # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
     # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
