@@ -964,3 +964,25 @@ def test_tiled_float32_as_accurate_as_dense_when_the_positive_dominates(noise, t
     # Within 10x of the dense float32 path's own error (which is ~1e-16 for the value here), plus 1e-20.
     for tiled_err, dense_err in zip(errors[64], errors[None]):
         assert tiled_err <= 10 * dense_err + 1e-20, (errors[64], errors[None])
+
+
+def test_the_losses_import_torch_and_nothing_else_of_mmcl():
+    """Layering: every module of mmcl/losses imports only the standard library, torch and its own package."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    for path in sorted((Path(losses.__file__).parent).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 1:  # from .x import ...: inside mmcl.losses
+                    continue
+                assert node.level == 0, f"{path.name} imports from outside mmcl.losses: {ast.unparse(node)}"
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
