@@ -308,16 +308,16 @@ def pure_step_child(args) -> None:
     import open_clip
     import torch
 
-    from mmcl import losses, models
+    from mmcl import models
     from mmcl.config import load_config
-    from mmcl.train import build_optimizer
+    from mmcl.train import build_optimizer, objective_from_config
 
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"data.batch_size={args.batch_size}",
                                                               f"model.name={args.model}"])
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    model, _, _, train_tf, _, tokenizer = models.build(cfg.model)
+    model, _, pp_cfg, _, _, tokenizer = models.build(cfg.model)
     # The model open_clip builds (from the registered copy of an mmcl config) must be the one mmcl trains.
     open_clip.add_model_config(args.oc_models)
     oc_model = open_clip.create_model(open_clip_model_name(args.model), precision="fp32", device="cpu")
@@ -330,7 +330,7 @@ def pure_step_child(args) -> None:
     del oc_model
 
     model.to(device)
-    objective = losses.build_objective(cfg.loss)
+    objective = objective_from_config(cfg.loss)
     optimizer = build_optimizer(model, cfg.optim)
     # Mixed precision as accelerate runs it for mmcl and open_clip's amp does: autocast for forward and loss,
     # float32 weights and optimiser (and a gradient scaler for fp16).
@@ -343,10 +343,10 @@ def pure_step_child(args) -> None:
     b = args.batch_size
     # Real batches of the same data, decoded once and held in memory: the same images and captions (so the same
     # text lengths after the padding cut) as the training runs, without any loading.
-    from mmcl.data import build_train_stream
+    from mmcl.data import ImageSpec, build_train_stream
 
     data_cfg = dataclasses.replace(cfg.data, train=args.shards, workers=0)  # the loaded config is read-only
-    stream = build_train_stream(data_cfg, train_tf, tokenizer, seed=0)
+    stream = build_train_stream(data_cfg, ImageSpec.from_config(pp_cfg), tokenizer, seed=0)  # as train does
     it = iter(stream)
     held, raw = [], []
     for _ in range(args.pure_batches):
@@ -374,15 +374,14 @@ def pure_step_child(args) -> None:
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(cfg.loss.max_logit_scale))
+        models.clamp_logit_scale(model, cfg.loss.max_logit_scale)
 
     # mmcl's own step on the same batches: the training loop's code path (Accelerator-prepared model and
     # optimiser, train_step with the uint8 -> float finish, finiteness check, accelerate's clipping), no data
     # loading. Its time over full_step's is the step's code overhead.
     from accelerate import Accelerator
 
-    from mmcl.train import apply_update, max_log_logit_scale, train_step
+    from mmcl.train import apply_update, train_step
 
     accelerator = Accelerator(cpu=not cuda, mixed_precision={"fp32": "no"}.get(args.precision, args.precision))
     acc_model, acc_optimizer = accelerator.prepare(model, optimizer)
@@ -394,7 +393,7 @@ def pure_step_child(args) -> None:
         if not torch.isfinite(loss.detach()):
             raise SystemExit("non-finite loss in the step benchmark")
         backward()
-        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip, max_log_logit_scale(cfg))
+        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip, cfg.loss.max_logit_scale)
 
     for _ in range(3):  # allocator and kernel warm-up
         full_step()

@@ -326,6 +326,20 @@ def validate(cfg: TrainConfig) -> List[str]:
     terms = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative")
     if not any(getattr(cfg.loss, t) > 0 for t in terms) and cfg.loss.mochi.weight <= 0:
         problems.append("no loss term is active: set at least one of loss.clip, loss.supcon, loss.siglip, ... > 0")
+    loss = cfg.loss
+    if (loss.debiased > 0 or loss.hard_negative > 0) and not 0 <= loss.tau_plus < 1:
+        problems.append(f"loss.tau_plus must be in [0, 1) (got {loss.tau_plus})")
+    if loss.hard_negative > 0 and loss.hn_beta < 0:
+        problems.append(f"loss.hn_beta must be >= 0 (got {loss.hn_beta})")
+    m = loss.mochi
+    if m.weight > 0 and (m.n_hard < 1 or m.s < 0 or m.s_prime < 0 or not 0 < m.mix_max <= 1):
+        problems.append(f"loss.mochi needs n_hard >= 1, s >= 0, s_prime >= 0, 0 < mix_max <= 1 (got n_hard={m.n_hard}, "
+                        f"s={m.s}, s_prime={m.s_prime}, mix_max={m.mix_max})")
+    if not loss.max_logit_scale >= 1:  # the scale's parameter is clamped into [0, log(max_logit_scale)]
+        problems.append(f"loss.max_logit_scale must be >= 1 (got {loss.max_logit_scale})")
+    if loss.siglip > 0 and cfg.model.init_logit_bias is None:
+        problems.append("loss.siglip > 0 needs a model with a logit bias (got none; set model.init_logit_bias, "
+                        "e.g. -10)")
     if not 0 <= cfg.data.worker_nice <= 19:
         problems.append(f"data.worker_nice must be in [0, 19] (got {cfg.data.worker_nice})")
     if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):

@@ -42,7 +42,7 @@ from torch import nn
 
 from . import hf_clip, models, weights
 from .errors import CheckpointError, ConfigError
-from .fsutil import atomic_dir, atomic_write_text, files_under, output_dir
+from .fsutil import atomic_dir, atomic_write_text, files_under, os_error_text, output_dir
 
 FORMATS = ("open_clip", "hf", "onnx", "safetensors")
 MARKER_FILE = "mmcl_export.json"
@@ -103,7 +103,7 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
             marker["files"] = sorted(files_under(tmp) | {MARKER_FILE})
             (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     except (OSError, SafetensorError) as err:
-        raise ConfigError(f"cannot write the export to {out_dir}: {weights.os_error_text(err)}") from None
+        raise ConfigError(f"cannot write the export to {out_dir}: {os_error_text(err)}") from None
     return out_dir
 
 

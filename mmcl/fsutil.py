@@ -224,3 +224,16 @@ def atomic_write_text(path: Path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def is_local_dir(name_or_path: str) -> bool:
+    """Whether `name_or_path` (``~`` expanded) is an existing local directory rather than a hub name."""
+    return os.path.isdir(os.path.expanduser(name_or_path))
+
+
+def os_error_text(err: Exception) -> str:
+    """'No space left on device (/path)' from an OSError (safetensors' own errors give their message)."""
+    strerror, filename = getattr(err, "strerror", None), getattr(err, "filename", None)
+    if strerror:
+        return f"{strerror} ({filename})" if filename else strerror
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -29,7 +29,7 @@ import torch
 
 from . import models, weights
 from .errors import CheckpointError, DataError
-from .fsutil import atomic_dir, output_dir
+from .fsutil import atomic_dir, os_error_text, output_dir
 
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.jsonl"
@@ -115,7 +115,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
             meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     except OSError as err:
-        raise DataError(f"cannot write the index to {out_dir}: {weights.os_error_text(err)}") from None
+        raise DataError(f"cannot write the index to {out_dir}: {os_error_text(err)}") from None
     return out_dir
 
 

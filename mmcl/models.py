@@ -2,7 +2,8 @@
 
 A model config is open_clip's own dict (``embed_dim``, ``vision_cfg``, ``text_cfg``, ...). Named configs are
 data: ``mmcl/model_configs/*.json`` first, then any architecture open_clip ships (ViT, ResNet, timm ConvNeXt, ...).
-A Hugging Face text tower (``model.text.hf``) goes through open_clip's ``hf_model_name`` support.
+A Hugging Face text tower (``model.text.hf``) is open_clip's adapter built with its width, pooler and projection given
+explicitly (`_hf_text_tower_class`), so no open_clip table is written.
 
 The names of a saved model directory's files are defined here; saving, loading and ``init_from`` live in
 `mmcl.weights`.
@@ -19,6 +20,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -29,6 +31,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import ConfigError
+from .fsutil import is_local_dir
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 CONFIG_FILE = "open_clip_config.json"
@@ -37,10 +40,6 @@ HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside
 # 'cls' is the [CLS] token's last hidden state; open_clip's 'cls_pooler' would instead use BERT's pooler head
 # (dense + tanh trained for next-sentence prediction), an extra layer that many sentence encoders never trained.
 _HF_POOLERS = {"mean": "mean_pooler", "cls": "cls_last_hidden_state_pooler", "max": "max_pooler"}
-# Weight files of a local directory, most preferred first (open_clip's names, then transformers').
-_DIR_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
-                "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth",
-                "model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -66,10 +65,6 @@ def named_config(name: str) -> Dict[str, Any]:
     return copy.deepcopy(cfg)
 
 
-def _is_local(name_or_path: str) -> bool:
-    return os.path.isdir(os.path.expanduser(name_or_path))
-
-
 def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
     """Apply the ``model.*`` overrides to the named config; returns a new open_clip model-config dict."""
     model_cfg = named_config(cfg.name)
@@ -82,7 +77,7 @@ def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
                     "hf_model_pretrained"):
             text_cfg.pop(key, None)
         # A local directory is stored absolute so a resumed run or a saved config works from any directory.
-        source = os.path.abspath(os.path.expanduser(cfg.text.hf)) if _is_local(cfg.text.hf) else cfg.text.hf
+        source = os.path.abspath(os.path.expanduser(cfg.text.hf)) if is_local_dir(cfg.text.hf) else cfg.text.hf
         text_cfg.update(
             hf_model_name=source,
             hf_tokenizer_name=source,
@@ -178,8 +173,7 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     custom_text = model_cfg.pop("custom_text", False) or bool(hf_name)
     if hf_name:
         text_cfg.setdefault("hf_model_pretrained", True)
-    model_cls = CustomTextCLIP if custom_text else _clip_class()
-    added = _register_hf_arch(hf_name) if hf_name else None
+    model_cls = _hf_text_clip_class() if hf_name else CustomTextCLIP if custom_text else _clip_class()
     try:
         model = model_cls(**model_cfg)
     except TypeError as err:
@@ -190,39 +184,110 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
                           f"{str(err).splitlines()[0]}") from None
     except RuntimeError as err:  # e.g. timm: unknown model name
         raise ConfigError(f"invalid model config: {str(err).splitlines()[0]}") from None
-    finally:
-        if added is not None:  # open_clip reads the entry only while building the tower
-            from open_clip.hf_configs import arch_dict
-
-            arch_dict.pop(added, None)
     if hf_name:
         _check_hf_tower(model.text, model_cfg)
     model.output_dict = True
     return model
 
 
-def _register_hf_arch(hf_name: str) -> Optional[str]:
-    """Let open_clip's HFTextEncoder size the projection of model types its table lacks (e.g. MPNet).
-
-    open_clip reads the tower width from ``arch_dict[model_type]`` while it builds the tower; an entry naming
-    the config attribute that holds the width is added for the build, and its key returned so that `create`
-    removes it again (open_clip's table is left as it was). Known types are left as open_clip defines them.
-    """
+def _hf_width(config) -> int:
+    """The hidden width of a Hugging Face model config: open_clip's attribute name for the model types it knows
+    (read from its table), else the first of the usual attribute names."""
     from open_clip.hf_configs import arch_dict
-    from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(hf_name)
-    except (OSError, ValueError):
-        return None  # create() reports the unreadable tower
-    if config.model_type in arch_dict:
-        return None
-    width = next((a for a in ("hidden_size", "d_model", "dim", "n_embd") if hasattr(config, a)), None)
-    if width is None:
+    known = arch_dict.get(config.model_type, {}).get("config_names", {}).get("width")
+    names = ([known] if known else []) + ["hidden_size", "d_model", "dim", "n_embd"]
+    attr = next((a for a in names if hasattr(config, a)), None)
+    if attr is None:
         raise ConfigError(f"cannot find the width of Hugging Face model type '{config.model_type}' "
                           f"(expected one of hidden_size, d_model, dim in its config)")
-    arch_dict[config.model_type] = {"config_names": {"width": width}, "pooler": "mean_pooler"}
-    return config.model_type
+    return int(getattr(config, attr))
+
+
+def _hf_pooler(pooler_type: Optional[str], model_type: str) -> nn.Module:
+    """The pooler named in the model config (open_clip's names), with mmcl's padding-aware max pooling."""
+    from open_clip import hf_model
+    from open_clip.hf_configs import arch_dict
+
+    if pooler_type is None:  # open_clip's default for the model type
+        pooler_type = arch_dict.get(model_type, {}).get("pooler", "mean_pooler")
+    poolers = {"mean_pooler": hf_model.MeanPooler, "max_pooler": MaskedMaxPooler, "cls_pooler": hf_model.ClsPooler,
+               "cls_last_hidden_state_pooler": hf_model.ClsLastHiddenStatePooler}
+    if pooler_type not in poolers:
+        raise ConfigError(f"unknown Hugging Face pooler '{pooler_type}' (expected one of {', '.join(poolers)})")
+    return poolers[pooler_type]()
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_text_tower_class():
+    """open_clip's Hugging Face text adapter (its forward, pooling and projection layout), constructed with the
+    width and pooler given explicitly: open_clip's own constructor looks them up in its module-level table of
+    model types, which would have to be written for a type it lacks (e.g. MPNet)."""
+    from open_clip.hf_model import HFTextEncoder
+
+    class HFTextTower(HFTextEncoder):
+        def __init__(self, source: str, output_dim: int, pooler_type: Optional[str] = None,
+                     proj_type: Optional[str] = None, pretrained: bool = True, output_tokens: bool = False):
+            nn.Module.__init__(self)
+            from transformers import AutoConfig, AutoModel
+
+            self.output_tokens = output_tokens
+            self.output_dim = output_dim
+            self.config = AutoConfig.from_pretrained(source)
+            # The same construction calls, in the same order, as open_clip's adapter: the random projection's
+            # initial weights then equal those of a tower built by open_clip for the same seed.
+            pooler = _hf_pooler(pooler_type, self.config.model_type)
+            load = (lambda: AutoModel.from_pretrained(source, **extra)) if pretrained else (
+                lambda: AutoModel.from_config(self.config, **extra))
+            if getattr(self.config, "is_encoder_decoder", False):
+                extra = {}
+                self.transformer = load().encoder
+            else:
+                extra = {"add_pooling_layer": pooler_type == "cls_pooler"}
+                self.transformer = load()
+            self.vocab_size = getattr(self.config, "vocab_size", 0)
+            self.context_length = getattr(self.config, "max_position_embeddings", 0)
+            self.pooler = pooler
+            width = _hf_width(self.config)
+            if width == output_dim and proj_type is None:
+                self.proj = nn.Identity()
+            elif proj_type == "linear":
+                self.proj = nn.Linear(width, output_dim, bias=False)
+            elif proj_type == "mlp":
+                hidden = (width + output_dim) // 2
+                self.proj = nn.Sequential(nn.Linear(width, hidden, bias=False), nn.GELU(),
+                                          nn.Linear(hidden, output_dim, bias=False))
+            # else no projection: `_check_hf_tower` reports the width mismatch
+
+    return HFTextTower
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_text_clip_class():
+    """open_clip's CustomTextCLIP with its Hugging Face text tower built by `_hf_text_tower_class` (towers,
+    then the logit scale and bias, in open_clip's order)."""
+    from open_clip.model import CLIPTextCfg, CustomTextCLIP, _build_vision_tower
+
+    class HFTextCLIP(CustomTextCLIP):
+        def __init__(self, embed_dim: int, vision_cfg, text_cfg, quick_gelu: bool = False,
+                     init_logit_scale: float = math.log(1 / 0.07), init_logit_bias: Optional[float] = None,
+                     nonscalar_logit_scale: bool = False, cast_dtype: Optional[torch.dtype] = None,
+                     output_dict: bool = False):
+            nn.Module.__init__(self)
+            text_cfg = CLIPTextCfg(**text_cfg) if isinstance(text_cfg, dict) else text_cfg
+            self.output_dict = output_dict
+            self.visual = _build_vision_tower(embed_dim, vision_cfg, quick_gelu, cast_dtype)
+            self.text = _hf_text_tower_class()(
+                text_cfg.hf_model_name, output_dim=embed_dim, pooler_type=text_cfg.hf_pooler_type,
+                proj_type=text_cfg.hf_proj_type, pretrained=text_cfg.hf_model_pretrained,
+                output_tokens=text_cfg.output_tokens)
+            self.context_length = self.text.context_length
+            self.vocab_size = self.text.vocab_size
+            shape = [1] if nonscalar_logit_scale else []
+            self.logit_scale = nn.Parameter(torch.ones(shape) * init_logit_scale)
+            self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.ones(shape) * init_logit_bias)
+
+    return HFTextCLIP
 
 
 def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:
@@ -231,8 +296,6 @@ def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:
         width = getattr(text.config, "hidden_size", "?")
         raise ConfigError(f"model.text.projection=none needs model.embed_dim equal to the text tower's width "
                           f"(got embed_dim {model_cfg['embed_dim']}, expected {width})")
-    if model_cfg["text_cfg"].get("hf_pooler_type") == "max_pooler":
-        text.pooler = MaskedMaxPooler()
     context_length = model_cfg["text_cfg"].get("context_length", 77)
     max_positions = getattr(text.config, "max_position_embeddings", None)
     if max_positions and context_length > max_positions:
@@ -452,3 +515,11 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
                 _unfreeze_layer_norms([text])
             if _all_frozen(text.parameters()):
                 _run_frozen(text)
+
+
+def clamp_logit_scale(model: nn.Module, max_logit_scale: float) -> None:
+    """Keep the learned temperature within ``1 <= exp(logit_scale) <= max_logit_scale``, in place on the model's
+    log parameter (``model.logit_scale``, the unwrapped model). The one place the limit is applied: after each
+    optimiser step, so every forward returns a scale within it and the loss uses that scale as given."""
+    with torch.no_grad():
+        model.logit_scale.clamp_(0, math.log(max_logit_scale))

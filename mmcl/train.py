@@ -27,9 +27,10 @@ from . import data as data_mod
 from . import losses, models, weights
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
-from .config import OptimConfig, TrainConfig, to_dict, to_yaml
+from .config import LossConfig, OptimConfig, TrainConfig, to_dict, to_yaml
 from .fsutil import atomic_write_text
-from .errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError, RunStopped, TrainingError
+from .errors import (CheckpointError, ConfigError, DamagedCheckpointError, DataError, MmclError, RunStopped,
+                     TrainingError)
 from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
 from .runlock import RunLock
 
@@ -244,6 +245,41 @@ def _images(b, device, finish_images):
     return x if finish_images is None else finish_images(x)
 
 
+def _leaf(value: torch.Tensor) -> torch.Tensor:
+    """A 0-dim float32 copy of a forward output that collects the loss's gradient (GradCache's first pass)."""
+    return value.detach().float().reshape(()).clone().requires_grad_(True)
+
+
+def _through(output: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor:
+    """A term whose backward gives `output` the gradient `grad` (zero-weighted when the loss did not use it, so
+    that the parameter stays in DDP's graph)."""
+    if grad is None:
+        return 0.0 * output.sum()
+    return (output.float().reshape(()) * grad).sum()
+
+
+def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
+    """The training objective from ``loss.*`` (validated by `config.validate`): term weights and parameters."""
+    m = cfg.mochi
+    weights = {name: getattr(cfg, name) for name in losses.TERMS if name != "mochi"}
+    weights["mochi"] = m.weight
+    return losses.ContrastiveObjective(
+        weights, chunk_size=cfg.chunk_size, tau_plus=cfg.tau_plus, hn_beta=cfg.hn_beta, align_alpha=cfg.align_alpha,
+        uniform_t=cfg.uniform_t, n_hard=m.n_hard, s=m.s, s_prime=m.s_prime, mix_max=m.mix_max,
+        queue_size=m.queue_size)
+
+
+def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True):
+    """The objective on this process's features: the global batch is gathered here when several processes run
+    (`losses.gather_batch`), and a loss's complaint about its inputs becomes a `DataError` (one line)."""
+    try:
+        gathered = losses.gather_batch(image_features, text_features, labels)
+        return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
+                         gathered=gathered)
+    except losses.LossInputError as err:
+        raise DataError(str(err)) from None
+
+
 def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True):
     """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
 
@@ -260,9 +296,9 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
         with accelerator.autocast():
             image_features, text_features, logit_scale, logit_bias = _forward(
                 model, _images(b, device, finish_images), _moved(b["text"], device))
-            loss, terms = objective(image_features.float(), text_features.float(), logit_scale.float(),
-                                    None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                    with_metrics=with_metrics)
+            loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
+                                None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
+                                with_metrics)
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
@@ -272,26 +308,29 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
         for b in batches:
             rng_states.append(torch.get_rng_state())
             with accelerator.autocast():
-                image_features, text_features, _, _ = _forward(model, _images(b, device, finish_images),
-                                                               _moved(b["text"], device))
+                image_features, text_features, logit_scale, logit_bias = _forward(
+                    model, _images(b, device, finish_images), _moved(b["text"], device))
             feats.append((image_features.float(), text_features.float()))
     all_image_features = torch.cat([f[0] for f in feats]).requires_grad_(True)
     all_text_features = torch.cat([f[1] for f in feats]).requires_grad_(True)
-    # logit scale/bias come from the unwrapped parameters so their gradient flows directly.
-    raw = accelerator.unwrap_model(model)
-    logit_scale = raw.logit_scale.exp().reshape(())
-    logit_bias = raw.logit_bias.reshape(()) if getattr(raw, "logit_bias", None) is not None else None
+    # The scale and bias as the model's forward returns them (the same for every micro-batch), held like the
+    # features: the loss's gradient with respect to them reaches the parameters through the last re-run below.
+    logit_scale = _leaf(logit_scale)
+    logit_bias = None if logit_bias is None else _leaf(logit_bias)
     labels = torch.cat([b["label"] for b in batches]).to(device)
-    loss, terms = objective(all_image_features, all_text_features, logit_scale, logit_bias, labels,
-                            with_metrics=with_metrics)
+    loss, terms = score(objective, all_image_features, all_text_features, logit_scale, logit_bias, labels,
+                        with_metrics)
 
     def backward():
         accelerator.backward(loss)  # grads for the features, logit scale and bias
         grad_image, grad_text = all_image_features.grad, all_text_features.grad
+        grad_scale = logit_scale.grad
+        grad_bias = None if logit_bias is None else logit_bias.grad
         start = 0
         for i, b in enumerate(batches):
             n = b["image"].shape[0]
-            cm = accelerator.no_sync(model) if i < len(batches) - 1 else contextlib.nullcontext()
+            last = i == len(batches) - 1
+            cm = contextlib.nullcontext() if last else accelerator.no_sync(model)
             with cm:
                 cur = torch.get_rng_state()
                 torch.set_rng_state(rng_states[i])
@@ -301,25 +340,25 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
                 torch.set_rng_state(cur)
                 surrogate = ((image_features.float() * grad_image[start:start + n]).sum()
                              + (text_features.float() * grad_text[start:start + n]).sum())
-                # Zero-weighted so the scale/bias stay in DDP's graph: their gradient, accumulated above, is then
-                # averaged across processes with the rest.
-                surrogate = surrogate + 0.0 * scale_out.sum() + (0.0 * bias_out.sum() if bias_out is not None else 0.0)
+                if last:  # once, inside the backward DDP averages across processes
+                    surrogate = surrogate + _through(scale_out, grad_scale)
+                    if bias_out is not None:
+                        surrogate = surrogate + _through(bias_out, grad_bias)
                 surrogate.backward()
             start += n
 
     return loss, terms, backward
 
 
-def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_log_logit_scale: float):
+def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_logit_scale: float):
     """After backward: clip the gradients (when `grad_clip`), step and clear the optimiser, and keep the learned
-    temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``. Returns the
-    gradient norm before clipping as a tensor (read it, a device sync, only when it is logged), or None
-    without clipping."""
+    temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``
+    (`models.clamp_logit_scale`). Returns the gradient norm before clipping as a tensor (read it, a device sync,
+    only when it is logged), or None without clipping."""
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        raw_model.logit_scale.clamp_(0, max_log_logit_scale)
+    models.clamp_logit_scale(raw_model, max_logit_scale)
     return grad_norm
 
 
@@ -368,7 +407,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         else:
             backward()
             grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, cfg.optim.grad_clip,
-                                     max_log_logit_scale(cfg))
+                                     cfg.loss.max_logit_scale)
             count_step(run)
             if run.logged_at(run.progress.step):
                 last = log_record(run, loss, terms, lr, grad_norm)
@@ -420,17 +459,22 @@ class Run:
 def make_accelerator(precision: str):
     """An `Accelerator` for ``train.precision`` (fp32 | bf16 | fp16).
 
-    accelerate keeps its state process-wide and refuses a second Accelerator with another mixed precision. Only
-    when a second `train()` in one Python process (notebooks, tests) asks for another precision is that state
-    started afresh; the process group and device (PartialState) are kept. accelerate 1.x offers no public call
-    for this, so the one private call is made here and only then.
+    accelerate keeps its state, mixed precision included, for the life of the Python process and offers no public
+    call to start it afresh. A second run in one process (a notebook) with another precision therefore ends with
+    a ConfigError naming both, rather than with accelerate's ValueError or with a private reset; tests start each
+    test with fresh state (tests/conftest.py).
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, is_initialized
 
-    mixed_precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
+    names = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+    mixed_precision = names[precision]
     if is_initialized() and AcceleratorState().mixed_precision != mixed_precision:
-        AcceleratorState._reset_state()
+        held = {v: k for k, v in names.items()}.get(AcceleratorState().mixed_precision,
+                                                    AcceleratorState().mixed_precision)
+        raise ConfigError(f"train.precision={precision}, but this Python process already ran accelerate with "
+                          f"train.precision={held}, which accelerate keeps for the life of the process (expected "
+                          f"{held}; run the other precision in a new process, e.g. restart the notebook kernel)")
     return Accelerator(mixed_precision=mixed_precision, cpu=_cpu_processes())
 
 
@@ -453,17 +497,18 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
     agreed(accelerator, take_directory)
     set_seed(cfg.train.seed)
-    model, run.model_cfg, run.pp_cfg, train_tf, _, run.tokenizer = models.build(cfg.model)
+    model, run.model_cfg, run.pp_cfg, _, _, run.tokenizer = models.build(cfg.model)
     if cfg.model.init_from:
         from .weights import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
 
         run.log(init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
-    run.objective = losses.build_objective(cfg.loss)
+    run.objective = objective_from_config(cfg.loss)
     run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     optimizer = build_optimizer(model, cfg.optim)
+    image_spec = data_mod.ImageSpec.from_config(run.pp_cfg)  # data builds the training transform from these
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
-        cfg.data, train_tf, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
+        cfg.data, image_spec, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
         world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
     if cfg.train.compile:
         model = torch.compile(model)
@@ -491,7 +536,19 @@ def load_checkpoint(run: Run, resume: Path) -> None:
     accelerator.load_state(str(resume))
     rank_state = torch.load(rank_file, weights_only=False)
     run.stream.load_state_dict(rank_state["data"])
+    check_objective_state(run.objective, rank_state["objective"], resume)
     run.objective.load_state_dict(rank_state["objective"])
+
+
+def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> None:
+    """A checkpoint's MoCHi queues must fit the configured ``loss.mochi.queue_size``; CheckpointError if not."""
+    for name in ("image_queue", "text_queue"):
+        saved = state.get(f"{name}.features")
+        size = getattr(objective, name).size
+        if saved is not None and (saved.dim() != 2 or saved.shape[0] not in (0, size)):
+            raise CheckpointError(
+                f"cannot resume from {resume}: its MoCHi queue has shape {tuple(saved.shape)}, expected "
+                f"({size}, D) (loss.mochi.queue_size changed?)")
 
 
 def resume_or_start(run: Run) -> None:
@@ -528,11 +585,6 @@ def describe_setup(run: Run) -> None:
                     f"the model is replicated on every process")
     if cfg.train.samples is not None:
         run.log(f"train.samples={cfg.train.samples}: {run.total} steps of {run.global_batch} samples")
-
-
-def max_log_logit_scale(cfg: TrainConfig) -> float:
-    """The upper limit of the learned log-temperature parameter: ``log(loss.max_logit_scale)``."""
-    return math.log(cfg.loss.max_logit_scale)
 
 
 def set_learning_rate(run: Run) -> float:

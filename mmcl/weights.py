@@ -24,9 +24,14 @@ from torch import nn
 
 from . import checkpoints, hf_clip
 from .errors import CheckpointError, ConfigError
-from .fsutil import atomic_dir, files_under, output_dir
-from .models import (_DIR_WEIGHTS, CONFIG_FILE, HF_CONFIG_FILE, WEIGHTS_FILE, _is_local, build_tokenizer,
-                     build_transforms, create, preprocess_config)
+from .fsutil import atomic_dir, files_under, is_local_dir, os_error_text, output_dir
+from .models import (CONFIG_FILE, HF_CONFIG_FILE, WEIGHTS_FILE, build_tokenizer, build_transforms, create,
+                     preprocess_config)
+
+# Weight files of a local directory, most preferred first (open_clip's names, then transformers').
+DIR_WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
+                    "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth",
+                    "model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 
 def _state_dict_for_saving(model: nn.Module) -> Dict[str, torch.Tensor]:
     # safetensors refuses tensors that share storage (tied embeddings of some Hugging Face towers): clone them.
@@ -118,7 +123,7 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
                 _save_hf_text_files(model, text_cfg, tmp)
                 text_cfg.pop("hf_model_pretrained", None)
                 meta_extra.setdefault("text_source", text_cfg["hf_model_name"])
-                if _is_local(text_cfg["hf_model_name"]):
+                if is_local_dir(text_cfg["hf_model_name"]):
                     text_cfg["hf_model_name"] = text_cfg["hf_tokenizer_name"] = str(out_dir.resolve())
             meta = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
             if meta_extra:
@@ -127,14 +132,6 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     except (OSError, SafetensorError) as err:
         raise CheckpointError(f"cannot save the model to {out_dir}: {os_error_text(err)}") from None
     return out_dir
-
-
-def os_error_text(err: Exception) -> str:
-    """'No space left on device (/path)' from an OSError (safetensors' own errors give their message)."""
-    strerror, filename = getattr(err, "strerror", None), getattr(err, "filename", None)
-    if strerror:
-        return f"{strerror} ({filename})" if filename else strerror
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def find_model_dir(path) -> Path:
@@ -335,9 +332,9 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
         if weights_dir is None:
             raise CheckpointError(f"no weights found in {path} (expected {CONFIG_FILE}, a model/ subdirectory, "
                                   f"a complete training checkpoint, or a transformers CLIP config.json)")
-        files = [weights_dir / name for name in _DIR_WEIGHTS if (weights_dir / name).is_file()]
+        files = [weights_dir / name for name in DIR_WEIGHT_FILES if (weights_dir / name).is_file()]
         if not files:
-            raise CheckpointError(f"{weights_dir} has no weights file (expected one of {', '.join(_DIR_WEIGHTS)})")
+            raise CheckpointError(f"{weights_dir} has no weights file (expected one of {', '.join(DIR_WEIGHT_FILES)})")
         state = _read_weight_file(files[0])
         what = f"{what}, {files[0].name}"
     for prefix in ("module.", "_orig_mod."):  # DDP and torch.compile wrappers

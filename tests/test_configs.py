@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmcl import losses, models
+from mmcl import models
 from mmcl.config import from_dict, load_config, to_dict
-from mmcl.train import build_optimizer
+from mmcl.train import build_optimizer, objective_from_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -56,7 +56,7 @@ def test_small_config_trains_one_step(path):
     cfg = _load(path)
     model, _, pp, train_tf, _, tokenizer = models.build(cfg.model)
     models.apply_locks(model, cfg.model)
-    objective = losses.build_objective(cfg.loss)
+    objective = objective_from_config(cfg.loss)
     optimizer = build_optimizer(model, cfg.optim)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     batch = 8

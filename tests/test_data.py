@@ -283,6 +283,35 @@ def test_uint8_transfer_is_bitwise_equal_to_transforming_in_the_worker(corpus, w
         assert torch.equal(slow, ref["image"])  # the float path's finish is the identity
 
 
+@pytest.mark.parametrize("pp", [
+    {"size": 40, "mean": (0.48145466, 0.4578275, 0.40821073), "std": (0.26862954, 0.26130258, 0.27577711),
+     "interpolation": "bicubic", "resize_mode": "shortest"},  # open_clip's defaults (CLIP)
+    {"size": (36, 44), "mean": 0.5, "std": 0.5, "interpolation": "bilinear", "resize_mode": "squash"},  # SigLIP-like
+])
+def test_stream_from_image_numbers_gives_open_clip_train_pixels(corpus, pp):
+    """The training stream built from a model's image numbers (`ImageSpec`) yields bitwise the batches of the
+    same stream given open_clip's train transform for that preprocess config, with uint8 transfer and without."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    spec, _, _ = corpus
+    oc_transform = image_transform_v2(PreprocessCfg(**pp), is_train=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for uint8 in (True, False):
+            got = {}
+            for name, preprocess in (("numbers", data.ImageSpec.from_config(pp)), ("open_clip", oc_transform)):
+                stream = data.build_train_stream(cfg_for(spec, batch_size=4, workers=0, uint8_transfer=uint8),
+                                                 preprocess, tokenizer, seed=4)
+                it = iter(stream)
+                got[name] = (stream.draft_size, stream.uint8,
+                             [(b["key"], stream.finish_images(b["image"])) for b in (next(it) for _ in range(5))])
+                it.close()
+            (d1, u1, b1), (d2, u2, b2) = got["numbers"], got["open_clip"]
+            assert (d1, u1) == (d2, u2) and u1 == uint8
+            for (k1, x1), (k2, x2) in zip(b1, b2):
+                assert k1 == k2 and x1.dtype == torch.float32 and torch.equal(x1, x2)
+
+
 def test_split_transform_recognises_open_clip_transforms_and_leaves_others_whole():
     import open_clip
 

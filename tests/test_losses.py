@@ -8,14 +8,14 @@ import torch.nn.functional as F
 from open_clip.loss import ClipLoss, SigLipLoss
 
 from mmcl.config import LossConfig
-from mmcl.errors import ConfigError, DataError
+from mmcl.errors import ConfigError
 from mmcl import losses
 from mmcl.config import MochiConfig
 from mmcl.losses import (
     FeatureQueue,
+    LossInputError,
     TiledLogSumExp,
     align_loss,
-    build_objective,
     clip_loss,
     debiased_clip_loss,
     gather_features,
@@ -27,6 +27,7 @@ from mmcl.losses import (
     supcon_loss,
     uniform_loss,
 )
+from mmcl.train import objective_from_config
 
 
 def _features(n, d, dtype=torch.float32, seed=0, correlated=True):
@@ -326,7 +327,7 @@ def test_uniform_gradient_finite_for_duplicates():
 def test_objective_clip_terms_and_metrics():
     img, txt = _features(32, 16, torch.float32, seed=8)
     s = torch.tensor(14.0, requires_grad=True)
-    obj = build_objective(LossConfig(clip=1.0, align=0.5))
+    obj = objective_from_config(LossConfig(clip=1.0, align=0.5))
     total, terms = obj(img, txt, s)
     expected_clip = clip_loss(img, txt, s)
     expected_align = align_loss(img, txt)
@@ -345,7 +346,7 @@ def test_objective_without_metrics_skips_them_and_keeps_the_loss():
     """``with_metrics=False`` (steps that are not logged) leaves out the pairwise metrics; loss and terms agree."""
     img, txt = _features(32, 16, torch.float32, seed=9)
     s = torch.tensor(14.0)
-    obj = build_objective(LossConfig(clip=1.0, align=0.5))
+    obj = objective_from_config(LossConfig(clip=1.0, align=0.5))
     full_total, full = obj(img, txt, s, with_metrics=True)
     total, terms = obj(img, txt, s, with_metrics=False)
     assert set(terms) == {"loss", "loss/clip", "loss/align"}
@@ -354,14 +355,17 @@ def test_objective_without_metrics_skips_them_and_keeps_the_loss():
     assert all(terms[k] == full[k] for k in terms)
 
 
-def test_objective_tiled_matches_dense_and_clamps_scale():
+def test_objective_tiled_matches_dense_and_uses_the_scale_as_given():
+    """The objective applies no limit of its own to the scale (the model's parameter is clamped after each
+    optimiser step, `models.clamp_logit_scale`): a scale of 80 is used as 80, whatever ``max_logit_scale`` says."""
     img, txt = _features(40, 8, torch.float32, seed=9)
-    dense = build_objective(LossConfig(chunk_size=None, max_logit_scale=50.0))
-    tiled = build_objective(LossConfig(chunk_size=16, max_logit_scale=50.0))
+    dense = objective_from_config(LossConfig(chunk_size=None, max_logit_scale=50.0))
+    tiled = objective_from_config(LossConfig(chunk_size=16, max_logit_scale=50.0))
     s = torch.tensor(80.0)
     ld, _ = dense(img, txt, s)
     lt, _ = tiled(img, txt, s)
-    torch.testing.assert_close(ld, clip_loss(img, txt, torch.tensor(50.0)))
+    torch.testing.assert_close(ld, clip_loss(img, txt, torch.tensor(80.0)), rtol=0, atol=0)
+    assert ld.item() != clip_loss(img, txt, torch.tensor(50.0)).item()
     torch.testing.assert_close(lt, ld, rtol=1e-5, atol=0)  # float32 tiled vs dense
 
 
@@ -374,11 +378,11 @@ def test_gather_features_is_identity_without_process_group():
 
 def test_bad_inputs_raise_clear_errors():
     img, txt = _features(4, 3)
-    with pytest.raises(DataError, match="same shape"):
+    with pytest.raises(LossInputError, match="same shape"):
         clip_loss(img, txt[:3], torch.tensor(1.0))
-    with pytest.raises(ConfigError, match="chunk_size"):
+    with pytest.raises(LossInputError, match="chunk_size"):
         clip_loss(img, txt, torch.tensor(1.0), chunk_size=0)
-    with pytest.raises(ConfigError, match="offset"):
+    with pytest.raises(LossInputError, match="offset"):
         clip_loss(img[:2], txt[:2], torch.tensor(1.0), all_image_features=img, all_text_features=txt, offset=3)
 
 
@@ -455,9 +459,9 @@ def test_supcon_local_rows_split_reproduces_global_batch(chunk):
 
 def test_supcon_rejects_bad_labels():
     img, txt = _features(4, 3)
-    with pytest.raises(DataError, match="labels"):
+    with pytest.raises(LossInputError, match="labels"):
         supcon_loss(img, txt, torch.zeros(3, dtype=torch.long), torch.tensor(1.0))
-    with pytest.raises(DataError, match="labels"):
+    with pytest.raises(LossInputError, match="labels"):
         supcon_loss(img, txt, torch.zeros(4), torch.tensor(1.0))
 
 
@@ -762,7 +766,7 @@ def test_feature_queue_fifo_and_state_dict():
     q.enqueue(x[:2])
     fresh.enqueue(x[:2])
     assert torch.equal(fresh.get(), q.get())
-    with pytest.raises(DataError, match="width"):
+    with pytest.raises(LossInputError, match="width"):
         q.enqueue(torch.zeros(1, 3))
 
 
@@ -770,25 +774,25 @@ def test_objective_state_dict_resumes_mochi_exactly():
     cfg = LossConfig(clip=1.0, mochi=MochiConfig(weight=0.5, n_hard=4, s=3, s_prime=2, queue_size=16))
     batches = [_features(8, 6, torch.float32, seed=30 + i) for i in range(4)]
     s = torch.tensor(10.0)
-    run = build_objective(cfg)
+    run = objective_from_config(cfg)
     run.reseed(7)
     losses = [run(*b, s)[1]["loss/mochi"] for b in batches]
-    half = build_objective(cfg)
+    half = objective_from_config(cfg)
     half.reseed(7)
     for b in batches[:2]:
         half(*b, s)
     state = half.state_dict()
     assert "image_queue.features" in state and "text_queue.features" in state and len(half.text_queue) == 16
-    resumed = build_objective(cfg)
+    resumed = objective_from_config(cfg)
     resumed.load_state_dict(state)
     after = [resumed(*b, s)[1]["loss/mochi"] for b in batches[2:]]
     assert after == losses[2:]  # queue and generator both restored: bit-identical continuation
-    assert losses[2] != build_objective(cfg)(*batches[2], s)[1]["loss/mochi"]  # the queue mattered
+    assert losses[2] != objective_from_config(cfg)(*batches[2], s)[1]["loss/mochi"]  # the queue mattered
 
 
 def test_objective_eval_mode_does_not_enqueue():
     cfg = LossConfig(mochi=MochiConfig(weight=1.0, n_hard=2, s=1, s_prime=1, queue_size=8))
-    obj = build_objective(cfg).eval()
+    obj = objective_from_config(cfg).eval()
     obj(*_features(4, 3), torch.tensor(5.0))
     assert len(obj.image_queue) == 0
 
@@ -800,7 +804,7 @@ def test_objective_all_terms():
     img, txt = _features(12, 8, torch.float64, seed=40)
     s, b = torch.tensor(10.0, dtype=torch.float64), torch.tensor(-5.0, dtype=torch.float64)
     labels = torch.tensor([0, 0, 1, -1, 2, 2, 2, 3, -1, 4, 5, 1])
-    obj = build_objective(cfg)
+    obj = objective_from_config(cfg)
     obj.reseed(1)
     total, terms = obj(img, txt, s, b, labels)
     expected = {
@@ -821,13 +825,24 @@ def test_objective_all_terms():
     assert terms["loss"] == pytest.approx(total.item(), rel=1e-12)
 
 
-def test_objective_config_errors():
-    with pytest.raises(ConfigError, match="logit bias"):
-        build_objective(LossConfig(clip=0.0, siglip=1.0))(*_features(4, 3), torch.tensor(1.0))
-    with pytest.raises(ConfigError, match="tau_plus"):
-        build_objective(LossConfig(debiased=1.0, tau_plus=1.0))
-    with pytest.raises(ConfigError, match="no loss term"):
-        build_objective(LossConfig(clip=0.0))
+def test_objective_input_errors_and_config_checks():
+    """The objective rejects inputs it cannot take (LossInputError); loss settings are checked by the config's
+    validation, every problem at once."""
+    from mmcl.config import TrainConfig, validate
+
+    with pytest.raises(LossInputError, match="logit bias"):
+        objective_from_config(LossConfig(clip=0.0, siglip=1.0))(*_features(4, 3), torch.tensor(1.0))
+    with pytest.raises(LossInputError, match="unknown loss terms"):
+        losses.ContrastiveObjective({"clip": 1.0, "clap": 1.0})
+    problems = validate(TrainConfig(loss=LossConfig(clip=0.0, siglip=1.0, debiased=1.0, tau_plus=1.0)))
+    assert any("logit bias" in p for p in problems) and any("tau_plus" in p for p in problems)
+    assert any("no loss term" in p for p in validate(TrainConfig(loss=LossConfig(clip=0.0))))
+    problems = validate(TrainConfig(loss=LossConfig(mochi=MochiConfig(weight=1.0, n_hard=0)), ))
+    assert any("loss.mochi needs" in p for p in problems)
+    with pytest.raises(ConfigError, match="tau_plus.*hn_beta|hn_beta.*tau_plus"):
+        from mmcl.config import load_config
+
+        load_config(None, ["loss.hard_negative=1.0", "loss.tau_plus=1.5", "loss.hn_beta=-1"])
 
 
 def test_objective_chunk_size_reaches_every_tiled_term():
@@ -835,7 +850,7 @@ def test_objective_chunk_size_reaches_every_tiled_term():
     img, txt = _features(24, 8, torch.float64, seed=31, correlated=False)
     s, b = torch.tensor(10.0, dtype=torch.float64), torch.tensor(-5.0, dtype=torch.float64)
     kw = dict(clip=1.0, siglip=0.5, mochi=MochiConfig(weight=0.5, n_hard=4, s=3, s_prime=2, queue_size=0))
-    dense, tiled = build_objective(LossConfig(**kw)), build_objective(LossConfig(chunk_size=5, **kw))
+    dense, tiled = objective_from_config(LossConfig(**kw)), objective_from_config(LossConfig(chunk_size=5, **kw))
     dense.reseed(0)
     tiled.reseed(0)
     (a_loss, a_terms), (c_loss, c_terms) = dense(img, txt, s, b), tiled(img, txt, s, b)
@@ -928,7 +943,7 @@ def _mochi_cfg(chunk):
 def test_objective_with_queue_backward_after_enqueue(chunk):
     """forward (which enqueues the batch) then backward: the queue tensor the loss used must be left intact, and
     the gradient equals that of the loss against a copy of the queue taken before the step."""
-    obj = build_objective(_mochi_cfg(chunk)).train()
+    obj = objective_from_config(_mochi_cfg(chunk)).train()
     s = torch.tensor(10.0)
     for step in range(3):  # the queue fills (8 of 12), then wraps around
         img, txt = _leaves(*_features(8, 6, torch.float32, seed=60 + step), s)[:2]
@@ -958,7 +973,7 @@ def test_train_step_with_mochi_queue_backpropagates(chunk):
                                    "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]).model
     model, *_ = models.build(model_cfg)
     acc = Accelerator(cpu=True)
-    obj = build_objective(_mochi_cfg(chunk)).train()
+    obj = objective_from_config(_mochi_cfg(chunk)).train()
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         batch = {"image": torch.randn(6, 3, 64, 64, generator=g), "text": torch.randint(1, 1000, (6, 32), generator=g),
@@ -1086,3 +1101,25 @@ def test_dense_logsumexp_gradchecks_and_forms_no_subnormal():
         grads.append(logits.grad)
     assert _subnormals(grads[0]) == 0
     assert (grads[0].double() - grads[1]).abs().max() <= 1e-6 * grads[1].abs().max() + 1e-27
+
+
+def test_the_losses_import_torch_and_nothing_else_of_mmcl():
+    """Layering: every module of mmcl/losses imports only the standard library, torch and its own package."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    for path in sorted((Path(losses.__file__).parent).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 1:  # from .x import ...: inside mmcl.losses
+                    continue
+                assert node.level == 0, f"{path.name} imports from outside mmcl.losses: {ast.unparse(node)}"
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"

@@ -13,7 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mmcl.config import LossConfig, MochiConfig
-from mmcl.losses import build_objective, gather_features
+from mmcl.losses import gather_batch, gather_features
+from mmcl.train import objective_from_config
 
 WORLD = 2
 GLOBAL_BATCH = 12
@@ -65,12 +66,14 @@ def _run(wrap, rank, world):
     for name, cfg in CONFIGS.items():
         raw = TinyTowers(with_bias=cfg.siglip > 0)
         wrapped = wrap(raw)
-        objective = build_objective(cfg)
+        objective = objective_from_config(cfg)
         objective.reseed(0)
         for step, (images, texts, labels) in enumerate(_batches()):
             rows = slice(rank * per, (rank + 1) * per)
             img, txt, scale, bias = wrapped(images[rows], texts[rows])
-            loss, terms = objective(img, txt, scale, bias, labels[rows])
+            # The caller gathers (None with one process, where the local batch is the global one).
+            gathered = gather_batch(img, txt, labels[rows])
+            loss, terms = objective(img, txt, scale, bias, labels[rows], gathered=gathered)
             raw.zero_grad()
             loss.backward()
             results[(name, step)] = (terms, {k: p.grad.clone() for k, p in raw.named_parameters()})

@@ -86,6 +86,27 @@ def test_mmcl_config_and_logit_init():
     assert model.logit_scale.item() == 2.0 and model.logit_bias.item() == -10.0
 
 
+def test_clamp_logit_scale_limits_the_parameter_and_the_forward_scale():
+    """The one limit on the temperature: the log parameter is clamped into [0, log(max_logit_scale)], so the scale
+    every forward returns stays within [1, max_logit_scale] (up to the float32 rounding of log and exp)."""
+    import math
+
+    model, *_ = models.build(ModelConfig(name="tiny"))
+    inside = model.logit_scale.detach().clone()
+    models.clamp_logit_scale(model, 100.0)
+    assert torch.equal(model.logit_scale.detach(), inside)  # within the limit: untouched
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(400.0))
+    models.clamp_logit_scale(model, 100.0)
+    assert model.logit_scale.item() == pytest.approx(math.log(100.0), rel=1e-7)  # float32 log(100)
+    out = model(images(1), torch.ones(1, TINY["text_cfg"]["context_length"], dtype=torch.long))
+    assert out["logit_scale"].item() == pytest.approx(100.0, rel=1e-6)
+    with torch.no_grad():
+        model.logit_scale.fill_(-3.0)
+    models.clamp_logit_scale(model, 100.0)
+    assert model.logit_scale.item() == 0.0
+
+
 # ------------------------------------------------------------------------------------------ Hugging Face text
 def _reference_tokens(reference_tok, sentences, length):
     enc = reference_tok(sentences, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
@@ -122,6 +143,30 @@ def test_hf_projection_choices(minilm_dir):
     assert [tuple(l.weight.shape) for l in model.text.proj if hasattr(l, "weight")] == [(224, 384), (64, 224)]
     with pytest.raises(ConfigError, match="projection=none needs model.embed_dim.*got embed_dim 64, expected 384"):
         models.build(lit_config(minilm_dir, projection="none", embed_dim=64))
+
+
+@pytest.mark.parametrize("pooling, projection", [("mean", "mlp"), ("cls", "linear")])
+def test_hf_tower_built_without_open_clip_tables_equals_open_clip_build(minilm_dir, pooling, projection):
+    """The tower mmcl builds with the width and pooler given explicitly holds, for the same seed, exactly the
+    weights (vision tower, text projection, logit scale and bias) of open_clip's own CustomTextCLIP build, and
+    gives the same text features."""
+    from open_clip.model import CustomTextCLIP
+
+    cfg = models.resolve_model_config(lit_config(minilm_dir, pooling=pooling, projection=projection, embed_dim=48,
+                                                 init_logit_bias=-5.0))
+    oc_cfg = copy.deepcopy(cfg)
+    oc_cfg["text_cfg"]["hf_model_pretrained"] = True
+    torch.manual_seed(11)
+    ours = models.create(cfg)
+    torch.manual_seed(11)
+    theirs = CustomTextCLIP(**oc_cfg)
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys() and any(k.startswith("text.proj") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    tokens = models.build_tokenizer(cfg)(SENTENCES)
+    with torch.no_grad():
+        assert torch.equal(ours.eval().encode_text(tokens), theirs.eval().encode_text(tokens))
 
 
 def test_hf_tower_of_a_type_open_clip_lacks_leaves_its_table_unchanged(tmp_path, minilm_dir):

@@ -9,8 +9,9 @@ One concern per module, imported in this order (each uses only those above it)::
     reading.py     tar streams -> raw samples with their positions (`TarReader`, `read_raw_samples`)
     decode.py      raw sample -> image bytes, caption, label (`parse_sample`); bytes -> RGB (`decode_image`,
                    `to_rgb`); the skip reasons
-    transforms.py  decoded image -> tensor: seeded per-sample transforms, the uint8 hand-off (`split_transform`,
-                   `ImageFinish`), the cheaper random crop
+    transforms.py  decoded image -> tensor: the training transform built from a model's image numbers
+                   (`ImageSpec`, `train_image_stages`), seeded per-sample transforms, the uint8 hand-off
+                   (`ImageFinish`; `split_transform` for a caller's own transform), the cheaper random crop
     pipeline.py    the resumable training stream (`build_train_stream`, `TrainStream`): shard plan, block
                    shuffle, workers, batching
     eval_sets.py   evaluation datasets (`build_eval_dataset`): ImageFolder or shards, each sample once
@@ -28,18 +29,21 @@ from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, col
                        role_batches, shuffle_block)
 from .reading import RawSample, TarFormatError, TarReader, read_raw_samples
 from .sources import SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard
-from .transforms import (ImageFinish, PyRandomResizedCrop, TransformOutputError, decode_sample, draft_size_of,
-                         pil_to_uint8, random_crop_box, split_transform, training_sample_transform)
+from .transforms import (TRAIN_CROP_SCALE, ImageFinish, ImageSpec, PyRandomResizedCrop, TransformOutputError,
+                         decode_sample, draft_size_of, pil_to_uint8, random_crop_box, split_transform,
+                         train_draft_size, train_image_stages, training_sample_transform)
 from .writer import ShardWriter, shards_from_input, write_shards
 
 __all__ = [
     "IMAGE_EXTS", "SKIP_REASONS", "SHARD_SUFFIXES", "WORKER_STOP_GRACE_S",
-    "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "PyRandomResizedCrop", "RawSample",
+    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "ImageSpec",
+    "PyRandomResizedCrop", "RawSample",
     "ShardEvalDataset", "ShardWriter", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
     "TransformOutputError",
     "build_eval_dataset", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
     "pil_to_uint8", "random_crop_box", "read_raw_samples", "role_batches", "shards_from_input", "shuffle_block",
-    "split_transform", "to_rgb", "training_sample_transform", "write_shards", "zero_skips",
+    "split_transform", "to_rgb", "train_draft_size", "train_image_stages", "training_sample_transform",
+    "write_shards", "zero_skips",
 ]

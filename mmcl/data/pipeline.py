@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -41,8 +41,8 @@ from ..errors import ConfigError, DataError
 from .decode import SkipSample, zero_skips
 from .reading import RawSample, read_raw_samples
 from .sources import expand_sources, has_scheme
-from .transforms import (TransformOutputError, decode_sample, draft_size_of, split_transform,
-                         training_sample_transform)
+from .transforms import (ImageSpec, TransformOutputError, decode_sample, draft_size_of, split_transform,
+                         train_draft_size, train_image_stages, training_sample_transform)
 
 _STATE_VERSION = 1
 
@@ -306,8 +306,8 @@ class TrainStream:
     batches consumed so far, not those prefetched by workers.
     """
 
-    def __init__(self, cfg: DataConfig, preprocess: Callable, tokenizer: Callable, *, seed: int, rank: int = 0,
-                 world_size: int = 1, pin_memory: bool = False):
+    def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
+                 rank: int = 0, world_size: int = 1, pin_memory: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.sources = expand_sources(cfg.train)
@@ -326,10 +326,20 @@ class TrainStream:
         self.n_roles = max(1, self.workers)
         self.pin_memory = pin_memory
         self.worker_nice = int(cfg.worker_nice)
-        self.draft_size = draft_size_of(preprocess) if cfg.fast_decode else None
-        sample_transform = training_sample_transform(preprocess)
-        self.sample_transform, finish = (split_transform(sample_transform) if cfg.uint8_transfer
-                                         else (sample_transform, None))
+        if isinstance(preprocess, ImageSpec):  # built here from the model's numbers
+            self.draft_size = train_draft_size(preprocess) if cfg.fast_decode else None
+            self.sample_transform, finish = train_image_stages(preprocess)
+            if not cfg.uint8_transfer:
+                from torchvision import transforms as T
+
+                self.sample_transform = T.Compose([*self.sample_transform.transforms, T.ToTensor(),
+                                                   T.Normalize(preprocess.mean, preprocess.std)])
+                finish = None
+        else:  # a transform of the caller's: split where its shape allows
+            self.draft_size = draft_size_of(preprocess) if cfg.fast_decode else None
+            sample_transform = training_sample_transform(preprocess)
+            self.sample_transform, finish = (split_transform(sample_transform) if cfg.uint8_transfer
+                                             else (sample_transform, None))
         self.uint8 = finish is not None
         self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
         self._positions = [_fresh_position() for _ in range(self.n_roles)]
@@ -439,15 +449,17 @@ class TrainStream:
             self._next_role = int(state["next_role"])
         self.batches = int(state.get("batches", 0))
 
-def build_train_stream(cfg: DataConfig, preprocess: Callable, tokenizer: Callable, *, seed: int, rank: int = 0,
-                       world_size: int = 1, pin_memory: bool = False) -> TrainStream:
+def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
+                       rank: int = 0, world_size: int = 1, pin_memory: bool = False) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
         cfg: data config (train spec, batch_size per process, workers, shuffle_buffer, resampled, weights,
             max_image_pixels, fast_decode).
-        preprocess: PIL.Image -> FloatTensor (3, H, W), e.g. open_clip's train transform (with
-            ``cfg.uint8_transfer`` its ToTensor/Normalize tail runs in `TrainStream.finish_images` instead).
+        preprocess: an `ImageSpec` (the model's image numbers; the stream builds the training transform,
+            `train_image_stages`), or any PIL.Image -> FloatTensor (3, H, W) transform (with
+            ``cfg.uint8_transfer`` the ToTensor/Normalize tail of a torchvision Compose runs in
+            `TrainStream.finish_images` instead).
         tokenizer: list[str] (B) -> LongTensor (B, L).
         seed: base seed; shard order, shuffling and augmentation derive from (seed, rank, worker, epoch).
         rank, world_size: this process's place among data-parallel processes.

@@ -8,13 +8,17 @@
 - `split_transform` cuts a transform ending in ToTensor [+ Normalize] into a PIL stage for the data workers
   (`pil_to_uint8` then ships uint8 pixels) and `ImageFinish`, the float tail run on the batch where the model is.
 - `draft_size_of` reads from a transform how small a JPEG may be draft-decoded.
+- `ImageSpec` holds the numbers of a model's image input (size, mean, std, ...), read once from its preprocess
+  config; `train_image_stages` builds the training transform from them as a PIL stage for the workers and the
+  `ImageFinish` for the device, with no transform taken apart (the path training takes).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -242,3 +246,52 @@ def training_sample_transform(preprocess: Callable) -> Callable:
     if not isinstance(preprocess, T.Compose):
         return preprocess
     return T.Compose([_python_rng_crop(_skip_same_mode_convert(step)) for step in preprocess.transforms])
+
+
+# open_clip's training crop keeps 90-100 % of the image's area (its AugmentationCfg default), at bicubic
+# interpolation whatever the model's eval interpolation; mmcl trains with the same augmentation.
+TRAIN_CROP_SCALE = (0.9, 1.0)
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """The numbers of a model's image input, from its preprocess config (`mmcl.models.preprocess_config`):
+    ``size`` (int or (H, W)), per-channel ``mean`` and ``std``, and the eval-time ``interpolation`` and
+    ``resize_mode``. `train_image_stages` builds the training transform from them."""
+
+    size: Union[int, Tuple[int, int]]
+    mean: Tuple[float, float, float]
+    std: Tuple[float, float, float]
+    interpolation: str = "bicubic"
+    resize_mode: str = "shortest"
+
+    @classmethod
+    def from_config(cls, preprocess_cfg: Mapping[str, Any]) -> "ImageSpec":
+        """From a preprocess-config dict (size, mean, std, interpolation, resize_mode; other keys ignored)."""
+        def three(v):
+            return tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else (float(v),) * 3
+
+        size = preprocess_cfg["size"]
+        return cls(size=tuple(int(x) for x in size) if isinstance(size, (list, tuple)) else int(size),
+                   mean=three(preprocess_cfg["mean"]), std=three(preprocess_cfg["std"]),
+                   interpolation=str(preprocess_cfg.get("interpolation", "bicubic")),
+                   resize_mode=str(preprocess_cfg.get("resize_mode", "shortest")))
+
+
+def train_image_stages(spec: ImageSpec) -> Tuple[Callable, "ImageFinish"]:
+    """The training transform of a model with image input `spec`, as (PIL stage, `ImageFinish`): a random
+    resized crop (`TRAIN_CROP_SCALE`, bicubic; the box drawn by `PyRandomResizedCrop`) and an RGB conversion in
+    the data workers, then ToTensor and Normalize(mean, std) on the uint8 batch where the model runs. Composed,
+    the two give the pixels of open_clip's train transform for the same preprocess config."""
+    from torchvision import transforms as T
+
+    crop = T.RandomResizedCrop(spec.size, scale=TRAIN_CROP_SCALE, interpolation=T.InterpolationMode.BICUBIC)
+    return T.Compose([PyRandomResizedCrop(crop), _ConvertIfNeeded("RGB")]), ImageFinish(spec.mean, spec.std)
+
+
+def train_draft_size(spec: ImageSpec) -> Tuple[int, int]:
+    """The (width, height) a JPEG may be draft-decoded to for `train_image_stages(spec)`: the crop keeps at least
+    ``TRAIN_CROP_SCALE[0]`` of the area, so each side shrinks by at most its square root."""
+    h, w = (spec.size, spec.size) if isinstance(spec.size, int) else spec.size
+    grow = 1.0 / math.sqrt(TRAIN_CROP_SCALE[0])
+    return int(math.ceil(w * grow)), int(math.ceil(h * grow))

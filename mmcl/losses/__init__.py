@@ -1,6 +1,7 @@
 """Contrastive objectives for image-text pretraining.
 
-Every loss is a pure function of L2-normalised features ``(B, D)`` and the already-exponentiated logit
+The losses import torch and nothing else of mmcl; bad tensors or arguments raise `LossInputError` (a
+ValueError). Every loss is a pure function of L2-normalised features ``(B, D)`` and the already-exponentiated logit
 scale ``s`` (a 0-dim tensor that carries gradient to the learned temperature ``t = log s``).
 
 Distributed layout. The functions never read rank or world size. To train on a global batch split over
@@ -20,19 +21,21 @@ computation, which stays in the package as the specification. SigLIP's sum over 
 (`TiledSigmoidPairs`, each tile recomputed once in backward), and MoCHi's real negatives and queue too (its
 synthetic negatives are n x (s + s') x D).
 
-`ContrastiveObjective` (built by `build_objective` from `mmcl.config.LossConfig`) combines the weighted
-terms, gathers across ranks when ``torch.distributed`` is initialised, and holds the only state: the MoCHi
-feature queues and the random generator used to synthesise negatives.
+`ContrastiveObjective` combines the weighted terms from plain numbers (training builds it from the config
+with `mmcl.train.objective_from_config`); the caller gathers the global batch (`gather_batch`) and passes it
+in. The objective holds the only state: the MoCHi feature queues and the random generator used to synthesise
+negatives.
 
 Layout: `tiling` (the shared autograd machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and
-hard-negative), `mochi`, `geometry` (align, uniform), `distributed` (gather) and `objective`.
+hard-negative), `mochi`, `geometry` (align, uniform), `distributed` (gather), `objective` and `errors`.
 """
 
 from .clip import clip_loss, infonce_rows, logsumexp_rows
-from .distributed import gather_features
+from .distributed import Gathered, gather_batch, gather_features
+from .errors import LossInputError
 from .geometry import align_loss, uniform_loss
 from .mochi import FeatureQueue, mochi_loss
-from .objective import ContrastiveObjective, build_objective
+from .objective import TERMS, ContrastiveObjective
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .siglip import TiledSigmoidPairs, siglip_loss
 from .supcon import supcon_loss
@@ -51,7 +54,10 @@ __all__ = [
     "align_loss",
     "uniform_loss",
     "gather_features",
+    "gather_batch",
+    "Gathered",
     "FeatureQueue",
     "ContrastiveObjective",
-    "build_objective",
+    "TERMS",
+    "LossInputError",
 ]

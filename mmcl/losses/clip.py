@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError, DataError
+from .errors import LossInputError
 from .tiling import (TiledLogSumExp, _acc_dtype, _as_scale, _check_chunk, _coefficient_floor, _exp_, _finite_or_zero,
                      _unit, _upcast)
 
@@ -42,35 +42,35 @@ def logsumexp_rows(
 
 def _check_pair(image_features: Tensor, text_features: Tensor) -> None:
     if image_features.dim() != 2 or text_features.dim() != 2:
-        raise DataError(
+        raise LossInputError(
             f"features must be 2-D (B, D) (got image {tuple(image_features.shape)}, "
             f"text {tuple(text_features.shape)})"
         )
     if image_features.shape != text_features.shape:
-        raise DataError(
+        raise LossInputError(
             f"image and text features must have the same shape (got {tuple(image_features.shape)} and "
             f"{tuple(text_features.shape)}, expected equal (B, D))"
         )
     if image_features.shape[0] == 0:
-        raise DataError("empty batch (got 0 pairs, expected at least 1)")
+        raise LossInputError("empty batch (got 0 pairs, expected at least 1)")
 
 
 def _columns(image_features, text_features, all_image_features, all_text_features, offset):
     """Resolve the key sets; returns (all_image, all_text, offset, single) with single=True for one process."""
     if (all_image_features is None) != (all_text_features is None):
-        raise ConfigError("pass both all_image_features and all_text_features, or neither")
+        raise LossInputError("pass both all_image_features and all_text_features, or neither")
     if all_image_features is None:
         if offset != 0:
-            raise ConfigError(f"offset needs gathered features (got offset={offset} without all_*_features)")
+            raise LossInputError(f"offset needs gathered features (got offset={offset} without all_*_features)")
         return image_features, text_features, 0, True
     n, m = image_features.shape[0], all_image_features.shape[0]
     if all_image_features.shape != all_text_features.shape or all_image_features.shape[1] != image_features.shape[1]:
-        raise DataError(
+        raise LossInputError(
             f"gathered features must be (M, {image_features.shape[1]}) for both modalities (got "
             f"{tuple(all_image_features.shape)} and {tuple(all_text_features.shape)})"
         )
     if not 0 <= offset <= m - n:
-        raise ConfigError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
+        raise LossInputError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
     single = offset == 0 and all_image_features is image_features and all_text_features is text_features
     return all_image_features, all_text_features, offset, single
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import DataError
+from .clip import _check_pair
+from .errors import LossInputError
+from .supcon import _check_labels
 
 
 def _distributed() -> bool:
@@ -53,7 +55,7 @@ def gather_features(
     dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=image_features.device))
     sizes = [int(s.item()) for s in sizes]
     if len(set(sizes)) != 1:
-        raise DataError(
+        raise LossInputError(
             f"every rank must hold the same number of pairs (got per-rank batch sizes {sizes}; "
             "drop the last partial batch)"
         )
@@ -67,8 +69,25 @@ def gather_features(
     return all_image, all_text, all_labels, rank * n
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The combined objective
-# ----------------------------------------------------------------------------------------------------------
+class Gathered(NamedTuple):
+    """The global batch as every rank sees it after `gather_batch`: the columns of the losses, this rank's first
+    row's global index, and the number of ranks (for the reductions of the objective's logged numbers)."""
+
+    all_image_features: Tensor  # (W*n, D), carries the gradient back to each owner
+    all_text_features: Tensor  # (W*n, D)
+    all_labels: Optional[Tensor]  # (W*n,) long, or None
+    offset: int
+    world_size: int
 
 
+def gather_batch(image_features: Tensor, text_features: Tensor, labels: Optional[Tensor] = None
+                 ) -> Optional[Gathered]:
+    """`gather_features` for the objective: a `Gathered` when ``torch.distributed`` runs several ranks, else None
+    (one process: the local batch is the global one). Call it on every rank alike."""
+    if not _distributed():
+        return None
+    _check_pair(image_features, text_features)  # before any collective, so that no rank waits on a bad one
+    if labels is not None:
+        labels = _check_labels(labels.to(image_features.device), image_features.shape[0], image_features.device)
+    all_image, all_text, all_labels, offset = gather_features(image_features, text_features, labels)
+    return Gathered(all_image, all_text, all_labels, offset, dist.get_world_size())

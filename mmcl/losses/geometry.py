@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..errors import DataError
+from .errors import LossInputError
 from .tiling import _acc_dtype
 
 
@@ -18,7 +18,7 @@ def align_loss(x: Tensor, y: Tensor, alpha: float = 2.0) -> Tensor:
     Returns: 0-dim tensor.
     """
     if x.shape != y.shape:
-        raise DataError(f"align_loss needs equal shapes (got {tuple(x.shape)} and {tuple(y.shape)})")
+        raise LossInputError(f"align_loss needs equal shapes (got {tuple(x.shape)} and {tuple(y.shape)})")
     acc = _acc_dtype(x.dtype)
     x, y = x.to(acc), y.to(acc)  # half-precision differences of near-equal features lose most of their bits
     if alpha == 2:
@@ -44,7 +44,7 @@ def uniform_loss(x: Tensor, t: float = 2.0) -> Tensor:
     """
     b = x.shape[0]
     if b < 2:
-        raise DataError(f"uniform_loss needs at least 2 items (got {b})")
+        raise LossInputError(f"uniform_loss needs at least 2 items (got {b})")
     x = x.to(_acc_dtype(x.dtype))  # one cast, so both uses of x add their gradients in float32
     i, j = torch.triu_indices(b, b, offset=1, device=x.device)
     d = _sq_dists(x, x)[i, j]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import CheckpointError, ConfigError, DataError
+from .errors import LossInputError
 from .tiling import _acc_dtype, _as_scale, _check_chunk, _upcast
 from .clip import DenseInfoNCE, _check_pair, _columns, _dense_logits, _positive_logits, logsumexp_rows
 
@@ -146,11 +146,11 @@ def mochi_loss(
     _check_pair(image_features, text_features)
     _check_chunk(chunk_size)
     if n_hard < 1 or s < 0 or s_prime < 0:
-        raise ConfigError(
+        raise LossInputError(
             f"MoCHi needs n_hard >= 1 and s, s_prime >= 0 (got n_hard={n_hard}, s={s}, s_prime={s_prime})"
         )
     if not 0 < mix_max <= 1:
-        raise ConfigError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
+        raise LossInputError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
     logit_scale = _as_scale(logit_scale, image_features)
     image_features, text_features, all_image_features, all_text_features = _upcast(
         image_features, text_features, all_image_features, all_text_features
@@ -173,7 +173,7 @@ class FeatureQueue(nn.Module):
     def __init__(self, size: int):
         super().__init__()
         if size < 0:
-            raise ConfigError(f"queue size must be >= 0 (got {size})")
+            raise LossInputError(f"queue size must be >= 0 (got {size})")
         self.size = int(size)
         self.register_buffer("features", torch.zeros(0, 0))  # (size, D) float32 once used
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
@@ -189,7 +189,7 @@ class FeatureQueue(nn.Module):
             return
         if self.features.shape != (self.size, x.shape[1]):
             if int(self.count) > 0:
-                raise DataError(f"queue holds width {self.features.shape[1]} features, got {x.shape[1]}")
+                raise LossInputError(f"queue holds width {self.features.shape[1]} features, got {x.shape[1]}")
             self.features = torch.zeros(self.size, x.shape[1], dtype=torch.float32, device=x.device)
         x = x.detach()[-self.size:].to(self.features)
         idx = (int(self.ptr) + torch.arange(x.shape[0], device=x.device)) % self.size
@@ -209,7 +209,7 @@ class FeatureQueue(nn.Module):
         saved = state_dict.get(prefix + "features")
         if saved is not None and saved.shape != self.features.shape:
             if saved.dim() != 2 or saved.shape[0] not in (0, self.size):
-                raise CheckpointError(
+                raise LossInputError(
                     f"saved queue has shape {tuple(saved.shape)}, expected ({self.size}, D) "
                     "(loss.mochi.queue_size changed?)"
                 )

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError, DataError
+from .errors import LossInputError
 from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _upcast
 from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits, _positive_logits
 
@@ -63,9 +63,9 @@ def _reweighted_rows(positive, log_neg, logit_scale, n_neg, tau_plus):
 
 def _check_tau_beta(tau_plus: float, beta: float = 0.0) -> None:
     if not 0 <= tau_plus < 1:
-        raise ConfigError(f"tau_plus must be in [0, 1) (got {tau_plus})")
+        raise LossInputError(f"tau_plus must be in [0, 1) (got {tau_plus})")
     if beta < 0:
-        raise ConfigError(f"hard-negative beta must be >= 0 (got {beta})")
+        raise LossInputError(f"hard-negative beta must be >= 0 (got {beta})")
 
 
 def hard_negative_clip_loss(
@@ -112,7 +112,8 @@ def hard_negative_clip_loss(
         image_features, text_features, all_image_features, all_text_features, offset
     )
     if all_img.shape[0] < 2:
-        raise DataError(f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
+        raise LossInputError(
+            f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
     n_neg = all_img.shape[0] - 1
     # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
     # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.

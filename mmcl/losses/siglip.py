@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import ConfigError
+from .errors import LossInputError
 from .tiling import _acc_dtype, _as_scale, _check_chunk, _tile_positives, _tile_width, _upcast
 from .clip import _check_pair, _dense_logits
 
@@ -46,9 +46,9 @@ def siglip_loss(
     keys = text_features if all_text_features is None else all_text_features
     n, m = image_features.shape[0], keys.shape[0]
     if all_text_features is None and offset != 0:
-        raise ConfigError(f"offset needs gathered features (got offset={offset} without all_text_features)")
+        raise LossInputError(f"offset needs gathered features (got offset={offset} without all_text_features)")
     if not 0 <= offset <= m - n:
-        raise ConfigError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
+        raise LossInputError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
     if chunk_size is None:
         return -_siglip_dense(image_features, keys, logit_scale, logit_bias, offset) / n
     return -TiledSigmoidPairs.apply(image_features, keys, logit_scale, logit_bias, chunk_size, offset) / n

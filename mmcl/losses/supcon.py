@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..errors import DataError
+from .errors import LossInputError
 from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _upcast
 from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits
 
@@ -16,7 +16,7 @@ def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
     if labels is None:
         return torch.full((n,), -1, dtype=torch.long, device=device)
     if labels.shape != (n,) or labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise DataError(
+        raise LossInputError(
             f"labels must be an integer tensor of shape ({n},) (got {labels.dtype} {tuple(labels.shape)}); "
             "use -1 for pairs without a label"
         )
@@ -144,7 +144,7 @@ def supcon_loss(
     else:
         all_labels = _check_labels(all_labels, all_img.shape[0], image_features.device)
         if not torch.equal(all_labels[offset:offset + n], labels):
-            raise DataError(f"all_labels[{offset}:{offset + n}] must equal this rank's labels")
+            raise LossInputError(f"all_labels[{offset}:{offset + n}] must equal this rank's labels")
     if chunk_size is None:
         i2t = _supcon_rows_dense(image_features, all_txt, logit_scale, labels, all_labels, offset)
         t2i = _supcon_rows_dense(text_features, all_img, logit_scale, labels, all_labels, offset)

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from .errors import LossInputError
 
 # Tiles of the logit matrix span chunk_size rows and enough columns to hold about this many logits (16 MiB in
 # float32): few, large elementwise kernels (each a thread barrier on CPU, a launch on GPU) at bounded memory.
@@ -287,7 +287,7 @@ class TiledLogSumExp(torch.autograd.Function):
 
 def _check_chunk(chunk_size: Optional[int]) -> None:
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
-        raise ConfigError(f"chunk_size must be a positive integer or None (got {chunk_size!r})")
+        raise LossInputError(f"chunk_size must be a positive integer or None (got {chunk_size!r})")
 
 
 def _as_scale(logit_scale, like: Tensor) -> Tensor:
@@ -295,7 +295,7 @@ def _as_scale(logit_scale, like: Tensor) -> Tensor:
     if not torch.is_tensor(logit_scale):
         return torch.tensor(float(logit_scale), dtype=_acc_dtype(like.dtype), device=like.device)
     if logit_scale.numel() != 1:
-        raise ConfigError(f"logit_scale must be a scalar (got shape {tuple(logit_scale.shape)}, expected ())")
+        raise LossInputError(f"logit_scale must be a scalar (got shape {tuple(logit_scale.shape)}, expected ())")
     return logit_scale.reshape(()).to(_acc_dtype(logit_scale.dtype))
 
 
