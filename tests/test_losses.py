@@ -1123,3 +1123,33 @@ def test_the_losses_import_torch_and_nothing_else_of_mmcl():
                 continue
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("s,s_prime", [(3, 2), (0, 2), (3, 0)])
+def test_mochi_synthetic_logits_gradcheck_and_match_explicit_mixes(s, s_prime):
+    """MoCHi's synthetic logits from dot products and norms (no mixed features formed): values and query and
+    scale gradients equal to normalising the explicit mixes and taking s * q . u with u detached. (No
+    gradcheck: the values read q . h from the ranking's dot products, fixed inputs of the function.)"""
+    from mmcl.losses.mochi import SyntheticLogits
+
+    g = torch.Generator().manual_seed(11)
+    n, c, d, k = 4, 9, 5, 4
+    q = F.normalize(torch.randn(n, d, dtype=torch.float64, generator=g), dim=1).requires_grad_(True)
+    cand = F.normalize(torch.randn(c, d, dtype=torch.float64, generator=g), dim=1)
+    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+    hard = torch.stack([torch.randperm(c, generator=g)[:k] for _ in range(n)])
+    hard_sims = (q.detach() @ cand.T).gather(1, hard)
+    draws = (torch.randint(0, k, (n, s, 2), generator=g), torch.rand(n, s, 1, generator=g, dtype=torch.float64),
+             torch.randint(0, k, (n, s_prime), generator=g),
+             0.5 * torch.rand(n, s_prime, 1, generator=g, dtype=torch.float64))
+    fn = lambda q, scale: SyntheticLogits.apply(q, scale, cand, hard, hard_sims, draws, 3)  # noqa: E731
+    pairs, a, picks, b = draws
+    qd = q.detach()
+    mixes = [F.normalize(a * cand[hard.gather(1, pairs[..., 0])] + (1 - a) * cand[hard.gather(1, pairs[..., 1])], dim=-1),
+             F.normalize(b * qd[:, None] + (1 - b) * cand[hard.gather(1, picks)], dim=-1)]
+    ref = scale * torch.einsum("nd,nkd->nk", q, torch.cat(mixes, dim=1))
+    ours = fn(q, scale)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(ours.shape, dtype=torch.float64, generator=g)
+    for go, gr in zip(torch.autograd.grad((ours * w).sum(), (q, scale)), torch.autograd.grad((ref * w).sum(), (q, scale))):
+        torch.testing.assert_close(go, gr, rtol=1e-10, atol=1e-12)
