@@ -15,7 +15,10 @@ Formats (``export(model_path, fmt, out_dir)``):
                  `ConfigError` naming the first unsupported feature.
 ``onnx``         ``image_encoder.onnx`` (``image`` (B,3,H,W) float32 -> ``image_embeds`` (B,D)) and
                  ``text_encoder.onnx`` (``text`` (B,L) int64 token ids -> ``text_embeds`` (B,D)), both with a
-                 dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json`` with the preprocessing.
+                 dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json``, ``preprocess.json`` (the
+                 image preprocessing as data, `preprocess_spec`) and ``tokenizer.json``: open_clip's tokenizer for
+                 Hugging Face's ``tokenizers`` (`mmcl.clip_tokenizer_file`), or a Hugging Face text tower's own;
+                 the README runs both encoders with onnxruntime and ``tokenizers`` alone, without torch.
 
 Every export is written to a temporary directory beside ``out_dir``, moved into place, and checked there against the
 source model (`verify`); a failed export is removed and an earlier export in ``out_dir`` is put back.
@@ -49,6 +52,8 @@ MARKER_FILE = "mmcl_export.json"
 ONNX_IMAGE_FILE = "image_encoder.onnx"
 ONNX_TEXT_FILE = "text_encoder.onnx"
 ONNX_CONFIG_FILE = "onnx_config.json"
+ONNX_TOKENIZER_FILE = "tokenizer.json"  # open_clip's tokenizer for Hugging Face `tokenizers` (mmcl/clip_tokenizer_file.py)
+ONNX_PREPROCESS_FILE = "preprocess.json"  # the image preprocessing as data (`preprocess_spec`)
 ONNX_OPSET = 17  # first opset with a LayerNormalization op; onnxruntime >= 1.14 runs it
 
 # Minimum cosine between an export's normalised embeddings and the source model's on the same inputs. Float32
@@ -110,12 +115,12 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
 # Names the exporters write, for telling mmcl's files from the user's in an export made before mmcl listed its
 # files in the marker: the model directory's files, transformers' (config, weights, processor, tokenizer), ONNX.
 _EXPORT_FILE_PREFIXES = ("model.safetensors", "model-0", "pytorch_model", "preprocessor_config", "processor_config",
-                         "generation_config", "chat_template")
+                         "generation_config", "chat_template", "special_tokens_map", "vocab.json", "merges.txt")
 
 
 def _is_export_file_name(name: str) -> bool:
     return (weights.is_model_file_name(name) or name.startswith(_EXPORT_FILE_PREFIXES)
-            or name in (MARKER_FILE, ONNX_IMAGE_FILE, ONNX_TEXT_FILE, ONNX_CONFIG_FILE))
+            or name in (MARKER_FILE, ONNX_IMAGE_FILE, ONNX_TEXT_FILE, ONNX_CONFIG_FILE, ONNX_PREPROCESS_FILE))
 
 
 def _check_out_dir(out_dir: Path) -> List[str]:
@@ -357,6 +362,29 @@ def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -
     context_length = model_cfg["text_cfg"].get("context_length", 77)
     processor = CLIPProcessor(image_processor=hf_image_processor(pp_cfg), tokenizer=hf_clip_tokenizer(context_length))
     processor.save_pretrained(str(out))
+    _write_hf4_files(processor, context_length, out)
+
+
+def _write_hf4_files(processor, context_length: int, out: Path) -> None:
+    """The files transformers 4.x reads besides transformers 5's: the image processor in
+    ``preprocessor_config.json`` (4.x finds no image processor in ``processor_config.json``), the slow tokenizer's
+    ``vocab.json`` + ``merges.txt`` and ``special_tokens_map.json``. bench/check_transformers4.py loads the result
+    with transformers 4.46 and runs its zero-shot pipeline."""
+    from open_clip.tokenizer import SimpleTokenizer
+
+    if not (out / "preprocessor_config.json").is_file():
+        processor.image_processor.to_json_file(str(out / "preprocessor_config.json"))
+    oc = SimpleTokenizer(context_length=context_length)
+    vocab = {_HF_SPECIAL_TOKENS.get(tok, tok): idx for tok, idx in oc.encoder.items()}
+    merges = [" ".join(pair) for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
+    if not (out / "vocab.json").is_file():
+        (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n", encoding="utf-8")
+    if not (out / "merges.txt").is_file():
+        (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    special = {k: tok_cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in tok_cfg}
+    if not (out / "special_tokens_map.json").is_file():
+        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -410,13 +438,44 @@ def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path)
                           input_names=["text"], output_names=["text_embeds"], opset_version=ONNX_OPSET,
                           dynamic_axes={"text": {0: "batch"}, "text_embeds": {0: "batch"}})
     text_cfg = model_cfg.get("text_cfg", {})
+    context_length = text_cfg.get("context_length", 77)
+    if text_cfg.get("hf_tokenizer_name"):
+        tokenizer = {"file": "tokenizer.json", "kind": "the Hugging Face text tower's own tokenizer",
+                     "name": text_cfg["hf_tokenizer_name"], "truncation": context_length, "padding": context_length}
+    else:
+        from .clip_tokenizer_file import write_tokenizer_json
+
+        write_tokenizer_json(out / ONNX_TOKENIZER_FILE, context_length)
+        tokenizer = {"file": ONNX_TOKENIZER_FILE, "kind": "open_clip SimpleTokenizer (CLIP BPE)",
+                     "truncation": context_length, "padding": context_length, "pad_id": 0}
+    (out / ONNX_PREPROCESS_FILE).write_text(json.dumps(preprocess_spec(pp_cfg), indent=2) + "\n")
     meta = {"image_encoder": ONNX_IMAGE_FILE, "text_encoder": ONNX_TEXT_FILE, "embed_dim": model_cfg["embed_dim"],
-            "context_length": text_cfg.get("context_length", 77),
-            "tokenizer": text_cfg.get("hf_tokenizer_name") or "open_clip SimpleTokenizer (CLIP BPE)",
+            "context_length": context_length, "tokenizer": tokenizer, "preprocess": ONNX_PREPROCESS_FILE,
             "preprocess_cfg": pp_cfg, "model_cfg": _portable_model_cfg(model_cfg, final),
             "outputs": "L2-normalised"}
     (out / ONNX_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     _write_text_tower_files(model, model_cfg, src_dir, out, config=False)
+
+
+def preprocess_spec(pp_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """open_clip's eval transform for `pp_cfg` as data: what a runtime without torch does to an image before
+    ``image_encoder.onnx`` (the README's onnxruntime example follows it).
+
+    Steps, in order: convert to RGB; resize (``shortest``: the shorter side to ``size`` and the longer to
+    ``int(size * long / short)``; ``squash``: to ``crop_size`` exactly; ``longest``: the longer side to ``size``,
+    keeping the ratio) with ``interpolation`` (PIL's antialiased filter); centre crop to ``crop_size`` (offsets
+    ``round((H - h) / 2)``, ``round((W - w) / 2)``; ``longest`` pads with ``fill_color`` where the image is smaller);
+    scale to [0, 1]; subtract ``mean`` and divide by ``std`` per channel; lay out as (3, H, W) float32.
+    """
+    size = pp_cfg.get("size", 224)
+    h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    mode = pp_cfg.get("resize_mode", "shortest")
+    return {"size": h if h == w else [h, w], "crop_size": [h, w], "resize_mode": mode,
+            "interpolation": pp_cfg.get("interpolation", "bicubic"), "rescale_factor": 1 / 255,
+            "mean": [float(x) for x in pp_cfg["mean"]], "std": [float(x) for x in pp_cfg["std"]],
+            "fill_color": pp_cfg.get("fill_color", 0), "color_mode": "RGB", "layout": "NCHW", "dtype": "float32",
+            "steps": ["convert_rgb", f"resize_{mode}", "center_crop" if mode != "longest" else "center_crop_or_pad",
+                      "rescale", "normalize"]}
 
 
 # ------------------------------------------------------------------------------------------------------------
