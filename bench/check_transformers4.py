@@ -55,6 +55,8 @@ def ensure_transformers4(site: Path, version: str) -> None:
     tokenizers = "tokenizers>=0.20,<0.21" if major_minor <= (4, 46) else "tokenizers>=0.21,<0.22"
     run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", site,
          f"transformers=={version}", tokenizers, "huggingface-hub>=0.23.2,<1.0"])
+    # huggingface-hub 0.x imports requests (1.x, which this venv has, does not); with its own dependencies
+    run([sys.executable, "-m", "pip", "install", "--quiet", "--target", site, "requests"])
 
 
 def mmcl_cli(*args):

@@ -9,8 +9,9 @@ Formats (``export(model_path, fmt, out_dir)``):
 ``safetensors``  the weights and the model config only, the config also embedded in the safetensors header
                  (``mmcl_model_cfg``, ``mmcl_preprocess_cfg``) so the weights file alone describes the model;
                  `mmcl.load` reads the directory without any training code.
-``hf``           a transformers ``CLIPModel`` directory with its ``CLIPProcessor`` (image processor and a CLIP
-                 BPE tokenizer built offline from open_clip's vocabulary, giving open_clip's token ids). Only
+``hf``           a transformers ``CLIPModel`` directory with its ``CLIPProcessor`` files as transformers 4.x and 5.x
+                 read them (``preprocessor_config.json``; open_clip's tokenizer as ``tokenizer.json``, giving
+                 open_clip's token ids, see `write_hf_tokenizer`). Only
                  open_clip's ViT + text transformer towers map onto ``CLIPModel``; any other architecture is an
                  `ConfigError` naming the first unsupported feature.
 ``onnx``         ``image_encoder.onnx`` (``image`` (B,3,H,W) float32 -> ``image_embeds`` (B,D)) and
@@ -61,10 +62,7 @@ ONNX_OPSET = 17  # first opset with a LayerNormalization op; onnxruntime >= 1.14
 # ONNX Runtime fuses attention/LayerNorm kernels, which moves results by ~1e-4 at most.
 MIN_COSINE = {"open_clip": 0.9999, "safetensors": 0.9999, "hf": 0.9999, "onnx": 0.999}
 
-# open_clip's SimpleTokenizer names its special tokens differently from the CLIP tokenizer transformers ships;
-# the ids are the same, so the HF files use the transformers names and keep open_clip's ids.
 _TOKENIZER_FILE_PREFIXES = weights.TOKENIZER_FILE_PREFIXES
-_HF_SPECIAL_TOKENS = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
 
 
 def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
@@ -305,24 +303,33 @@ def hf_clip_state_dict(sd: Dict[str, torch.Tensor], n_vision_layers: int, n_text
     return out
 
 
-def hf_clip_tokenizer(context_length: int):
-    """A transformers ``CLIPTokenizer`` over open_clip's BPE vocabulary that yields open_clip's token ids.
+def write_hf_tokenizer(context_length: int, out: Path) -> None:
+    """open_clip's tokenizer as transformers 4.x and 5.x load it (``AutoTokenizer``, ``CLIPProcessor``): the
+    ``tokenizer.json`` of `mmcl.clip_tokenizer_file` (the same pipeline as the ONNX export's), declared as a plain
+    fast tokenizer so that both generations run that file as it is (transformers 5's ``CLIPTokenizer`` rebuilds its
+    own pipeline, which leaves ``&amp;`` undecoded), plus ``vocab.json`` and ``merges.txt``.
 
-    ``tok(texts, padding="max_length", truncation=True, max_length=context_length)`` equals
-    ``open_clip.SimpleTokenizer(context_length)(texts)`` from the start token through the end token, truncation
-    included, for text that needs no ftfy/HTML repair. Padding after the end token follows the transformers CLIP
-    convention (the end token, 49407, with attention mask 0) where open_clip writes 0: id 0 is the vocabulary's
-    "!", and registering it as the padding token would make transformers split every "!" of the text out as a
-    special token. Neither model reads past the first end token (causal attention, pooling at that token), so
-    the embeddings are the same.
+    The ids equal ``open_clip.get_tokenizer`` from the start token through the end token, truncation included, HTML
+    entities and a literal ``<|endoftext|>`` (ordinary text) included, except for the few inputs that
+    `mmcl.clip_tokenizer_file` lists. Padding after the end token follows the transformers CLIP convention (the end
+    token, 49407, with attention mask 0) where open_clip writes 0: id 0 is the vocabulary's "!", and registering it
+    as the padding token would make transformers split every "!" of the text out as a special token. Neither model
+    reads past the first end token (causal attention, pooling at that token), so the embeddings are the same.
     """
     from open_clip.tokenizer import SimpleTokenizer
-    from transformers import CLIPTokenizer
 
+    from .clip_tokenizer_file import EOT_TOKEN, SOT_TOKEN, write_tokenizer_json
+
+    write_tokenizer_json(out / "tokenizer.json", context_length)
+    special = {"bos_token": SOT_TOKEN, "eos_token": EOT_TOKEN, "pad_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "CLIPProcessor",
+              "model_max_length": context_length, "clean_up_tokenization_spaces": False, **special}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     oc = SimpleTokenizer(context_length=context_length)
-    vocab = {_HF_SPECIAL_TOKENS.get(tok, tok): idx for tok, idx in oc.encoder.items()}
-    merges = [pair for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=context_length)
+    merges = [" ".join(pair) for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
+    (out / "vocab.json").write_text(json.dumps(oc.encoder, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
 
 
 def hf_image_processor(pp_cfg: Dict[str, Any]):
@@ -345,7 +352,7 @@ def hf_image_processor(pp_cfg: Dict[str, Any]):
 
 
 def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
-    from transformers import CLIPModel, CLIPProcessor
+    from transformers import CLIPModel
 
     config = hf_clip_config(model_cfg)
     state = hf_clip_state_dict(model.state_dict(), config.vision_config.num_hidden_layers,
@@ -360,31 +367,13 @@ def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -
                       "logits_per_image lack the learned SigLIP bias")
     hf_model.eval().save_pretrained(str(out))
     context_length = model_cfg["text_cfg"].get("context_length", 77)
-    processor = CLIPProcessor(image_processor=hf_image_processor(pp_cfg), tokenizer=hf_clip_tokenizer(context_length))
-    processor.save_pretrained(str(out))
-    _write_hf4_files(processor, context_length, out)
-
-
-def _write_hf4_files(processor, context_length: int, out: Path) -> None:
-    """The files transformers 4.x reads besides transformers 5's: the image processor in
-    ``preprocessor_config.json`` (4.x finds no image processor in ``processor_config.json``), the slow tokenizer's
-    ``vocab.json`` + ``merges.txt`` and ``special_tokens_map.json``. bench/check_transformers4.py loads the result
-    with transformers 4.46 and runs its zero-shot pipeline."""
-    from open_clip.tokenizer import SimpleTokenizer
-
-    if not (out / "preprocessor_config.json").is_file():
-        processor.image_processor.to_json_file(str(out / "preprocessor_config.json"))
-    oc = SimpleTokenizer(context_length=context_length)
-    vocab = {_HF_SPECIAL_TOKENS.get(tok, tok): idx for tok, idx in oc.encoder.items()}
-    merges = [" ".join(pair) for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
-    if not (out / "vocab.json").is_file():
-        (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n", encoding="utf-8")
-    if not (out / "merges.txt").is_file():
-        (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
-    special = {k: tok_cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in tok_cfg}
-    if not (out / "special_tokens_map.json").is_file():
-        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    # Both transformers generations read the image processor from preprocessor_config.json. transformers 5 writes
+    # it nested in processor_config.json, which 4.x passes on as a second image_processor argument ("got multiple
+    # values for argument 'image_processor'"), so processor_config.json names the processor class only.
+    hf_image_processor(pp_cfg).to_json_file(str(out / "preprocessor_config.json"))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "CLIPProcessor"}, indent=2) + "\n")
+    # bench/check_transformers4.py loads this directory under transformers 4.46 and runs its zero-shot pipeline
+    write_hf_tokenizer(context_length, out)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -487,7 +476,7 @@ def export_encoders(out: Path, fmt: str) -> Tuple[Callable, Callable]:
 
     ``encode_image`` takes (B,3,H,W) float32 pixels already preprocessed; ``encode_text`` takes open_clip token
     ids (B,L) int64; for ``hf`` they go to ``CLIPModel`` with the attention mask transformers' tokenizer would
-    give (the exported tokenizer yields the same ids, see `hf_clip_tokenizer`).
+    give (the exported tokenizer yields the same ids, see `write_hf_tokenizer`).
     """
     out = Path(out)
     if fmt == "open_clip":

@@ -135,6 +135,31 @@ def test_hf_export_loads_in_transformers_with_same_tokens_and_embeddings(model_d
     assert _cos(img_proc, reference["img"]).min() >= 0.99  # resampling differences of a few grey levels
 
 
+def test_hf_export_writes_what_transformers_4_and_5_read_and_tokenizes_like_open_clip(model_dir, tmp_path):
+    """transformers 4.x reads the image processor from preprocessor_config.json and fails on transformers 5's
+    nested processor_config.json; both read tokenizer.json, which gives open_clip's ids (HTML entities and a
+    literal <|endoftext|> included) with this venv's transformers. bench/check_transformers4.py runs 4.46 itself."""
+    import open_clip
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPProcessor
+
+    out = export_mod.export(model_dir, "hf", tmp_path / "hf")
+    for name in ("preprocessor_config.json", "processor_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "config.json", "model.safetensors"):
+        assert (out / name).is_file(), name
+    assert "image_processor" not in json.loads((out / "processor_config.json").read_text())
+    pre = json.loads((out / "preprocessor_config.json").read_text())
+    assert pre["image_processor_type"] == "CLIPImageProcessor" and pre["size"] == {"shortest_edge": 64}
+    assert isinstance(CLIPImageProcessor.from_pretrained(str(out)), CLIPImageProcessor)
+    context_length = json.loads((out / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    ref = open_clip.get_tokenizer("ViT-B-32", context_length=context_length)(TOKENIZER_TEXTS).tolist()
+    for tok in (CLIPProcessor.from_pretrained(str(out)).tokenizer, AutoTokenizer.from_pretrained(str(out))):
+        ids = tok(TOKENIZER_TEXTS, padding="max_length", truncation=True, max_length=context_length)["input_ids"]
+        for text, a, b in zip(TOKENIZER_TEXTS, ids, ref):
+            end = len(b) - b[::-1].index(49407)  # through open_clip's final end token; 0-padding after it
+            assert a[:end] == b[:end], text
+            assert set(a[end:]) <= {49407}, text  # transformers pads with the end token (mask 0)
+
+
 def test_onnx_export_runs_in_onnxruntime_with_dynamic_batch(model_dir, reference, tmp_path):
     import onnxruntime as ort
 
