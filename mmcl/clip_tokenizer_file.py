@@ -9,22 +9,27 @@ applies BPE with a ``</w>`` end-of-word suffix; the ids are framed by ``<start_o
 A ``tokenizers`` pipeline is data, not code, so every step is expressed with its building blocks:
 
 * ftfy's per-character repairs (control characters removed, Windows-1252 C1 bytes, curly quotes, ligatures,
-  full-width forms, ...) as one ``Replace`` per distinct result, computed from the installed ftfy over the Basic
+  full-width forms, ...) as one ``Replace`` per character, computed from the installed ftfy over the Basic
   Multilingual Plane, then ``NFC`` (ftfy's final normalisation);
-* HTML character references, twice (open_clip unescapes twice): every named entity of HTML5 (with ``;``, and the
-  legacy names Python also accepts without it) and numeric references (``&#65;``, ``&#x41;``) of U+0000..U+00FF;
-* Python's ``str.split`` whitespace collapsed to one space, stripped, lower-cased;
+* HTML character references in three rounds (ftfy's and open_clip's two): HTML 4's 252 names and ``&apos;``
+  (with the legacy forms without ``;`` that Python accepts) and numeric references up to U+00FF
+  (``&#233;``, ``&#xE9;``), see `_entity_replacements`;
+* Python's ``str.split`` whitespace collapsed to one space, stripped, lower-cased (a word-final capital sigma as
+  final sigma, as ``str.lower`` does);
 * open_clip's split pattern, byte-level mapping, BPE with ``</w>``; ``<start_of_text>``/``<end_of_text>`` are the
   special tokens (so a literal ``<|endoftext|>`` in a caption is ordinary text, as in open_clip), truncation and
   padding to the context length.
 
-Where it differs from open_clip (measured by tests/test_export.py against ``open_clip.get_tokenizer``): ftfy's
-context-dependent repairs (mojibake such as ``Ã©`` for ``é``, which needs the surrounding bytes) are not
-reproduced; numeric character references above U+00FF stay as text; characters above U+FFFF that ftfy would
-change are left as they are. ftfy decodes HTML references before its repairs only when the text holds no ``<``, and
-open_clip decodes them twice more after; this file always does the three rounds, so in text that holds a ``<``, a
-reference to a character ftfy repairs (``&rsquo;``: ``'`` here, ``’`` in open_clip) and text HTML-escaped three
-times decode differently.
+The hf export ships the same file (`mmcl.export.write_hf_tokenizer`). Where it differs from open_clip (tests in
+tests/test_export.py compare with ``open_clip.get_tokenizer``): ftfy's context-dependent repairs (mojibake such as
+``Ã©`` for ``é``, which needs the surrounding bytes) are not reproduced; HTML5-only names (``&NotLessLess;``, about
+2,000 rarely seen ones) and numeric references above U+00FF stay as text; characters above U+FFFF that ftfy would
+change are left as they are. ftfy decodes HTML references before its repairs only when the text holds no ``<``;
+this file always does, so in text that holds a ``<``, a reference to a character ftfy repairs (``&rsquo;``: ``'``
+here, ``’`` in open_clip) and text HTML-escaped three times decode differently.
+
+Cost: about 1,400 normalizer passes, each about a microsecond on a caption: 1.8 ms per caption on one thread of
+this 2-core machine under load, against open_clip's 0.44 ms (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -49,53 +54,55 @@ def _char_class(chars) -> str:
 
 @functools.lru_cache(maxsize=1)
 def ftfy_char_map() -> Tuple[Tuple[str, str], ...]:
-    """(characters class pattern, replacement) for every BMP character that ``ftfy.fix_text`` changes on its own
-    to something other than its NFC form, grouped by replacement (about 330 characters, 270 groups)."""
+    """(character, replacement) for every BMP character that ``ftfy.fix_text`` changes on its own to something
+    other than its NFC form (about 330: control characters, Windows-1252 C1 bytes, quotes, ligatures, widths)."""
     import ftfy
 
-    groups: Dict[str, List[str]] = {}
+    out = []
     for cp in range(0x10000):
         if 0xD800 <= cp <= 0xDFFF:
             continue
         c = chr(cp)
         fixed = ftfy.fix_text(c)
         if fixed != c and unicodedata.normalize("NFC", c) != fixed:
-            groups.setdefault(fixed, []).append(c)
-    return tuple((_char_class(chars), fixed) for fixed, chars in sorted(groups.items()))
+            out.append((c, fixed))
+    return tuple(out)
+
+
+# Named references decoded: HTML 4's 252 (every name seen in practice: &amp; &quot; &nbsp; &eacute; &rsquo;
+# &mdash; &hellip; &euro; ...) and &apos;, with the legacy forms Python also accepts without the ";".
+# Each distinct value costs one normalizer pass (about a microsecond per caption), which is why HTML5's 2,000
+# further names are left out.
+_EXTRA_NAMES = ("apos",)
 
 
 def _entity_replacements() -> List[Tuple[str, str]]:
     """(pattern, text) pairs that decode HTML character references as one ``html.unescape`` pass does.
 
-    Each pair is one ``Replace`` pass, so the order keeps the passes from seeing each other's output as Python's
-    single left-to-right scan would not: names that need their ``;`` come first, then the legacy names Python also
-    accepts without it, longest first (``&notin;`` is never read as ``&not`` + ``in;``); every reference that
-    decodes to ``&`` comes last, so ``&amp;lt;`` becomes ``&lt;``, not ``<``.
+    One pattern per decoded value, holding its names (``&eacute;``, also ``&eacute`` where Python accepts the
+    legacy form) and its numeric references (``&#233;``, ``&#xe9;``, ``;`` optional) for values up to U+00FF.
+    The order keeps the passes from seeing each other's output where Python's single left-to-right scan would
+    not: values with no legacy name first, then those with one by decreasing name length (``&notin;`` is never
+    read as ``&not`` + ``in;``), and ``&`` last (``&amp;lt;`` becomes ``&lt;``, not ``<``).
     """
     legacy = {name for name in html.entities.html5 if not name.endswith(";")}
-    by_value: Dict[str, List[str]] = {}
-    legacy_pairs, amp_pairs = [], []
-    for name, value in html.entities.html5.items():
-        if not name.endswith(";"):
-            continue
-        name = name[:-1]
-        if name in legacy:
-            pair = ("&" + re.escape(name) + ";?", value)
-            (amp_pairs if value == "&" else legacy_pairs).append((len(name), pair))
-        elif value == "&":
-            amp_pairs.append((len(name), ("&" + re.escape(name) + ";", value)))
-        else:
-            by_value.setdefault(value, []).append(name)
-    out = [("&(?:" + "|".join(re.escape(n) for n in sorted(names, key=lambda n: (-len(n), n))) + ");", value)
-           for value, names in sorted(by_value.items())]
-    out += [pair for _, pair in sorted(legacy_pairs, key=lambda item: (-item[0], item[1]))]
-    numeric = []
+    names: Dict[str, List[str]] = {}
+    for name in list(html.entities.name2codepoint) + list(_EXTRA_NAMES):
+        for variant in {name, name.upper()} if name.upper() in legacy else {name}:
+            names.setdefault(html.entities.html5[variant + ";"], []).append(variant)
+    numeric: Dict[str, List[int]] = {}
     for cp in range(0x100):
-        pair = (f"&#(?:0*{cp}(?![0-9])|[xX]0*{cp:x}(?![0-9a-fA-F]));?", html.unescape(f"&#{cp};"))
-        (amp_pairs if pair[1] == "&" else numeric).append((0, pair))
-    out += [pair for _, pair in numeric]
-    out += [pair for _, pair in sorted(amp_pairs, key=lambda item: (-item[0], item[1]))]
-    return out
+        numeric.setdefault(html.unescape(f"&#{cp};"), []).append(cp)
+    groups = []
+    for value in sorted(set(names) | set(numeric)):
+        alts = [re.escape(n) + (";?" if n in legacy else ";") for n in sorted(names.get(value, []), key=lambda n: (-len(n), n))]
+        for cp in numeric.get(value, []):
+            alts.append(f"#0*{cp}(?![0-9]);?")
+            alts.append(f"#[xX]0*(?i:{cp:x})(?![0-9a-fA-F]);?")
+        longest_legacy = max((len(n) for n in names.get(value, []) if n in legacy), default=0)
+        rank = (2, 0) if value == "&" else (1, -longest_legacy) if longest_legacy else (0, 0)
+        groups.append((rank, value, "&(?:" + "|".join(alts) + ")"))
+    return [(pattern, value) for _, value, pattern in sorted(groups, key=lambda g: (g[0], g[1]))]
 
 
 @functools.lru_cache(maxsize=4)
@@ -117,7 +124,7 @@ def tokenizer_json(context_length: int = 77) -> str:
     spaces = [chr(cp) for cp in range(0x110000) if chr(cp).isspace()]  # Python's str.split() whitespace
     tok.normalizer = normalizers.Sequence(
         # ftfy unescapes HTML before its character repairs (when the text holds no "<"), open_clip twice after.
-        entities + [normalizers.Replace(Regex(p), v) for p, v in ftfy_char_map()] + [normalizers.NFC()]
+        entities + [normalizers.Replace(c, v) for c, v in ftfy_char_map()] + [normalizers.NFC()]
         + entities + entities
         + [normalizers.Replace(Regex(_char_class(spaces) + "+"), " "), normalizers.Strip(),
            # Python's str.lower() writes a word-final capital sigma as final sigma; Lowercase maps each character
