@@ -429,8 +429,10 @@ def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path)
     text_cfg = model_cfg.get("text_cfg", {})
     context_length = text_cfg.get("context_length", 77)
     if text_cfg.get("hf_tokenizer_name"):
-        tokenizer = {"file": "tokenizer.json", "kind": "the Hugging Face text tower's own tokenizer",
-                     "name": text_cfg["hf_tokenizer_name"], "truncation": context_length, "padding": context_length}
+        _write_text_tower_files(model, model_cfg, src_dir, out, config=False)
+        tokenizer = {"file": ONNX_TOKENIZER_FILE if (out / ONNX_TOKENIZER_FILE).is_file() else None,
+                     "kind": "the Hugging Face text tower's own tokenizer", "name": text_cfg["hf_tokenizer_name"],
+                     "truncation": context_length, "padding": context_length}
     else:
         from .clip_tokenizer_file import write_tokenizer_json
 
@@ -443,7 +445,6 @@ def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path)
             "preprocess_cfg": pp_cfg, "model_cfg": _portable_model_cfg(model_cfg, final),
             "outputs": "L2-normalised"}
     (out / ONNX_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    _write_text_tower_files(model, model_cfg, src_dir, out, config=False)
 
 
 def preprocess_spec(pp_cfg: Dict[str, Any]) -> Dict[str, Any]:
