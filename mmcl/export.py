@@ -322,8 +322,10 @@ def write_hf_tokenizer(context_length: int, out: Path) -> None:
 
     write_tokenizer_json(out / "tokenizer.json", context_length)
     special = {"bos_token": SOT_TOKEN, "eos_token": EOT_TOKEN, "pad_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
+    # model_input_names: a plain fast tokenizer would also return token_type_ids, which CLIPModel.forward rejects
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "CLIPProcessor",
-              "model_max_length": context_length, "clean_up_tokenization_spaces": False, **special}
+              "model_max_length": context_length, "clean_up_tokenization_spaces": False,
+              "model_input_names": ["input_ids", "attention_mask"], **special}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     oc = SimpleTokenizer(context_length=context_length)

@@ -158,6 +158,7 @@ def test_hf_export_writes_what_transformers_4_and_5_read_and_tokenizes_like_open
             end = len(b) - b[::-1].index(49407)  # through open_clip's final end token; 0-padding after it
             assert a[:end] == b[:end], text
             assert set(a[end:]) <= {49407}, text  # transformers pads with the end token (mask 0)
+        assert set(tok(["a cat"])) == {"input_ids", "attention_mask"}  # what CLIPModel.forward accepts
 
 
 def test_onnx_export_runs_in_onnxruntime_with_dynamic_batch(model_dir, reference, tmp_path):
