@@ -1053,6 +1053,11 @@ def test_shards_cli_on_img2dataset_files_layout_warns_once_and_exits_0(tmp_path,
     assert cli.main(["shards", "--input", str(bare), "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert "mmcl: error: no valid sample" in err and "missing_caption=2" in err and "a photo of" not in err
+    # img2dataset's webdataset output is trained on as it is; converting it again is pointed there
+    (tmp_path / "wds").mkdir()
+    write_tar(tmp_path / "wds" / "00000.tar", [("000000000.txt", b"x")])
+    assert cli.main(["shards", "--input", str(tmp_path / "wds"), "--out", str(tmp_path / "w")]) == 2
+    assert "already holds WebDataset shards" in capsys.readouterr().err
 
 
 def test_url_tables_name_img2dataset_and_local_urls_are_read(image_folder, tmp_path):

@@ -23,6 +23,7 @@ from PIL import Image
 from ..errors import DataError
 from .decode import IMAGE_EXTS, SkipSample, decode_image
 from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, walk_files
+from .sources import SHARD_SUFFIXES
 
 
 def _encode_image(image: Any, ext: Optional[str], image_format: str, quality: int) -> Tuple[bytes, str]:
@@ -348,6 +349,10 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
             warnings.warn(f"{len(no_caption)} images in {input_path} have no caption file beside them (KEY.txt) and "
                           f"are skipped, e.g. {no_caption[0]}")
     elif os.path.isdir(input_path):
+        shards = sorted(n for n in os.listdir(input_path) if n.endswith(SHARD_SUFFIXES))
+        if shards:  # e.g. img2dataset's webdataset output: nothing to convert
+            raise DataError(f"{input_path} already holds WebDataset shards (got {shards[0]}, ...; train on them: "
+                            f"data.train='{os.path.join(input_path, '*.tar')}')")
         classnames = class_folders(input_path)
         if not classnames:
             raise DataError(f"{input_path} has no class folders nor images with caption files (expected "
