@@ -95,7 +95,8 @@ def _entity_replacements() -> List[Tuple[str, str]]:
         numeric.setdefault(html.unescape(f"&#{cp};"), []).append(cp)
     groups = []
     for value in sorted(set(names) | set(numeric)):
-        alts = [re.escape(n) + (";?" if n in legacy else ";") for n in sorted(names.get(value, []), key=lambda n: (-len(n), n))]
+        by_length = sorted(names.get(value, []), key=lambda n: (-len(n), n))
+        alts = [re.escape(n) + (";?" if n in legacy else ";") for n in by_length]
         for cp in numeric.get(value, []):
             alts.append(f"#0*{cp}(?![0-9]);?")
             alts.append(f"#[xX]0*(?i:{cp:x})(?![0-9a-fA-F]);?")

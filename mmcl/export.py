@@ -53,7 +53,7 @@ MARKER_FILE = "mmcl_export.json"
 ONNX_IMAGE_FILE = "image_encoder.onnx"
 ONNX_TEXT_FILE = "text_encoder.onnx"
 ONNX_CONFIG_FILE = "onnx_config.json"
-ONNX_TOKENIZER_FILE = "tokenizer.json"  # open_clip's tokenizer for Hugging Face `tokenizers` (mmcl/clip_tokenizer_file.py)
+ONNX_TOKENIZER_FILE = "tokenizer.json"  # open_clip's tokenizer for `tokenizers` (mmcl/clip_tokenizer_file.py)
 ONNX_PREPROCESS_FILE = "preprocess.json"  # the image preprocessing as data (`preprocess_spec`)
 ONNX_OPSET = 17  # first opset with a LayerNormalization op; onnxruntime >= 1.14 runs it
 
