@@ -1068,8 +1068,13 @@ def test_url_tables_name_img2dataset_and_local_urls_are_read(image_folder, tmp_p
         data.shards_from_input(str(web), str(tmp_path / "w"), progress=False)
     laion = tmp_path / "laion.csv"
     laion.write_text("URL,TEXT\nhttps://example.com/a.jpg,a dog\n")
-    with pytest.raises(DataError, match="needs columns 'image' and 'caption'.*img2dataset --url_list"):
+    with pytest.raises(DataError, match="needs columns 'image' and 'caption'.*img2dataset --url_list .* "
+                                        "--url_col URL --caption_col TEXT"):
         data.shards_from_input(str(laion), str(tmp_path / "l"), progress=False)
+    (tmp_path / "urls.jsonl").write_text(json.dumps({"url": "https://example.com/a.jpg", "caption": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"read_json\(.*urls.jsonl', lines=True\).to_parquet\(.*urls.parquet'\).*"
+                                        r"--input_format parquet"):
+        data.shards_from_input(str(tmp_path / "urls.jsonl"), str(tmp_path / "j"), progress=False)
     dog0 = image_folder / "dog" / "0.png"
     local = tmp_path / "local.csv"
     local.write_text(f"url,caption\n{dog0.as_uri()},a dog by URI\nfolder/dog/1.png,a dog by path\n"

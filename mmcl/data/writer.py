@@ -174,11 +174,21 @@ _IMG2DATASET_SIDE_FILE = re.compile(r"^\d+(_stats\.json|\.parquet)$")
 _TABLE_EXTS = (".csv", ".jsonl", ".json", ".ndjson", ".parquet")
 
 
-def _img2dataset_command(path: str, url_col: str) -> str:
-    fmt = "parquet" if path.lower().endswith(".parquet") else "csv" if path.lower().endswith(".csv") else "json"
-    return (f"img2dataset --url_list {path} --input_format {fmt} --url_col {url_col} --caption_col caption "
-            f"--output_format webdataset --output_folder shards --image_size 256 --resize_mode keep_ratio "
-            f"--processes_count 8 --thread_count 64")
+def _img2dataset_command(path: str, url_col: str, caption_col: Optional[str] = "caption") -> str:
+    """The img2dataset command line that downloads the URLs of table `path` into WebDataset shards with captions
+    (img2dataset reads csv, tsv, parquet and JSON arrays; JSON lines go through parquet first)."""
+    lower = path.lower()
+    prefix, url_list, fmt = "", path, "csv"
+    if lower.endswith(".parquet"):
+        fmt = "parquet"
+    elif lower.endswith((".jsonl", ".ndjson", ".json")):
+        url_list, fmt = os.path.splitext(path)[0] + ".parquet", "parquet"
+        prefix = (f"python -c \"import pandas; pandas.read_json('{path}', lines=True).to_parquet('{url_list}')\" "
+                  f"&& ")
+    return (f"{prefix}img2dataset --url_list {url_list} --input_format {fmt} --url_col {url_col} "
+            f"--caption_col {caption_col or 'YOUR_CAPTION_COLUMN'} --output_format webdataset --output_folder shards "
+            f"--image_size 256 --resize_mode keep_ratio --processes_count 8 --thread_count 64 "
+            f"(then train with data.train='shards/*.tar')")
 
 
 def _rows_from_table(path: str) -> Iterator[Tuple[int, Any]]:
@@ -221,10 +231,11 @@ def _check_columns(path: str, fields: List[str]) -> None:
     if ("image" in fields or "url" in fields) and "caption" in fields:
         return
     hint = ""
-    if "url" in fields or "URL" in fields:
-        col = "url" if "url" in fields else "URL"
+    url_cols = [c for c in fields if c.lower() == "url"]
+    if url_cols:
+        caption_col = next((c for c in fields if c.lower() in ("caption", "text", "captions", "alt")), None)
         hint = (f"; a table of image URLs is what img2dataset downloads into shards mmcl trains on: "
-                f"{_img2dataset_command(path, col)}")
+                f"{_img2dataset_command(path, url_cols[0], caption_col)}")
     raise DataError(f"{path} needs columns 'image' and 'caption' (or 'url' and 'caption', with local paths or "
                     f"file:// URIs) (got {', '.join(fields) or 'none'}){hint}")
 
@@ -238,8 +249,7 @@ def _local_image_path(value: Any, base: str, table: str, url_col: bool) -> str:
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]+://", text):
         col = "url" if url_col else "image"
         raise DataError(f"{table} names images by URL (got {text[:100]}); mmcl shards reads local files: download "
-                        f"them into shards with img2dataset, then train on those: "
-                        f"{_img2dataset_command(table, col)}")
+                        f"them into shards with img2dataset: {_img2dataset_command(table, col)}")
     return os.path.join(base, os.path.expanduser(text))
 
 
