@@ -207,3 +207,25 @@ def test_index_of_an_image_folder_points_at_the_files(indexed, tmp_path):
     for it in items:
         assert os.path.isfile(it["__url__"]) and it["__url__"].endswith(it["key"])
         assert it["label"] == int(it["key"].split(os.sep)[0][-1])
+
+
+def test_index_of_img2dataset_files_points_back_to_source_urls(indexed, tmp_path):
+    """img2dataset's files layout -> mmcl shards -> mmcl index: each hit carries the URL img2dataset downloaded
+    the image from, its key and the shard it is in."""
+    from mmcl import data
+
+    root = tmp_path / "i2d" / "00000"
+    root.mkdir(parents=True)
+    urls = {}
+    for i, (name, img) in enumerate(sorted(indexed["images"].items())[:5]):
+        key = f"00000{i:04d}"
+        img.save(root / f"{key}.jpg", quality=95)
+        (root / f"{key}.txt").write_text(f"caption of {name}")
+        urls[key] = f"https://images.example.com/{name}.jpg"
+        (root / f"{key}.json").write_text(json.dumps({"url": urls[key], "key": key, "status": "success"}, indent=4))
+    summary = data.shards_from_input(str(tmp_path / "i2d"), str(tmp_path / "shards"), progress=False)
+    out = index_mod.build_index(indexed["model_dir"], str(tmp_path / "shards"), tmp_path / "idx", progress=False)
+    hits = index_mod.search(out, image=str(root / "000000003.jpg"), k=5)
+    assert hits[0]["key"] == "000000003" and hits[0]["url"] == urls["000000003"]
+    assert {h["key"]: h["url"] for h in hits} == urls
+    assert {h["__url__"] for h in hits} == {os.path.abspath(p) for p in summary["shards"]}
