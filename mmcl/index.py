@@ -135,8 +135,8 @@ def _index_loader(data, preprocess, batch_size: int, workers: int):
                                            collate_fn=data_mod.eval_collate)
 
 
-def _item(key: str, caption: str, label: int, data) -> Dict[str, Any]:
-    if key.startswith("{"):  # from SourcedShards
+def _item(key: str, caption: str, label: int, data, sourced: bool) -> Dict[str, Any]:
+    if sourced:  # SourcedShards' key: a JSON object
         source = json.loads(key)
         item = {"key": source["key"], "caption": caption, "__url__": source["__url__"]}
         if "url" in source:
@@ -163,7 +163,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
 
     model_dir = weights.find_model_dir(model_path).resolve()
     model, preprocess, _ = weights.load(model_dir)
-    _, loader = _index_loader(data, preprocess, batch_size, workers)
+    ds, loader = _index_loader(data, preprocess, batch_size, workers)
     model = model.to(device).eval()
     feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, "index", data)
     index, params = make_index(feats.numpy(), exact_max=exact_max)
@@ -183,7 +183,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
             faiss.write_index(index, str(tmp / INDEX_FILE))
             with open(tmp / ITEMS_FILE, "w") as f:
                 for key, caption, label in zip(keys, captions, labels.tolist()):
-                    f.write(json.dumps(_item(key, caption, label, data)) + "\n")
+                    f.write(json.dumps(_item(key, caption, label, data, isinstance(ds, SourcedShards))) + "\n")
             meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     except OSError as err:
