@@ -1005,12 +1005,14 @@ def test_shards_from_img2dataset_files_layout_reads_captions_and_keeps_metadata(
     .json fields (url included) and img2dataset's keys; they are not read as an ImageFolder of classes 00000..."""
     root = tmp_path / "i2d"
     expected = _img2dataset_files_layout(root, no_caption=("000010001",))
+    (root / "00001" / "000019999.txt").write_text("a caption whose image failed to download")
     out = tmp_path / "shards"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        summary = data.shards_from_input(str(root), str(out), shard_size=4, progress=False)
-    assert summary["n_samples"] == 5 and summary["skipped"] == {"missing_caption": 1}
-    assert summary["skipped_examples"] == [f"{os.path.join('00001', '000010001.jpg')}: missing_caption"]
+        summary = data.shards_from_input(str(root) + os.sep, str(out), shard_size=4, progress=False)
+    assert summary["n_samples"] == 5 and summary["skipped"] == {"missing_caption": 1, "missing_image": 1}
+    assert summary["skipped_examples"] == [f"{os.path.join('00001', '000010001.jpg')}: missing_caption",
+                                           f"{os.path.join('00001', '000019999.txt')}: missing_image"]
     notes = [str(w.message) for w in caught if "caption file" in str(w.message)]
     assert len(notes) == 1 and "000010001.jpg" in notes[0] and "\n" not in notes[0]
     assert not (out / "classnames.txt").exists()

@@ -258,12 +258,15 @@ def _paired_files(root: str) -> Optional[Dict[str, Any]]:
     ``KEY.json`` metadata), usually in numbered folders (``00000/000000000.jpg``). None when no image under
     `root` has a caption or metadata file beside it (then the folder is an ImageFolder).
 
-    Returns ``{"samples": [(key, image, txt or None, json or None)], "orphans": [files with no image]}``, in
-    sorted order; img2dataset's ``NNNNN.parquet`` / ``NNNNN_stats.json`` beside the folders are left out.
+    Returns ``{"samples": [(key, image, txt or None, json or None)], "orphans": [(file, skip reason)]}`` in
+    sorted order: a caption or metadata file without its image is ``missing_image``, another file ``not_image``,
+    a second image with the same key ``duplicate_key``; img2dataset's ``NNNNN.parquet`` / ``NNNNN_stats.json``
+    beside the folders are left out.
     """
+    root = os.path.normpath(root)
     groups: Dict[Tuple[str, str], Dict[str, str]] = {}
     for path in walk_files(root):
-        folder, name = os.path.split(path)
+        folder, name = os.path.split(os.path.normpath(path))
         stem, ext = os.path.splitext(name)
         groups.setdefault((folder, stem), {})[ext.lower()] = path
     image_exts = tuple(FOLDER_IMAGE_EXTS)
@@ -276,10 +279,12 @@ def _paired_files(root: str) -> Optional[Dict[str, Any]]:
         if not images:
             for ext, path in sorted(files.items()):
                 if not (folder == root and _IMG2DATASET_SIDE_FILE.match(os.path.basename(path))):
-                    orphans.append(path)
+                    orphans.append((path, "missing_image" if ext in (".txt", ".json") else "not_image"))
             continue
         samples.append((stem, images[0], files.get(".txt"), files.get(".json")))
-        orphans += images[1:]
+        orphans += [(path, "duplicate_key") for path in images[1:]]
+        orphans += [(path, "not_image") for ext, path in sorted(files.items())
+                    if ext not in image_exts and ext not in (".txt", ".json")]
     return {"samples": samples, "orphans": orphans}
 
 
@@ -349,9 +354,8 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
                     problems.append((os.path.relpath(meta_path, input_path), "bad_json"))
                     continue
             jobs.append((image, text, None, where, meta, stem))
-        for path in paired["orphans"]:
-            problems.append((os.path.relpath(path, input_path), "not_image" if not path.lower().endswith(
-                (".txt", ".json")) else "missing_image"))
+        for path, reason in paired["orphans"]:
+            problems.append((os.path.relpath(path, input_path), reason))
         keys = [job[5] for job in jobs]
         if len(set(keys)) != len(keys) or any("." in k or not k for k in keys):
             jobs = [job[:5] + (None,) for job in jobs]  # numbered keys where the file names' keys clash
