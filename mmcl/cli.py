@@ -168,8 +168,12 @@ def cmd_search(args) -> int:
     from .index import search
 
     hits = search(args.index, query=args.query, image=args.image, k=args.k)
+    if args.json:
+        print(json.dumps(hits, indent=2, ensure_ascii=False))
+        return 0
     for hit in hits:
-        print(json.dumps(hit))
+        source = hit.get("url") or hit.get("__url__", "")
+        print(f"{hit['rank']:>3}  {hit['score']:.4f}  {hit['key']}  {hit.get('caption', '')!r}  {source}")
     return 0
 
 
@@ -198,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--n-train", type=int, default=None, help="training pairs (default: the demo's size)")
     d.set_defaults(func=cmd_demo_data)
 
-    s = sub.add_parser("shards", help="write WebDataset shards from an ImageFolder, CSV or JSONL")
-    s.add_argument("--input", required=True)
+    s = sub.add_parser("shards", help="write WebDataset shards from images with caption files (img2dataset's "
+                                      "files layout), an ImageFolder, or a CSV, JSONL or parquet table")
+    s.add_argument("--input", required=True,
+                   help="folder of KEY.jpg + KEY.txt [+ KEY.json], ImageFolder, or table with image|url,caption")
     s.add_argument("--out", required=True)
     s.add_argument("--shard-size", type=int, default=1000)
     s.add_argument("--caption-template", default="a photo of a {}.", help="ImageFolder captions")
@@ -255,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("query", nargs="?", default=None)
     q.add_argument("--image", default=None)
     q.add_argument("-k", type=int, default=10)
+    q.add_argument("--json", action="store_true",
+                   help="print the hits as one JSON array (rank, score, key, caption, __url__, url, label)")
     q.set_defaults(func=cmd_search)
 
     pl = sub.add_parser("plot", help="plot a run: loss curves, lr/logit scale, alignment-uniformity plane")

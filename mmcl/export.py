@@ -9,13 +9,17 @@ Formats (``export(model_path, fmt, out_dir)``):
 ``safetensors``  the weights and the model config only, the config also embedded in the safetensors header
                  (``mmcl_model_cfg``, ``mmcl_preprocess_cfg``) so the weights file alone describes the model;
                  `mmcl.load` reads the directory without any training code.
-``hf``           a transformers ``CLIPModel`` directory with its ``CLIPProcessor`` (image processor and a CLIP
-                 BPE tokenizer built offline from open_clip's vocabulary, giving open_clip's token ids). Only
+``hf``           a transformers ``CLIPModel`` directory with its ``CLIPProcessor`` files as transformers 4.x and 5.x
+                 read them (``preprocessor_config.json``; open_clip's tokenizer as ``tokenizer.json``, giving
+                 open_clip's token ids, see `write_hf_tokenizer`). Only
                  open_clip's ViT + text transformer towers map onto ``CLIPModel``; any other architecture is an
                  `ConfigError` naming the first unsupported feature.
 ``onnx``         ``image_encoder.onnx`` (``image`` (B,3,H,W) float32 -> ``image_embeds`` (B,D)) and
                  ``text_encoder.onnx`` (``text`` (B,L) int64 token ids -> ``text_embeds`` (B,D)), both with a
-                 dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json`` with the preprocessing.
+                 dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json``, ``preprocess.json`` (the
+                 image preprocessing as data, `preprocess_spec`) and ``tokenizer.json``: open_clip's tokenizer for
+                 Hugging Face's ``tokenizers`` (`mmcl.clip_tokenizer_file`), or a Hugging Face text tower's own;
+                 the README runs both encoders with onnxruntime and ``tokenizers`` alone, without torch.
 
 Every export is written to a temporary directory beside ``out_dir``, moved into place, and checked there against the
 source model (`verify`); a failed export is removed and an earlier export in ``out_dir`` is put back.
@@ -49,6 +53,8 @@ MARKER_FILE = "mmcl_export.json"
 ONNX_IMAGE_FILE = "image_encoder.onnx"
 ONNX_TEXT_FILE = "text_encoder.onnx"
 ONNX_CONFIG_FILE = "onnx_config.json"
+ONNX_TOKENIZER_FILE = "tokenizer.json"  # open_clip's tokenizer for `tokenizers` (mmcl/clip_tokenizer_file.py)
+ONNX_PREPROCESS_FILE = "preprocess.json"  # the image preprocessing as data (`preprocess_spec`)
 ONNX_OPSET = 17  # first opset with a LayerNormalization op; onnxruntime >= 1.14 runs it
 
 # Minimum cosine between an export's normalised embeddings and the source model's on the same inputs. Float32
@@ -56,10 +62,7 @@ ONNX_OPSET = 17  # first opset with a LayerNormalization op; onnxruntime >= 1.14
 # ONNX Runtime fuses attention/LayerNorm kernels, which moves results by ~1e-4 at most.
 MIN_COSINE = {"open_clip": 0.9999, "safetensors": 0.9999, "hf": 0.9999, "onnx": 0.999}
 
-# open_clip's SimpleTokenizer names its special tokens differently from the CLIP tokenizer transformers ships;
-# the ids are the same, so the HF files use the transformers names and keep open_clip's ids.
 _TOKENIZER_FILE_PREFIXES = weights.TOKENIZER_FILE_PREFIXES
-_HF_SPECIAL_TOKENS = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
 
 
 def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
@@ -110,12 +113,12 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
 # Names the exporters write, for telling mmcl's files from the user's in an export made before mmcl listed its
 # files in the marker: the model directory's files, transformers' (config, weights, processor, tokenizer), ONNX.
 _EXPORT_FILE_PREFIXES = ("model.safetensors", "model-0", "pytorch_model", "preprocessor_config", "processor_config",
-                         "generation_config", "chat_template")
+                         "generation_config", "chat_template", "special_tokens_map", "vocab.json", "merges.txt")
 
 
 def _is_export_file_name(name: str) -> bool:
     return (weights.is_model_file_name(name) or name.startswith(_EXPORT_FILE_PREFIXES)
-            or name in (MARKER_FILE, ONNX_IMAGE_FILE, ONNX_TEXT_FILE, ONNX_CONFIG_FILE))
+            or name in (MARKER_FILE, ONNX_IMAGE_FILE, ONNX_TEXT_FILE, ONNX_CONFIG_FILE, ONNX_PREPROCESS_FILE))
 
 
 def _check_out_dir(out_dir: Path) -> List[str]:
@@ -300,24 +303,35 @@ def hf_clip_state_dict(sd: Dict[str, torch.Tensor], n_vision_layers: int, n_text
     return out
 
 
-def hf_clip_tokenizer(context_length: int):
-    """A transformers ``CLIPTokenizer`` over open_clip's BPE vocabulary that yields open_clip's token ids.
+def write_hf_tokenizer(context_length: int, out: Path) -> None:
+    """open_clip's tokenizer as transformers 4.x and 5.x load it (``AutoTokenizer``, ``CLIPProcessor``): the
+    ``tokenizer.json`` of `mmcl.clip_tokenizer_file` (the same pipeline as the ONNX export's), declared as a plain
+    fast tokenizer so that both generations run that file as it is (transformers 5's ``CLIPTokenizer`` rebuilds its
+    own pipeline, which leaves ``&amp;`` undecoded), plus ``vocab.json`` and ``merges.txt``.
 
-    ``tok(texts, padding="max_length", truncation=True, max_length=context_length)`` equals
-    ``open_clip.SimpleTokenizer(context_length)(texts)`` from the start token through the end token, truncation
-    included, for text that needs no ftfy/HTML repair. Padding after the end token follows the transformers CLIP
-    convention (the end token, 49407, with attention mask 0) where open_clip writes 0: id 0 is the vocabulary's
-    "!", and registering it as the padding token would make transformers split every "!" of the text out as a
-    special token. Neither model reads past the first end token (causal attention, pooling at that token), so
-    the embeddings are the same.
+    The ids equal ``open_clip.get_tokenizer`` from the start token through the end token, truncation included, HTML
+    entities and a literal ``<|endoftext|>`` (ordinary text) included, except for the few inputs that
+    `mmcl.clip_tokenizer_file` lists. Padding after the end token follows the transformers CLIP convention (the end
+    token, 49407, with attention mask 0) where open_clip writes 0: id 0 is the vocabulary's "!", and registering it
+    as the padding token would make transformers split every "!" of the text out as a special token. Neither model
+    reads past the first end token (causal attention, pooling at that token), so the embeddings are the same.
     """
     from open_clip.tokenizer import SimpleTokenizer
-    from transformers import CLIPTokenizer
 
+    from .clip_tokenizer_file import EOT_TOKEN, SOT_TOKEN, write_tokenizer_json
+
+    write_tokenizer_json(out / "tokenizer.json", context_length)
+    special = {"bos_token": SOT_TOKEN, "eos_token": EOT_TOKEN, "pad_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
+    # model_input_names: a plain fast tokenizer would also return token_type_ids, which CLIPModel.forward rejects
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "CLIPProcessor",
+              "model_max_length": context_length, "clean_up_tokenization_spaces": False,
+              "model_input_names": ["input_ids", "attention_mask"], **special}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     oc = SimpleTokenizer(context_length=context_length)
-    vocab = {_HF_SPECIAL_TOKENS.get(tok, tok): idx for tok, idx in oc.encoder.items()}
-    merges = [pair for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=context_length)
+    merges = [" ".join(pair) for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
+    (out / "vocab.json").write_text(json.dumps(oc.encoder, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
 
 
 def hf_image_processor(pp_cfg: Dict[str, Any]):
@@ -340,7 +354,7 @@ def hf_image_processor(pp_cfg: Dict[str, Any]):
 
 
 def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
-    from transformers import CLIPModel, CLIPProcessor
+    from transformers import CLIPModel
 
     config = hf_clip_config(model_cfg)
     state = hf_clip_state_dict(model.state_dict(), config.vision_config.num_hidden_layers,
@@ -355,8 +369,13 @@ def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -
                       "logits_per_image lack the learned SigLIP bias")
     hf_model.eval().save_pretrained(str(out))
     context_length = model_cfg["text_cfg"].get("context_length", 77)
-    processor = CLIPProcessor(image_processor=hf_image_processor(pp_cfg), tokenizer=hf_clip_tokenizer(context_length))
-    processor.save_pretrained(str(out))
+    # Both transformers generations read the image processor from preprocessor_config.json. transformers 5 writes
+    # it nested in processor_config.json, which 4.x passes on as a second image_processor argument ("got multiple
+    # values for argument 'image_processor'"), so processor_config.json names the processor class only.
+    hf_image_processor(pp_cfg).to_json_file(str(out / "preprocessor_config.json"))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "CLIPProcessor"}, indent=2) + "\n")
+    # bench/check_transformers4.py loads this directory under transformers 4.46 and runs its zero-shot pipeline
+    write_hf_tokenizer(context_length, out)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -410,13 +429,45 @@ def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path)
                           input_names=["text"], output_names=["text_embeds"], opset_version=ONNX_OPSET,
                           dynamic_axes={"text": {0: "batch"}, "text_embeds": {0: "batch"}})
     text_cfg = model_cfg.get("text_cfg", {})
+    context_length = text_cfg.get("context_length", 77)
+    if text_cfg.get("hf_tokenizer_name"):
+        _write_text_tower_files(model, model_cfg, src_dir, out, config=False)
+        tokenizer = {"file": ONNX_TOKENIZER_FILE if (out / ONNX_TOKENIZER_FILE).is_file() else None,
+                     "kind": "the Hugging Face text tower's own tokenizer", "name": text_cfg["hf_tokenizer_name"],
+                     "truncation": context_length, "padding": context_length}
+    else:
+        from .clip_tokenizer_file import write_tokenizer_json
+
+        write_tokenizer_json(out / ONNX_TOKENIZER_FILE, context_length)
+        tokenizer = {"file": ONNX_TOKENIZER_FILE, "kind": "open_clip SimpleTokenizer (CLIP BPE)",
+                     "truncation": context_length, "padding": context_length, "pad_id": 0}
+    (out / ONNX_PREPROCESS_FILE).write_text(json.dumps(preprocess_spec(pp_cfg), indent=2) + "\n")
     meta = {"image_encoder": ONNX_IMAGE_FILE, "text_encoder": ONNX_TEXT_FILE, "embed_dim": model_cfg["embed_dim"],
-            "context_length": text_cfg.get("context_length", 77),
-            "tokenizer": text_cfg.get("hf_tokenizer_name") or "open_clip SimpleTokenizer (CLIP BPE)",
+            "context_length": context_length, "tokenizer": tokenizer, "preprocess": ONNX_PREPROCESS_FILE,
             "preprocess_cfg": pp_cfg, "model_cfg": _portable_model_cfg(model_cfg, final),
             "outputs": "L2-normalised"}
     (out / ONNX_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    _write_text_tower_files(model, model_cfg, src_dir, out, config=False)
+
+
+def preprocess_spec(pp_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """open_clip's eval transform for `pp_cfg` as data: what a runtime without torch does to an image before
+    ``image_encoder.onnx`` (the README's onnxruntime example follows it).
+
+    Steps, in order: convert to RGB; resize (``shortest``: the shorter side to ``size`` and the longer to
+    ``int(size * long / short)``; ``squash``: to ``crop_size`` exactly; ``longest``: the longer side to ``size``,
+    keeping the ratio) with ``interpolation`` (PIL's antialiased filter); centre crop to ``crop_size`` (offsets
+    ``round((H - h) / 2)``, ``round((W - w) / 2)``; ``longest`` pads with ``fill_color`` where the image is smaller);
+    scale to [0, 1]; subtract ``mean`` and divide by ``std`` per channel; lay out as (3, H, W) float32.
+    """
+    size = pp_cfg.get("size", 224)
+    h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    mode = pp_cfg.get("resize_mode", "shortest")
+    return {"size": h if h == w else [h, w], "crop_size": [h, w], "resize_mode": mode,
+            "interpolation": pp_cfg.get("interpolation", "bicubic"), "rescale_factor": 1 / 255,
+            "mean": [float(x) for x in pp_cfg["mean"]], "std": [float(x) for x in pp_cfg["std"]],
+            "fill_color": pp_cfg.get("fill_color", 0), "color_mode": "RGB", "layout": "NCHW", "dtype": "float32",
+            "steps": ["convert_rgb", f"resize_{mode}", "center_crop" if mode != "longest" else "center_crop_or_pad",
+                      "rescale", "normalize"]}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -428,7 +479,7 @@ def export_encoders(out: Path, fmt: str) -> Tuple[Callable, Callable]:
 
     ``encode_image`` takes (B,3,H,W) float32 pixels already preprocessed; ``encode_text`` takes open_clip token
     ids (B,L) int64; for ``hf`` they go to ``CLIPModel`` with the attention mask transformers' tokenizer would
-    give (the exported tokenizer yields the same ids, see `hf_clip_tokenizer`).
+    give (the exported tokenizer yields the same ids, see `write_hf_tokenizer`).
     """
     out = Path(out)
     if fmt == "open_clip":

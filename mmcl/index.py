@@ -3,9 +3,13 @@
 An index directory holds::
 
     index.faiss    faiss inner-product index over L2-normalised image embeddings (inner product = cosine)
-    items.jsonl    one line per indexed image, in index order: key, caption, label (when the data has one)
-    index.json     the model that built it (absolute path, to embed queries), its weights' size and mtime,
-                   the data spec, the index kind and its search parameters
+    items.jsonl    one line per indexed image, in index order: key, caption, ``__url__`` (the shard it came from,
+                   absolute for a local file; for an ImageFolder the image file), ``url`` (the sample's own, from
+                   its ``.json``, e.g. img2dataset's source URL) and label, each when the data has it
+    index.json     the model that built it, to embed queries: its path relative to the index folder
+                   (``model_relative``, tried first, so the index and the model can move together) and absolute
+                   (``model``); its weights' SHA-256, size and mtime; the data spec, the index kind and its
+                   search parameters
 
 Up to ``exact_max`` images (100,000 by default) the index is exact (``IndexFlatIP``, brute force: about
 0.5 ms per query per 100k 512-d vectors on one core). Above that it is an inverted-file index (``IndexIVFFlat``,
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 
 from . import models, weights
+from .data import ShardEvalDataset
 from .errors import CheckpointError, DataError
 from .fsutil import atomic_dir, os_error_text, output_dir
 
@@ -74,6 +79,75 @@ def _weights_stamp(model_dir: Path) -> Dict[str, Any]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def _recorded_sha256(model_dir: Path) -> Optional[str]:
+    """The weights' SHA-256 that the model's config records (written with the weights), or None."""
+    try:
+        cfg = json.loads((model_dir / models.CONFIG_FILE).read_text())
+        return cfg["mmcl"]["weights"]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _local_url(url: str) -> str:
+    """A shard URL as the index keeps it: local paths absolute (the index may move), other URLs as they are."""
+    from .data import has_scheme
+
+    return url if has_scheme(url) else os.path.abspath(url)
+
+
+def _sample_url(files: Optional[Dict[str, bytes]]) -> Optional[str]:
+    """The ``url`` field of a sample's ``.json`` (img2dataset's source URL), when it has one."""
+    raw = (files or {}).get("json")
+    if raw is None:
+        return None
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    url = meta.get("url") if isinstance(meta, dict) else None
+    return url if isinstance(url, str) else None
+
+
+class SourcedShards(ShardEvalDataset):
+    """Shards for indexing: each item's key is a JSON object with the key, ``__url__`` and the sample's url."""
+
+    def item_key(self, item) -> str:
+        source = {"key": item.key, "__url__": _local_url(item.url)}
+        url = _sample_url(item.files)
+        if url is not None:
+            source["url"] = url
+        return json.dumps(source)
+
+
+def _index_loader(data, preprocess, batch_size: int, workers: int):
+    """(dataset, DataLoader) like `evaluate.eval_loader`'s, whose keys also say where each image came from."""
+    from . import data as data_mod
+
+    if batch_size <= 0:
+        raise DataError(f"batch size must be > 0 (got {batch_size})")
+    if workers < 0:
+        raise DataError(f"workers must be >= 0 (got {workers})")
+    if isinstance(data, str) and data_mod.is_image_folder(data):
+        ds = data_mod.ImageFolderDataset(data, preprocess)
+    else:
+        ds = SourcedShards(data, preprocess)
+    return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
+                                           collate_fn=data_mod.eval_collate)
+
+
+def _item(key: str, caption: str, label: int, data, sourced: bool) -> Dict[str, Any]:
+    if sourced:  # SourcedShards' key: a JSON object
+        source = json.loads(key)
+        item = {"key": source["key"], "caption": caption, "__url__": source["__url__"]}
+        if "url" in source:
+            item["url"] = source["url"]
+    else:  # an ImageFolder's image, by its path under the folder
+        item = {"key": key, "caption": caption, "__url__": os.path.abspath(os.path.join(str(data), key))}
+    if label >= 0:
+        item["label"] = label
+    return item
+
+
 def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int = 0, device="cpu",
                 exact_max: int = EXACT_MAX, progress: bool = True) -> Path:
     """Embed every image of `data` with the model at `model_path` and write an index directory to `out_dir`.
@@ -89,14 +163,15 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
 
     model_dir = weights.find_model_dir(model_path).resolve()
     model, preprocess, _ = weights.load(model_dir)
-    _, loader = evaluate.eval_loader(data, preprocess, batch_size, workers)
+    ds, loader = _index_loader(data, preprocess, batch_size, workers)
     model = model.to(device).eval()
     feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, "index", data)
     index, params = make_index(feats.numpy(), exact_max=exact_max)
-    meta = {"model": str(model_dir), "weights": _weights_stamp(model_dir), "data": str(data),
+    out_dir = output_dir(out_dir)
+    meta = {"model": str(model_dir), "model_relative": os.path.relpath(model_dir, Path(out_dir).resolve()),
+            "weights": {**_weights_stamp(model_dir), "sha256": _recorded_sha256(model_dir)}, "data": str(data),
             "n": int(feats.shape[0]), "dim": int(feats.shape[1]), "metric": "inner_product",
             "normalized": True, "n_skipped": skips["n_skipped"], "skipped": skips["skipped"], **params}
-    out_dir = output_dir(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
         raise DataError(f"index target {out_dir} is not empty and holds no mmcl index (expected a new or empty "
                         f"directory; choose another --out)")
@@ -108,10 +183,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
             faiss.write_index(index, str(tmp / INDEX_FILE))
             with open(tmp / ITEMS_FILE, "w") as f:
                 for key, caption, label in zip(keys, captions, labels.tolist()):
-                    item = {"key": key, "caption": caption}
-                    if label >= 0:
-                        item["label"] = label
-                    f.write(json.dumps(item) + "\n")
+                    f.write(json.dumps(_item(key, caption, label, data, isinstance(ds, SourcedShards))) + "\n")
             meta["files"] = [INDEX_FILE, ITEMS_FILE, META_FILE]
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     except OSError as err:
@@ -158,12 +230,31 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "unknown error"
 
 
+def find_query_model(meta: Dict[str, Any], index_dir) -> Path:
+    """The model directory an index names: relative to the index folder first (both moved together), then the
+    absolute path it was built with (the index moved alone). `CheckpointError` naming both when neither holds it."""
+    tried = []
+    if meta.get("model_relative"):
+        tried.append(Path(index_dir).resolve() / meta["model_relative"])
+    tried.append(Path(meta["model"]))
+    for model_dir in tried:
+        if (model_dir / models.CONFIG_FILE).is_file():
+            return model_dir
+    shown = " nor ".join(str(p) for p in tried)
+    raise CheckpointError(f"the model that built {index_dir} is gone (got {shown}, expected the model directory "
+                          f"there; rebuild the index or restore the model)")
+
+
 def _load_query_model(meta: Dict[str, Any], index_dir):
-    model_dir = Path(meta["model"])
-    if not (model_dir / models.CONFIG_FILE).is_file():
-        raise CheckpointError(f"the model that built {index_dir} is gone (got {model_dir}, expected the model "
-                              f"directory there; rebuild the index or restore the model)")
-    if meta.get("weights") and _weights_stamp(model_dir) != meta["weights"]:
+    model_dir = find_query_model(meta, index_dir)
+    recorded = (meta.get("weights") or {}).get("sha256")
+    if recorded and _recorded_sha256(model_dir):
+        # the SHA-256 the model's config records (checked against the weights when they load) survives a copy
+        changed = _recorded_sha256(model_dir) != recorded
+    else:
+        stamp = {k: v for k, v in (meta.get("weights") or {}).items() if k in ("size", "mtime_ns")}
+        changed = bool(stamp) and _weights_stamp(model_dir) != stamp
+    if changed:
         warnings.warn(f"the model at {model_dir} changed since {index_dir} was built; query embeddings may not "
                       f"match the indexed ones (rebuild the index)")
     return weights.load(model_dir)
@@ -190,8 +281,8 @@ def search(index_dir, query: Optional[str] = None, image: Optional[str] = None, 
     """Top-k indexed images for a text `query` or an `image` file (exactly one of them).
 
     Returns:
-        Up to k dicts, best first: ``{"rank", "key", "caption", "score"}`` (+ ``"label"`` when indexed), where
-        score is the cosine similarity between the query and the image embedding.
+        Up to k dicts, best first: ``{"rank", "key", "caption", "__url__", "score"}`` (+ ``"url"`` and ``"label"``
+        when indexed), where score is the cosine similarity between the query and the image embedding.
     """
     if (query is None) == (image is None):
         raise DataError("search needs exactly one query (got " + ("both a text and --image" if query is not None
@@ -205,7 +296,7 @@ def search(index_dir, query: Optional[str] = None, image: Optional[str] = None, 
     q = embed_query(model, preprocess, tokenizer, query=query, image=image)
     if q.shape[1] != index.d:
         raise DataError(f"query embedding has {q.shape[1]} dims but {index_dir} holds {index.d}-dim vectors "
-                        f"(the model at {meta['model']} is not the one that built it)")
+                        f"(the model at {find_query_model(meta, index_dir)} is not the one that built it)")
     scores, ids = index.search(q, min(k, index.ntotal))
     hits = []
     for rank, (i, s) in enumerate((int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0):

@@ -982,3 +982,149 @@ def test_worker_warnings_reach_the_training_process_once(tmp_path):
     assert stream.epoch >= 2 and stream.skipped["shard_open"] >= 2  # the bad shard was read again and again
     assert [(w.category, str(w.message)) for w in caught] == [
         (UserWarning, f"cannot open shard {tmp_path / 'bad.tar'}: TarFormatError: not a tar file; skipping it")]
+
+
+# ------------------------------------------------------------------------------------- img2dataset's layouts
+def _img2dataset_files_layout(root, n_shards=2, per_shard=3, no_caption=(), with_parquet=True):
+    """A folder as img2dataset's FilesSampleWriter writes it: ``{shard:05d}/{key}.jpg|.txt|.json`` with the
+    key ``{shard:05d}{index:04d}``, the metadata JSON indented by 4, and ``{shard:05d}.parquet`` /
+    ``{shard:05d}_stats.json`` beside the folders. Returns {key: (caption, url)} of the samples written."""
+    root.mkdir(parents=True)
+    expected = {}
+    for shard in range(n_shards):
+        folder = root / f"{shard:05d}"
+        folder.mkdir()
+        rows = []
+        for i in range(per_shard):
+            key = f"{shard:05d}{i:04d}"
+            url = f"http://127.0.0.1:8000/img/{shard}-{i}.jpg"
+            caption = f"picture {shard}-{i} of a {'red' if i % 2 else 'blue'} thing"
+            buf = io.BytesIO()
+            image_for(10 * shard + i, size=20).convert("RGB").save(buf, format="JPEG", quality=90)
+            (folder / f"{key}.jpg").write_bytes(buf.getvalue())
+            meta = {"url": url, "caption": caption, "key": key, "status": "success", "error_message": None,
+                    "width": 20, "height": 20, "original_width": 20, "original_height": 20, "exif": "{}",
+                    "sha256": "0" * 64}
+            if key not in no_caption:
+                (folder / f"{key}.txt").write_text(caption)
+                expected[key] = (caption, url)
+            (folder / f"{key}.json").write_text(json.dumps(meta, indent=4))
+            rows.append(meta)
+        if with_parquet:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(rows), str(root / f"{shard:05d}.parquet"))
+        (root / f"{shard:05d}_stats.json").write_text(json.dumps({"count": per_shard, "successes": per_shard}))
+    return expected
+
+
+def _shard_samples(out):
+    samples = {}
+    for tar_path in sorted(out.glob("shard-*.tar")):
+        with tarfile.open(tar_path) as tar:
+            for m in tar.getmembers():
+                key, ext = m.name.split(".", 1)
+                samples.setdefault(key, {})[ext] = tar.extractfile(m).read()
+    return samples
+
+
+def test_shards_from_img2dataset_files_layout_reads_captions_and_keeps_metadata(tmp_path, capsys):
+    """Numbered folders of KEY.jpg/KEY.txt/KEY.json (img2dataset's `files` output) give the .txt captions, the
+    .json fields (url included) and img2dataset's keys; they are not read as an ImageFolder of classes 00000..."""
+    root = tmp_path / "i2d"
+    expected = _img2dataset_files_layout(root, no_caption=("000010001",))
+    (root / "00001" / "000019999.txt").write_text("a caption whose image failed to download")
+    out = tmp_path / "shards"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = data.shards_from_input(str(root) + os.sep, str(out), shard_size=4, progress=False)
+    assert summary["n_samples"] == 5 and summary["skipped"] == {"missing_caption": 1, "missing_image": 1}
+    assert summary["skipped_examples"] == [f"{os.path.join('00001', '000010001.jpg')}: missing_caption",
+                                           f"{os.path.join('00001', '000019999.txt')}: missing_image"]
+    notes = [str(w.message) for w in caught if "caption file" in str(w.message)]
+    assert len(notes) == 1 and "000010001.jpg" in notes[0] and "\n" not in notes[0]
+    assert not (out / "classnames.txt").exists()
+    samples = _shard_samples(out)
+    assert sorted(samples) == sorted(expected)
+    for key, (caption, url) in expected.items():
+        assert samples[key]["txt"].decode() == caption
+        meta = json.loads(samples[key]["json"])
+        assert meta["url"] == url and meta["key"] == key and meta["status"] == "success"
+        assert "cls" not in samples[key]
+    items = list(data.build_eval_dataset(str(out), PREPROCESS))
+    assert sorted((key, cap) for _, _, cap, key in items) == sorted((k, c) for k, (c, _) in expected.items())
+
+
+def test_caption_files_beside_class_folders_are_not_read_as_an_image_folder(image_folder, tmp_path):
+    """One caption file beside an image makes the folder a caption folder: the images without one are skipped and
+    counted, never given the folder name as caption."""
+    (image_folder / "dog" / "0.txt").write_text("a brown dog on grass")
+    with pytest.warns(UserWarning, match="6 images .* have no caption file"):
+        summary = data.shards_from_input(str(image_folder), str(tmp_path / "out"), progress=False)
+    samples = _shard_samples(tmp_path / "out")
+    assert [s["txt"].decode() for s in samples.values()] == ["a brown dog on grass"]
+    assert summary["skipped"]["missing_caption"] == 6  # the other 5 images and the broken one
+    assert summary["skipped"]["not_image"] == 1  # notes.md
+
+
+def test_shards_cli_on_img2dataset_files_layout_warns_once_and_exits_0(tmp_path, capsys):
+    from mmcl import cli
+
+    root = tmp_path / "i2d"
+    _img2dataset_files_layout(root, n_shards=1, per_shard=3, no_caption=("000000000", "000000002"),
+                              with_parquet=False)
+    assert cli.main(["shards", "--input", str(root), "--out", str(tmp_path / "s")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("mmcl: warning:") == 1 and "2 images" in err and "no caption file" in err
+    # no caption anywhere (img2dataset without a caption column writes no .txt): an error, nothing invented
+    bare = tmp_path / "bare"
+    _img2dataset_files_layout(bare, n_shards=1, per_shard=2, no_caption=("000000000", "000000001"),
+                              with_parquet=False)
+    assert cli.main(["shards", "--input", str(bare), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "mmcl: error: no valid sample" in err and "missing_caption=2" in err and "a photo of" not in err
+    # img2dataset's webdataset output is trained on as it is; converting it again is pointed there
+    (tmp_path / "wds").mkdir()
+    write_tar(tmp_path / "wds" / "00000.tar", [("000000000.txt", b"x")])
+    assert cli.main(["shards", "--input", str(tmp_path / "wds"), "--out", str(tmp_path / "w")]) == 2
+    assert "already holds WebDataset shards" in capsys.readouterr().err
+
+
+def test_url_tables_name_img2dataset_and_local_urls_are_read(image_folder, tmp_path):
+    web = tmp_path / "urls.csv"
+    web.write_text("url,caption\nhttps://example.com/a.jpg,a dog\n")
+    with pytest.raises(DataError, match=r"img2dataset --url_list .*urls.csv --input_format csv --url_col url "
+                                        r"--caption_col caption --output_format webdataset"):
+        data.shards_from_input(str(web), str(tmp_path / "w"), progress=False)
+    laion = tmp_path / "laion.csv"
+    laion.write_text("URL,TEXT\nhttps://example.com/a.jpg,a dog\n")
+    with pytest.raises(DataError, match="needs columns 'image' and 'caption'.*img2dataset --url_list .* "
+                                        "--url_col URL --caption_col TEXT"):
+        data.shards_from_input(str(laion), str(tmp_path / "l"), progress=False)
+    (tmp_path / "urls.jsonl").write_text(json.dumps({"url": "https://example.com/a.jpg", "caption": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"read_json\(.*urls.jsonl', lines=True\).to_parquet\(.*urls.parquet'\).*"
+                                        r"--input_format parquet"):
+        data.shards_from_input(str(tmp_path / "urls.jsonl"), str(tmp_path / "j"), progress=False)
+    dog0 = image_folder / "dog" / "0.png"
+    local = tmp_path / "local.csv"
+    local.write_text(f"url,caption\n{dog0.as_uri()},a dog by URI\nfolder/dog/1.png,a dog by path\n"
+                     f"file://{tmp_path}/folder/dog/missing.png,gone\n")
+    summary = data.shards_from_input(str(local), str(tmp_path / "loc"), progress=False)
+    assert summary["n_samples"] == 2 and summary["skipped"] == {"missing_file": 1}
+    samples = list(_shard_samples(tmp_path / "loc").values())
+    assert [s["txt"].decode() for s in samples] == ["a dog by URI", "a dog by path"]
+    assert json.loads(samples[0]["json"])["url"] == dog0.as_uri()
+    assert samples[0]["png"] == dog0.read_bytes()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"url": dog0.as_uri(), "caption": "from parquet"},
+                                         {"url": "http://example.com/x.jpg", "caption": "web"}]),
+                   str(tmp_path / "t.parquet"))
+    with pytest.raises(DataError, match="--input_format parquet"):
+        data.shards_from_input(str(tmp_path / "t.parquet"), str(tmp_path / "p"), progress=False)
+    pq.write_table(pa.Table.from_pylist([{"url": dog0.as_uri(), "caption": "from parquet"}]),
+                   str(tmp_path / "ok.parquet"))
+    summary = data.shards_from_input(str(tmp_path / "ok.parquet"), str(tmp_path / "p2"), progress=False)
+    assert [s["txt"].decode() for s in _shard_samples(tmp_path / "p2").values()] == ["from parquet"]

@@ -135,6 +135,32 @@ def test_hf_export_loads_in_transformers_with_same_tokens_and_embeddings(model_d
     assert _cos(img_proc, reference["img"]).min() >= 0.99  # resampling differences of a few grey levels
 
 
+def test_hf_export_writes_what_transformers_4_and_5_read_and_tokenizes_like_open_clip(model_dir, tmp_path):
+    """transformers 4.x reads the image processor from preprocessor_config.json and fails on transformers 5's
+    nested processor_config.json; both read tokenizer.json, which gives open_clip's ids (HTML entities and a
+    literal <|endoftext|> included) with this venv's transformers. bench/check_transformers4.py runs 4.46 itself."""
+    import open_clip
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPProcessor
+
+    out = export_mod.export(model_dir, "hf", tmp_path / "hf")
+    for name in ("preprocessor_config.json", "processor_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "config.json", "model.safetensors"):
+        assert (out / name).is_file(), name
+    assert "image_processor" not in json.loads((out / "processor_config.json").read_text())
+    pre = json.loads((out / "preprocessor_config.json").read_text())
+    assert pre["image_processor_type"] == "CLIPImageProcessor" and pre["size"] == {"shortest_edge": 64}
+    assert isinstance(CLIPImageProcessor.from_pretrained(str(out)), CLIPImageProcessor)
+    context_length = json.loads((out / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    ref = open_clip.get_tokenizer("ViT-B-32", context_length=context_length)(TOKENIZER_TEXTS).tolist()
+    for tok in (CLIPProcessor.from_pretrained(str(out)).tokenizer, AutoTokenizer.from_pretrained(str(out))):
+        ids = tok(TOKENIZER_TEXTS, padding="max_length", truncation=True, max_length=context_length)["input_ids"]
+        for text, a, b in zip(TOKENIZER_TEXTS, ids, ref):
+            end = len(b) - b[::-1].index(49407)  # through open_clip's final end token; 0-padding after it
+            assert a[:end] == b[:end], text
+            assert set(a[end:]) <= {49407}, text  # transformers pads with the end token (mask 0)
+        assert set(tok(["a cat"])) == {"input_ids", "attention_mask"}  # what CLIPModel.forward accepts
+
+
 def test_onnx_export_runs_in_onnxruntime_with_dynamic_batch(model_dir, reference, tmp_path):
     import onnxruntime as ort
 
@@ -248,3 +274,114 @@ def test_hugging_face_text_tower_exports_are_self_contained(tmp_path):
         assert _cos(oc_model.encode_image(pixels, normalize=True), ref_img).min() >= COS_SAME_MATH
     txt = ort.InferenceSession(str(onnx_dir / export_mod.ONNX_TEXT_FILE), providers=["CPUExecutionProvider"])
     assert _cos(txt.run(None, {"text": tokens.numpy()})[0], ref_txt).min() >= COS_ONNX
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The ONNX export's tokenizer.json and preprocess.json, used without torch
+
+TOKENIZER_TEXTS = [
+    "a photo of a cat", "Hello,  World!!  It's 2024... and   more", "I'LL DON'T we'd you've she's",
+    "café naïve Ünïcödé 東京 Ελληνικά кириллица 🙂 👍🏽 👨‍👩‍👧", "ΟΔΟΣ ΣΑΣ σας", "Straße İstanbul ǅemal",
+    "&amp; &lt;b&gt;bold&lt;/b&gt; &quot;q&quot; &#39;s &apos; &nbsp;x &copy; &eacute;t&eacute;",
+    "&amp;amp; &amp;lt; &ampx &notin; &notit; &#65;&#x42;&#0067 &#145;quoted&#146;",
+    "a literal <|endoftext|> and <|startoftext|> in text", "x <start_of_text> y <END_OF_TEXT> z",
+    "numbers 1234567 3.14 -42 1e10 ½ ² ٣", "ﬁne “curly” ‘single’ ＦＵＬＬ ｗｉｄｔｈ „low“",
+    "tab\there\nnew\r\nline\u00a0nbsp\u2028",
+    "\x00ctrl\x07chars\x7f\x85", "it&rsquo;s it’s", "e-mail: shape@example.com; 100% #hashtag @user",
+    "long " * 100, "pneumonoultramicroscopicsilicovolcanoconiosis " * 20, " leading and trailing ", "", "   ",
+    "!!!???...", "'s 't 're", "a\u0301 e\u0308 (combining)", "Ⅻ ㎏ ﬀ ﬃ", "日本語の文章です。句読点、あり！",
+]
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(model_dir, tmp_path_factory):
+    return export_mod.export(model_dir, "onnx", tmp_path_factory.mktemp("onnx") / "onnx")
+
+
+def test_onnx_tokenizer_json_gives_open_clip_token_ids(onnx_dir):
+    """tokenizer.json, loaded by Hugging Face `tokenizers`, gives open_clip.get_tokenizer's ids on punctuation,
+    unicode, numbers, HTML entities, literal special-token text, and long text cut at the context length."""
+    import open_clip
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(onnx_dir / "tokenizer.json"))
+    context_length = json.loads((onnx_dir / export_mod.ONNX_CONFIG_FILE).read_text())["context_length"]
+    oc = open_clip.get_tokenizer("ViT-B-32", context_length=context_length)
+    ids = np.array([e.ids for e in tok.encode_batch(TOKENIZER_TEXTS)])
+    ref = oc(TOKENIZER_TEXTS).numpy()
+    assert ids.shape == ref.shape == (len(TOKENIZER_TEXTS), context_length)
+    for text, a, b in zip(TOKENIZER_TEXTS, ids, ref):
+        assert a.tolist() == b.tolist(), text
+    # the cases the hf export's tokenizer gets wrong are right here: '&amp;' is '&', '<|endoftext|>' is text
+    amp, eot = tok.encode("&amp;").ids, tok.encode("<|endoftext|>").ids
+    assert amp[:3] == [49406, oc.encoder["&</w>"], 49407]
+    assert 49407 not in eot[1:eot.index(49407)] and eot.index(49407) > 2
+    assert ids[TOKENIZER_TEXTS.index("long " * 100)][-1] == 49407  # truncated, ends with the end token
+
+
+def test_onnx_tokenizer_json_documented_differences(onnx_dir):
+    """Where tokenizer.json and open_clip differ, as mmcl/clip_tokenizer_file.py says: numeric references above
+    U+00FF, mojibake repair (ftfy needs the surrounding text), and a reference to a character ftfy would change in
+    text that holds a '<' (ftfy then leaves HTML alone). Each is a difference only for such input."""
+    import open_clip
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(onnx_dir / "tokenizer.json"))
+    oc = open_clip.get_tokenizer("ViT-B-32", context_length=len(tok.encode("").ids))
+    for text in ("&#1234;", "cafÃ©", "<b>it&rsquo;s</b>"):
+        assert tok.encode(text).ids != oc([text])[0].tolist()
+    for text in ("&#233;", "café", "<b>it's</b>", "it&rsquo;s"):
+        assert tok.encode(text).ids == oc([text])[0].tolist()
+
+
+def test_onnx_preprocess_json_describes_the_eval_transform(onnx_dir, model_dir):
+    pre = json.loads((onnx_dir / "preprocess.json").read_text())
+    pp = models.preprocess_config(json.loads((model_dir / models.CONFIG_FILE).read_text())["model_cfg"])
+    assert pre["crop_size"] == [pp["size"], pp["size"]] and pre["resize_mode"] == pp["resize_mode"]
+    assert pre["mean"] == pytest.approx(list(pp["mean"])) and pre["std"] == pytest.approx(list(pp["std"]))
+    assert pre["interpolation"] == pp["interpolation"] and pre["rescale_factor"] == pytest.approx(1 / 255)
+
+
+def _readme_onnx_example() -> str:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = readme.split("<!-- onnx-example -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_onnx_example_runs_without_torch_and_matches_mmcl_load(onnx_dir, model_dir, tmp_path):
+    """The README's onnxruntime + tokenizers example, run in a process where importing torch (or mmcl, open_clip)
+    fails, gives mmcl.load's embeddings for real image files of several shapes and for captions."""
+    example = tmp_path / "onnx_clip.py"
+    example.write_text(_readme_onnx_example())
+    rng = np.random.default_rng(3)
+    paths = []
+    for i, (h, w) in enumerate(((64, 64), (80, 120), (150, 90), (33, 47))):
+        p = tmp_path / f"im{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(p)
+        paths.append(str(p))
+    texts = CAPTIONS + ["&amp; <|endoftext|>", "it&rsquo;s ΟΔΟΣ 東京 ＦＵＬＬ"]
+    harness = (
+        "import json, runpy, sys\n"
+        "for name in ('torch', 'torchvision', 'open_clip', 'mmcl', 'transformers'):\n"
+        "    sys.modules[name] = None  # import fails\n"
+        "import numpy as np\n"
+        f"ex = runpy.run_path({str(example)!r}, run_name='onnx_example')\n"
+        f"pre, tok, isess, tsess = ex['load']({str(onnx_dir)!r})\n"
+        f"img = ex['embed_images']({paths!r}, pre, isess)\n"
+        f"txt = ex['embed_texts']({texts!r}, tok, tsess)\n"
+        "assert not any(m.startswith('torch') for m in sys.modules if sys.modules[m] is not None)\n"
+        f"np.savez({str(tmp_path / 'out.npz')!r}, img=img, txt=txt)\n")
+    subprocess.run([sys.executable, "-c", harness], check=True)
+    cli = subprocess.run([sys.executable, str(example), str(onnx_dir), *paths[:2], "--", "a red circle", "a cat"],
+                         check=True, capture_output=True, text=True)
+    assert cli.stdout.count("->") == 2
+    out = np.load(tmp_path / "out.npz")
+    model, preprocess, tokenizer = weights.load(model_dir)
+    with torch.no_grad():
+        ref_img = model.encode_image(torch.stack([preprocess(Image.open(p).convert("RGB")) for p in paths]),
+                                     normalize=True)
+        ref_txt = model.encode_text(tokenizer(texts), normalize=True)
+    assert _cos(out["img"], ref_img).min() >= COS_ONNX
+    assert _cos(out["txt"], ref_txt).min() >= COS_ONNX

@@ -1,6 +1,7 @@
 """The embedding index returns the exact nearest neighbours of brute force, by text and by image."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -69,7 +70,10 @@ def indexed(tmp_path_factory):
         for i in range(12):
             img = Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
             images[f"img{i:02d}"] = img
-            sink.write({"__key__": f"img{i:02d}", "png": img, "txt": f"caption number {i}", "cls": i % 3})
+            sample = {"__key__": f"img{i:02d}", "png": img, "txt": f"caption number {i}", "cls": i % 3}
+            if i % 4:  # img2dataset's metadata, with the image's source URL, on most samples
+                sample["json"] = {"url": f"http://127.0.0.1:8000/img{i:02d}.jpg", "status": "success"}
+            sink.write(sample)
     out = index_mod.build_index(model_dir, str(root / "shard-000000.tar"), root / "index", batch_size=5,
                                 progress=False)
     return {"root": root, "model_dir": model_dir, "images": images, "out": out}
@@ -86,9 +90,13 @@ def _reference_image_features(indexed):
 def test_index_dir_records_model_items_and_kind(indexed):
     meta = json.loads((indexed["out"] / index_mod.META_FILE).read_text())
     assert meta["model"] == str(indexed["model_dir"].resolve()) and meta["n"] == 12 and meta["kind"] == "flat"
+    assert meta["model_relative"] == "../model"
     items = [json.loads(line) for line in (indexed["out"] / index_mod.ITEMS_FILE).read_text().splitlines()]
     assert [it["key"] for it in items] == sorted(indexed["images"])
-    assert items[4] == {"key": "img04", "caption": "caption number 4", "label": 1}
+    shard = str((indexed["root"] / "shard-000000.tar").resolve())
+    assert items[5] == {"key": "img05", "caption": "caption number 5", "label": 2, "__url__": shard,
+                        "url": "http://127.0.0.1:8000/img05.jpg"}
+    assert items[4] == {"key": "img04", "caption": "caption number 4", "label": 1, "__url__": shard}  # no .json
 
 
 def test_text_search_equals_brute_force(indexed):
@@ -148,7 +156,76 @@ def test_cli_index_and_search(indexed, tmp_path, capsys):
     assert cli.main(["index", "--model", str(indexed["model_dir"]), "--data",
                      str(indexed["root"] / "shard-000000.tar"), "--out", str(out)]) == 0
     capsys.readouterr()
+    assert cli.main(["search", "--index", str(out), "caption number 3", "-k", "2", "--json"]) == 0
+    hits = json.loads(capsys.readouterr().out)
+    assert len(hits) == 2 and set(hits[0]) >= {"rank", "key", "caption", "score", "__url__"}
+    assert hits == index_mod.search(out, query="caption number 3", k=2)
     assert cli.main(["search", "--index", str(out), "caption number 3", "-k", "2"]) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(lines) == 2 and set(lines[0]) >= {"rank", "key", "caption", "score"}
+    lines = capsys.readouterr().out.splitlines()  # for reading: rank, score, key, caption, where it came from
+    assert len(lines) == 2 and lines[0].split()[:3] == ["1", f"{hits[0]['score']:.4f}", hits[0]["key"]]
+    assert lines[0].endswith(hits[0].get("url", hits[0]["__url__"]))
     assert cli.main(["search", "--index", str(out)]) == 2
+
+
+def test_moved_index_still_loads_and_hits_point_back_to_the_data(indexed, tmp_path):
+    """An index folder moved together with its model loads through the relative path, one moved alone through the
+    absolute one; either way each hit names its shard (__url__), its key and the sample's own url."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(indexed["root"], project)  # model/, index/ and the shard, side by side
+    shutil.move(str(project), str(tmp_path / "moved-project"))
+    moved = tmp_path / "moved-project"
+    reference = index_mod.search(indexed["out"], query="caption number 5", k=12)
+    hits = index_mod.search(moved / "index", query="caption number 5", k=12)
+    assert [(h["key"], h["score"]) for h in hits] == [(h["key"], h["score"]) for h in reference]
+    by_key = {h["key"]: h for h in hits}
+    assert by_key["img05"]["url"] == "http://127.0.0.1:8000/img05.jpg" and "url" not in by_key["img04"]
+    assert all(h["__url__"] == str((indexed["root"] / "shard-000000.tar").resolve()) for h in hits)
+    # the model beside the moved index is the one used, also when the path it was built with no longer exists
+    meta = json.loads((moved / "index" / index_mod.META_FILE).read_text())
+    assert index_mod.find_query_model(meta, moved / "index").resolve() == (moved / "model").resolve()
+    meta["model"] = str(tmp_path / "nowhere")
+    (moved / "index" / index_mod.META_FILE).write_text(json.dumps(meta))
+    assert [h["key"] for h in index_mod.search(moved / "index", query="caption number 5", k=12)] == \
+        [h["key"] for h in reference]
+    # the index alone, moved away from the model: the absolute path it was built with still finds the model
+    alone = tmp_path / "alone" / "idx"
+    shutil.copytree(indexed["out"], alone)
+    assert [h["key"] for h in index_mod.search(alone, query="caption number 5", k=12)] == \
+        [h["key"] for h in reference]
+
+
+def test_index_of_an_image_folder_points_at_the_files(indexed, tmp_path):
+    folder = tmp_path / "folder"
+    for i, (key, img) in enumerate(sorted(indexed["images"].items())[:6]):
+        (folder / f"class{i % 2}").mkdir(parents=True, exist_ok=True)
+        img.save(folder / f"class{i % 2}" / f"{key}.png")
+    out = index_mod.build_index(indexed["model_dir"], str(folder), tmp_path / "idx", progress=False)
+    items = [json.loads(line) for line in (out / index_mod.ITEMS_FILE).read_text().splitlines()]
+    assert len(items) == 6
+    for it in items:
+        assert os.path.isfile(it["__url__"]) and it["__url__"].endswith(it["key"])
+        assert it["label"] == int(it["key"].split(os.sep)[0][-1])
+
+
+def test_index_of_img2dataset_files_points_back_to_source_urls(indexed, tmp_path):
+    """img2dataset's files layout -> mmcl shards -> mmcl index: each hit carries the URL img2dataset downloaded
+    the image from, its key and the shard it is in."""
+    from mmcl import data
+
+    root = tmp_path / "i2d" / "00000"
+    root.mkdir(parents=True)
+    urls = {}
+    for i, (name, img) in enumerate(sorted(indexed["images"].items())[:5]):
+        key = f"00000{i:04d}"
+        img.save(root / f"{key}.jpg", quality=95)
+        (root / f"{key}.txt").write_text(f"caption of {name}")
+        urls[key] = f"https://images.example.com/{name}.jpg"
+        (root / f"{key}.json").write_text(json.dumps({"url": urls[key], "key": key, "status": "success"}, indent=4))
+    summary = data.shards_from_input(str(tmp_path / "i2d"), str(tmp_path / "shards"), progress=False)
+    out = index_mod.build_index(indexed["model_dir"], str(tmp_path / "shards"), tmp_path / "idx", progress=False)
+    hits = index_mod.search(out, image=str(root / "000000003.jpg"), k=5)
+    assert hits[0]["key"] == "000000003" and hits[0]["url"] == urls["000000003"]
+    assert {h["key"]: h["url"] for h in hits} == urls
+    assert {h["__url__"] for h in hits} == {os.path.abspath(p) for p in summary["shards"]}

@@ -188,7 +188,11 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
                 self.skipped[skip.reason] += 1
                 yield EvalSkip(skip.reason, f"{item.url}:{item.key}", str(skip))
                 continue
-            yield self.preprocess(img), label, caption, item.key
+            yield self.preprocess(img), label, caption, self.item_key(item)
+
+    def item_key(self, item) -> str:
+        """The key an item carries: the sample's key (`mmcl.index` adds the shard URL and the sample's url)."""
+        return item.key
 
 
 def eval_collate(items: List[Any]):

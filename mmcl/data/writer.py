@@ -1,5 +1,6 @@
 """Writing WebDataset shards: `ShardWriter` / `write_shards` for samples in memory, and `shards_from_input` for
-`mmcl shards` (an ImageFolder, a CSV or a JSONL file of image paths and captions).
+`mmcl shards` (a folder of images with caption files such as img2dataset's ``files`` output, an ImageFolder, or a
+CSV / JSONL / parquet table of image paths and captions).
 
 Shards are written under a temporary name and renamed when complete, with fixed member metadata, so equal
 samples give byte-identical shards and a crash never leaves a truncated shard under a final name.
@@ -11,7 +12,10 @@ import csv
 import io
 import json
 import os
+import re
 import tarfile
+import urllib.parse
+import warnings
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from PIL import Image
@@ -19,6 +23,7 @@ from PIL import Image
 from ..errors import DataError
 from .decode import IMAGE_EXTS, SkipSample, decode_image
 from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, walk_files
+from .sources import SHARD_SUFFIXES
 
 
 def _encode_image(image: Any, ext: Optional[str], image_format: str, quality: int) -> Tuple[bytes, str]:
@@ -164,16 +169,51 @@ def _load_for_shard(path: str) -> Tuple[bytes, str]:
     return buf.getvalue(), "png"
 
 
+# img2dataset's bookkeeping beside its `files` output: NNNNN.parquet (the shard's metadata) and NNNNN_stats.json.
+_IMG2DATASET_SIDE_FILE = re.compile(r"^\d+(_stats\.json|\.parquet)$")
+_TABLE_EXTS = (".csv", ".jsonl", ".json", ".ndjson", ".parquet")
+
+
+def _img2dataset_command(path: str, url_col: str, caption_col: Optional[str] = "caption") -> str:
+    """The img2dataset command line that downloads the URLs of table `path` into WebDataset shards with captions
+    (img2dataset reads csv, tsv, parquet and JSON arrays; JSON lines go through parquet first)."""
+    lower = path.lower()
+    prefix, url_list, fmt = "", path, "csv"
+    if lower.endswith(".parquet"):
+        fmt = "parquet"
+    elif lower.endswith((".jsonl", ".ndjson", ".json")):
+        url_list, fmt = os.path.splitext(path)[0] + ".parquet", "parquet"
+        prefix = (f"python -c \"import pandas; pandas.read_json('{path}', lines=True).to_parquet('{url_list}')\" "
+                  f"&& ")
+    return (f"{prefix}img2dataset --url_list {url_list} --input_format {fmt} --url_col {url_col} "
+            f"--caption_col {caption_col or 'YOUR_CAPTION_COLUMN'} --output_format webdataset --output_folder shards "
+            f"--image_size 256 --resize_mode keep_ratio --processes_count 8 --thread_count 64 "
+            f"(then train with data.train='shards/*.tar')")
+
+
 def _rows_from_table(path: str) -> Iterator[Tuple[int, Any]]:
-    """Yield (line number, row dict or an error string) from a CSV or JSONL file."""
-    if path.lower().endswith(".csv"):
+    """Yield (line or row number, row dict or an error string) from a CSV, JSONL or parquet file."""
+    lower = path.lower()
+    if lower.endswith(".csv"):
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
-            fields = reader.fieldnames or []
-            if "image" not in fields or "caption" not in fields:
-                raise DataError(f"{path} needs columns 'image' and 'caption' (got {', '.join(fields) or 'none'})")
+            _check_columns(path, reader.fieldnames or [])
             for row in reader:
                 yield reader.line_num, row
+        return
+    if lower.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"reading {path} needs pyarrow (got no pyarrow module; pip install pyarrow, or give a "
+                            f".csv or .jsonl)") from None
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # pyarrow raises its own error types for a damaged or foreign file
+            raise DataError(f"cannot read {path} as parquet ({' '.join(str(err).split())[:200]})") from None
+        _check_columns(path, table.column_names)
+        for i, row in enumerate(table.to_pylist(), 1):
+            yield i, row
         return
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -187,13 +227,100 @@ def _rows_from_table(path: str) -> Iterator[Tuple[int, Any]]:
             yield line_no, row if isinstance(row, dict) else f"not a JSON object (got {type(row).__name__})"
 
 
+def _check_columns(path: str, fields: List[str]) -> None:
+    if ("image" in fields or "url" in fields) and "caption" in fields:
+        return
+    hint = ""
+    url_cols = [c for c in fields if c.lower() == "url"]
+    if url_cols:
+        caption_col = next((c for c in fields if c.lower() in ("caption", "text", "captions", "alt")), None)
+        hint = (f"; a table of image URLs is what img2dataset downloads into shards mmcl trains on: "
+                f"{_img2dataset_command(path, url_cols[0], caption_col)}")
+    raise DataError(f"{path} needs columns 'image' and 'caption' (or 'url' and 'caption', with local paths or "
+                    f"file:// URIs) (got {', '.join(fields) or 'none'}){hint}")
+
+
+def _local_image_path(value: Any, base: str, table: str, url_col: bool) -> str:
+    """A table's image reference as a local path: a path (relative to the table's folder) or a ``file://`` URI.
+    Raises `DataError` for a web URL, which img2dataset downloads (the message gives its command)."""
+    text = str(value).strip()
+    if text.lower().startswith("file://"):
+        return urllib.parse.unquote(urllib.parse.urlparse(text).path)
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]+://", text):
+        col = "url" if url_col else "image"
+        raise DataError(f"{table} names images by URL (got {text[:100]}); mmcl shards reads local files: download "
+                        f"them into shards with img2dataset: {_img2dataset_command(table, col)}")
+    return os.path.join(base, os.path.expanduser(text))
+
+
+def _paired_files(root: str) -> Optional[Dict[str, Any]]:
+    """img2dataset's ``files`` layout under `root`: images beside a same-named ``KEY.txt`` caption (and
+    ``KEY.json`` metadata), usually in numbered folders (``00000/000000000.jpg``). None when no image under
+    `root` has a caption or metadata file beside it (then the folder is an ImageFolder).
+
+    Returns ``{"samples": [(key, image, txt or None, json or None)], "orphans": [(file, skip reason)]}`` in
+    sorted order: a caption or metadata file without its image is ``missing_image``, another file ``not_image``,
+    a second image with the same key ``duplicate_key``; img2dataset's ``NNNNN.parquet`` / ``NNNNN_stats.json``
+    beside the folders are left out.
+    """
+    root = os.path.normpath(root)
+    groups: Dict[Tuple[str, str], Dict[str, str]] = {}
+    for path in walk_files(root):
+        folder, name = os.path.split(os.path.normpath(path))
+        stem, ext = os.path.splitext(name)
+        groups.setdefault((folder, stem), {})[ext.lower()] = path
+    image_exts = tuple(FOLDER_IMAGE_EXTS)
+    # img2dataset writes KEY.json for every image, KEY.txt only when it has captions: either marks the layout
+    if not any((".txt" in g or ".json" in g) and any(e in g for e in image_exts) for g in groups.values()):
+        return None
+    samples, orphans = [], []
+    for (folder, stem), files in sorted(groups.items()):
+        images = [files[e] for e in image_exts if e in files]
+        if not images:
+            for ext, path in sorted(files.items()):
+                if not (folder == root and _IMG2DATASET_SIDE_FILE.match(os.path.basename(path))):
+                    orphans.append((path, "missing_image" if ext in (".txt", ".json") else "not_image"))
+            continue
+        samples.append((stem, images[0], files.get(".txt"), files.get(".json")))
+        orphans += [(path, "duplicate_key") for path in images[1:]]
+        orphans += [(path, "not_image") for ext, path in sorted(files.items())
+                    if ext not in image_exts and ext not in (".txt", ".json")]
+    return {"samples": samples, "orphans": orphans}
+
+
+def _read_caption_file(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
+
+
+def _read_meta_file(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
                       caption_template: str = "a photo of a {}.", progress: bool = True) -> Dict[str, Any]:
-    """Convert an ImageFolder, a CSV or a JSONL file into WebDataset shards in `out_dir`.
+    """Convert an image-caption folder, an ImageFolder, or a CSV / JSONL / parquet table into WebDataset shards.
 
-    ImageFolder: captions are `caption_template` filled with the class folder name (underscores as
-    spaces), ``.cls`` is the sorted folder index, and ``classnames.txt`` is written next to the shards.
-    CSV/JSONL: rows carry ``image`` (a path relative to the file), ``caption`` and optionally ``label``.
+    Caption folder (img2dataset's ``files`` output, or any folder of ``KEY.jpg`` + ``KEY.txt`` [+ ``KEY.json``]):
+    the caption is ``KEY.txt``, ``KEY.json``'s fields (img2dataset's ``url``, ``caption``, ``status``, sizes)
+    become the sample's ``.json``; the shard keys are the file names' keys when they are unique. An image without
+    its caption file is skipped and counted (``missing_caption``), with one warning line: it gets no made-up
+    caption. Any ``.txt`` or ``.json`` beside an image makes a folder a caption folder, never an ImageFolder.
+    ImageFolder (class folders of images only): captions are `caption_template` filled with the class folder name
+    (underscores as spaces), ``.cls`` is the sorted folder index, and ``classnames.txt`` is written next to the
+    shards.
+    Tables: rows carry ``image`` (a path relative to the file, or a ``file://`` URI) or ``url`` (the same, as
+    img2dataset's input names it), ``caption`` and optionally ``label``. Web URLs are a `DataError` naming the
+    img2dataset command that downloads them.
     Unreadable images and bad rows are skipped, counted per reason and reported; a summary line is printed.
 
     Returns:
@@ -201,31 +328,66 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
          "skipped_examples": [first few "item: reason" strings]}.
     """
     if not os.path.exists(input_path):
-        raise DataError(f"input not found: {input_path} (expected an ImageFolder directory, a .csv or a .jsonl)")
-    if "{}" not in caption_template:
-        raise DataError(f"caption_template needs a '{{}}' for the class name (got {caption_template!r})")
-    jobs: List[Tuple[str, str, Any, str]] = []  # (image path, caption, label, where) or problems
+        raise DataError(f"input not found: {input_path} (expected a folder of images with captions, an ImageFolder "
+                        f"directory, a .csv, .jsonl or .parquet)")
+    # (image path, caption, label, where, metadata, key or None) per sample; problems as (where, reason)
+    jobs: List[Tuple[str, str, Any, str, Optional[Dict[str, Any]], Optional[str]]] = []
     problems: List[Tuple[str, str]] = []
     classnames: Optional[List[str]] = None
-    if os.path.isdir(input_path):
+    paired = _paired_files(input_path) if os.path.isdir(input_path) else None
+    if paired is not None:
+        no_caption = []
+        for stem, image, txt, meta_path in paired["samples"]:
+            where = os.path.relpath(image, input_path)
+            if txt is None:
+                problems.append((where, "missing_caption"))
+                no_caption.append(where)
+                continue
+            text = _read_caption_file(txt)
+            if text is None:
+                problems.append((where, "bad_caption"))
+                continue
+            meta = None
+            if meta_path is not None:
+                meta = _read_meta_file(meta_path)
+                if meta is None:
+                    problems.append((os.path.relpath(meta_path, input_path), "bad_json"))
+                    continue
+            jobs.append((image, text, None, where, meta, stem))
+        for path, reason in paired["orphans"]:
+            problems.append((os.path.relpath(path, input_path), reason))
+        keys = [job[5] for job in jobs]
+        if len(set(keys)) != len(keys) or any("." in k or not k for k in keys):
+            jobs = [job[:5] + (None,) for job in jobs]  # numbered keys where the file names' keys clash
+        if no_caption:
+            warnings.warn(f"{len(no_caption)} images in {input_path} have no caption file beside them (KEY.txt) and "
+                          f"are skipped, e.g. {no_caption[0]}")
+    elif os.path.isdir(input_path):
+        shards = sorted(n for n in os.listdir(input_path) if n.endswith(SHARD_SUFFIXES))
+        if shards:  # e.g. img2dataset's webdataset output: nothing to convert
+            raise DataError(f"{input_path} already holds WebDataset shards (got {shards[0]}, ...; train on them: "
+                            f"data.train='{os.path.join(input_path, '*.tar')}')")
         classnames = class_folders(input_path)
         if not classnames:
-            raise DataError(f"{input_path} has no class folders (expected {input_path}/<class>/<image>)")
+            raise DataError(f"{input_path} has no class folders nor images with caption files (expected "
+                            f"{input_path}/<class>/<image>, or KEY.jpg beside KEY.txt)")
         for label, name in enumerate(classnames):
             text = caption_template.format(name.replace("_", " "))
             for path in walk_files(os.path.join(input_path, name)):
                 if path.lower().endswith(FOLDER_IMAGE_EXTS):
-                    jobs.append((path, text, label, os.path.relpath(path, input_path)))
+                    jobs.append((path, text, label, os.path.relpath(path, input_path), None, None))
                 else:
                     problems.append((os.path.relpath(path, input_path), "not_image"))
-    elif input_path.lower().endswith((".csv", ".jsonl", ".json", ".ndjson")):
+    elif input_path.lower().endswith(_TABLE_EXTS):
         base = os.path.dirname(os.path.abspath(input_path))
         for line_no, row in _rows_from_table(input_path):
             where = f"{os.path.basename(input_path)}:{line_no}"
             if isinstance(row, str):
                 problems.append((where, "bad_row"))
                 continue
-            image, text, label = row.get("image"), row.get("caption"), row.get("label")
+            url_col = not row.get("image") and bool(row.get("url"))
+            image = row.get("image") or row.get("url")
+            text, label = row.get("caption"), row.get("label")
             if not image:
                 problems.append((where, "missing_image"))
                 continue
@@ -242,9 +404,14 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
                 except (TypeError, ValueError):
                     problems.append((where, "bad_label"))
                     continue
-            jobs.append((os.path.join(base, str(image)), text.strip(), label, where))
+            path = _local_image_path(image, base, input_path, url_col)
+            meta = {"source": where, **({"url": str(image).strip()} if url_col else {})}
+            jobs.append((path, text.strip(), label, where, meta, None))
     else:
-        raise DataError(f"unsupported input {input_path} (expected an ImageFolder directory, a .csv or a .jsonl)")
+        raise DataError(f"unsupported input {input_path} (expected a folder of images with captions, an ImageFolder "
+                        f"directory, a .csv, .jsonl or .parquet)")
+    if "{}" not in caption_template and classnames is not None:
+        raise DataError(f"caption_template needs a '{{}}' for the class name (got {caption_template!r})")
 
     def samples() -> Iterator[Dict[str, Any]]:
         items: Iterable = jobs
@@ -252,7 +419,7 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
             from tqdm import tqdm
 
             items = tqdm(jobs, desc="shards", unit="img")
-        for path, text, label, where in items:
+        for path, text, label, where, meta, key in items:
             if not os.path.isfile(path):
                 problems.append((where, "missing_file"))
                 continue
@@ -261,8 +428,8 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
             except SkipSample as skip:
                 problems.append((where, skip.reason))
                 continue
-            yield {"key": f"{len(written):09d}", "image": data, "ext": ext, "caption": text, "label": label,
-                   "json": {"source": where}}
+            yield {"key": key or f"{len(written):09d}", "image": data, "ext": ext, "caption": text, "label": label,
+                   "json": meta if meta is not None else {"source": where}}
             written.append(where)
 
     written: List[str] = []
