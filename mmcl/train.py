@@ -32,6 +32,7 @@ from .fsutil import atomic_write_text
 from .errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError, RunStopped, TrainingError
 from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
 from .runlock import RunLock
+from .stepcheck import StepChecks, stop_requested_anywhere
 
 # Changing any of these makes a checkpoint unusable; other config differences only warn.
 ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context_length", "model.vision_cfg",
@@ -362,6 +363,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
         loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
                                            run.stream.finish_images, with_metrics)
+        if run.checks.on_device:  # no host sync on steps that are neither logged nor saved (mmcl/stepcheck.py)
+            last = device_checked_step(run, loss, terms, lr, backward, last)
+            continue
         finite, stopping = agree_on_step(run, loss)
         if not finite:
             skip_step(run, loss)  # raises under train.nan_policy=stop
@@ -469,6 +473,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         model = torch.compile(model)
     run.model, run.optimizer = accelerator.prepare(model, optimizer)
     run.raw_model = accelerator.unwrap_model(run.model)
+    run.checks = StepChecks(accelerator, run.optimizer)
     run.objective.to(accelerator.device)
     accelerator.register_for_checkpointing(run.progress)
     return run
@@ -567,22 +572,57 @@ def agree_on_step(run: Run, loss: torch.Tensor):
     return finite_count >= accelerator.num_processes, stop_count > 0
 
 
-def skip_step(run: Run, loss: torch.Tensor) -> None:
-    """A step whose loss is not finite on some process: raise TrainingError (``train.nan_policy=stop``), or count
-    it as skipped without an update (``skip``)."""
-    cfg, progress = run.cfg, run.progress
-    good = latest_checkpoint(run.ckpt_dir)
-    where = (f"{loss.item()}" if run.accelerator.num_processes == 1
-             else f"not finite on some process ({loss.item()} here)")
-    if cfg.train.nan_policy == "stop":
-        err = TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
+def non_finite_step(run: Run, step: int, value: float) -> None:
+    """Step `step` (1-based) had a loss that is not finite on some process (`value` here): raise TrainingError
+    (``train.nan_policy=stop``), or say that it was skipped (``skip``)."""
+    where = f"{value}" if run.accelerator.num_processes == 1 else f"not finite on some process ({value} here)"
+    if run.cfg.train.nan_policy == "stop":
+        good = latest_checkpoint(run.ckpt_dir)
+        err = TrainingError(f"loss is {where} at step {step}; last good checkpoint: "
                             f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
         err.quiet = not run.main  # all processes stop alike; one line
         raise err
+    run.log(f"skipped step {step}: loss is {where}")
+
+
+def skip_step(run: Run, loss: torch.Tensor) -> None:
+    """A step whose loss is not finite on some process: raise TrainingError (``train.nan_policy=stop``), or count
+    it as skipped without an update (``skip``)."""
+    non_finite_step(run, run.progress.step + 1, loss.item())
     run.optimizer.zero_grad(set_to_none=True)
-    progress.skipped_steps += 1
-    progress.step += 1
-    run.log(f"skipped step {progress.step}: loss is {where}")
+    run.progress.skipped_steps += 1
+    run.progress.step += 1
+
+
+def device_checked_step(run: Run, loss: torch.Tensor, terms, lr: float, backward, last: Dict[str, Any]
+                        ) -> Dict[str, Any]:
+    """The rest of a step whose finite-loss decision stays on the device (`stepcheck.StepChecks`): backward and
+    an update that the optimiser itself skips when the loss is not finite on some process. The flags are read on
+    logged and saved steps (and the last one), where skipped steps are counted and reported; a stop signal is
+    agreed on there too (one process reads its own flag every step). Returns the last logged record."""
+    run.checks.arm(loss, run.progress.step + 1)
+    backward()
+    grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, run.cfg.optim.grad_clip,
+                             max_log_logit_scale(run.cfg))
+    count_step(run)
+    step, save_every = run.progress.step, run.cfg.train.save_every
+    read = run.logged_at(step) or step == run.total or bool(save_every and step % save_every == 0)
+    stopping = (stop_requested_anywhere(run.accelerator, run.stop.requested)
+                if read or run.accelerator.num_processes == 1 else False)
+    skipped_now = False
+    if read or stopping:
+        for bad_step, value in run.checks.resolve():
+            non_finite_step(run, bad_step, value)  # raises under train.nan_policy=stop, before any save
+            run.progress.skipped_steps += 1
+            run.progress.samples -= run.global_batch
+            run.window_samples -= run.global_batch
+            skipped_now = skipped_now or bad_step == step
+        if run.logged_at(step) and not skipped_now:  # a skipped step is not logged
+            last = log_record(run, loss, terms, lr, grad_norm)
+    stopping = maybe_save(run) or stopping
+    if stopping and step < run.total:  # on the last step the run simply finishes
+        stop_run(run)
+    return last
 
 
 def count_step(run: Run) -> None:
