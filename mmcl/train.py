@@ -24,7 +24,7 @@ import torch
 
 from . import checkpoints
 from . import data as data_mod
-from . import losses, models, weights
+from . import elastic, losses, models, weights
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
@@ -416,6 +416,10 @@ class Run:
     def start_window(self) -> None:
         self.window_start, self.window_samples, self.data_time = time.perf_counter(), 0, 0.0
 
+    def marked_progress(self) -> Dict[str, int]:
+        """The progress recorded in a checkpoint's COMPLETE marker, with the global batch (`elastic`)."""
+        return dict(self.progress.state_dict(), **{elastic.GLOBAL_BATCH: self.global_batch})
+
     def rank_state(self) -> Dict[str, Any]:
         """What each process saves beside accelerate's state: its data position and the objective's state."""
         return {"data": self.stream.state_dict(), "objective": self.objective.state_dict()}
@@ -456,6 +460,12 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
                 run.log(warning)
 
     agreed(accelerator, take_directory)
+    cfg, resized = agreed(accelerator, lambda: elastic.keep_global_batch(cfg, accelerator.num_processes))
+    if resized:  # a checkpoint written by another number of processes: the same global batch
+        run.cfg = cfg
+        run.log(resized)
+        run.total, run.global_batch = (total_steps(cfg, accelerator.num_processes),
+                                       global_batch_size(cfg, accelerator.num_processes))
     set_seed(cfg.train.seed)
     model, run.model_cfg, run.pp_cfg, train_tf, _, run.tokenizer = models.build(cfg.model)
     if cfg.model.init_from:
@@ -487,6 +497,9 @@ def load_checkpoint(run: Run, resume: Path) -> None:
         from omegaconf import OmegaConf
 
         check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)), to_dict(run.cfg), run.log)
+    saved_processes = int(checkpoints.read_marker(resume).get("world_size", accelerator.num_processes))
+    if saved_processes != accelerator.num_processes:
+        return elastic.load_resized(run, resume, saved_processes)
     rank_file = resume / f"rank_state_{accelerator.process_index}.pt"
     if not rank_file.is_file():
         if checkpoints.read_marker(resume).get("world_size", 0) != accelerator.num_processes:
@@ -682,7 +695,7 @@ def maybe_save(run: Run) -> bool:
     cfg, step = run.cfg, run.progress.step
     if not cfg.train.save_every or (step % cfg.train.save_every != 0 and step != run.total):
         return False
-    save_checkpoint(run.accelerator, run.ckpt_dir, run.progress.state_dict(), run.rank_state(),
+    save_checkpoint(run.accelerator, run.ckpt_dir, run.marked_progress(), run.rank_state(),
                     cfg.train.keep_checkpoints, needed=run.ckpt_bytes)
     run.saved_at = step
     return any_process(run.accelerator, run.stop.requested)
@@ -694,7 +707,7 @@ def stop_run(run: Run) -> None:
     accelerator, progress = run.accelerator, run.progress
     saved = run.ckpt_dir / f"{CKPT_PREFIX}{progress.step:08d}"
     if run.saved_at != progress.step:
-        saved = save_checkpoint(accelerator, run.ckpt_dir, progress.state_dict(), run.rank_state(),
+        saved = save_checkpoint(accelerator, run.ckpt_dir, run.marked_progress(), run.rank_state(),
                                 run.cfg.train.keep_checkpoints, needed=run.ckpt_bytes)
     if run.bar is not None:
         run.bar.close()

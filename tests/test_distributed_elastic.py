@@ -59,3 +59,83 @@ def test_every_sample_of_the_epoch_once_through_a_resize(corpus, worlds, consume
         seen = epoch_keys_after_resizes(spec, worlds, consumed)
     assert len(seen) == len(set(seen)), sorted(k for k in set(seen) if seen.count(k) > 1)
     assert sorted(seen) == sorted(good)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from test_train import ROOT, _free_port, metrics, run_args, demo  # noqa: E402,F401 - demo is a fixture
+
+# Each process appends the keys of the samples of every step it trains on to keys-<rank>.jsonl.
+LOG_KEYS = """\
+import json, os, sys
+import mmcl.train as train_mod
+from mmcl.cli import main
+
+real = train_mod.next_batches
+
+
+def logged(run, data_iter):
+    batches = real(run, data_iter)
+    with open(os.path.join(os.environ["KEYS_DIR"], f"keys-{run.accelerator.process_index}.jsonl"), "a") as f:
+        f.write(json.dumps([run.progress.step + 1, [k for b in batches for k in b["key"]]]) + "\\n")
+    return batches
+
+
+train_mod.next_batches = logged
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def launch(script, processes, args, keys_dir):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", KEYS_DIR=str(keys_dir))
+    if processes == 1:
+        cmd = [sys.executable, str(script), "train", *args]
+    else:
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+               str(ROOT / "launch" / "cpu-2proc.yaml"), "--num_processes", str(processes), "--main_process_port",
+               str(_free_port()), str(script), "train", *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def steps_and_keys(keys_dir):
+    by_step = {}
+    for f in sorted(Path(keys_dir).glob("keys-*.jsonl")):
+        for line in f.read_text().splitlines():
+            step, keys = json.loads(line)
+            by_step.setdefault(step, []).extend(keys)
+    return by_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
+def test_a_run_resumed_on_another_number_of_processes_continues_steps_and_samples(demo, tmp_path, before, after):
+    """Stopped at step 20 with `before` processes, resumed to step 30 with `after`: the per-process batch is
+    adjusted to keep the global batch of 16, steps and samples go on, and no sample is seen twice in the epoch
+    (30 x 16 = 480 of its 768 samples)."""
+    script = tmp_path / "log_keys.py"
+    script.write_text(LOG_KEYS)
+    out, keys_dir = tmp_path / "run", tmp_path / "keys"
+    keys_dir.mkdir()
+    common = ["train.log_every=5", "train.save_every=10", "data.workers=0"]
+    launch(script, before, run_args(demo, out, "train.steps=20", f"data.batch_size={16 // before}", *common),
+           keys_dir)
+    said = launch(script, after, run_args(demo, out, "train.steps=30", f"data.batch_size={16 // before}", *common),
+                  keys_dir)
+    assert (f"mmcl: resuming on {after} process(es) a checkpoint written by {before}: data.batch_size "
+            f"{16 // before} -> {16 // after} per process, keeping the global batch of 16") in said, said
+    assert "resuming from" in said and "at step 20" in said
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
+    assert [r["samples"] for r in rows] == [80, 160, 240, 320, 400, 480]
+    by_step = steps_and_keys(keys_dir)
+    assert sorted(by_step) == list(range(1, 31))
+    assert all(len(keys) == 16 for keys in by_step.values())
+    seen = [k for step in sorted(by_step) for k in by_step[step]]
+    assert len(seen) == len(set(seen)) == 480  # each sample once: the resize neither repeats nor drops any
