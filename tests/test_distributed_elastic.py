@@ -139,3 +139,42 @@ def test_a_run_resumed_on_another_number_of_processes_continues_steps_and_sample
     assert all(len(keys) == 16 for keys in by_step.values())
     seen = [k for step in sorted(by_step) for k in by_step[step]]
     assert len(seen) == len(set(seen)) == 480  # each sample once: the resize neither repeats nor drops any
+
+
+def _saved_run(root, world, global_batch):
+    ckpt = root / "checkpoints" / "step-00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": 4, "samples": 4 * global_batch, "world_size": world,
+                                               "global_batch": global_batch, "files": {}}))
+    return root
+
+
+@pytest.mark.parametrize("saved,now,accum,expect", [(1, 2, 1, (12, 1)), (2, 1, 1, (24, 1)), (2, 3, 1, (8, 1)),
+                                                    (1, 2, 2, (6, 2)), (1, 4, 4, (6, 1))])
+def test_the_global_batch_is_kept_on_another_number_of_processes(tmp_path, saved, now, accum, expect):
+    from mmcl.config import load_config
+    from mmcl.elastic import keep_global_batch
+
+    out = _saved_run(tmp_path / "run", saved, 24)
+    cfg = load_config(None, [f"train.output_dir={out}", f"data.batch_size={24 // saved // accum}",
+                             f"train.accum_steps={accum}"])
+    new, line = keep_global_batch(cfg, now)
+    assert (new.data.batch_size, new.train.accum_steps) == expect
+    assert new.data.batch_size * new.train.accum_steps * now == 24
+    assert line.startswith(f"resuming on {now} process(es) a checkpoint written by {saved}: data.batch_size "
+                           f"{24 // saved // accum} -> {expect[0]} per process")
+    assert line.endswith("keeping the global batch of 24")
+    assert ("train.accum_steps" in line) == (expect[1] != accum)
+    same, nothing = keep_global_batch(cfg, saved)
+    assert same is cfg and nothing is None
+
+
+def test_a_global_batch_that_does_not_divide_among_the_processes_is_one_error(tmp_path):
+    from mmcl.config import load_config
+    from mmcl.elastic import keep_global_batch
+    from mmcl.errors import ConfigError
+
+    out = _saved_run(tmp_path / "run", 2, 16)
+    cfg = load_config(None, [f"train.output_dir={out}", "data.batch_size=8"])
+    with pytest.raises(ConfigError, match="global batch of 16 samples does not divide among them .* that divides 16"):
+        keep_global_batch(cfg, 3)
