@@ -2,12 +2,15 @@
 
 `train` reads top to bottom: `build_run` (accelerator, signal handlers, the output directory's lock, model,
 objective, optimiser, data stream, ``accelerator.prepare``), `resume_or_start`, then per step `train_step`,
-`agree_on_step` (finite loss and stop signal, one all-reduce), `apply_update`, `log_record`, `maybe_save`,
-and `finish_run` (model/ saved, then the final evaluation). A `Run` holds what these share.
+`device_checked_step` (backward and an update the fused optimiser skips on a non-finite loss, decided on the
+device and read on logged and saved steps only: `mmcl.stepcheck`; without a fused optimiser `agree_on_step`
+decides on the host each step), `apply_update`, `log_record`, `maybe_save`, and `finish_run` (model/ saved,
+then the final evaluation). A `Run` holds what these share.
 
 Resumable: checkpoints are written into a temporary directory and renamed into place, then a ``latest``
 pointer is replaced atomically; starting the same command on the same output directory continues from the
-newest complete checkpoint with the same weights, optimiser, RNG and data position.
+newest complete checkpoint with the same weights, optimiser, RNG and data position; on another number of
+processes, with the same global batch and every sample of the epoch once (`mmcl.elastic`).
 """
 
 from __future__ import annotations
