@@ -114,31 +114,29 @@ def steps_and_keys(keys_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1), (2, 3)])
 def test_a_run_resumed_on_another_number_of_processes_continues_steps_and_samples(demo, tmp_path, before, after):
     """Stopped at step 20 with `before` processes, resumed to step 30 with `after`: the per-process batch is
-    adjusted to keep the global batch of 16, steps and samples go on, and no sample is seen twice in the epoch
-    (30 x 16 = 480 of its 768 samples)."""
+    adjusted to keep the global batch of 12, steps and samples go on, and no sample is seen twice in the epoch
+    (30 x 12 = 360 of its 768 samples)."""
     script = tmp_path / "log_keys.py"
     script.write_text(LOG_KEYS)
     out, keys_dir = tmp_path / "run", tmp_path / "keys"
     keys_dir.mkdir()
-    common = ["train.log_every=5", "train.save_every=10", "data.workers=0"]
-    launch(script, before, run_args(demo, out, "train.steps=20", f"data.batch_size={16 // before}", *common),
-           keys_dir)
-    said = launch(script, after, run_args(demo, out, "train.steps=30", f"data.batch_size={16 // before}", *common),
-                  keys_dir)
+    common = ["train.log_every=5", "train.save_every=10", "data.workers=0", f"data.batch_size={12 // before}"]
+    launch(script, before, run_args(demo, out, "train.steps=20", *common), keys_dir)
+    said = launch(script, after, run_args(demo, out, "train.steps=30", *common), keys_dir)
     assert (f"mmcl: resuming on {after} process(es) a checkpoint written by {before}: data.batch_size "
-            f"{16 // before} -> {16 // after} per process, keeping the global batch of 16") in said, said
+            f"{12 // before} -> {12 // after} per process, keeping the global batch of 12") in said, said
     assert "resuming from" in said and "at step 20" in said
     rows = metrics(out)
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
-    assert [r["samples"] for r in rows] == [80, 160, 240, 320, 400, 480]
+    assert [r["samples"] for r in rows] == [60, 120, 180, 240, 300, 360]
     by_step = steps_and_keys(keys_dir)
     assert sorted(by_step) == list(range(1, 31))
-    assert all(len(keys) == 16 for keys in by_step.values())
+    assert all(len(keys) == 12 for keys in by_step.values())
     seen = [k for step in sorted(by_step) for k in by_step[step]]
-    assert len(seen) == len(set(seen)) == 480  # each sample once: the resize neither repeats nor drops any
+    assert len(seen) == len(set(seen)) == 360  # each sample once: the resize neither repeats nor drops any
 
 
 def _saved_run(root, world, global_batch):
