@@ -8,6 +8,7 @@ import pytest
 from mmcl import data
 
 from test_data import PREPROCESS, cfg_for, corpus, tokenizer  # noqa: F401 - corpus is a fixture
+from test_train import demo  # noqa: F401 - a fixture
 
 
 def streams(spec, world, states=None):
@@ -61,6 +62,37 @@ def test_every_sample_of_the_epoch_once_through_a_resize(corpus, worlds, consume
     assert sorted(seen) == sorted(good)
 
 
+def global_steps(spec, world, batch, steps, states=None):
+    """The set of sample keys of each of `steps` global steps of `world` processes with `batch` each, and the
+    processes' states after them."""
+    procs = []
+    for rank in range(world):
+        s = data.build_train_stream(cfg_for(spec, workers=0, batch_size=batch), PREPROCESS, tokenizer, seed=3,
+                                    rank=rank, world_size=world)
+        if states is not None:
+            assert s.load_resized(states) is None
+        procs.append(s)
+    per_step = [set() for _ in range(steps)]
+    for s in procs:
+        it = iter(s)
+        for t in range(steps):
+            per_step[t].update(next(it)["key"])
+        it.close()
+    return per_step, [s.state_dict() for s in procs]
+
+
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1), (2, 3), (3, 2)])
+def test_without_data_workers_a_resize_keeps_the_samples_of_every_step(demo, before, after):
+    """Same global batch (12), no bad samples: after the resize every global step holds the samples the
+    uninterrupted run's step holds, up to the end of the epoch (768 samples: 64 steps)."""
+    spec = demo["train"]
+    reference, _ = global_steps(spec, before, 12 // before, 40)
+    head, states = global_steps(spec, before, 12 // before, 15)
+    tail, _ = global_steps(spec, after, 12 // after, 25, states)
+    assert head + tail == reference
+    assert all(len(keys) == 12 for keys in tail)
+
+
 # ------------------------------------------------------------------------------------------ end to end
 import json  # noqa: E402
 import os  # noqa: E402
@@ -68,7 +100,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from test_train import ROOT, _free_port, metrics, run_args, demo  # noqa: E402,F401 - demo is a fixture
+from test_train import ROOT, _free_port, metrics, run_args  # noqa: E402
 
 # Each process appends the keys of the samples of every step it trains on to keys-<rank>.jsonl.
 LOG_KEYS = """\

@@ -26,6 +26,7 @@ warnings to the training process with their batches, which shows each once.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -99,7 +100,7 @@ def _copy_position(p: Dict[str, Any]) -> Dict[str, Any]:
     before = p.get("skipped_before_epoch", p["skipped"])
     out = dict(p, skipped=dict(p["skipped"]), skipped_before_epoch=dict(before))
     if "leftover" in p:
-        out["leftover"] = [dict(t, parts=[list(x) for x in t["parts"]]) for t in p["leftover"]]
+        out["leftover"] = copy.deepcopy(p["leftover"])
     return out
 
 # How long a data worker goes on serving after a stop signal meant for the whole process group: time for the
@@ -186,11 +187,10 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
     keys: List[str] = []
     # After a resume on another number of processes or workers: the rest of the saved run's epochs, as tasks
     # (`resized_positions`), before this slot's own epochs begin.
-    tasks = [dict(t) for t in start.get("leftover", ())]
+    tasks = copy.deepcopy(list(start.get("leftover", ())))
     while tasks:
         task = tasks[0]
-        for item, pos in _task_items(s, task):
-            task["shard"], task["sample"], task["emitted"] = pos
+        for item, origin in _leftover_items(s, task):
             if not _in_parts(item, task["parts"]):
                 continue
             if item.error is not None:
@@ -199,7 +199,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
             try:
                 tensor, caption, label = decode_sample(
                     item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
-                    aug_seed=_mix(s["seed"], task["slot"], task["epoch"], item.shard, item.index),
+                    aug_seed=_mix(s["seed"], origin["slot"], origin["epoch"], item.shard, item.index),
                     as_uint8=s["as_uint8"])
             except SkipSample as skip:
                 skipped[skip.reason] += 1
@@ -216,7 +216,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                 batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
                                       "emitted": emitted, "skipped": dict(skipped),
                                       "skipped_before_epoch": dict(skipped_before_epoch),
-                                      "leftover": [dict(t) for t in tasks]}
+                                      "leftover": copy.deepcopy(tasks)}
                 images, captions, labels, keys = [], [], [], []
                 yield batch
         tasks.pop(0)
@@ -301,6 +301,38 @@ def _task_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSa
         shard, sample = block[-1].pos
 
 
+def _leftover_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Dict[str, Any]]]:
+    """The raw items of a leftover task with the saved slot each comes from; `task` is kept up to date (its
+    position after the item), so that a copy of it taken at a batch resumes right after that batch.
+
+    A plain task is one saved slot's rest of an epoch. An ``interleave`` task regroups the rest of the epoch of
+    every saved process (one slot each) as the saved run would have batched it: chunk after chunk, ``per_slot``
+    items from each saved slot in rank order, of which this process takes positions ``[lo, hi)`` of each chunk.
+    A saved slot whose epoch has ended leaves its positions of the following chunks empty."""
+    if task.get("kind") != "interleave":
+        for item, pos in _task_items(s, task):
+            task["shard"], task["sample"], task["emitted"] = pos
+            yield item, task
+        return
+    streams, per_slot = task["streams"], task["per_slot"]
+    chunk = per_slot * len(streams)
+    readers = [_task_items(s, st) for st in streams]
+    exhausted = [False] * len(streams)
+    while not all(exhausted):
+        p = task["p"]
+        k = p // per_slot
+        nxt = None if exhausted[k] else next(readers[k], None)
+        if nxt is None:
+            exhausted[k] = True
+            task["p"] = ((k + 1) * per_slot) % chunk
+            continue
+        item, pos = nxt
+        streams[k]["shard"], streams[k]["sample"], streams[k]["emitted"] = pos
+        task["p"] = (p + 1) % chunk
+        if task["lo"] <= p < task["hi"]:
+            yield item, streams[k]
+
+
 def _in_parts(item: RawSample, parts: Sequence[Sequence[int]]) -> bool:
     """Whether `item` belongs to the share (i of m, at each level of splitting) a slot takes of a saved slot's
     remaining samples. Decided by the sample's place in its shard, so every taker decides alike."""
@@ -310,7 +342,8 @@ def _in_parts(item: RawSample, parts: Sequence[Sequence[int]]) -> bool:
     return True
 
 
-def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int) -> List[Dict[str, Any]]:
+def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int, n_roles: int = 1,
+                      batch_size: Optional[int] = None) -> List[Dict[str, Any]]:
     """Positions for the `n_slots` new slots (rank * workers + worker) that continue the saved slots of
     `states` (the data states of every process of the saved run) so that every sample of the epochs under way is
     read exactly once.
@@ -320,6 +353,13 @@ def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int) -> List[Di
     is shared by ``n_slots // tasks`` new slots, each taking the samples of its share (`_in_parts`): every such
     slot reads the task's raw bytes and decodes its share only. After its tasks, each new slot starts the epoch
     after the furthest saved one in the new layout. Skip counts carry over (summed into slot 0).
+
+    When the saved and the new processes read without data workers (one slot each), every saved slot is in the
+    same epoch and the global batch stays (`batch_size` new x `n_slots` = saved batch x saved processes), the
+    rest of the epoch is instead batched as the saved run would have batched it (an ``interleave`` task per new
+    process, `_leftover_items`): each new process reads the raw bytes of every saved slot's rest of the epoch
+    and decodes its own share, and the steps see the samples the uninterrupted run's steps would have seen (as
+    long as no sample is skipped as undecodable).
     """
     saved = []  # (old slot, old n_slots, position)
     for st in states:
@@ -332,12 +372,18 @@ def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int) -> List[Di
     last_epoch = max(started(pos) for _, _, pos in saved)
     tasks: List[Dict[str, Any]] = []
     for slot, n_old, pos in sorted(saved, key=lambda t: t[0]):
-        tasks.extend(dict(t, parts=[list(p) for p in t["parts"]]) for t in pos.get("leftover", ()))
+        tasks.extend(copy.deepcopy(pos.get("leftover", [])))
         for epoch in range(pos["epoch"], last_epoch + 1):
             first = epoch == pos["epoch"]
             tasks.append({"slot": slot, "n_slots": n_old, "epoch": epoch, "shard": pos["shard"] if first else 0,
                           "sample": pos["sample"] if first else 0, "emitted": pos["emitted"] if first else 0,
                           "parts": []})
+    old_batch = states[0]["layout"]["batch_size"]
+    exact = (n_roles == 1 and batch_size is not None and all(st["layout"]["workers"] == 1 for st in states)
+             and not any(pos.get("leftover") for _, _, pos in saved)
+             and len({(pos["epoch"], started(pos)) for _, _, pos in saved}) == 1
+             and all(st["layout"]["batch_size"] == old_batch for st in states)
+             and old_batch * len(saved) == batch_size * n_slots and tasks)
     totals = zero_skips()
     for _, _, pos in saved:
         for k, v in pos["skipped"].items():
@@ -349,7 +395,11 @@ def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int) -> List[Di
         p["leftover"] = []
         out.append(p)
     out[0]["skipped"], out[0]["skipped_before_epoch"] = dict(totals), dict(totals)
-    if not tasks:
+    if exact:
+        for j, p in enumerate(out):
+            p["leftover"] = [{"kind": "interleave", "streams": copy.deepcopy(tasks), "per_slot": old_batch,
+                              "lo": j * batch_size, "hi": (j + 1) * batch_size, "p": 0, "parts": []}]
+    elif not tasks:
         pass
     elif len(tasks) >= n_slots:
         for q, task in enumerate(tasks):
@@ -582,7 +632,7 @@ class TrainStream:
             self.load_state_dict(dict(states[0], layout=dict(states[0]["layout"], **{
                 k: None for k in changed or ["world_size"]})))
             return "data differ from the checkpoint's (" + ", ".join(changed or ["shard split"]) + ")"
-        positions = resized_positions(states, self.world_size * self.n_roles)
+        positions = resized_positions(states, self.world_size * self.n_roles, self.n_roles, int(self.cfg.batch_size))
         self._positions = positions[self.rank * self.n_roles:(self.rank + 1) * self.n_roles]
         self._next_role = 0
         self.batches = 0
