@@ -7,10 +7,10 @@ on every process), the loss's state (its queues hold features gathered over all 
 on every process) and the data positions of every saved process, from which the stream continues so that every
 sample of the epochs under way is read exactly once (`mmcl.data.pipeline.resized_positions`).
 
-What is not kept: the order in which the rest of the epoch's samples are grouped into batches (a saved process's
-remaining samples are dealt to the new processes by shard, or shared by sample), so the resumed run does not end
-with the uninterrupted run's weights bit for bit. Keeping that order would make every new process read the raw
-bytes of every sample of the rest of the run, not only its own.
+The batches: without data workers (one slot per process, before and after) the rest of the epoch is batched
+as the saved run would have batched it, so the resumed run ends with the uninterrupted run's weights within
+float32 noise; each new process then reads the raw bytes of the whole rest of that epoch. With data workers the
+rest is dealt by shard or shared by sample: each sample once, other batches.
 """
 
 from __future__ import annotations
