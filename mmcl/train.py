@@ -2,12 +2,15 @@
 
 `train` reads top to bottom: `build_run` (accelerator, signal handlers, the output directory's lock, model,
 objective, optimiser, data stream, ``accelerator.prepare``), `resume_or_start`, then per step `train_step`,
-`agree_on_step` (finite loss and stop signal, one all-reduce), `apply_update`, `log_record`, `maybe_save`,
-and `finish_run` (model/ saved, then the final evaluation). A `Run` holds what these share.
+`device_checked_step` (backward and an update the fused optimiser skips on a non-finite loss, decided on the
+device and read on logged and saved steps only: `mmcl.stepcheck`; without a fused optimiser `agree_on_step`
+decides on the host each step), `apply_update`, `log_record`, `maybe_save`, and `finish_run` (model/ saved,
+then the final evaluation). A `Run` holds what these share.
 
 Resumable: checkpoints are written into a temporary directory and renamed into place, then a ``latest``
 pointer is replaced atomically; starting the same command on the same output directory continues from the
-newest complete checkpoint with the same weights, optimiser, RNG and data position.
+newest complete checkpoint with the same weights, optimiser, RNG and data position; on another number of
+processes, with the same global batch and every sample of the epoch once (`mmcl.elastic`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from . import checkpoints
 from . import data as data_mod
-from . import losses, models, weights
+from . import elastic, losses, models, weights
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from .config import LossConfig, OptimConfig, TrainConfig, to_dict, to_yaml
@@ -33,6 +36,7 @@ from .errors import (CheckpointError, ConfigError, DamagedCheckpointError, DataE
                      TrainingError)
 from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
 from .runlock import RunLock
+from .stepcheck import StepChecks, stop_requested_anywhere
 
 # Changing any of these makes a checkpoint unusable; other config differences only warn.
 ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context_length", "model.vision_cfg",
@@ -401,6 +405,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
         loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
                                            run.stream.finish_images, with_metrics)
+        if run.checks.on_device:  # no host sync on steps that are neither logged nor saved (mmcl/stepcheck.py)
+            last = device_checked_step(run, loss, terms, lr, backward, last)
+            continue
         finite, stopping = agree_on_step(run, loss)
         if not finite:
             skip_step(run, loss)  # raises under train.nan_policy=stop
@@ -451,6 +458,10 @@ class Run:
     def start_window(self) -> None:
         self.window_start, self.window_samples, self.data_time = time.perf_counter(), 0, 0.0
 
+    def marked_progress(self) -> Dict[str, int]:
+        """The progress recorded in a checkpoint's COMPLETE marker, with the global batch (`elastic`)."""
+        return dict(self.progress.state_dict(), **{elastic.GLOBAL_BATCH: self.global_batch})
+
     def rank_state(self) -> Dict[str, Any]:
         """What each process saves beside accelerate's state: its data position and the objective's state."""
         return {"data": self.stream.state_dict(), "objective": self.objective.state_dict()}
@@ -496,6 +507,12 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
                 run.log(warning)
 
     agreed(accelerator, take_directory)
+    cfg, resized = agreed(accelerator, lambda: elastic.keep_global_batch(cfg, accelerator.num_processes))
+    if resized:  # a checkpoint written by another number of processes: the same global batch
+        run.cfg = cfg
+        run.log(resized)
+        run.total, run.global_batch = (total_steps(cfg, accelerator.num_processes),
+                                       global_batch_size(cfg, accelerator.num_processes))
     set_seed(cfg.train.seed)
     model, run.model_cfg, run.pp_cfg, _, _, run.tokenizer = models.build(cfg.model)
     if cfg.model.init_from:
@@ -514,6 +531,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         model = torch.compile(model)
     run.model, run.optimizer = accelerator.prepare(model, optimizer)
     run.raw_model = accelerator.unwrap_model(run.model)
+    run.checks = StepChecks(accelerator, run.optimizer)
     run.objective.to(accelerator.device)
     accelerator.register_for_checkpointing(run.progress)
     return run
@@ -527,6 +545,9 @@ def load_checkpoint(run: Run, resume: Path) -> None:
         from omegaconf import OmegaConf
 
         check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)), to_dict(run.cfg), run.log)
+    saved_processes = int(checkpoints.read_marker(resume).get("world_size", accelerator.num_processes))
+    if saved_processes != accelerator.num_processes:
+        return elastic.load_resized(run, resume, saved_processes)
     rank_file = resume / f"rank_state_{accelerator.process_index}.pt"
     if not rank_file.is_file():
         if checkpoints.read_marker(resume).get("world_size", 0) != accelerator.num_processes:
@@ -619,22 +640,57 @@ def agree_on_step(run: Run, loss: torch.Tensor):
     return finite_count >= accelerator.num_processes, stop_count > 0
 
 
-def skip_step(run: Run, loss: torch.Tensor) -> None:
-    """A step whose loss is not finite on some process: raise TrainingError (``train.nan_policy=stop``), or count
-    it as skipped without an update (``skip``)."""
-    cfg, progress = run.cfg, run.progress
-    good = latest_checkpoint(run.ckpt_dir)
-    where = (f"{loss.item()}" if run.accelerator.num_processes == 1
-             else f"not finite on some process ({loss.item()} here)")
-    if cfg.train.nan_policy == "stop":
-        err = TrainingError(f"loss is {where} at step {progress.step + 1}; last good checkpoint: "
+def non_finite_step(run: Run, step: int, value: float) -> None:
+    """Step `step` (1-based) had a loss that is not finite on some process (`value` here): raise TrainingError
+    (``train.nan_policy=stop``), or say that it was skipped (``skip``)."""
+    where = f"{value}" if run.accelerator.num_processes == 1 else f"not finite on some process ({value} here)"
+    if run.cfg.train.nan_policy == "stop":
+        good = latest_checkpoint(run.ckpt_dir)
+        err = TrainingError(f"loss is {where} at step {step}; last good checkpoint: "
                             f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
         err.quiet = not run.main  # all processes stop alike; one line
         raise err
+    run.log(f"skipped step {step}: loss is {where}")
+
+
+def skip_step(run: Run, loss: torch.Tensor) -> None:
+    """A step whose loss is not finite on some process: raise TrainingError (``train.nan_policy=stop``), or count
+    it as skipped without an update (``skip``)."""
+    non_finite_step(run, run.progress.step + 1, loss.item())
     run.optimizer.zero_grad(set_to_none=True)
-    progress.skipped_steps += 1
-    progress.step += 1
-    run.log(f"skipped step {progress.step}: loss is {where}")
+    run.progress.skipped_steps += 1
+    run.progress.step += 1
+
+
+def device_checked_step(run: Run, loss: torch.Tensor, terms, lr: float, backward, last: Dict[str, Any]
+                        ) -> Dict[str, Any]:
+    """The rest of a step whose finite-loss decision stays on the device (`stepcheck.StepChecks`): backward and
+    an update that the optimiser itself skips when the loss is not finite on some process. The flags are read on
+    logged and saved steps (and the last one), where skipped steps are counted and reported; a stop signal is
+    agreed on there too (one process reads its own flag every step). Returns the last logged record."""
+    run.checks.arm(loss, run.progress.step + 1)
+    backward()
+    grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, run.cfg.optim.grad_clip,
+                             max_log_logit_scale(run.cfg))
+    count_step(run)
+    step, save_every = run.progress.step, run.cfg.train.save_every
+    read = run.logged_at(step) or step == run.total or bool(save_every and step % save_every == 0)
+    stopping = (stop_requested_anywhere(run.accelerator, run.stop.requested)
+                if read or run.accelerator.num_processes == 1 else False)
+    skipped_now = False
+    if read or stopping:
+        for bad_step, value in run.checks.resolve():
+            non_finite_step(run, bad_step, value)  # raises under train.nan_policy=stop, before any save
+            run.progress.skipped_steps += 1
+            run.progress.samples -= run.global_batch
+            run.window_samples -= run.global_batch
+            skipped_now = skipped_now or bad_step == step
+        if run.logged_at(step) and not skipped_now:  # a skipped step is not logged
+            last = log_record(run, loss, terms, lr, grad_norm)
+    stopping = maybe_save(run) or stopping
+    if stopping and step < run.total:  # on the last step the run simply finishes
+        stop_run(run)
+    return last
 
 
 def count_step(run: Run) -> None:
@@ -694,7 +750,7 @@ def maybe_save(run: Run) -> bool:
     cfg, step = run.cfg, run.progress.step
     if not cfg.train.save_every or (step % cfg.train.save_every != 0 and step != run.total):
         return False
-    save_checkpoint(run.accelerator, run.ckpt_dir, run.progress.state_dict(), run.rank_state(),
+    save_checkpoint(run.accelerator, run.ckpt_dir, run.marked_progress(), run.rank_state(),
                     cfg.train.keep_checkpoints, needed=run.ckpt_bytes)
     run.saved_at = step
     return any_process(run.accelerator, run.stop.requested)
@@ -706,7 +762,7 @@ def stop_run(run: Run) -> None:
     accelerator, progress = run.accelerator, run.progress
     saved = run.ckpt_dir / f"{CKPT_PREFIX}{progress.step:08d}"
     if run.saved_at != progress.step:
-        saved = save_checkpoint(accelerator, run.ckpt_dir, progress.state_dict(), run.rank_state(),
+        saved = save_checkpoint(accelerator, run.ckpt_dir, run.marked_progress(), run.rank_state(),
                                 run.cfg.train.keep_checkpoints, needed=run.ckpt_bytes)
     if run.bar is not None:
         run.bar.close()

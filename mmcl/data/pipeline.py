@@ -26,6 +26,7 @@ warnings to the training process with their batches, which shows each once.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -97,7 +98,10 @@ def _fresh_position() -> Dict[str, Any]:
 
 def _copy_position(p: Dict[str, Any]) -> Dict[str, Any]:
     before = p.get("skipped_before_epoch", p["skipped"])
-    return dict(p, skipped=dict(p["skipped"]), skipped_before_epoch=dict(before))
+    out = dict(p, skipped=dict(p["skipped"]), skipped_before_epoch=dict(before))
+    if "leftover" in p:
+        out["leftover"] = copy.deepcopy(p["leftover"])
+    return out
 
 # How long a data worker goes on serving after a stop signal meant for the whole process group: time for the
 # training process to finish its step and save (a scheduler's SIGKILL ends everything later anyway).
@@ -181,6 +185,41 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
     captions: List[str] = []
     labels: List[int] = []
     keys: List[str] = []
+    # After a resume on another number of processes or workers: the rest of the saved run's epochs, as tasks
+    # (`resized_positions`), before this slot's own epochs begin.
+    tasks = copy.deepcopy(list(start.get("leftover", ())))
+    while tasks:
+        task = tasks[0]
+        for item, origin in _leftover_items(s, task):
+            if not _in_parts(item, task["parts"]):
+                continue
+            if item.error is not None:
+                skipped[item.error] += 1
+                continue
+            try:
+                tensor, caption, label = decode_sample(
+                    item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
+                    aug_seed=_mix(s["seed"], origin["slot"], origin["epoch"], item.shard, item.index),
+                    as_uint8=s["as_uint8"])
+            except SkipSample as skip:
+                skipped[skip.reason] += 1
+                continue
+            except TransformOutputError as err:
+                yield {"__error__": str(err)}
+                return
+            images.append(tensor)
+            captions.append(caption)
+            labels.append(label)
+            keys.append(item.key)
+            if len(images) == s["batch_size"]:
+                batch = collate(images, captions, labels, keys, s["tokenizer"])
+                batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
+                                      "emitted": emitted, "skipped": dict(skipped),
+                                      "skipped_before_epoch": dict(skipped_before_epoch),
+                                      "leftover": copy.deepcopy(tasks)}
+                images, captions, labels, keys = [], [], [], []
+                yield batch
+        tasks.pop(0)
     empty_epochs = 0
     while True:
         plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
@@ -237,6 +276,142 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
             empty_epochs = 0
         epoch, shard, sample, emitted = epoch + 1, 0, 0, 0
         skipped_before_epoch = dict(skipped)
+
+def _task_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Tuple[int, int, int]]]:
+    """The raw items a saved slot (``task["slot"]`` of ``task["n_slots"]``) emits in ``task["epoch"]`` from its
+    saved position to the end of that epoch, in its order (same plan, same block shuffle), each with the
+    position (block start shard, block start sample, emitted) just after it."""
+    slot, n_slots, epoch = task["slot"], task["n_slots"], task["epoch"]
+    plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
+    block_size = max(1, s["shuffle_buffer"])
+    shard, sample, emitted = task["shard"], task["sample"], task["emitted"]
+    reader = read_raw_samples(plan, (shard, sample))
+    while True:
+        block: List[RawSample] = []
+        for item in reader:
+            block.append(item)
+            if len(block) == block_size:
+                break
+        if not block:
+            return
+        perm = shuffle_block(len(block), s["seed"], slot, epoch, (shard, sample))
+        for j in range(emitted, len(block)):
+            yield block[perm[j]], (shard, sample, j + 1)
+        emitted = 0
+        shard, sample = block[-1].pos
+
+
+def _leftover_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Dict[str, Any]]]:
+    """The raw items of a leftover task with the saved slot each comes from; `task` is kept up to date (its
+    position after the item), so that a copy of it taken at a batch resumes right after that batch.
+
+    A plain task is one saved slot's rest of an epoch. An ``interleave`` task regroups the rest of the epoch of
+    every saved process (one slot each) as the saved run would have batched it: chunk after chunk, ``per_slot``
+    items from each saved slot in rank order, of which this process takes positions ``[lo, hi)`` of each chunk.
+    A saved slot whose epoch has ended leaves its positions of the following chunks empty."""
+    if task.get("kind") != "interleave":
+        for item, pos in _task_items(s, task):
+            task["shard"], task["sample"], task["emitted"] = pos
+            yield item, task
+        return
+    streams, per_slot = task["streams"], task["per_slot"]
+    chunk = per_slot * len(streams)
+    readers = [_task_items(s, st) for st in streams]
+    exhausted = [False] * len(streams)
+    while not all(exhausted):
+        p = task["p"]
+        k = p // per_slot
+        nxt = None if exhausted[k] else next(readers[k], None)
+        if nxt is None:
+            exhausted[k] = True
+            task["p"] = ((k + 1) * per_slot) % chunk
+            continue
+        item, pos = nxt
+        streams[k]["shard"], streams[k]["sample"], streams[k]["emitted"] = pos
+        task["p"] = (p + 1) % chunk
+        if task["lo"] <= p < task["hi"]:
+            yield item, streams[k]
+
+
+def _in_parts(item: RawSample, parts: Sequence[Sequence[int]]) -> bool:
+    """Whether `item` belongs to the share (i of m, at each level of splitting) a slot takes of a saved slot's
+    remaining samples. Decided by the sample's place in its shard, so every taker decides alike."""
+    for i, m, level in parts:
+        if m > 1 and _mix(item.shard, item.index, level) % m != i:
+            return False
+    return True
+
+
+def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int, n_roles: int = 1,
+                      batch_size: Optional[int] = None) -> List[Dict[str, Any]]:
+    """Positions for the `n_slots` new slots (rank * workers + worker) that continue the saved slots of
+    `states` (the data states of every process of the saved run) so that every sample of the epochs under way is
+    read exactly once.
+
+    Each saved slot's remaining work (the rest of its epoch, and whole epochs where it is behind the furthest
+    slot) becomes a task. With at least as many tasks as new slots, tasks are dealt whole; with fewer, each task
+    is shared by ``n_slots // tasks`` new slots, each taking the samples of its share (`_in_parts`): every such
+    slot reads the task's raw bytes and decodes its share only. After its tasks, each new slot starts the epoch
+    after the furthest saved one in the new layout. Skip counts carry over (summed into slot 0).
+
+    When the saved and the new processes read without data workers (one slot each), every saved slot is in the
+    same epoch and the global batch stays (`batch_size` new x `n_slots` = saved batch x saved processes), the
+    rest of the epoch is instead batched as the saved run would have batched it (an ``interleave`` task per new
+    process, `_leftover_items`): each new process reads the raw bytes of every saved slot's rest of the epoch
+    and decodes its own share, and the steps see the samples the uninterrupted run's steps would have seen (as
+    long as no sample is skipped as undecodable).
+    """
+    saved = []  # (old slot, old n_slots, position)
+    for st in states:
+        lay = st["layout"]
+        for role, pos in enumerate(st["positions"]):
+            saved.append((lay["rank"] * lay["workers"] + role, lay["world_size"] * lay["workers"], pos))
+    def started(pos):  # the last epoch of which this slot has read something
+        return pos["epoch"] - ((pos["shard"], pos["sample"], pos["emitted"]) == (0, 0, 0))
+
+    last_epoch = max(started(pos) for _, _, pos in saved)
+    tasks: List[Dict[str, Any]] = []
+    for slot, n_old, pos in sorted(saved, key=lambda t: t[0]):
+        tasks.extend(copy.deepcopy(pos.get("leftover", [])))
+        for epoch in range(pos["epoch"], last_epoch + 1):
+            first = epoch == pos["epoch"]
+            tasks.append({"slot": slot, "n_slots": n_old, "epoch": epoch, "shard": pos["shard"] if first else 0,
+                          "sample": pos["sample"] if first else 0, "emitted": pos["emitted"] if first else 0,
+                          "parts": []})
+    old_batch = states[0]["layout"]["batch_size"]
+    exact = (n_roles == 1 and batch_size is not None and all(st["layout"]["workers"] == 1 for st in states)
+             and not any(pos.get("leftover") for _, _, pos in saved)
+             and len({(pos["epoch"], started(pos)) for _, _, pos in saved}) == 1
+             and all(st["layout"]["batch_size"] == old_batch for st in states)
+             and old_batch * len(saved) == batch_size * n_slots and tasks)
+    totals = zero_skips()
+    for _, _, pos in saved:
+        for k, v in pos["skipped"].items():
+            totals[k] = totals.get(k, 0) + v
+    out = []
+    for _ in range(n_slots):
+        p = _fresh_position()
+        p["epoch"] = last_epoch + 1
+        p["leftover"] = []
+        out.append(p)
+    out[0]["skipped"], out[0]["skipped_before_epoch"] = dict(totals), dict(totals)
+    if exact:
+        for j, p in enumerate(out):
+            p["leftover"] = [{"kind": "interleave", "streams": copy.deepcopy(tasks), "per_slot": old_batch,
+                              "lo": j * batch_size, "hi": (j + 1) * batch_size, "p": 0, "parts": []}]
+    elif not tasks:
+        pass
+    elif len(tasks) >= n_slots:
+        for q, task in enumerate(tasks):
+            out[q % n_slots]["leftover"].append(task)
+    else:
+        m = n_slots // len(tasks)
+        for q, task in enumerate(tasks):
+            level = len(task["parts"])
+            for i in range(m):
+                out[q * m + i]["leftover"].append(dict(task, parts=task["parts"] + [[i, m, level]]))
+    return out
+
 
 _MAX_EMPTY_EPOCHS = 50  # a slot that drew only bad shards this often, while good ones exist, stops the run
 
@@ -448,6 +623,35 @@ class TrainStream:
             self._positions = [_copy_position(p) for p in state["positions"]]
             self._next_role = int(state["next_role"])
         self.batches = int(state.get("batches", 0))
+
+    def load_resized(self, states: Sequence[Dict[str, Any]]) -> Optional[str]:
+        """Continue from the data states of every process of a run saved with another number of processes or
+        workers (`resized_positions`): every sample of the epochs under way is read exactly once. Returns None,
+        or why only a restart of the earliest saved epoch is possible (the shards, seed or shuffle differ)."""
+        for st in states:
+            if not isinstance(st, dict) or st.get("version") != _STATE_VERSION:
+                raise DataError(f"unrecognised data stream state (expected version {_STATE_VERSION})")
+        ranks = sorted(st["layout"]["rank"] for st in states)
+        if ranks != list(range(states[0]["layout"]["world_size"])):
+            raise DataError(f"the data states of ranks {ranks} do not make a whole run")
+        fixed = ("seed", "n_shards", "shuffle_buffer", "resampled")
+        layout = self._layout()
+        changed = [k for k in fixed if states[0]["layout"].get(k) != layout[k]]
+        if changed or states[0]["layout"].get("shard_split", "whole") != self._shard_split_for(states[0]):
+            # Not the same shard plan: exact continuation is impossible; restart the earliest epoch as before.
+            self.load_state_dict(dict(states[0], layout=dict(states[0]["layout"], **{
+                k: None for k in changed or ["world_size"]})))
+            return "data differ from the checkpoint's (" + ", ".join(changed or ["shard split"]) + ")"
+        positions = resized_positions(states, self.world_size * self.n_roles, self.n_roles, int(self.cfg.batch_size))
+        self._positions = positions[self.rank * self.n_roles:(self.rank + 1) * self.n_roles]
+        self._next_role = 0
+        self.batches = 0
+        return None
+
+    def _shard_split_for(self, state: Dict[str, Any]) -> str:
+        n, slots = len(self.urls), state["layout"]["world_size"] * state["layout"]["workers"]
+        return "whole" if self.cfg.resampled or n < slots or n % slots == 0 else "balanced"
+
 
 def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                        rank: int = 0, world_size: int = 1, pin_memory: bool = False) -> TrainStream:
