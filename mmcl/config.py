@@ -149,6 +149,8 @@ class TrainSection(_Section):
     nan_policy: str = "stop"  # stop | skip
     plot: bool = True
     progress: bool = True
+    # Exponential moving average of the trainable weights, used by evaluation, model/ and exports (e.g. 0.999)
+    ema_decay: Optional[float] = None
 
 
 @dataclass
@@ -328,6 +330,8 @@ def validate(cfg: TrainConfig) -> List[str]:
         problems.append("no loss term is active: set at least one of loss.clip, loss.supcon, loss.siglip, ... > 0")
     if not 0 <= cfg.data.worker_nice <= 19:
         problems.append(f"data.worker_nice must be in [0, 19] (got {cfg.data.worker_nice})")
+    if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:
+        problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):
         problems.append("data.weights must be non-negative")
     return problems

@@ -25,6 +25,7 @@ import torch
 from . import checkpoints
 from . import data as data_mod
 from . import losses, models, weights
+from .ema import WeightEMA, swapped_in
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from .config import OptimConfig, TrainConfig, to_dict, to_yaml
@@ -370,6 +371,8 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
             grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, cfg.optim.grad_clip,
                                      max_log_logit_scale(cfg))
             count_step(run)
+            if run.ema is not None:
+                run.ema.update(run.raw_model)
             if run.logged_at(run.progress.step):
                 last = log_record(run, loss, terms, lr, grad_norm)
             stopping = maybe_save(run) or stopping
@@ -398,6 +401,7 @@ class Run:
         self.saved_at = -1  # the step of the last checkpoint this run saved
         self.bar = None  # the progress bar, from the first step on (main process, train.progress)
         self.metrics: Optional[MetricsLog] = None
+        self.ema: Optional[WeightEMA] = None  # train.ema_decay
         self.ckpt_bytes = 0
         self.window_start, self.window_samples, self.data_time = 0.0, 0, 0.0
 
@@ -471,6 +475,9 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     run.raw_model = accelerator.unwrap_model(run.model)
     run.objective.to(accelerator.device)
     accelerator.register_for_checkpointing(run.progress)
+    if cfg.train.ema_decay:  # after the locks: locked parameters get no average
+        run.ema = WeightEMA(run.raw_model, cfg.train.ema_decay)
+        accelerator.register_for_checkpointing(run.ema)
     return run
 
 
@@ -622,7 +629,8 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
         record["grad_norm"] = float(grad_norm)
     if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < run.total:
         try:
-            record.update(run_eval(cfg, raw_model, run.tokenizer, run.pp_cfg, accelerator))
+            with swapped_in(run.ema, raw_model):
+                record.update(run_eval(cfg, raw_model, run.tokenizer, run.pp_cfg, accelerator))
         except MmclError as err:
             # The evaluation runs on the main process only: training goes on, with nothing lost and no other
             # process waiting on it. The final evaluation's failure still ends the run (after model/ is saved).
@@ -681,7 +689,9 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
         run.bar.close()
     accelerator.wait_for_everyone()
     eval_failure = None
+    averaged = contextlib.ExitStack()  # model/ and the final evaluation use the EMA weights when train.ema_decay
     if run.main:
+        averaged.enter_context(swapped_in(run.ema, run.raw_model))
         weights.save_model_dir(run.raw_model, run.model_cfg, run.pp_cfg, out_dir / "model",
                                extra={"steps": progress.step, "samples": progress.samples})
         run.log(f"model saved to {out_dir / 'model'}")
@@ -697,6 +707,7 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
         if unwritten or len(final) > 2:
             run.metrics.write(final)
             last = final
+    averaged.close()
     run.metrics.close()
     if run.main and cfg.train.plot:
         try:
