@@ -132,6 +132,11 @@ class OptimConfig(_Section):
     schedule: str = "cosine"  # cosine | constant | linear
     min_lr: float = 0.0
     grad_clip: Optional[float] = 1.0
+    # Learning-rate multiplier of each tower, and layer-wise decay within it (1.0: off); see mmcl/optim.py
+    image_lr_mult: float = 1.0
+    text_lr_mult: float = 1.0
+    image_layer_decay: float = 1.0
+    text_layer_decay: float = 1.0
 
 
 @dataclass
@@ -187,6 +192,7 @@ _NON_NEGATIVE = (
     "data.workers", "data.shuffle_buffer", "train.save_every", "train.keep_checkpoints", "optim.warmup_steps",
     "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",
     "loss.debiased", "loss.hard_negative", "loss.mochi.weight", "loss.mochi.queue_size", "eval.every",
+    "optim.image_lr_mult", "optim.text_lr_mult",
 )
 
 
@@ -330,6 +336,9 @@ def validate(cfg: TrainConfig) -> List[str]:
         problems.append("no loss term is active: set at least one of loss.clip, loss.supcon, loss.siglip, ... > 0")
     if not 0 <= cfg.data.worker_nice <= 19:
         problems.append(f"data.worker_nice must be in [0, 19] (got {cfg.data.worker_nice})")
+    for key in ("optim.image_layer_decay", "optim.text_layer_decay"):
+        if not 0.0 < get(cfg, key) <= 1.0:
+            problems.append(f"{key} must be in (0, 1] (got {get(cfg, key)})")
     if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:
         problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):

@@ -24,7 +24,7 @@ import torch
 
 from . import checkpoints
 from . import data as data_mod
-from . import losses, models, weights
+from . import losses, models, optim, weights
 from .ema import WeightEMA, swapped_in
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
@@ -57,20 +57,14 @@ class TrainProgress:
 
 # --------------------------------------------------------------------------------------------- optimiser
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-    """AdamW groups: no decay on gains, biases, embeddings of scale/bias (1-d params) and the logit scale/bias."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue  # locked towers get no optimiser state
-        if p.ndim < 2 or "logit_scale" in name or "logit_bias" in name or name.endswith(".bias"):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW groups without per-tower or layer-wise scales: no decay on gains, biases, embeddings of scale/bias
+    (1-d params) and the logit scale/bias (`mmcl.optim.param_groups` with the given weight decay)."""
+    return optim.optimizer_groups(optim.param_groups(model, OptimConfig(weight_decay=weight_decay)))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None) -> torch.optim.Optimizer:
+    """AdamW over `groups` (`mmcl.optim.param_groups(model, cfg)` when not given)."""
+    groups = optim.optimizer_groups(groups if groups is not None else optim.param_groups(model, cfg))
     if not any(g["params"] for g in groups):
         raise ConfigError("no trainable parameters: both towers are locked")
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
@@ -465,7 +459,10 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     models.apply_locks(model, cfg.model)
     run.objective = losses.build_objective(cfg.loss)
     run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
-    optimizer = build_optimizer(model, cfg.optim)
+    groups = optim.param_groups(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, groups)
+    if run.main:
+        optim.report(model, groups, cfg.optim, run.out_dir, run.log)  # printed once, and param_groups.json
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
         cfg.data, train_tf, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
         world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
@@ -543,10 +540,10 @@ def max_log_logit_scale(cfg: TrainConfig) -> float:
 
 
 def set_learning_rate(run: Run) -> float:
-    """Set the scheduled learning rate of the coming optimiser step on every parameter group; returns it."""
+    """Set the scheduled learning rate of the coming optimiser step on every parameter group; returns it (the
+    base rate; each group's is scaled by its ``lr_scale``)."""
     lr = lr_at(run.progress.step, run.cfg.optim, run.total)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    optim.set_lr(run.optimizer, lr)  # times each group's lr_scale (per-tower and layer-wise rates)
     return lr
 
 

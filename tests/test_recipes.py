@@ -128,3 +128,63 @@ def test_ema_two_processes_equal_one_process(tmp_path):
     assert ddp.keys() == ema.shadow.keys()
     for n in ddp:  # float32 summation order differs across the all-gather and all-reduce
         torch.testing.assert_close(ddp[n], ema.shadow[n], rtol=1e-4, atol=2e-6, msg=n)
+
+
+# ------------------------------------------------------------------------------ per-tower and layer-wise rates
+def test_learning_rates_per_group_match_hand_computed_ones():
+    from mmcl.optim import param_groups, set_lr
+    from mmcl.train import lr_at
+
+    model = micro_model(0)  # 2 image blocks, 2 text blocks: layer ids 0 (embeddings), 1-2 (blocks), 3 (head)
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.1, warmup_steps=2, image_lr_mult=0.5, image_layer_decay=0.8,
+                      text_lr_mult=2.0, text_layer_decay=0.5)
+    groups = param_groups(model, cfg)
+    optimizer = build_optimizer(model, cfg, groups)
+    expected = {  # tower multiplier x decay ** (3 - layer id)
+        "visual.conv1.weight": 0.5 * 0.8 ** 3, "visual.class_embedding": 0.5 * 0.8 ** 3,
+        "visual.positional_embedding": 0.5 * 0.8 ** 3, "visual.ln_pre.weight": 0.5 * 0.8 ** 3,
+        "visual.transformer.resblocks.0.attn.in_proj_weight": 0.5 * 0.8 ** 2,
+        "visual.transformer.resblocks.1.mlp.c_fc.bias": 0.5 * 0.8,
+        "visual.ln_post.weight": 0.5, "visual.proj": 0.5,
+        "token_embedding.weight": 2.0 * 0.5 ** 3, "positional_embedding": 2.0 * 0.5 ** 3,
+        "transformer.resblocks.0.ln_1.weight": 2.0 * 0.5 ** 2, "transformer.resblocks.1.attn.out_proj.weight": 1.0,
+        "ln_final.bias": 2.0, "text_projection": 2.0, "logit_scale": 1.0,
+    }
+    # The weight-decay split is kept: 1-d tensors (gains, biases, the class embedding) and the logit scale are
+    # not decayed; matrices (positional embeddings included) are.
+    no_decay = {"visual.class_embedding", "visual.ln_pre.weight", "logit_scale", "visual.ln_post.weight",
+                "visual.transformer.resblocks.1.mlp.c_fc.bias", "transformer.resblocks.0.ln_1.weight", "ln_final.bias"}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert sorted(n for g in groups for n in g["names"]) == sorted(trainable)  # each parameter in one group
+    by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    for step in (0, 1, 5, 9):  # warmup, peak, cosine decay: every group follows the schedule proportionally
+        set_lr(optimizer, lr_at(step, cfg, 10))
+        for name, scale in expected.items():
+            g = by_param[id(named[name])]
+            assert g["lr"] == pytest.approx(lr_at(step, cfg, 10) * scale, rel=1e-12), (step, name)
+            assert g["weight_decay"] == (0.0 if name in no_decay else 0.1), name
+    # One group per (scale, weight decay). Scales: image 0.256, 0.32, 0.4, 0.5; text 0.25, 0.5 (shared with the
+    # image head), 1.0 (shared with the logit scale), 2.0: 7 scales, each with and without decay except the text
+    # embeddings' 0.25 (token and positional embeddings are matrices): 13 groups.
+    assert len(groups) == len({(g["lr_scale"], g["weight_decay"]) for g in groups}) == 13
+
+
+def test_default_rates_keep_the_two_weight_decay_groups():
+    from mmcl.optim import param_groups
+
+    model = micro_model(0, "model.lock_text=true")
+    groups = param_groups(model, OptimConfig(weight_decay=0.2))
+    assert [(g["lr_scale"], g["weight_decay"]) for g in groups] == [(1.0, 0.2), (1.0, 0.0)]
+    names = {n for g in groups for n in g["names"]}
+    assert names == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "token_embedding.weight" not in names and "transformer.resblocks.0.attn.in_proj_weight" not in names
+
+
+def test_layer_decay_is_validated():
+    from mmcl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.image_layer_decay must be in"):
+        load_config(None, ["optim.image_layer_decay=0"])
+    with pytest.raises(ConfigError, match="optim.text_lr_mult must be >= 0"):
+        load_config(None, ["optim.text_lr_mult=-1"])
