@@ -24,7 +24,7 @@ import torch
 
 from . import checkpoints
 from . import data as data_mod
-from . import losses, models, optim, weights
+from . import flip, losses, models, optim, weights
 from .ema import WeightEMA, swapped_in
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
@@ -353,6 +353,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     run.model.train()
     while run.progress.step < run.total:
         lr = set_learning_rate(run)
+        if run.patch_dropout:  # FLIP masks for this step; none in the last train.unmasked_steps
+            flip.begin_step(run.patch_dropout, run.progress.step,
+                            run.progress.step < run.total - cfg.train.unmasked_steps)
         batches = next_batches(run, data_iter)
         with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
         loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
@@ -396,6 +399,7 @@ class Run:
         self.bar = None  # the progress bar, from the first step on (main process, train.progress)
         self.metrics: Optional[MetricsLog] = None
         self.ema: Optional[WeightEMA] = None  # train.ema_decay
+        self.patch_dropout: List[torch.nn.Module] = []  # model.patch_dropout's masking modules
         self.ckpt_bytes = 0
         self.window_start, self.window_samples, self.data_time = 0.0, 0, 0.0
 
@@ -457,6 +461,10 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
         run.log(init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
+    if cfg.model.patch_dropout:
+        run.patch_dropout = models.set_patch_dropout(model, cfg.model.patch_dropout, cfg.train.seed,
+                                                     accelerator.process_index, accelerator.num_processes,
+                                                     cfg.train.accum_steps)
     run.objective = losses.build_objective(cfg.loss)
     run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     groups = optim.param_groups(model, cfg.optim)
@@ -745,17 +753,18 @@ def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator) -> Dict[st
     from . import evaluate
 
     _, eval_tf = models.build_transforms(pp_cfg)
+    keys = data_mod.sample_keys(cfg.data)  # the training data's image and caption members
     was_training = model.training
     model.eval()
     try:
         if cfg.eval.zeroshot:
             res = evaluate.zeroshot(model, eval_tf, tokenizer, cfg.eval.zeroshot, classnames=cfg.eval.classnames,
                                     templates=cfg.eval.templates, batch_size=cfg.eval.batch_size,
-                                    device=accelerator.device, progress=False)
+                                    device=accelerator.device, progress=False, keys=keys)
             out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
         if cfg.eval.retrieval:
             res = evaluate.retrieval(model, eval_tf, tokenizer, cfg.eval.retrieval, batch_size=cfg.eval.batch_size,
-                                     device=accelerator.device, progress=False)
+                                     device=accelerator.device, progress=False, keys=keys)
             out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
     finally:
         model.train(was_training)

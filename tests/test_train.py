@@ -203,8 +203,8 @@ def _python_mmcl(args, **kw):
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
-# The training recipes whose state must survive a kill: the weights' EMA.
-RECIPES = ["train.ema_decay=0.8"]
+# The training recipes whose state must survive a kill: the weights' EMA, FLIP masks drawn per step.
+RECIPES = ["train.ema_decay=0.8", "model.patch_dropout=0.5", "train.unmasked_steps=3"]
 
 
 @pytest.mark.slow
