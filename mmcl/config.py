@@ -164,6 +164,8 @@ class TrainSection(_Section):
     progress: bool = True
     # Exponential moving average of the trainable weights, used by evaluation, model/ and exports (e.g. 0.999)
     ema_decay: Optional[float] = None
+    # Trackers through accelerate (tensorboard | wandb | mlflow | aim); metrics.jsonl is always written
+    log_with: List[str] = field(default_factory=lambda: ["tensorboard"])
     unmasked_steps: int = 0  # the last K steps run without model.patch_dropout (FLIP's unmasked tuning)
 
 
@@ -349,6 +351,10 @@ def validate(cfg: TrainConfig) -> List[str]:
         if not 0.0 < get(cfg, key) <= 1.0:
             problems.append(f"{key} must be in (0, 1] (got {get(cfg, key)})")
     problems += _sample_key_problems(cfg.data)
+    unknown = [t for t in cfg.train.log_with if t not in ("tensorboard", "wandb", "mlflow", "aim")]
+    if unknown:
+        problems.append(f"train.log_with: unknown tracker(s) {', '.join(map(repr, unknown))} (choose from "
+                        f"tensorboard, wandb, mlflow, aim)")
     if not 0.0 <= cfg.model.patch_dropout < 1.0:
         problems.append(f"model.patch_dropout must be in [0, 1) (got {cfg.model.patch_dropout})")
     if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:

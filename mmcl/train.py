@@ -24,7 +24,7 @@ import torch
 
 from . import checkpoints
 from . import data as data_mod
-from . import flip, losses, models, optim, weights
+from . import flip, losses, models, optim, tracking, weights
 from .ema import WeightEMA, swapped_in
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
@@ -167,12 +167,13 @@ def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]
 
 # ----------------------------------------------------------------------------------------------- logging
 class MetricsLog:
-    """metrics.jsonl (flushed each line, so it can be tailed) plus TensorBoard events; main process only."""
+    """metrics.jsonl (flushed each line, so it can be tailed) plus the ``train.log_with`` trackers through
+    accelerate (`mmcl.tracking`); main process only."""
 
-    def __init__(self, out_dir: Path, resume_step: int, enabled: bool):
+    def __init__(self, out_dir: Path, resume_step: int, enabled: bool, accelerator=None):
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"
-        self.tb = None
+        self.accelerator = accelerator
         if not enabled:
             return
         try:
@@ -183,12 +184,6 @@ class MetricsLog:
             self.file = open(self.path, "a")
         except OSError as err:
             raise checkpoints.storage_error(err, "metrics", out_dir) from None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
-        except ImportError:  # tensorboard is optional
-            self.tb = None
 
     def write(self, record: Dict[str, Any]) -> None:
         if not self.enabled:
@@ -198,17 +193,12 @@ class MetricsLog:
             self.file.flush()
         except OSError as err:  # a full disk or quota while training: one line, the checkpoints are untouched
             raise checkpoints.storage_error(err, "metrics", self.path.parent) from None
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
-            self.tb.flush()
+        if self.accelerator is not None:
+            tracking.log(self.accelerator, record)
 
     def close(self) -> None:
         if self.enabled:
             self.file.close()
-            if self.tb is not None:
-                self.tb.close()
 
 
 # ------------------------------------------------------------------------------------------------- steps
@@ -419,7 +409,7 @@ class Run:
         return {"data": self.stream.state_dict(), "objective": self.objective.state_dict()}
 
 
-def make_accelerator(precision: str):
+def make_accelerator(precision: str, **tracking_kwargs):
     """An `Accelerator` for ``train.precision`` (fp32 | bf16 | fp16).
 
     accelerate keeps its state process-wide and refuses a second Accelerator with another mixed precision. Only
@@ -433,7 +423,7 @@ def make_accelerator(precision: str):
     mixed_precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
     if is_initialized() and AcceleratorState().mixed_precision != mixed_precision:
         AcceleratorState._reset_state()
-    return Accelerator(mixed_precision=mixed_precision, cpu=_cpu_processes())
+    return Accelerator(mixed_precision=mixed_precision, cpu=_cpu_processes(), **tracking_kwargs)
 
 
 def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
@@ -441,7 +431,8 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     prepared by accelerate. User errors end every process alike (`agreed`)."""
     from accelerate.utils import set_seed
 
-    accelerator = make_accelerator(cfg.train.precision)
+    accelerator = make_accelerator(cfg.train.precision,  # log_with and project_dir: train.log_with's trackers
+                                   **tracking.accelerator_kwargs(cfg.train.log_with, Path(cfg.train.output_dir)))
     run = Run(cfg, accelerator, held.enter_context(StopSignals()))
 
     def take_directory():
@@ -525,7 +516,9 @@ def resume_or_start(run: Run) -> None:
         warning = checkpoints.free_space_warning(run.out_dir, run.ckpt_bytes)
         if warning:
             run.log(warning)
-    run.metrics = agreed(run.accelerator, lambda: MetricsLog(run.out_dir, run.progress.step, run.main))
+    run.metrics = agreed(run.accelerator, lambda: MetricsLog(run.out_dir, run.progress.step, run.main, run.accelerator))
+    agreed(run.accelerator, lambda: tracking.start(run.accelerator, run.cfg.train.log_with, to_dict(run.cfg),
+                                                   run.out_dir, run.progress.step))
 
 
 def describe_setup(run: Run) -> None:
