@@ -128,15 +128,18 @@ def describe(model: nn.Module, groups: List[Dict[str, Any]], cfg) -> List[Dict[s
     return out
 
 
-def report(model: nn.Module, groups: List[Dict[str, Any]], cfg, out_dir: Path, log) -> None:
-    """Log the groups once (one line each) and write them to ``out_dir/param_groups.json``."""
-    described = describe(model, groups, cfg)
+def log_groups(described: List[Dict[str, Any]], log) -> None:
+    """One line per group (from `describe`)."""
     log(f"{len(described)} parameter groups (lr at its peak):")
     for d in described:
         layers = "; ".join("logit scale/bias" if t == "logit" else f"{t} {_ranges(ids)}"
                            for t, ids in d["layers"].items())
         log(f"  group {d['group']}: lr {d['lr']:.3g} (x{d['lr_scale']:.4g}), weight decay {d['weight_decay']:g}, "
             f"{d['tensors']} tensors, {d['parameters']:,} parameters: {layers}")
+
+
+def write_groups(described: List[Dict[str, Any]], out_dir: Path) -> None:
+    """``out_dir/param_groups.json`` (replaced atomically)."""
     from .fsutil import atomic_write_text
 
     atomic_write_text(Path(out_dir) / "param_groups.json", json.dumps(described, indent=1) + "\n")

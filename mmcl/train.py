@@ -390,6 +390,7 @@ class Run:
         self.metrics: Optional[MetricsLog] = None
         self.ema: Optional[WeightEMA] = None  # train.ema_decay
         self.patch_dropout: List[torch.nn.Module] = []  # model.patch_dropout's masking modules
+        self.param_groups: List[Dict[str, Any]] = []  # the optimiser's groups as param_groups.json describes them
         self.ckpt_bytes = 0
         self.window_start, self.window_samples, self.data_time = 0.0, 0, 0.0
 
@@ -461,7 +462,8 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     groups = optim.param_groups(model, cfg.optim)
     optimizer = build_optimizer(model, cfg.optim, groups)
     if run.main:
-        optim.report(model, groups, cfg.optim, run.out_dir, run.log)  # printed once, and param_groups.json
+        run.param_groups = optim.describe(model, groups, cfg.optim)  # printed once; param_groups.json at the start
+        optim.log_groups(run.param_groups, run.log)
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
         cfg.data, train_tf, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
         world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
@@ -507,6 +509,7 @@ def resume_or_start(run: Run) -> None:
         if run.main:
             try:
                 atomic_write_text(run.out_dir / "config.yaml", to_yaml(run.cfg))
+                optim.write_groups(run.param_groups, run.out_dir)
             except OSError as err:
                 raise (checkpoints.storage_error(err, "config.yaml", run.out_dir) or err) from None
 
@@ -517,8 +520,14 @@ def resume_or_start(run: Run) -> None:
         if warning:
             run.log(warning)
     run.metrics = agreed(run.accelerator, lambda: MetricsLog(run.out_dir, run.progress.step, run.main, run.accelerator))
-    agreed(run.accelerator, lambda: tracking.start(run.accelerator, run.cfg.train.log_with, to_dict(run.cfg),
-                                                   run.out_dir, run.progress.step))
+
+    def start_trackers():
+        try:
+            tracking.start(run.accelerator, run.cfg.train.log_with, to_dict(run.cfg), run.out_dir, run.progress.step)
+        except OSError as err:
+            raise (checkpoints.storage_error(err, "trackers", run.out_dir) or err) from None
+
+    agreed(run.accelerator, start_trackers)
 
 
 def describe_setup(run: Run) -> None:
