@@ -117,13 +117,20 @@ def _load(args):
     return load(args.model)
 
 
+def _sample_keys(args):
+    """--image-key / --caption-key as a `mmcl.data.SampleKeys` (None for the default members)."""
+    from .data import sample_keys
+
+    return sample_keys(image_key=args.image_key, caption_key=args.caption_key or "txt")
+
+
 def cmd_zeroshot(args) -> int:
     from .evaluate import zeroshot
 
     model, preprocess, tokenizer = _load(args)
     res = zeroshot(model, preprocess, tokenizer, args.data, classnames=args.classnames, templates=args.templates,
                    batch_size=args.batch_size, workers=args.workers, device=_device(args.device),
-                   model_name=str(args.model))
+                   model_name=str(args.model), keys=_sample_keys(args))
     _write_json(res, args.out)
     return 0
 
@@ -133,7 +140,7 @@ def cmd_retrieval(args) -> int:
 
     model, preprocess, tokenizer = _load(args)
     res = retrieval(model, preprocess, tokenizer, args.data, batch_size=args.batch_size, workers=args.workers,
-                    device=_device(args.device), model_name=str(args.model))
+                    device=_device(args.device), model_name=str(args.model), keys=_sample_keys(args))
     _write_json(res, args.out)
     return 0
 
@@ -218,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--batch-size", type=int, default=128)
         x.add_argument("--workers", type=int, default=0)
         x.add_argument("--device", default=None)
+        x.add_argument("--image-key", default=None, help="image member of shards (default: first of jpg, jpeg, png, "
+                                                          "webp), as data.image_key")
+        x.add_argument("--caption-key", nargs="+", default=None,
+                       help="caption member(s) of shards, e.g. txt, json:caption, json:captions (a list); all "
+                            "captions are scored (as data.caption_key)")
 
     z = sub.add_parser("zeroshot", help="zero-shot classification")
     eval_args(z, "ImageFolder or labelled shards (.cls)")

@@ -73,6 +73,8 @@ class ModelConfig(_Section):
     lock_text_unlocked_layers: int = 0
     lock_text_freeze_layer_norm: bool = False
     grad_checkpointing: bool = False
+    # FLIP (Li et al. 2023): fraction of image patches dropped in training (ViT towers; evaluation is unmasked)
+    patch_dropout: float = 0.0
 
 
 @dataclass
@@ -91,6 +93,12 @@ class DataConfig(_Section):
     # Niceness the data workers add to their own (0-19). On a CPU-only machine a higher value makes the workers
     # yield to the training threads; measured on 2 cores it helped in some runs and hurt in others (BENCHMARKS.md).
     worker_nice: int = 0
+    # What a sample is: the image member (null: the first of jpg, jpeg, png, webp) and the caption source(s), each a
+    # member (txt) or a JSON field (json:caption, json:captions holding a list); with several captions one is drawn
+    # per epoch from the seed, the sample's key and the epoch. Weights (one per source) choose between sources.
+    image_key: Optional[str] = None
+    caption_key: Any = "txt"
+    caption_key_weights: Optional[List[float]] = None
 
 
 @dataclass
@@ -132,6 +140,11 @@ class OptimConfig(_Section):
     schedule: str = "cosine"  # cosine | constant | linear
     min_lr: float = 0.0
     grad_clip: Optional[float] = 1.0
+    # Learning-rate multiplier of each tower, and layer-wise decay within it (1.0: off); see mmcl/optim.py
+    image_lr_mult: float = 1.0
+    text_lr_mult: float = 1.0
+    image_layer_decay: float = 1.0
+    text_layer_decay: float = 1.0
 
 
 @dataclass
@@ -149,6 +162,11 @@ class TrainSection(_Section):
     nan_policy: str = "stop"  # stop | skip
     plot: bool = True
     progress: bool = True
+    # Exponential moving average of the trainable weights, used by evaluation, model/ and exports (e.g. 0.999)
+    ema_decay: Optional[float] = None
+    # Trackers through accelerate (tensorboard | wandb | mlflow | aim); metrics.jsonl is always written
+    log_with: List[str] = field(default_factory=lambda: ["tensorboard"])
+    unmasked_steps: int = 0  # the last K steps run without model.patch_dropout (FLIP's unmasked tuning)
 
 
 @dataclass
@@ -185,6 +203,7 @@ _NON_NEGATIVE = (
     "data.workers", "data.shuffle_buffer", "train.save_every", "train.keep_checkpoints", "optim.warmup_steps",
     "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",
     "loss.debiased", "loss.hard_negative", "loss.mochi.weight", "loss.mochi.queue_size", "eval.every",
+    "optim.image_lr_mult", "optim.text_lr_mult", "train.unmasked_steps",
 )
 
 
@@ -342,9 +361,36 @@ def validate(cfg: TrainConfig) -> List[str]:
                         "e.g. -10)")
     if not 0 <= cfg.data.worker_nice <= 19:
         problems.append(f"data.worker_nice must be in [0, 19] (got {cfg.data.worker_nice})")
+    for key in ("optim.image_layer_decay", "optim.text_layer_decay"):
+        if not 0.0 < get(cfg, key) <= 1.0:
+            problems.append(f"{key} must be in (0, 1] (got {get(cfg, key)})")
+    problems += _sample_key_problems(cfg.data)
+    unknown = [t for t in cfg.train.log_with if t not in ("tensorboard", "wandb", "mlflow", "aim")]
+    if unknown:
+        problems.append(f"train.log_with: unknown tracker(s) {', '.join(map(repr, unknown))} (choose from "
+                        f"tensorboard, wandb, mlflow, aim)")
+    if not 0.0 <= cfg.model.patch_dropout < 1.0:
+        problems.append(f"model.patch_dropout must be in [0, 1) (got {cfg.model.patch_dropout})")
+    if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:
+        problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):
         problems.append("data.weights must be non-negative")
     return problems
+
+
+def _sample_key_problems(data: DataConfig) -> List[str]:
+    keys = [data.caption_key] if isinstance(data.caption_key, str) else data.caption_key
+    if not isinstance(keys, (list, tuple)) or not keys or not all(isinstance(k, str) and k.strip() for k in keys):
+        return [f"data.caption_key must be a member name such as txt or json:caption, or a list of them "
+                f"(got {data.caption_key!r})"]
+    if data.caption_key_weights is not None:
+        w = data.caption_key_weights
+        if len(w) != len(keys) or any(x < 0 for x in w) or sum(w) <= 0:
+            return [f"data.caption_key_weights needs one non-negative weight per caption key, not all zero (got "
+                    f"{list(w)} for {list(keys)})"]
+    if data.image_key is not None and not data.image_key.strip():
+        return ["data.image_key must be a member name such as jpg, or null"]
+    return []
 
 
 def to_yaml(cfg: TrainConfig) -> str:

@@ -104,14 +104,14 @@ def _input_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def eval_loader(data, preprocess, batch_size: int, workers: int):
+def eval_loader(data, preprocess, batch_size: int, workers: int, keys=None):
     """DataLoader over `data_mod.build_eval_dataset`: batches as `data_mod.eval_collate` makes them
     (images, labels, captions, keys, problems)."""
     if batch_size <= 0:
         raise DataError(f"batch size must be > 0 (got {batch_size})")
     if workers < 0:
         raise DataError(f"workers must be >= 0 (got {workers})")
-    ds = data_mod.build_eval_dataset(data, preprocess)
+    ds = data_mod.build_eval_dataset(data, preprocess, keys=keys)  # keys: a data.SampleKeys (image/caption members)
     return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
                                            collate_fn=data_mod.eval_collate)
 
@@ -279,7 +279,7 @@ def _check_labels(labels: torch.Tensor, n_classes: int, data, what: str) -> None
 
 
 def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates=None, batch_size: int = 128,
-             workers: int = 0, device="cpu", progress: bool = True, model_name: str = "") -> Dict[str, Any]:
+             workers: int = 0, device="cpu", progress: bool = True, model_name: str = "", keys=None) -> Dict[str, Any]:
     """Zero-shot classification of an ImageFolder or labelled shards.
 
     Args:
@@ -298,7 +298,7 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     """
     import open_clip
 
-    ds, loader = eval_loader(data, preprocess, batch_size, workers)
+    ds, loader = eval_loader(data, preprocess, batch_size, workers, keys)
     names = _resolve_classnames(data, ds, classnames)
     if templates is None or templates == "auto":
         templates = (getattr(ds, "templates", None) or _find_beside(data, TEMPLATE_FILES)
@@ -385,14 +385,17 @@ def split_captions(captions: Sequence[str]) -> Tuple[List[str], torch.Tensor]:
 
 @torch.no_grad()
 def retrieval(model, preprocess, tokenizer, data: str, batch_size: int = 128, workers: int = 0, device="cpu",
-              progress: bool = True, model_name: str = "", ks: Sequence[int] = (1, 5, 10)) -> Dict[str, Any]:
-    """Image<->text retrieval over shards; each line of ``KEY.txt`` is one caption of the image.
+              progress: bool = True, model_name: str = "", ks: Sequence[int] = (1, 5, 10), keys=None
+              ) -> Dict[str, Any]:
+    """Image<->text retrieval over shards; each line of ``KEY.txt`` is one caption of the image, or with `keys`
+    (a `mmcl.data.SampleKeys`: ``data.image_key``/``data.caption_key``) every caption of those members: all are
+    scored, as CLIP_benchmark does (a text finds its image; an image finds any of its captions).
 
     Returns:
         ``{"dataset", "model", "task": "zeroshot_retrieval", "metrics": {image_retrieval_recall@K,
         text_retrieval_recall@K for K in ks}, "n_images", "n_texts", "n_skipped", "skipped": {reason: count}}``.
     """
-    _, loader = eval_loader(data, preprocess, batch_size, workers)
+    _, loader = eval_loader(data, preprocess, batch_size, workers, keys)
     model = model.to(device).eval()
     img_feats, _, captions, _, skips = encode_images(model, loader, device, progress, "retrieval images", data)
     texts, owner = split_captions(captions)

@@ -357,6 +357,21 @@ def build(cfg: ModelConfig):
     return model, model_cfg, pp, train_tf, eval_tf, tokenizer
 
 
+def set_patch_dropout(model: nn.Module, prob: float, seed: int = 0, rank: int = 0, world_size: int = 1,
+                      accum_steps: int = 1) -> List[nn.Module]:
+    """FLIP patch dropout in `model`'s image tower (training only; `mmcl.flip`). Returns the masking modules, for
+    `mmcl.flip.begin_step`. Raises ConfigError for an image tower without patch tokens (a ResNet, a timm trunk)."""
+    from .flip import SeededPatchDropout
+
+    visual = getattr(model, "visual", None)
+    if visual is None or not hasattr(visual, "patch_dropout") or not hasattr(visual, "class_embedding"):
+        raise ConfigError(f"model.patch_dropout={prob} needs an open_clip ViT image tower (patch tokens); this "
+                          f"model's image tower is {type(visual).__name__}: set model.patch_dropout=0")
+    visual.patch_dropout = SeededPatchDropout(prob, seed=seed, rank=rank, world_size=world_size,
+                                              accum_steps=accum_steps)
+    return [visual.patch_dropout]
+
+
 # ------------------------------------------------------------------------------------------------ locking
 def _clip_text_modules(model: nn.Module) -> List[nn.Module]:
     # open_clip's CLIP class keeps its text transformer's parts as attributes of the model itself.

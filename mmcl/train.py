@@ -27,7 +27,8 @@ import torch
 
 from . import checkpoints
 from . import data as data_mod
-from . import elastic, losses, models, weights
+from . import elastic, flip, losses, models, optim, tracking, weights
+from .ema import WeightEMA, swapped_in
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from .config import LossConfig, OptimConfig, TrainConfig, to_dict, to_yaml
@@ -61,20 +62,14 @@ class TrainProgress:
 
 # --------------------------------------------------------------------------------------------- optimiser
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-    """AdamW groups: no decay on gains, biases, embeddings of scale/bias (1-d params) and the logit scale/bias."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue  # locked towers get no optimiser state
-        if p.ndim < 2 or "logit_scale" in name or "logit_bias" in name or name.endswith(".bias"):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW groups without per-tower or layer-wise scales: no decay on gains, biases, embeddings of scale/bias
+    (1-d params) and the logit scale/bias (`mmcl.optim.param_groups` with the given weight decay)."""
+    return optim.optimizer_groups(optim.param_groups(model, OptimConfig(weight_decay=weight_decay)))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None) -> torch.optim.Optimizer:
+    """AdamW over `groups` (`mmcl.optim.param_groups(model, cfg)` when not given)."""
+    groups = optim.optimizer_groups(groups if groups is not None else optim.param_groups(model, cfg))
     if not any(g["params"] for g in groups):
         raise ConfigError("no trainable parameters: both towers are locked")
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
@@ -177,12 +172,13 @@ def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]
 
 # ----------------------------------------------------------------------------------------------- logging
 class MetricsLog:
-    """metrics.jsonl (flushed each line, so it can be tailed) plus TensorBoard events; main process only."""
+    """metrics.jsonl (flushed each line, so it can be tailed) plus the ``train.log_with`` trackers through
+    accelerate (`mmcl.tracking`); main process only."""
 
-    def __init__(self, out_dir: Path, resume_step: int, enabled: bool):
+    def __init__(self, out_dir: Path, resume_step: int, enabled: bool, accelerator=None):
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"
-        self.tb = None
+        self.accelerator = accelerator
         if not enabled:
             return
         try:
@@ -193,12 +189,6 @@ class MetricsLog:
             self.file = open(self.path, "a")
         except OSError as err:
             raise checkpoints.storage_error(err, "metrics", out_dir) from None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
-        except ImportError:  # tensorboard is optional
-            self.tb = None
 
     def write(self, record: Dict[str, Any]) -> None:
         if not self.enabled:
@@ -208,17 +198,12 @@ class MetricsLog:
             self.file.flush()
         except OSError as err:  # a full disk or quota while training: one line, the checkpoints are untouched
             raise checkpoints.storage_error(err, "metrics", self.path.parent) from None
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
-            self.tb.flush()
+        if self.accelerator is not None:
+            tracking.log(self.accelerator, record)
 
     def close(self) -> None:
         if self.enabled:
             self.file.close()
-            if self.tb is not None:
-                self.tb.close()
 
 
 # ------------------------------------------------------------------------------------------------- steps
@@ -401,6 +386,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     run.model.train()
     while run.progress.step < run.total:
         lr = set_learning_rate(run)
+        if run.patch_dropout:  # FLIP masks for this step; none in the last train.unmasked_steps
+            flip.begin_step(run.patch_dropout, run.progress.step,
+                            run.progress.step < run.total - cfg.train.unmasked_steps)
         batches = next_batches(run, data_iter)
         with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
         loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
@@ -416,6 +404,8 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
             grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, cfg.optim.grad_clip,
                                      cfg.loss.max_logit_scale)
             count_step(run)
+            if run.ema is not None:
+                run.ema.update(run.raw_model)
             if run.logged_at(run.progress.step):
                 last = log_record(run, loss, terms, lr, grad_norm)
             stopping = maybe_save(run) or stopping
@@ -444,6 +434,9 @@ class Run:
         self.saved_at = -1  # the step of the last checkpoint this run saved
         self.bar = None  # the progress bar, from the first step on (main process, train.progress)
         self.metrics: Optional[MetricsLog] = None
+        self.ema: Optional[WeightEMA] = None  # train.ema_decay
+        self.patch_dropout: List[torch.nn.Module] = []  # model.patch_dropout's masking modules
+        self.param_groups: List[Dict[str, Any]] = []  # the optimiser's groups as param_groups.json describes them
         self.ckpt_bytes = 0
         self.window_start, self.window_samples, self.data_time = 0.0, 0, 0.0
 
@@ -467,7 +460,7 @@ class Run:
         return {"data": self.stream.state_dict(), "objective": self.objective.state_dict()}
 
 
-def make_accelerator(precision: str):
+def make_accelerator(precision: str, **tracking_kwargs):
     """An `Accelerator` for ``train.precision`` (fp32 | bf16 | fp16).
 
     accelerate keeps its state, mixed precision included, for the life of the Python process and offers no public
@@ -486,7 +479,7 @@ def make_accelerator(precision: str):
         raise ConfigError(f"train.precision={precision}, but this Python process already ran accelerate with "
                           f"train.precision={held}, which accelerate keeps for the life of the process (expected "
                           f"{held}; run the other precision in a new process, e.g. restart the notebook kernel)")
-    return Accelerator(mixed_precision=mixed_precision, cpu=_cpu_processes())
+    return Accelerator(mixed_precision=mixed_precision, cpu=_cpu_processes(), **tracking_kwargs)
 
 
 def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
@@ -494,7 +487,8 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     prepared by accelerate. User errors end every process alike (`agreed`)."""
     from accelerate.utils import set_seed
 
-    accelerator = make_accelerator(cfg.train.precision)
+    accelerator = make_accelerator(cfg.train.precision,  # log_with and project_dir: train.log_with's trackers
+                                   **tracking.accelerator_kwargs(cfg.train.log_with, Path(cfg.train.output_dir)))
     run = Run(cfg, accelerator, held.enter_context(StopSignals()))
 
     def take_directory():
@@ -520,9 +514,17 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
         run.log(init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
+    if cfg.model.patch_dropout:
+        run.patch_dropout = models.set_patch_dropout(model, cfg.model.patch_dropout, cfg.train.seed,
+                                                     accelerator.process_index, accelerator.num_processes,
+                                                     cfg.train.accum_steps)
     run.objective = objective_from_config(cfg.loss)
     run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
-    optimizer = build_optimizer(model, cfg.optim)
+    groups = optim.param_groups(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, groups)
+    if run.main:
+        run.param_groups = optim.describe(model, groups, cfg.optim)  # printed once; param_groups.json at the start
+        optim.log_groups(run.param_groups, run.log)
     image_spec = data_mod.ImageSpec.from_config(run.pp_cfg)  # data builds the training transform from these
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
         cfg.data, image_spec, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
@@ -534,6 +536,9 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     run.checks = StepChecks(accelerator, run.optimizer)
     run.objective.to(accelerator.device)
     accelerator.register_for_checkpointing(run.progress)
+    if cfg.train.ema_decay:  # after the locks: locked parameters get no average
+        run.ema = WeightEMA(run.raw_model, cfg.train.ema_decay)
+        accelerator.register_for_checkpointing(run.ema)
     return run
 
 
@@ -582,6 +587,7 @@ def resume_or_start(run: Run) -> None:
         if run.main:
             try:
                 atomic_write_text(run.out_dir / "config.yaml", to_yaml(run.cfg))
+                optim.write_groups(run.param_groups, run.out_dir)
             except OSError as err:
                 raise (checkpoints.storage_error(err, "config.yaml", run.out_dir) or err) from None
 
@@ -591,7 +597,15 @@ def resume_or_start(run: Run) -> None:
         warning = checkpoints.free_space_warning(run.out_dir, run.ckpt_bytes)
         if warning:
             run.log(warning)
-    run.metrics = agreed(run.accelerator, lambda: MetricsLog(run.out_dir, run.progress.step, run.main))
+    run.metrics = agreed(run.accelerator, lambda: MetricsLog(run.out_dir, run.progress.step, run.main, run.accelerator))
+
+    def start_trackers():
+        try:
+            tracking.start(run.accelerator, run.cfg.train.log_with, to_dict(run.cfg), run.out_dir, run.progress.step)
+        except OSError as err:
+            raise (checkpoints.storage_error(err, "trackers", run.out_dir) or err) from None
+
+    agreed(run.accelerator, start_trackers)
 
 
 def describe_setup(run: Run) -> None:
@@ -609,10 +623,10 @@ def describe_setup(run: Run) -> None:
 
 
 def set_learning_rate(run: Run) -> float:
-    """Set the scheduled learning rate of the coming optimiser step on every parameter group; returns it."""
+    """Set the scheduled learning rate of the coming optimiser step on every parameter group; returns it (the
+    base rate; each group's is scaled by its ``lr_scale``)."""
     lr = lr_at(run.progress.step, run.cfg.optim, run.total)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    optim.set_lr(run.optimizer, lr)  # times each group's lr_scale (per-tower and layer-wise rates)
     return lr
 
 
@@ -671,8 +685,10 @@ def device_checked_step(run: Run, loss: torch.Tensor, terms, lr: float, backward
     run.checks.arm(loss, run.progress.step + 1)
     backward()
     grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, run.cfg.optim.grad_clip,
-                             max_log_logit_scale(run.cfg))
+                             run.cfg.loss.max_logit_scale)
     count_step(run)
+    if run.ema is not None:  # not moved on a step the optimiser skipped, decided on the device
+        run.ema.update(run.raw_model, skipped=run.checks.pending[-1][1])
     step, save_every = run.progress.step, run.cfg.train.save_every
     read = run.logged_at(step) or step == run.total or bool(save_every and step % save_every == 0)
     stopping = (stop_requested_anywhere(run.accelerator, run.stop.requested)
@@ -730,7 +746,8 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
         record["grad_norm"] = float(grad_norm)
     if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < run.total:
         try:
-            record.update(run_eval(cfg, raw_model, run.tokenizer, run.pp_cfg, accelerator))
+            with swapped_in(run.ema, raw_model):
+                record.update(run_eval(cfg, raw_model, run.tokenizer, run.pp_cfg, accelerator))
         except MmclError as err:
             # The evaluation runs on the main process only: training goes on, with nothing lost and no other
             # process waiting on it. The final evaluation's failure still ends the run (after model/ is saved).
@@ -789,7 +806,9 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
         run.bar.close()
     accelerator.wait_for_everyone()
     eval_failure = None
+    averaged = contextlib.ExitStack()  # model/ and the final evaluation use the EMA weights when train.ema_decay
     if run.main:
+        averaged.enter_context(swapped_in(run.ema, run.raw_model))
         weights.save_model_dir(run.raw_model, run.model_cfg, run.pp_cfg, out_dir / "model",
                                extra={"steps": progress.step, "samples": progress.samples})
         run.log(f"model saved to {out_dir / 'model'}")
@@ -805,6 +824,7 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
         if unwritten or len(final) > 2:
             run.metrics.write(final)
             last = final
+    averaged.close()
     run.metrics.close()
     if run.main and cfg.train.plot:
         try:
@@ -845,17 +865,18 @@ def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator) -> Dict[st
     from . import evaluate
 
     _, eval_tf = models.build_transforms(pp_cfg)
+    keys = data_mod.sample_keys(cfg.data)  # the training data's image and caption members
     was_training = model.training
     model.eval()
     try:
         if cfg.eval.zeroshot:
             res = evaluate.zeroshot(model, eval_tf, tokenizer, cfg.eval.zeroshot, classnames=cfg.eval.classnames,
                                     templates=cfg.eval.templates, batch_size=cfg.eval.batch_size,
-                                    device=accelerator.device, progress=False)
+                                    device=accelerator.device, progress=False, keys=keys)
             out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
         if cfg.eval.retrieval:
             res = evaluate.retrieval(model, eval_tf, tokenizer, cfg.eval.retrieval, batch_size=cfg.eval.batch_size,
-                                     device=accelerator.device, progress=False)
+                                     device=accelerator.device, progress=False, keys=keys)
             out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
     finally:
         model.train(was_training)

@@ -184,12 +184,26 @@ def _overrides(path: Path) -> list:
 
 
 # Runs `mmcl train` (the command line's entry point, warning format and error handling included) once per config in
-# one interpreter: Python's start and the imports, about 5 s, are paid once instead of once per config.
+# one interpreter: Python's start and the imports, about 5 s, are paid once instead of once per config. stderr is
+# one object that writes to the current config's file: a logging handler made during one config's run (e.g.
+# transformers') binds to it and keeps writing to the file of the config that is running, not to a closed one.
 _DRIVER = """
-import contextlib, json, sys, traceback
+import json, sys, traceback
 from mmcl.cli import main
+
+class CurrentFile:
+    target = None
+    def write(self, s):
+        return self.target.write(s)
+    def flush(self):
+        return self.target.flush()
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+sys.stderr = current = CurrentFile()
 for name, argv in json.loads(sys.argv[1]).items():
-    with open(name + ".stderr", "w") as err, contextlib.redirect_stderr(err):
+    with open(name + ".stderr", "w") as err:
+        current.target = err
         try:
             code = main(["train", *argv])
         except BaseException:

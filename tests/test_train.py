@@ -266,10 +266,15 @@ def _python_mmcl(args, **kw):
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
+# The training recipes whose state must survive a kill: the weights' EMA, FLIP masks drawn per step.
+RECIPES = ["train.ema_decay=0.8", "model.patch_dropout=0.5", "train.unmasked_steps=3"]
+
+
 @pytest.mark.slow
-def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(demo, tmp_path):
+@pytest.mark.parametrize("recipes", [[], RECIPES], ids=["plain", "recipes"])
+def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(demo, tmp_path, recipes):
     common = ["train.steps=16", "train.save_every=2", "train.keep_checkpoints=2", "data.batch_size=16",
-              "data.workers=2", "train.log_every=2"]
+              "data.workers=2", "train.log_every=2", *recipes]
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     p = _python_mmcl(run_args(demo, ref, *common))
     out, _ = p.communicate(timeout=600)
@@ -296,6 +301,13 @@ def test_sigkill_and_resume_gives_the_weights_of_an_uninterrupted_run(demo, tmp_
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-5, worst
+    if recipes:  # model/ holds the EMA; the last checkpoints hold the trained weights, also equal
+        from safetensors.torch import load_file
+
+        ca, cb = (load_file(str(latest_checkpoint(r / "checkpoints") / "model.safetensors")) for r in (ref, killed))
+        assert ca.keys() == cb.keys()
+        assert max((ca[k] - cb[k]).abs().max().item() for k in ca) <= 1e-5
+        assert any((ca[k] - a[k]).abs().max().item() > 1e-4 for k in a)  # the EMA is not the trained weights
     steps = [r["step"] for r in metrics(killed)]
     assert steps == sorted(set(steps)) and steps[-1] == 16  # no step logged twice after the resume
 

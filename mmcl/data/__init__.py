@@ -21,8 +21,8 @@ One concern per module, imported in this order (each uses only those above it)::
 The names below are the package's public interface; import them from ``mmcl.data``.
 """
 
-from .decode import (IMAGE_EXTS, SKIP_REASONS, SkipSample, decode_image, image_bytes, parse_caption, parse_label,
-                     parse_sample, to_rgb, zero_skips)
+from .decode import (IMAGE_EXTS, SKIP_REASONS, SampleKeys, SkipSample, caption_draw, decode_image, image_bytes,
+                     parse_caption, parse_label, parse_sample, sample_keys, to_rgb, zero_skips)
 from .eval_sets import (EvalFailure, EvalSkip, ImageFolderDataset, ShardEvalDataset, build_eval_dataset,
                         eval_collate, is_image_folder, open_rgb)
 from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, collate, epoch_shard_plan,
@@ -43,6 +43,7 @@ __all__ = [
     "build_eval_dataset", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
+    "SampleKeys", "caption_draw", "sample_keys",
     "pil_to_uint8", "random_crop_box", "read_raw_samples", "role_batches", "shards_from_input", "shuffle_block",
     "split_transform", "to_rgb", "train_draft_size", "train_image_stages", "training_sample_transform",
     "write_shards", "zero_skips",

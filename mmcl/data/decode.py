@@ -8,8 +8,10 @@ sample raises `SkipSample` with one of `SKIP_REASONS`, which the callers count.
 from __future__ import annotations
 
 import io
+import json
 import warnings
-from typing import Dict, Optional, Tuple
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -178,18 +180,134 @@ def image_bytes(files: Dict[str, bytes]) -> Optional[bytes]:
     return None
 
 
-def parse_sample(files: Dict[str, bytes], caption_required: bool = True) -> Tuple[bytes, str, int]:
+class SampleKeys:
+    """Which members of a sample are its image and its captions (``data.image_key``, ``data.caption_key``).
+
+    `image_key` is a member extension (``jpg``, ``png``, ...) or None for the first of jpg, jpeg, png, webp.
+    `caption_keys` are one or more caption sources, each a member (``txt``) or a field of a JSON member
+    (``json:caption``, ``json:meta.captions``) holding a string or a list of strings. `weights` (one per source,
+    optional) choose between the sources that a sample has, as open_clip's ``--json-text-key-probs``.
+    """
+
+    def __init__(self, image_key: Optional[str] = None, caption_keys: Any = "txt",
+                 weights: Optional[Sequence[float]] = None):
+        keys = [caption_keys] if isinstance(caption_keys, str) else list(caption_keys or [])
+        if not keys or not all(isinstance(k, str) and k.strip() for k in keys):
+            raise ValueError(f"caption keys must be one or more non-empty names (got {caption_keys!r})")
+        if weights is not None and (len(weights) != len(keys) or any(w < 0 for w in weights) or sum(weights) <= 0):
+            raise ValueError(f"caption key weights need one non-negative weight per key, not all zero (got "
+                             f"{list(weights)} for {keys})")
+        self.image_key = image_key
+        self.caption_keys = keys
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.sources = [tuple(k.split(":", 1)) if ":" in k else (k, None) for k in keys]
+
+    def image(self, files: Dict[str, bytes]) -> Optional[bytes]:
+        return image_bytes(files) if self.image_key is None else files.get(self.image_key)
+
+    def captions(self, files: Dict[str, bytes]) -> List[List[str]]:
+        """The captions of each source (an empty list where the sample has none); `SkipSample` ``bad_caption``
+        for a JSON member that is not JSON or a field that is not text."""
+        out, parsed = [], {}
+        for member, path in self.sources:
+            if path is None:
+                data = files.get(member)
+                try:
+                    out.append([] if data is None else [parse_caption(data)])
+                except SkipSample as skip:
+                    if skip.reason == "bad_caption" and "empty" in str(skip):
+                        out.append([])
+                        continue
+                    raise
+                continue
+            if member not in parsed:
+                data = files.get(member)
+                try:
+                    parsed[member] = None if data is None else json.loads(data.decode("utf-8"))
+                except (UnicodeDecodeError, ValueError) as err:
+                    raise SkipSample("bad_caption", f".{member} is not UTF-8 JSON ({err})")
+            value = parsed[member]
+            for part in path.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is None:
+                out.append([])
+                continue
+            items = value if isinstance(value, list) else [value]
+            if not all(isinstance(v, str) for v in items):
+                raise SkipSample("bad_caption", f"{member}:{path} holds {type(value).__name__}, not text")
+            out.append([" ".join(v.split()) for v in items if v.strip()])
+        return out
+
+    def choose(self, per_source: List[List[str]], draw: int) -> str:
+        """One caption, drawn by `draw` (an integer seed): a source by weight among those with captions, then a
+        caption of it uniformly. `SkipSample` ``missing_caption`` when no source has one."""
+        avail = [i for i, caps in enumerate(per_source) if caps]
+        if self.weights is not None:
+            avail = [i for i in avail if self.weights[i] > 0]
+        if not avail:
+            raise SkipSample("missing_caption", f"none of {', '.join(self.caption_keys)}")
+        if len(avail) == 1 and len(per_source[avail[0]]) == 1:
+            return per_source[avail[0]][0]
+        rng = np.random.default_rng(draw & 0xFFFFFFFFFFFFFFFF)
+        if len(avail) == 1:
+            i = avail[0]
+        else:
+            w = np.array([1.0 if self.weights is None else self.weights[i] for i in avail])
+            i = avail[int(rng.choice(len(avail), p=w / w.sum()))]
+        return per_source[i][int(rng.integers(len(per_source[i])))]
+
+
+DEFAULT_KEYS = SampleKeys()
+
+
+def sample_keys(cfg=None, image_key: Optional[str] = None, caption_key: Any = "txt",
+                weights: Optional[Sequence[float]] = None) -> Optional[SampleKeys]:
+    """The `SampleKeys` of a DataConfig (``data.image_key``, ``data.caption_key``, ``data.caption_key_weights``) or
+    of the given values; None for the default (the first image extension, ``txt``). ConfigError when invalid."""
+    if cfg is not None:
+        image_key, caption_key, weights = cfg.image_key, cfg.caption_key, cfg.caption_key_weights
+    if image_key is None and caption_key in ("txt", ["txt"]) and weights is None:
+        return None
+    try:
+        return SampleKeys(image_key, caption_key, weights)
+    except ValueError as err:
+        from ..errors import ConfigError
+
+        raise ConfigError(str(err)) from None
+
+
+def caption_draw(seed: int, epoch: int, key: str) -> int:
+    """The integer that draws a sample's caption in an epoch: a function of the run's seed, the epoch and the
+    sample's key only, so a resumed run (or another process, worker or shuffle) draws the same caption."""
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, epoch, zlib.crc32(key.encode("utf-8"))]).generate_state(
+        2, np.uint64)[0])
+
+
+def parse_sample(files: Dict[str, bytes], caption_required: bool = True, keys: Optional[SampleKeys] = None,
+                 draw: int = 0, all_captions: bool = False) -> Tuple[bytes, str, int]:
     """The fields of one raw sample: (encoded image bytes, caption str, label int (-1 when there is no ``.cls``)).
 
-    Raises `SkipSample` ``missing_image``, ``missing_caption``, ``bad_caption`` or ``bad_label``. Without
-    `caption_required` (evaluation sets, which may have labels only) a missing or unreadable caption is "".
-    These checks are cheap, so callers run them before decoding the image.
+    `keys` chooses the image and caption members (default: the first image extension, ``txt``). With several
+    captions (a list, or several sources) one is drawn with `draw` (`caption_draw`), or, with `all_captions`
+    (retrieval), all are returned, one per line. Raises `SkipSample` ``missing_image``, ``missing_caption``,
+    ``bad_caption`` or ``bad_label``. Without `caption_required` (evaluation sets, which may have labels only) a
+    missing or unreadable caption is "". These checks are cheap, so callers run them before decoding the image.
     """
-    data = image_bytes(files)
+    keys = keys or DEFAULT_KEYS
+    data = keys.image(files)
     if data is None:
         raise SkipSample("missing_image")
     try:
-        caption = parse_caption(files.get("txt"))
+        if keys is DEFAULT_KEYS:
+            caption = parse_caption(files.get("txt"))
+        else:
+            per_source = keys.captions(files)
+            if all_captions:
+                caption = "\n".join(" ".join(c.split()) for caps in per_source for c in caps)
+                if not caption:
+                    raise SkipSample("missing_caption", f"none of {', '.join(keys.caption_keys)}")
+            else:
+                caption = keys.choose(per_source, draw)
     except SkipSample:
         if caption_required:
             raise

@@ -17,7 +17,7 @@ from PIL import Image
 
 from ..config import DataConfig
 from ..errors import DataError, MmclError
-from .decode import SkipSample, decode_image, parse_sample, zero_skips
+from .decode import SampleKeys, SkipSample, decode_image, parse_sample, zero_skips
 from .reading import read_raw_samples
 from .sources import SHARD_SUFFIXES, expand_urls, has_scheme
 
@@ -144,7 +144,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 class ShardEvalDataset(torch.utils.data.IterableDataset):
     """WebDataset shards for evaluation: each sample once, in shard order; items (image, label, caption, key).
 
-    ``label`` is the ``.cls`` value (-1 when absent), ``caption`` the ``.txt`` text ("" when absent).
+    ``label`` is the ``.cls`` value (-1 when absent), ``caption`` the ``.txt`` text ("" when absent), or with
+    `keys` every caption of the chosen members, one per line.
     Samples without a readable image give an `EvalSkip` item instead (`eval_collate` separates them) and are
     counted in ``skipped`` (of this process); a user error while reading gives an `EvalFailure` item that ends
     the iteration. Under a DataLoader with workers, shards (or, with fewer shards than workers, samples) are
@@ -152,8 +153,10 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
     CLIP_benchmark's ``zeroshot_classification_templates.txt``) next to the shards, when present.
     """
 
-    def __init__(self, spec: Any, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels):
+    def __init__(self, spec: Any, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels,
+                 keys: Optional[SampleKeys] = None):
         self.urls = expand_urls(spec)
+        self.keys = keys  # data.image_key / data.caption_key; every caption is kept, one per line
         self.preprocess, self.max_pixels = preprocess, max_pixels
         self.skipped = zero_skips()
         folder = os.path.dirname(self.urls[0]) if not has_scheme(self.urls[0]) else None
@@ -182,7 +185,8 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
                 yield EvalSkip(item.error, item.url)
                 continue
             try:
-                data, caption, label = parse_sample(item.files, caption_required=False)
+                data, caption, label = parse_sample(item.files, caption_required=False, keys=self.keys,
+                                                    all_captions=True)
                 img = decode_image(data, self.max_pixels)
             except SkipSample as skip:
                 self.skipped[skip.reason] += 1
@@ -211,13 +215,14 @@ def eval_collate(items: List[Any]):
     return images, labels, [it[2] for it in good], [it[3] for it in good], problems
 
 
-def build_eval_dataset(path: Any, preprocess: Callable):
+def build_eval_dataset(path: Any, preprocess: Callable, keys: Optional[SampleKeys] = None):
     """An evaluation dataset from an ImageFolder directory or a shard spec.
 
     Returns a torch Dataset (ImageFolder) or IterableDataset (shards) yielding
     (image FloatTensor (3,H,W), label int (-1 if none), caption str ("" if none), key str), with
-    ``classnames`` (list or None) and ``templates`` (list or None). Finite: each sample exactly once.
+    ``classnames`` (list or None) and ``templates`` (list or None). Finite: each sample exactly once. `keys`
+    chooses the image and caption members of shards (all captions of a sample, one per line).
     """
     if isinstance(path, str) and is_image_folder(path):
         return ImageFolderDataset(path, preprocess)
-    return ShardEvalDataset(path, preprocess)
+    return ShardEvalDataset(path, preprocess, keys=keys)

@@ -39,7 +39,7 @@ import torch
 
 from ..config import DataConfig
 from ..errors import ConfigError, DataError
-from .decode import SkipSample, zero_skips
+from .decode import SkipSample, caption_draw, sample_keys, zero_skips
 from .reading import RawSample, read_raw_samples
 from .sources import expand_sources, has_scheme
 from .transforms import (ImageSpec, TransformOutputError, decode_sample, draft_size_of, split_transform,
@@ -245,7 +245,9 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                 try:
                     tensor, caption, label = decode_sample(
                         item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
-                        aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"])
+                        aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"],
+                        keys=s["keys"],
+                        caption_draw=caption_draw(s["seed"], epoch, item.key) if s["keys"] is not None else 0)
                 except SkipSample as skip:
                     skipped[skip.reason] += 1
                     continue
@@ -496,6 +498,7 @@ class TrainStream:
             if sum(cfg.weights) <= 0:
                 raise ConfigError(f"data.weights must not all be zero (got {list(cfg.weights)})")
         self.cfg, self.preprocess, self.tokenizer = cfg, preprocess, tokenizer
+        self.keys = sample_keys(cfg)  # None for the default (first image extension, txt)
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
         self.workers = int(cfg.workers)
         self.n_roles = max(1, self.workers)
@@ -536,7 +539,7 @@ class TrainStream:
                 "shuffle_buffer": int(self.cfg.shuffle_buffer), "batch_size": int(self.cfg.batch_size),
                 "max_pixels": int(self.cfg.max_image_pixels), "draft_size": self.draft_size,
                 "preprocess": self.sample_transform, "as_uint8": self.uint8, "tokenizer": self.tokenizer,
-                "worker_nice": self.worker_nice}
+                "worker_nice": self.worker_nice, "keys": self.keys}
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [_copy_position(p) for p in self._positions]

@@ -56,7 +56,8 @@ def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
 
 def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
                   draft_size: Optional[Tuple[int, int]] = None,
-                  aug_seed: Optional[int] = None, as_uint8: bool = False) -> Tuple[torch.Tensor, str, int]:
+                  aug_seed: Optional[int] = None, as_uint8: bool = False, keys=None,
+                  caption_draw: int = 0) -> Tuple[torch.Tensor, str, int]:
     """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
 
     Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
@@ -64,9 +65,10 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
     gets the same augmentation when it is replayed after a resume; outside a DataLoader worker the caller's RNG
     state is restored (a worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a
     split transform (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad
-    samples and `TransformOutputError` when the PIL stage gives no RGB image.
+    samples and `TransformOutputError` when the PIL stage gives no RGB image. `keys` (a `SampleKeys`) and
+    `caption_draw` choose the members and the caption (`parse_sample`).
     """
-    data, caption, label = parse_sample(files)
+    data, caption, label = parse_sample(files, keys=keys, draw=caption_draw)  # keys: data.image_key/caption_key
     img = decode_image(data, max_pixels, draft_size)
     if aug_seed is None:
         out = preprocess(img)

@@ -1,0 +1,153 @@
+"""The optimiser's parameter groups: weight decay split, per-tower learning-rate multipliers, layer-wise decay.
+
+Each trainable parameter gets a learning-rate scale
+
+    scale = tower_mult * layer_decay ** (last_id - layer_id)
+
+(``optim.image_lr_mult`` / ``optim.text_lr_mult`` and ``optim.image_layer_decay`` / ``optim.text_layer_decay``;
+BEiT's layer-wise decay, Bao et al. 2021, as open_clip's fine-tuning recipes use it). Within a tower of L blocks
+the layer id is 0 for the embeddings (patch/token embedding, class and positional embeddings, the pre-norm),
+i + 1 for block i, and ``last_id = L + 1`` for what follows the blocks (final norm, pooling, projection): the head
+learns at the tower's rate and each block below it at ``layer_decay`` times the one above. The logit scale and
+bias belong to neither tower (scale 1).
+
+Parameters with the same scale and weight decay share one group, so the defaults give the two groups of the plain
+weight-decay split (decayed matrices, then gains, biases and the logit scale/bias without decay). The scheduler
+sets ``lr = scheduled_lr * group["lr_scale"]`` on every group (`set_lr`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+# Block containers of open_clip (resblocks), Hugging Face encoders (layer), timm (blocks) and GPT-style (h, layers).
+_BLOCK = re.compile(r"(?:^|\.)(?:resblocks|layer|layers|blocks|h)\.(\d+)\.")
+# What comes before the blocks: embeddings of patches, tokens, classes and positions, a conv stem, the pre-norm.
+_EMBEDDING = re.compile(r"embed|conv1|ln_pre|cls_token|class_token|stem|norm_pre")
+
+
+def tower_of(name: str) -> Optional[str]:
+    """``image`` for the image tower's parameters, ``text`` for the text tower's, None for the logit scale/bias."""
+    if name.startswith("visual."):
+        return "image"
+    if name.split(".")[0] in ("logit_scale", "logit_bias"):
+        return None
+    return "text"
+
+
+def depth_of(model: nn.Module, tower: str) -> int:
+    """The number of blocks of `tower` (locked ones included: the depth is the architecture's)."""
+    ids = [int(m.group(1)) for n, _ in model.named_parameters() if tower_of(n) == tower
+           for m in [_BLOCK.search(n)] if m]
+    return max(ids) + 1 if ids else 0
+
+
+def layer_id(name: str, depth: int) -> int:
+    """0 for the embeddings, i + 1 for block i, depth + 1 for the rest (final norm, projection, head)."""
+    m = _BLOCK.search(name)
+    if m:
+        return int(m.group(1)) + 1
+    local = name.split(".", 1)[1] if name.startswith("visual.") else name
+    return 0 if _EMBEDDING.search(local) else depth + 1
+
+
+def no_weight_decay(name: str, p: torch.Tensor) -> bool:
+    """Gains, biases, other 1-d parameters and the logit scale/bias are not decayed."""
+    return p.ndim < 2 or "logit_scale" in name or "logit_bias" in name or name.endswith(".bias")
+
+
+def lr_scales(model: nn.Module, cfg) -> Dict[str, Tuple[float, Optional[str], int]]:
+    """``name -> (lr scale, tower, layer id)`` for every trainable parameter; `cfg` is the OptimConfig."""
+    depth = {t: depth_of(model, t) for t in ("image", "text")}
+    mult = {"image": cfg.image_lr_mult, "text": cfg.text_lr_mult}
+    decay = {"image": cfg.image_layer_decay, "text": cfg.text_layer_decay}
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        tower = tower_of(name)
+        if tower is None:
+            out[name] = (1.0, None, 0)
+            continue
+        lid = layer_id(name, depth[tower])
+        out[name] = (mult[tower] * decay[tower] ** (depth[tower] + 1 - lid), tower, lid)
+    return out
+
+
+def param_groups(model: nn.Module, cfg) -> List[Dict[str, Any]]:
+    """AdamW groups, one per (lr scale, weight decay); each holds ``params``, ``weight_decay``, ``lr_scale`` and
+    ``names`` (the parameters' names, for the description; `optimizer_groups` drops them)."""
+    scales = lr_scales(model, cfg)
+    groups: "OrderedDict[Tuple[float, bool], Dict[str, Any]]" = OrderedDict()
+    order: List[float] = []  # scales in order of first appearance; within a scale the decayed group comes first
+    for name, p in model.named_parameters():
+        if name not in scales:
+            continue  # locked towers get no optimiser state
+        scale = scales[name][0]
+        if scale not in order:
+            order.append(scale)
+        plain = no_weight_decay(name, p)
+        g = groups.setdefault((scale, plain), {"params": [], "names": [], "lr_scale": scale,
+                                               "weight_decay": 0.0 if plain else cfg.weight_decay})
+        g["params"].append(p)
+        g["names"].append(name)
+    return [groups[k] for k in sorted(groups, key=lambda k: (order.index(k[0]), k[1]))]
+
+
+def optimizer_groups(groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """`groups` as the optimiser takes them (without the names)."""
+    return [{k: v for k, v in g.items() if k != "names"} for g in groups]
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The scheduled learning rate `lr`, scaled by each group's ``lr_scale``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def describe(model: nn.Module, groups: List[Dict[str, Any]], cfg) -> List[Dict[str, Any]]:
+    """One JSON-able record per group: peak learning rate, scale, weight decay, sizes, towers and layers, names."""
+    scales = lr_scales(model, cfg)
+    out = []
+    for i, g in enumerate(groups):
+        where: Dict[str, List[int]] = {}
+        for n in g["names"]:
+            _, tower, lid = scales[n]
+            where.setdefault(tower or "logit", []).append(lid)
+        out.append({"group": i, "lr": cfg.lr * g["lr_scale"], "lr_scale": g["lr_scale"],
+                    "weight_decay": g["weight_decay"], "tensors": len(g["params"]),
+                    "parameters": sum(p.numel() for p in g["params"]),
+                    "layers": {t: sorted(set(ids)) for t, ids in where.items()}, "names": g["names"]})
+    return out
+
+
+def log_groups(described: List[Dict[str, Any]], log) -> None:
+    """One line per group (from `describe`)."""
+    log(f"{len(described)} parameter groups (lr at its peak):")
+    for d in described:
+        layers = "; ".join("logit scale/bias" if t == "logit" else f"{t} {_ranges(ids)}"
+                           for t, ids in d["layers"].items())
+        log(f"  group {d['group']}: lr {d['lr']:.3g} (x{d['lr_scale']:.4g}), weight decay {d['weight_decay']:g}, "
+            f"{d['tensors']} tensors, {d['parameters']:,} parameters: {layers}")
+
+
+def write_groups(described: List[Dict[str, Any]], out_dir: Path) -> None:
+    """``out_dir/param_groups.json`` (replaced atomically)."""
+    from .fsutil import atomic_write_text
+
+    atomic_write_text(Path(out_dir) / "param_groups.json", json.dumps(described, indent=1) + "\n")
+
+
+def _ranges(ids: List[int]) -> str:
+    if len(ids) == 1:
+        return f"layer {ids[0]}"
+    if ids == list(range(ids[0], ids[-1] + 1)):
+        return f"layers {ids[0]}-{ids[-1]}"
+    return "layers " + ",".join(map(str, ids))

@@ -1,0 +1,110 @@
+"""Experiment trackers through accelerate (``train.log_with``: tensorboard, wandb, mlflow, aim).
+
+accelerate's tracking API does the work: the Accelerator is created with ``log_with`` and the run directory as its
+project directory, `start` calls ``init_trackers`` with the resolved config as hyperparameters, and `log` sends
+each metrics record's scalars to every tracker (main process only; accelerate decorates its calls so). mmcl's own
+record stays metrics.jsonl, written as before.
+
+- tensorboard: event files in ``<output_dir>/tensorboard`` (a resumed run purges the events after its step);
+- wandb: project ``mmcl``, run named after the output directory, files under ``<output_dir>/wandb``
+  (``WANDB_MODE=offline`` works without an account);
+- mlflow: experiment ``mmcl`` in ``MLFLOW_TRACKING_URI``, or a local file store ``<output_dir>/mlruns``; metric
+  names keep the characters mlflow accepts (``/`` becomes ``.``: its file store cannot hold both ``loss`` and
+  ``loss/clip``; ``@`` becomes ``_at_``);
+- aim: a repository in ``<output_dir>``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .errors import ConfigError
+
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "aim": "aim"}  # name -> module
+PROJECT = "mmcl"
+
+
+def check(names: List[str]) -> List[str]:
+    """Problems with ``train.log_with`` (unknown names, trackers whose package is not installed)."""
+    problems = []
+    for name in names:
+        if name not in TRACKERS:
+            problems.append(f"train.log_with: unknown tracker {name!r} (choose from {', '.join(TRACKERS)})")
+        elif importlib.util.find_spec(TRACKERS[name]) is None:
+            problems.append(f"train.log_with: {name} is not installed (pip install {name})")
+    return problems
+
+
+def accelerator_kwargs(names: List[str], out_dir: Path) -> Dict[str, Any]:
+    """``log_with`` and ``project_dir`` for the Accelerator (nothing when no tracker is asked for)."""
+    problems = check(names)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if not names:
+        return {}
+    from accelerate.tracking import TensorBoardTracker
+
+    # TensorBoard as an instance, so its events keep the run directory's ``tensorboard/`` (accelerate would name
+    # the folder after the project) and a resumed run can purge the events after its step (see `start`).
+    log_with = [TensorBoardTracker("tensorboard", str(out_dir)) if n == "tensorboard" else n for n in names]
+    return {"log_with": log_with, "project_dir": str(out_dir)}
+
+
+def hyperparameters(config: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """The resolved config as flat ``section.key`` scalars (lists, dicts and None as text), as trackers take them."""
+    out: Dict[str, Any] = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key not in ("model.vision_cfg", "model.text_cfg"):
+            out.update(hyperparameters(v, key + "."))
+        elif isinstance(v, (bool, int, float, str)):
+            out[key] = v
+        else:
+            out[key] = str(v)
+    return out
+
+
+def start(accelerator, names: List[str], config: Dict[str, Any], out_dir: Path, resume_step: int) -> None:
+    """``init_trackers`` with the resolved config (main process; no-op without trackers)."""
+    if not names or not accelerator.is_main_process:
+        return
+    for tracker in accelerator.log_with:
+        if getattr(tracker, "name", None) == "tensorboard" and resume_step:
+            tracker.init_kwargs["purge_step"] = resume_step + 1  # drop events a killed run wrote after its checkpoint
+    init_kwargs: Dict[str, Dict[str, Any]] = {
+        "wandb": {"name": out_dir.name, "dir": str(out_dir), "resume": "allow"},
+        "aim": {"logging_dir": str(out_dir)},
+    }
+    if "mlflow" in names:
+        import mlflow
+
+        # accelerate's tracker reads the tracking URI from mlflow (its logging_dir is the artifact location). Without
+        # MLFLOW_TRACKING_URI the run directory holds a local file store, which mlflow 3 accepts only when asked.
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (out_dir / "mlruns").resolve().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        mlflow.set_tracking_uri(uri)
+        init_kwargs["mlflow"] = {"run_name": out_dir.name}
+    (out_dir / "wandb").mkdir(parents=True, exist_ok=True) if "wandb" in names else None
+    accelerator.init_trackers(PROJECT, config=hyperparameters(config), init_kwargs=init_kwargs)
+
+
+_MLFLOW_BAD = re.compile(r"[^0-9A-Za-z_\-. ]")
+
+
+def log(accelerator, record: Dict[str, Any]) -> None:
+    """The record's numeric values (``step`` as the step) to every tracker; main process only."""
+    if not accelerator.is_main_process or not getattr(accelerator, "trackers", None):
+        return
+    values = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+    for tracker in accelerator.trackers:
+        if tracker.name == "mlflow":
+            tracker.log({_MLFLOW_BAD.sub("_", k.replace("@", "_at_").replace("/", ".")): v for k, v in values.items()},
+                        step=record["step"])
+        else:
+            tracker.log(values, step=record["step"])
