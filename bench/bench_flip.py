@@ -58,7 +58,7 @@ class Setup:
         from accelerate import Accelerator
 
         from mmcl.config import LossConfig, OptimConfig
-        from mmcl.losses import build_objective
+        from mmcl.train import objective_from_config as build_objective
         from mmcl.train import build_optimizer
 
         self.acc = Accelerator(cpu=True)

@@ -20,7 +20,7 @@ SYNCS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__")
 
 def test_a_flagged_step_leaves_weights_and_optimiser_state_exactly_as_they_were():
     from mmcl.config import OptimConfig
-    from mmcl.losses import build_objective
+    from mmcl.train import objective_from_config as build_objective
     from mmcl.config import LossConfig
 
     model = micro_model()

@@ -8,7 +8,7 @@ import torch
 from mmcl import models
 from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.ema import WeightEMA
-from mmcl.losses import build_objective
+from mmcl.train import objective_from_config as build_objective
 from mmcl.train import apply_update, build_optimizer, train_step
 
 from test_train import MICRO, _free_port, demo, fake_batch, metrics, run_args  # noqa: F401 (demo: a fixture)
