@@ -189,6 +189,7 @@ def _overrides(path: Path) -> list:
 # transformers') binds to it and keeps writing to the file of the config that is running, not to a closed one.
 _DRIVER = """
 import json, sys, traceback
+from accelerate.state import AcceleratorState
 from mmcl.cli import main
 
 class CurrentFile:
@@ -202,6 +203,9 @@ class CurrentFile:
 
 sys.stderr = current = CurrentFile()
 for name, argv in json.loads(sys.argv[1]).items():
+    # One process stands in for one `mmcl train` process per config (start-up is most of a 3-step run); accelerate
+    # keeps one precision per process, so its state is cleared as a new process would have it (conftest.py).
+    AcceleratorState._reset_state()
     with open(name + ".stderr", "w") as err:
         current.target = err
         try:
