@@ -187,8 +187,12 @@ def _overrides(path: Path) -> list:
 # one interpreter: Python's start and the imports, about 5 s, are paid once instead of once per config.
 _DRIVER = """
 import contextlib, json, sys, traceback
+from accelerate.state import AcceleratorState
 from mmcl.cli import main
 for name, argv in json.loads(sys.argv[1]).items():
+    # One process stands in for one `mmcl train` process per config (start-up is most of a 3-step run); accelerate
+    # keeps one precision per process, so its state is cleared as a new process would have it (conftest.py).
+    AcceleratorState._reset_state()
     with open(name + ".stderr", "w") as err, contextlib.redirect_stderr(err):
         try:
             code = main(["train", *argv])
