@@ -12,8 +12,8 @@ for the all-reduce that makes them agree: a stall on every step. Here each step'
   (`StepChecks.resolve`, one host read), where a non-finite step is counted and reported (``nan_policy=skip``)
   or ends the run (``stop``) before any checkpoint is written.
 
-An optimiser without that mechanism (no fused kernel for the device or dtype), or a loss scaler (fp16), which
-sets ``found_inf`` itself, falls back to deciding on the host every step.
+An optimiser without that mechanism (no fused kernel for the device or dtype, DeepSpeed's), or a loss scaler
+(fp16), which sets ``found_inf`` itself, leaves the decision to the host every step (`train.agree_on_step`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class StepChecks:
     def __init__(self, accelerator, optimizer):
         self.accelerator = accelerator
         self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-        self.on_device = (bool(self.inner.defaults.get("fused"))
+        self.on_device = (bool(getattr(self.inner, "defaults", {}).get("fused"))
                           and getattr(self.inner, "_step_supports_amp_scaling", False)
                           and getattr(accelerator, "scaler", None) is None)
         self.pending: List[Tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, flag, loss)
@@ -58,16 +58,6 @@ class StepChecks:
         pending, self.pending = self.pending, []
         flags = torch.stack([flag for _, flag, _ in pending]).tolist()
         return [(step, float(loss)) for (step, _, loss), f in zip(pending, flags) if f > 0]
-
-    def disarm(self) -> None:
-        """Leave the optimiser as it was (no ``found_inf`` attribute)."""
-        if hasattr(self.inner, "found_inf"):
-            del self.inner.found_inf
-
-
-def host_decision(checks: StepChecks, loss: torch.Tensor) -> bool:
-    """The fallback: whether the loss is finite on every process, read now (a host sync)."""
-    return checks.not_finite_anywhere(loss).item() == 0
 
 
 def stop_requested_anywhere(accelerator, requested: bool) -> bool:
