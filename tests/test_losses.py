@@ -1153,3 +1153,21 @@ def test_mochi_synthetic_logits_gradcheck_and_match_explicit_mixes(s, s_prime):
     w = torch.randn(ours.shape, dtype=torch.float64, generator=g)
     for go, gr in zip(torch.autograd.grad((ours * w).sum(), (q, scale)), torch.autograd.grad((ref * w).sum(), (q, scale))):
         torch.testing.assert_close(go, gr, rtol=1e-10, atol=1e-12)
+
+
+def test_tiled_logsumexp_topk_equals_a_dense_ranking(tiles):
+    """The tiled pass's top-k (MoCHi's hard negatives from the same tiles): indices and values equal torch.topk on
+    the dense logits with the skipped entry left out, across column tiles and row blocks that do not divide."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(11, 6, dtype=torch.float64, generator=g)
+    k = torch.randn(23, 6, dtype=torch.float64, generator=g)
+    s = torch.tensor(3.0, dtype=torch.float64)
+    for chunk, kk, skip in ((4, 5, 3), (3, 1, 0), (16, 22, 12), (2, 7, None)):
+        lse, idx, val = TiledLogSumExp.apply(q, k, s, chunk, False, None, None, None, False, kk, skip)
+        logits = 3.0 * q @ k.T
+        torch.testing.assert_close(lse, torch.logsumexp(logits, 1), rtol=1e-12, atol=1e-12)
+        if skip is not None:
+            logits[torch.arange(11), torch.arange(11) + skip] = -math.inf
+        ref = logits.topk(kk, dim=1)
+        assert torch.equal(idx, ref.indices)
+        torch.testing.assert_close(val, ref.values, rtol=1e-12, atol=1e-12)

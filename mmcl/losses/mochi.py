@@ -9,16 +9,16 @@ import torch
 from torch import Tensor, nn
 
 from .errors import LossInputError
-from .tiling import _acc_dtype, _as_scale, _check_chunk, _upcast
-from .clip import DenseInfoNCE, _check_pair, _columns, _dense_logits, _positive_logits, logsumexp_rows
+from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _check_chunk, _upcast
+from .clip import DenseInfoNCE, _check_pair, _columns, _dense_logits, _positive_logits
 
 
 def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
                 chunk_size=None):
     """Per-row InfoNCE over [positive, real negatives, synthetic hard negatives] for one direction.
 
-    With `chunk_size` the (n, M + Q) logits are never formed: the hardest negatives are ranked in row blocks
-    without autograd, the log-sum-exp over real negatives and queue is tiled (`logsumexp_rows`), and it is
+    With `chunk_size` the (n, M + Q) logits are never formed: one tiled pass (`TiledLogSumExp` with ``topk``) gives
+    the log-sum-exp over real negatives and queue and ranks the hardest negatives from the same tiles, and it is
     combined with the synthetic negatives' log-sum-exp; the same value and gradients as the dense form.
     """
     n, m = queries.shape[0], keys.shape[0]
@@ -39,31 +39,33 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
     else:
         queue = None
 
-    synthetic_logits = None
-    if k > 0 and s + s_prime > 0:
-        with torch.no_grad():
-            q = queries.detach().to(acc)
-            candidates = keys.detach().to(acc)
-            candidates = candidates if queue is None else torch.cat([candidates, queue])  # (M+Q, D)
-            block = n if chunk_size is None else chunk_size
-            hard, hard_sims = [], []
-            for i0 in range(0, n, block):
-                here = rows[i0:i0 + block]
-                sims = q[i0:i0 + block] @ candidates.T
-                sims[here - i0, here + offset] = -math.inf  # the positive is not a negative
-                top = sims.topk(k, dim=1)  # hardest first
-                hard.append(top.indices)
-                hard_sims.append(top.values)
-            hard, hard_sims = torch.cat(hard), torch.cat(hard_sims)  # (n, k): candidate ids and q . h
-        synthetic_logits = SyntheticLogits.apply(queries.to(acc), logit_scale, candidates, hard, hard_sims,
-                                                 (pairs, alpha, picks, beta), block)
-
+    synthetic = k > 0 and s + s_prime > 0
+    draws = (pairs, alpha, picks, beta)
+    block = n if chunk_size is None else chunk_size
+    real = keys.to(acc) if queue is None else torch.cat([keys.to(acc), queue])  # negatives: batch, then queue
     if chunk_size is not None:
-        real = keys if queue is None else torch.cat([keys.to(acc), queue])
-        lse = logsumexp_rows(queries, real, logit_scale, chunk_size)
-        if synthetic_logits is not None:
+        # One pass over the tiles gives the log-sum-exp over real negatives and queue and, from the same logits,
+        # the hardest negatives: the (n, M + Q) products are computed once here and once in backward.
+        out = TiledLogSumExp.apply(queries, real, logit_scale, chunk_size, False, None, None, None, False,
+                                   k if synthetic else 0, offset)
+        lse, hard, hard_logits = out if synthetic else (out, None, None)
+        if synthetic:
+            synthetic_logits = SyntheticLogits.apply(queries.to(acc), logit_scale, real.detach(), hard,
+                                                     hard_logits / logit_scale.detach(), draws, block)
             lse = torch.logaddexp(lse, torch.logsumexp(synthetic_logits.to(lse.dtype), dim=1))
         return lse - _positive_logits(queries, keys, logit_scale, offset)
+
+    synthetic_logits = None
+    if synthetic:
+        with torch.no_grad():
+            q = queries.detach().to(acc)
+            candidates = real.detach()  # (M+Q, D)
+            sims = q @ candidates.T
+            sims[rows, rows + offset] = -math.inf  # the positive is not a negative
+            top = sims.topk(k, dim=1)  # hardest first: candidate ids and q . h
+            del sims
+        synthetic_logits = SyntheticLogits.apply(queries.to(acc), logit_scale, candidates, top.indices, top.values,
+                                                 draws, block)
 
     parts = [_dense_logits(queries, keys, logit_scale)]  # (n, M)
     if queue is not None:

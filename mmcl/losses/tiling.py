@@ -118,6 +118,9 @@ class TiledLogSumExp(torch.autograd.Function):
     for every gamma from the same tiles, one matmul per tile for all of them (the hard-negative loss needs
     gamma = 1 + beta and beta); the outputs are then (G, n) [and (G, M)], and tiles are narrower so that the
     extra exp per gamma stays within the same memory.
+    ``topk`` > 0 (rows only): two more outputs, the (n, topk) column indices and values of each row's largest
+    logits, leaving out ``L[i, topk_skip + i]`` when ``topk_skip`` is set, read from the same tiles (MoCHi ranks its
+    hard negatives this way instead of with one more pass over the keys); not differentiable.
     ``return_masked`` (with ``mask_offset``): one more output, the (n,) logits ``L[i, mask_offset + i]`` left out
     of the sums, read from the tiles and differentiable through the same gradient buffers (a separate
     ``s * q_i . k_i`` would add two more (n, D) gradients to the peak).
@@ -129,7 +132,7 @@ class TiledLogSumExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
-                mask_offset=None, gammas=None, return_masked=False):
+                mask_offset=None, gammas=None, return_masked=False, topk=0, topk_skip=None):
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
@@ -139,6 +142,9 @@ class TiledLogSumExp(torch.autograd.Function):
         gammas = (1.0,) if gammas is None else tuple(float(g) for g in gammas)
         assert all(g > 0 for g in gammas) and (positive_offset is None or not multi), "bad gammas"
         assert not return_masked or mask_offset is not None, "return_masked needs mask_offset"
+        assert not topk or not with_cols, "topk reads rows only"
+        top_idx = torch.zeros(n, topk, dtype=torch.long, device=q32.device)
+        top_val = torch.zeros(n, topk, dtype=acc, device=q32.device)
         n_g = len(gammas)
         minus_inf = torch.tensor(-math.inf, dtype=acc, device=q32.device)
         row_lse = torch.empty(n_g, n, dtype=acc, device=q32.device)
@@ -176,6 +182,18 @@ class TiledLogSumExp(torch.autograd.Function):
                     e = scaled_exp(d, g, gi == n_g - 1)
                     r_sum[gi] = r_sum[gi] * torch.exp(g * (r_max - shift)) + e.sum(dim=1)
                 r_max = new_max
+                if topk:  # the row's largest logits, leaving out L[i, topk_skip + i]; logits is not read again
+                    if topk_skip is not None:
+                        rows, cols = _tile_positives(qs.shape[0], j1 - j0, topk_skip + i0 - j0, q32.device)
+                        logits[rows, cols] = -math.inf
+                    tile_top = logits.topk(min(topk, j1 - j0), dim=1)
+                    if j0 == 0:
+                        best_val, best_idx = tile_top.values, tile_top.indices
+                    else:
+                        vals = torch.cat([best_val, tile_top.values], dim=1)
+                        idx = torch.cat([best_idx, tile_top.indices + j0], dim=1)
+                        merged = vals.topk(min(topk, vals.shape[1]), dim=1)
+                        best_val, best_idx = merged.values, idx.gather(1, merged.indices)
                 if with_cols:
                     c_max = col_max[j0:j1]
                     new_c = torch.maximum(c_max, logits.amax(dim=0))
@@ -186,6 +204,8 @@ class TiledLogSumExp(torch.autograd.Function):
                         col_sum[gi, j0:j1] = col_sum[gi, j0:j1] * torch.exp(g * (c_max - shift_c)) + e.sum(dim=0)
                     col_max[j0:j1] = new_c
                 del logits, d, e
+            if topk:
+                top_val[i0:i0 + chunk_size], top_idx[i0:i0 + chunk_size] = best_val, best_idx
             for gi, g in enumerate(gammas):
                 row_lse[gi, i0:i0 + chunk_size] = g * r_max + torch.log(r_sum[gi])
                 if positive_offset is not None:  # (max - positive) + log(sum): no cancellation of two large terms
@@ -202,6 +222,9 @@ class TiledLogSumExp(torch.autograd.Function):
         outputs = (row_lse, col_lse) if with_cols else (row_lse,)
         if return_masked:
             outputs += (masked,)
+        if topk:
+            ctx.mark_non_differentiable(top_idx, top_val)
+            outputs += (top_idx, top_val)
         return outputs if len(outputs) > 1 else row_lse
 
     @staticmethod
@@ -209,7 +232,7 @@ class TiledLogSumExp(torch.autograd.Function):
     def backward(ctx, *grad_outputs: Optional[Tensor]):
         grad_row = grad_outputs[0]
         grad_col = grad_outputs[1] if ctx.with_cols else None
-        grad_masked = grad_outputs[-1] if ctx.return_masked else None
+        grad_masked = grad_outputs[2 if ctx.with_cols else 1] if ctx.return_masked else None
         queries, keys, logit_scale, row_lse, col_lse = ctx.saved_tensors
         c, mask_offset, gammas = ctx.chunk_size, ctx.mask_offset, ctx.gammas
         acc = _acc_dtype(queries.dtype)
@@ -276,6 +299,8 @@ class TiledLogSumExp(torch.autograd.Function):
             grad_q.mul_(scale * unit).to(queries.dtype),
             grad_k.mul_(scale * unit).to(keys.dtype),
             grad_scale.to(logit_scale.dtype).reshape(logit_scale.shape),
+            None,
+            None,
             None,
             None,
             None,
