@@ -23,7 +23,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -141,11 +141,17 @@ def _clip_class():
             # Only while training: evaluation and exports keep open_clip's exact full-context numbers, and a traced
             # graph (ONNX, TorchScript) must not bake in a data-dependent cut.
             tracing = torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
-            if (tracing or not self.training or self.attn_mask is None or self.text_pool_type != "argmax"
-                    or text.shape[1] != full):
+            cut_safe = self.attn_mask is not None and self.text_pool_type == "argmax"
+            if text.shape[1] < full and (tracing or not self.training or not cut_safe):
+                # Tokens already cut after the batch's last end-of-text (`TrimmedTokenizer`): padded back.
+                text = F.pad(text, (0, full - text.shape[1]))
+            if tracing or not self.training or not cut_safe or text.shape[1] > full:
                 return super().encode_text(text, normalize=normalize)
             eot = text.argmax(dim=-1)  # (B,)
-            n = int(eot.max()) + 1
+            if text.shape[1] < full:
+                n = text.shape[1]  # cut by the data loader, on the host: no device read here
+            else:
+                n = int(eot.max()) + 1  # a device read; the training loop's batches come cut (no read)
             if n >= full:
                 return super().encode_text(text, normalize=normalize)
             cast_dtype = self.transformer.get_cast_dtype()
@@ -340,6 +346,38 @@ def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None)
             raise ConfigError(f"cannot load the tokenizer '{hf_name}' (not a local directory with tokenizer "
                               f"files, nor in the local Hugging Face cache): {str(err).splitlines()[0]}") from None
     return SimpleTokenizer(context_length=context_length)
+
+
+class TrimmedTokenizer:
+    """A tokenizer whose batches end after the last column holding a token of any caption.
+
+    For a text tower that reads nothing after the end-of-text token (``ShortTextCLIP``: causal mask, ``argmax``
+    pooling) the cut changes no output, and made here, in the data loader's workers, it spares the training
+    loop a device read of the longest caption per step (the tower pads a cut batch back where it needs the full
+    context). Picklable, so that worker processes can use it.
+    """
+
+    def __init__(self, tokenizer: Callable[[List[str]], torch.Tensor], pad_id: int = 0):
+        self.tokenizer, self.pad_id = tokenizer, pad_id
+
+    def __call__(self, texts) -> torch.Tensor:
+        tokens = torch.as_tensor(self.tokenizer(texts))
+        used = (tokens != self.pad_id).any(dim=0).nonzero()
+        return tokens[:, : int(used.max()) + 1 if used.numel() else 1]
+
+    def __getattr__(self, name):  # context_length and the like, from the wrapped tokenizer
+        if name == "tokenizer":
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+
+def training_tokenizer(model: nn.Module, tokenizer: Callable[[List[str]], torch.Tensor]):
+    """The tokenizer the training data loader uses: cut batches (`TrimmedTokenizer`) for the towers that take
+    them exactly (open_clip's own text transformer with a causal mask and ``argmax`` pooling), else unchanged."""
+    if (isinstance(model, _clip_class()) and getattr(model, "attn_mask", None) is not None
+            and getattr(model, "text_pool_type", None) == "argmax"):
+        return TrimmedTokenizer(tokenizer)
+    return tokenizer
 
 
 def build(cfg: ModelConfig):

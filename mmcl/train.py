@@ -527,7 +527,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         optim.log_groups(run.param_groups, run.log)
     image_spec = data_mod.ImageSpec.from_config(run.pp_cfg)  # data builds the training transform from these
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
-        cfg.data, image_spec, run.tokenizer, seed=cfg.train.seed, rank=accelerator.process_index,
+        cfg.data, image_spec, models.training_tokenizer(model, run.tokenizer), seed=cfg.train.seed, rank=accelerator.process_index,
         world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
     if cfg.train.compile:
         model = torch.compile(model)

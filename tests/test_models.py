@@ -585,3 +585,34 @@ def test_text_tower_skips_padding_exactly():
     model.eval()
     with torch.no_grad():
         assert torch.equal(model.encode_text(tokens), CLIP.encode_text(model, tokens))
+
+
+def test_tokens_cut_in_the_data_loader_give_the_full_context_features():
+    """`models.training_tokenizer` cuts each batch after its last token column (in the data loader's workers, so
+    the training loop never reads the longest caption back from the device): the tower's features from the cut
+    batch equal those of the full batch in training and, padded back, bit for bit in evaluation; a tower that
+    reads the padding (non-causal, or not argmax-pooled) gets the tokenizer unchanged."""
+    import pickle
+
+    from mmcl.config import load_config
+
+    torch.manual_seed(0)
+    model, model_cfg, *_, tokenizer = models.build(load_config(None, []).model)
+    cut = models.training_tokenizer(model, tokenizer)
+    assert isinstance(cut, models.TrimmedTokenizer)
+    cut = pickle.loads(pickle.dumps(cut))  # crosses into worker processes
+    captions = ["a red circle", "there is a small purple triangle in the top left corner", "x"]
+    full, short = tokenizer(captions), cut(captions)
+    longest = int(full.argmax(-1).max()) + 1
+    assert short.shape == (3, longest) < full.shape and torch.equal(short, full[:, :longest])
+    assert cut.context_length == tokenizer.context_length
+    model.train()
+    torch.testing.assert_close(model.encode_text(short), model.encode_text(full), rtol=1e-5, atol=1e-5)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model.encode_text(short), model.encode_text(full))
+    # Every caption as long as the context: nothing to cut.
+    assert cut(["word " * 200]).shape == tokenizer(["word " * 200]).shape
+    # A tower that reads the padding keeps the tokenizer as it is.
+    model.text_pool_type = "last"
+    assert models.training_tokenizer(model, tokenizer) is tokenizer

@@ -44,7 +44,8 @@ class ContrastiveObjective(nn.Module):
     the global batch (see the package docstring). ``terms`` holds floats, averaged over ranks so they describe
     the global batch: ``loss`` (weighted total), ``loss/<name>`` for every active term, and the metrics
     ``align``, ``uniform_image``, ``uniform_text`` (no gradient; each rank's first 4096 items, then averaged
-    over ranks). The scale is used as given: the limit on it is the model's (its parameter is clamped).
+    over ranks). With ``with_metrics=False`` (a trainer's steps that are not logged) there are no metrics, and
+    ``loss`` and ``loss/<name>`` stay 0-dim tensors of this rank's rows: no collective and no host read. The scale is used as given: the limit on it is the model's (its parameter is clamped).
 
     ``labels`` (B,) integer, -1 for "no label", feed the supervised term; without labels every pair is its
     own class. In training mode, each call appends the global batch to the MoCHi queues after the loss.
@@ -159,13 +160,15 @@ class ContrastiveObjective(nn.Module):
             logged = {f"loss/{name}": value.detach().to(log_dtype) for name, value in values.items()}
             if with_metrics:
                 logged.update(self._metrics(image_features, text_features))
-            names = list(logged)
-            stacked = torch.stack([logged[k].reshape(()).to(log_dtype) for k in names])
-            if distributed:
-                dist.all_reduce(stacked)
-                stacked /= gathered.world_size
-            numbers = stacked.tolist()
-        terms = dict(zip(names, numbers))
+            if with_metrics:
+                names = list(logged)
+                stacked = torch.stack([logged[k].reshape(()).to(log_dtype) for k in names])
+                if distributed:
+                    dist.all_reduce(stacked)
+                    stacked /= gathered.world_size
+                terms = dict(zip(names, stacked.tolist()))
+            else:  # no collective and no host read: a trainer's ordinary step never waits on these
+                terms = {k: v.reshape(()) for k, v in logged.items()}
         terms["loss"] = sum(w[name] * terms[f"loss/{name}"] for name in values)
         if self.training and w["mochi"] > 0:
             self.image_queue.enqueue(all_img)
