@@ -1174,3 +1174,30 @@ def test_tiled_logsumexp_topk_equals_a_dense_ranking(tiles):
         ref = logits.topk(kk, dim=1)
         assert torch.equal(idx, ref.indices)
         torch.testing.assert_close(val, ref.values, rtol=1e-12, atol=1e-12)
+
+
+def test_feature_queue_reads_nothing_from_the_device_and_restores_its_position(monkeypatch):
+    """The MoCHi queue keeps its write position on the host (no `.item()`/`int()` of a buffer per training step)
+    and takes it back from a loaded state dict: the queue continues where the saved one would have."""
+    from mmcl.losses import FeatureQueue
+
+    torch.manual_seed(0)
+    batches = [torch.randn(3, 4) for _ in range(5)]
+    q, reads = FeatureQueue(7), []
+    for name in ("item", "__int__", "__index__", "tolist", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+    for x in batches[:3]:
+        q.enqueue(x)
+        q.get()
+    monkeypatch.undo()
+    assert reads == [] and len(q) == 7
+    restored = FeatureQueue(7)
+    restored.load_state_dict(q.state_dict())
+    assert len(restored) == 7 and int(restored.ptr) == 2
+    for x in batches[3:]:
+        q.enqueue(x)
+        restored.enqueue(x)
+    assert torch.equal(q.get(), restored.get())
+    # the oldest rows were overwritten in order: batch 3 went to rows 2..4, batch 4 to rows 5, 6 and 0
+    assert torch.equal(restored.get()[2:5], batches[3]) and torch.equal(restored.get()[5:7], batches[4][:2])

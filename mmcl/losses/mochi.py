@@ -217,9 +217,11 @@ class FeatureQueue(nn.Module):
         self.register_buffer("features", torch.zeros(0, 0))  # (size, D) float32 once used
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        # Host copies of ptr and count, so that a training step reads nothing back from the device.
+        self._ptr, self._count = 0, 0
 
     def __len__(self) -> int:
-        return int(self.count)
+        return self._count
 
     @torch.no_grad()
     def enqueue(self, x: Tensor) -> None:
@@ -227,22 +229,22 @@ class FeatureQueue(nn.Module):
         if self.size == 0:
             return
         if self.features.shape != (self.size, x.shape[1]):
-            if int(self.count) > 0:
+            if self._count > 0:
                 raise LossInputError(f"queue holds width {self.features.shape[1]} features, got {x.shape[1]}")
             self.features = torch.zeros(self.size, x.shape[1], dtype=torch.float32, device=x.device)
         x = x.detach()[-self.size:].to(self.features)
-        idx = (int(self.ptr) + torch.arange(x.shape[0], device=x.device)) % self.size
+        idx = (self._ptr + torch.arange(x.shape[0], device=x.device)) % self.size
         # A new buffer, not a write into the old one: the tensor `get` returned for this step's loss is still
         # in the autograd graph (the queries' gradient needs it), and an in-place write would invalidate the
         # backward that follows. The copy costs one pass over the queue per step.
         self.features = self.features.index_copy(0, idx, x)
-        self.ptr.fill_((int(self.ptr) + x.shape[0]) % self.size)
-        self.count.fill_(min(int(self.count) + x.shape[0], self.size))
+        self._ptr, self._count = (self._ptr + x.shape[0]) % self.size, min(self._count + x.shape[0], self.size)
+        self.ptr.fill_(self._ptr)
+        self.count.fill_(self._count)
 
     def get(self) -> Optional[Tensor]:
         """The stored (count, D) float32 features, or None when empty."""
-        count = int(self.count)
-        return self.features[:count] if count > 0 else None
+        return self.features[:self._count] if self._count > 0 else None
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         saved = state_dict.get(prefix + "features")
@@ -254,6 +256,7 @@ class FeatureQueue(nn.Module):
                 )
             self.features = torch.zeros(saved.shape, dtype=torch.float32, device=self.features.device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._ptr, self._count = int(self.ptr), int(self.count)
 
 
 # ----------------------------------------------------------------------------------------------------------
