@@ -1,7 +1,6 @@
 """No host sync on ordinary steps: the finite-loss decision stays on the device (the fused AdamW's found_inf) and
 is read on logged and saved steps only; a skipped step leaves weights and optimiser state exactly unchanged."""
 
-import os
 import traceback
 
 import pytest
