@@ -108,3 +108,26 @@ def log(accelerator, record: Dict[str, Any]) -> None:
                         step=record["step"])
         else:
             tracker.log(values, step=record["step"])
+
+
+def finish(accelerator, stopped: bool = False) -> List[str]:
+    """Flush and close every tracker (main process only), for a run that ends before `end_training`: a stop
+    signal must not lose what a tracker still buffers, nor leave its run marked as running. With ``stopped``
+    an MLflow run is ended as KILLED (the resumed run starts a new one). A tracker that fails to close does not
+    stop the others; returns one line per failure for the caller to print."""
+    problems = []
+    if not accelerator.is_main_process:
+        return problems
+    for tracker in list(getattr(accelerator, "trackers", None) or []):
+        try:
+            if stopped and tracker.name == "mlflow":
+                import mlflow
+
+                mlflow.end_run(status="KILLED")
+            else:
+                tracker.finish()
+        except Exception as err:  # a tracker's own failure; the run's records in metrics.jsonl are safe
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            problems.append(f"warning: tracker {tracker.name} did not close: {detail}")
+    accelerator.trackers = []
+    return problems

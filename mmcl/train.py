@@ -784,6 +784,8 @@ def stop_run(run: Run) -> None:
     if run.bar is not None:
         run.bar.close()
     run.metrics.close()
+    for problem in tracking.finish(accelerator, stopped=True):  # what the trackers buffer reaches their files
+        run.log(problem)
     received = run.stop.received
     if accelerator.num_processes > 1:  # the signal may have reached some processes only (once per run)
         from accelerate.utils import gather_object

@@ -585,3 +585,46 @@ def test_mlflow_local_file_store_holds_the_scalars(demo, tmp_path, monkeypatch):
     assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
     params = files[0].parent.parent / "params"
     assert (params / "optim.lr").read_text() == "0.001"
+
+
+def test_a_run_stopped_by_a_signal_closes_its_trackers(demo, tmp_path, monkeypatch, capsys):
+    """SIGTERM at step 3 (a preemption): the trackers are closed before the run stops. TensorBoard's events hold
+    every logged step, and the MLflow run is marked KILLED with an end time instead of staying RUNNING forever;
+    the resumed run finishes and its own MLflow run is FINISHED."""
+    import os
+    import signal
+
+    import yaml
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import mmcl.train as train_mod
+    from mmcl.cli import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    real, calls = train_mod.train_step, [0]
+
+    def signalled(*a):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a)
+
+    monkeypatch.setattr(train_mod, "train_step", signalled)
+    out = tmp_path / "run"
+    args = run_args(demo, out, "train.steps=5", "data.batch_size=8", "train.log_every=1", "train.save_every=0",
+                    "data.workers=0", "train.log_with=[tensorboard, mlflow]")
+    assert main(["train", *args]) == 75
+    assert "preempted (SIGTERM) at step 3" in capsys.readouterr().err
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("loss")] == [r["step"] for r in metrics(out)] == [1, 2, 3]
+
+    def statuses():
+        metas = [yaml.safe_load(p.read_text()) for p in (out / "mlruns").glob("*/*/meta.yaml")]
+        return sorted((m["status"], m["end_time"] is not None) for m in metas)
+
+    from mlflow.entities import RunStatus
+
+    assert statuses() == [(RunStatus.KILLED, True)]
+    monkeypatch.setattr(train_mod, "train_step", real)
+    assert main(["train", *args]) == 0
+    assert statuses() == sorted([(RunStatus.KILLED, True), (RunStatus.FINISHED, True)])
