@@ -20,7 +20,7 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from .errors import ConfigError
 
