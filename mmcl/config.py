@@ -127,6 +127,7 @@ class LossConfig(_Section):
     chunk_size: Optional[int] = None  # tiled (memory-linear) softmax and sigmoid losses when set
     max_logit_scale: float = 100.0
     mochi: MochiConfig = field(default_factory=MochiConfig)
+    distill: float = 0.0  # KL from a teacher's contrastive distributions (distill.teacher or distill.from_shards)
 
 
 @dataclass
@@ -180,6 +181,11 @@ class EvalConfig(_Section):
 
 
 @dataclass
+class DistillConfig(_Section):
+    teacher: Optional[str] = None  # a model mmcl.load reads: an mmcl run or export, open_clip local-dir, HF CLIP dir
+
+
+@dataclass
 class TrainConfig(_Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -187,6 +193,7 @@ class TrainConfig(_Section):
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 _CHOICES = {
@@ -202,7 +209,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "data.workers", "data.shuffle_buffer", "train.save_every", "train.keep_checkpoints", "optim.warmup_steps",
     "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",
-    "loss.debiased", "loss.hard_negative", "loss.mochi.weight", "loss.mochi.queue_size", "eval.every",
+    "loss.debiased", "loss.hard_negative", "loss.mochi.weight", "loss.mochi.queue_size", "loss.distill", "eval.every",
     "optim.image_lr_mult", "optim.text_lr_mult", "train.unmasked_steps",
 )
 
@@ -221,7 +228,7 @@ def valid_keys(schema=TrainConfig, prefix: str = "") -> List[str]:
 _SUBTREES = {
     "TextTowerConfig": TextTowerConfig, "ModelConfig": ModelConfig, "DataConfig": DataConfig,
     "MochiConfig": MochiConfig, "LossConfig": LossConfig, "OptimConfig": OptimConfig,
-    "TrainSection": TrainSection, "EvalConfig": EvalConfig,
+    "TrainSection": TrainSection, "EvalConfig": EvalConfig, "DistillConfig": DistillConfig,
 }
 
 
@@ -342,7 +349,7 @@ def validate(cfg: TrainConfig) -> List[str]:
             problems.append(f"{key} must be >= 0 (got {get(cfg, key)})")
     if cfg.loss.chunk_size is not None and cfg.loss.chunk_size <= 0:
         problems.append(f"loss.chunk_size must be a positive integer or null (got {cfg.loss.chunk_size})")
-    terms = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative")
+    terms = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "distill")
     if not any(getattr(cfg.loss, t) > 0 for t in terms) and cfg.loss.mochi.weight <= 0:
         problems.append("no loss term is active: set at least one of loss.clip, loss.supcon, loss.siglip, ... > 0")
     loss = cfg.loss
@@ -373,9 +380,21 @@ def validate(cfg: TrainConfig) -> List[str]:
         problems.append(f"model.patch_dropout must be in [0, 1) (got {cfg.model.patch_dropout})")
     if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:
         problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
+    problems += _distill_problems(cfg)
     if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):
         problems.append("data.weights must be non-negative")
     return problems
+
+
+def _distill_problems(cfg: TrainConfig) -> List[str]:
+    if cfg.loss.distill > 0 and not cfg.distill.teacher:
+        return ["loss.distill > 0 needs a teacher: set distill.teacher=PATH (an mmcl run or export, an open_clip "
+                "local-dir or a Hugging Face CLIP directory)"]
+    if cfg.loss.distill == 0 and cfg.distill.teacher:
+        # A teacher that would be loaded and run on every batch, then weigh nothing, is a mistake, not a choice.
+        return ["distill.teacher is set but loss.distill is 0: give the term a weight (e.g. loss.distill=1.0) or "
+                "unset distill.teacher"]
+    return []
 
 
 def _sample_key_problems(data: DataConfig) -> List[str]:

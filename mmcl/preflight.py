@@ -2,7 +2,7 @@
 
 Every local path the run will read is checked: the training shards (each source of ``data.train``), the
 evaluation sets (``eval.zeroshot``, ``eval.retrieval``, ``eval.classnames``, a templates file),
-``model.init_from`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
+``model.init_from``, ``distill.teacher`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
 ``http://``) and hub model names are not checked. Relative paths resolve against the current directory, as
 everywhere in mmcl; the error shows them resolved, so a run started from another directory says where it looked.
 """
@@ -52,6 +52,8 @@ def input_problems(cfg: TrainConfig) -> List[str]:
         problems += _path_problem("eval.templates", cfg.eval.templates)
     if cfg.model.init_from:
         problems += _path_problem("model.init_from", cfg.model.init_from)
+    if cfg.distill.teacher:
+        problems += _path_problem("distill.teacher", cfg.distill.teacher)
     hf = cfg.model.text.hf
     if hf and not os.path.isdir(os.path.expanduser(hf)) and not _is_hub_name(hf):
         problems.append(f"model.text.hf: {os.path.abspath(os.path.expanduser(hf))} is not a directory (expected "

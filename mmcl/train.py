@@ -258,18 +258,32 @@ def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
         queue_size=m.queue_size)
 
 
-def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True):
+def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True,
+          teacher=None):
     """The objective on this process's features: the global batch is gathered here when several processes run
-    (`losses.gather_batch`), and a loss's complaint about its inputs becomes a `DataError` (one line)."""
+    (`losses.gather_batch`, with the teacher's features for distillation), and a loss's complaint about its
+    inputs becomes a `DataError` (one line)."""
     try:
-        gathered = losses.gather_batch(image_features, text_features, labels)
+        gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher)
         return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
-                         gathered=gathered)
+                         gathered=gathered, teacher=teacher)
     except losses.LossInputError as err:
         raise DataError(str(err)) from None
 
 
-def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True):
+def _teacher_features(teacher, batches):
+    """The teacher's features of the micro-batches, concatenated (`mmcl.teacher.Teacher.embed`), or None."""
+    if teacher is None:
+        return None
+    parts = [teacher.embed(b["teacher_image"], b["teacher_text"]) for b in batches]
+    if len(parts) == 1:
+        return parts[0]
+    return losses.TeacherFeatures(torch.cat([p.image for p in parts]), torch.cat([p.text for p in parts]),
+                                  parts[0].scale)
+
+
+def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
+               teacher=None):
     """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
 
     With several micro-batches the features of all of them form one contrastive problem (GradCache, Gao et al.
@@ -278,8 +292,11 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
     gradient. Loss and parameter gradients equal those of the single large batch. `finish_images` turns a
     batch's images into model input on the device (`TrainStream.finish_images`: uint8 -> normalised float).
     `with_metrics` is passed to the objective (its align/uniform metrics, needed only on logged steps).
+    `teacher` (a `mmcl.teacher.Teacher`, distillation) scores the micro-batches' teacher views without gradient;
+    with several micro-batches its features join the one contrastive problem like the student's.
     """
     device = accelerator.device
+    teacher_features = _teacher_features(teacher, batches)
     if len(batches) == 1:
         b = batches[0]
         with accelerator.autocast():
@@ -287,7 +304,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
                 model, _images(b, device, finish_images), _moved(b["text"], device))
             loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
                                 None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics)
+                                with_metrics, teacher_features)
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
@@ -308,7 +325,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
     logit_bias = None if logit_bias is None else _leaf(logit_bias)
     labels = torch.cat([b["label"] for b in batches]).to(device)
     loss, terms = score(objective, all_image_features, all_text_features, logit_scale, logit_bias, labels,
-                        with_metrics)
+                        with_metrics, teacher_features)
 
     def backward():
         accelerator.backward(loss)  # grads for the features, logit scale and bias
@@ -392,7 +409,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         batches = next_batches(run, data_iter)
         with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
         loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
-                                           run.stream.finish_images, with_metrics)
+                                           run.stream.finish_images, with_metrics, run.teacher)
         if run.checks.on_device:  # no host sync on steps that are neither logged nor saved (mmcl/stepcheck.py)
             last = device_checked_step(run, loss, terms, lr, backward, last)
             continue
@@ -435,6 +452,7 @@ class Run:
         self.bar = None  # the progress bar, from the first step on (main process, train.progress)
         self.metrics: Optional[MetricsLog] = None
         self.ema: Optional[WeightEMA] = None  # train.ema_decay
+        self.teacher = None  # distill.teacher: a frozen `mmcl.teacher.Teacher`, never saved
         self.patch_dropout: List[torch.nn.Module] = []  # model.patch_dropout's masking modules
         self.param_groups: List[Dict[str, Any]] = []  # the optimiser's groups as param_groups.json describes them
         self.ckpt_bytes = 0
@@ -525,10 +543,17 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     if run.main:
         run.param_groups = optim.describe(model, groups, cfg.optim)  # printed once; param_groups.json at the start
         optim.log_groups(run.param_groups, run.log)
+    if cfg.distill.teacher:  # frozen, on the device; not prepared, not optimised, never saved
+        from .teacher import Teacher
+
+        run.teacher = agreed(accelerator, lambda: Teacher.load(cfg.distill.teacher, accelerator.device))
+        run.log(f"distilling from {cfg.distill.teacher} (logit scale {float(run.teacher.scale):.2f})")
     image_spec = data_mod.ImageSpec.from_config(run.pp_cfg)  # data builds the training transform from these
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
-        cfg.data, image_spec, models.training_tokenizer(model, run.tokenizer), seed=cfg.train.seed, rank=accelerator.process_index,
-        world_size=accelerator.num_processes, pin_memory=accelerator.device.type == "cuda"))
+        cfg.data, image_spec, models.training_tokenizer(model, run.tokenizer), seed=cfg.train.seed,
+        rank=accelerator.process_index, world_size=accelerator.num_processes,
+        pin_memory=accelerator.device.type == "cuda",
+        teacher_view=None if run.teacher is None else run.teacher.view))
     if cfg.train.compile:
         model = torch.compile(model)
     run.model, run.optimizer = accelerator.prepare(model, optimizer)

@@ -185,6 +185,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
     captions: List[str] = []
     labels: List[int] = []
     keys: List[str] = []
+    teacher_images: List[torch.Tensor] = []  # the teacher's view of each image (distillation), else empty
     # After a resume on another number of processes or workers: the rest of the saved run's epochs, as tasks
     # (`resized_positions`), before this slot's own epochs begin.
     tasks = copy.deepcopy(list(start.get("leftover", ())))
@@ -197,10 +198,12 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                 skipped[item.error] += 1
                 continue
             try:
-                tensor, caption, label = decode_sample(
+                tensor, caption, label, *teacher_image = decode_sample(
                     item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
                     aug_seed=_mix(s["seed"], origin["slot"], origin["epoch"], item.shard, item.index),
-                    as_uint8=s["as_uint8"])
+                    as_uint8=s["as_uint8"], keys=s["keys"],
+                    caption_draw=caption_draw(s["seed"], origin["epoch"], item.key) if s["keys"] is not None else 0,
+                    teacher_view=s["teacher_view"])
             except SkipSample as skip:
                 skipped[skip.reason] += 1
                 continue
@@ -211,13 +214,14 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
             captions.append(caption)
             labels.append(label)
             keys.append(item.key)
+            teacher_images += teacher_image
             if len(images) == s["batch_size"]:
-                batch = collate(images, captions, labels, keys, s["tokenizer"])
+                batch = collate(images, captions, labels, keys, s["tokenizer"], s["teacher_view"], teacher_images)
                 batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
                                       "emitted": emitted, "skipped": dict(skipped),
                                       "skipped_before_epoch": dict(skipped_before_epoch),
                                       "leftover": copy.deepcopy(tasks)}
-                images, captions, labels, keys = [], [], [], []
+                images, captions, labels, keys, teacher_images = [], [], [], [], []
                 yield batch
         tasks.pop(0)
     empty_epochs = 0
@@ -243,11 +247,12 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                     continue
                 raw_seen += 1
                 try:
-                    tensor, caption, label = decode_sample(
+                    tensor, caption, label, *teacher_image = decode_sample(
                         item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
                         aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"],
                         keys=s["keys"],
-                        caption_draw=caption_draw(s["seed"], epoch, item.key) if s["keys"] is not None else 0)
+                        caption_draw=caption_draw(s["seed"], epoch, item.key) if s["keys"] is not None else 0,
+                        teacher_view=s["teacher_view"])
                 except SkipSample as skip:
                     skipped[skip.reason] += 1
                     continue
@@ -259,12 +264,14 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                 captions.append(caption)
                 labels.append(label)
                 keys.append(item.key)
+                teacher_images += teacher_image
                 if len(images) == s["batch_size"]:
-                    batch = collate(images, captions, labels, keys, s["tokenizer"])
+                    batch = collate(images, captions, labels, keys, s["tokenizer"], s["teacher_view"],
+                                    teacher_images)
                     batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
                                           "emitted": emitted, "skipped": dict(skipped),
                                           "skipped_before_epoch": dict(skipped_before_epoch)}
-                    images, captions, labels, keys = [], [], [], []
+                    images, captions, labels, keys, teacher_images = [], [], [], [], []
                     yield batch
             emitted = 0
             shard, sample = block[-1].pos
@@ -457,8 +464,11 @@ def _empty_epoch_problem(s: Dict[str, Any], rank: int, role: int, n_slots: int, 
     return None
 
 def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], keys: List[str],
-            tokenizer: Callable[[List[str]], torch.Tensor]) -> Dict[str, Any]:
-    """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list."""
+            tokenizer: Callable[[List[str]], torch.Tensor], teacher_view=None,
+            teacher_images: Optional[List[torch.Tensor]] = None) -> Dict[str, Any]:
+    """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list;
+    with `teacher_view` (distillation) also teacher_image (B,3,Ht,Wt) uint8 and teacher_text (B,Lt) long, the
+    same captions in the teacher's tokens."""
     text = tokenizer(captions)
     if not isinstance(text, torch.Tensor):
         text = torch.as_tensor(text)
@@ -466,8 +476,12 @@ def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], 
     if torch.utils.data.get_worker_info() is not None:
         # Stacking straight into shared memory saves the copy the DataLoader's queue would make to send it.
         out = torch.empty((len(images),) + tuple(images[0].shape), dtype=images[0].dtype).share_memory_()
-    return {"image": torch.stack(images, out=out), "text": text.long(),
-            "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
+    batch = {"image": torch.stack(images, out=out), "text": text.long(),
+             "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
+    if teacher_view is not None:
+        batch["teacher_image"] = torch.stack(teacher_images)
+        batch["teacher_text"] = teacher_view.tokenize(captions)
+    return batch
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
@@ -484,7 +498,7 @@ class TrainStream:
     """
 
     def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
-                 rank: int = 0, world_size: int = 1, pin_memory: bool = False):
+                 rank: int = 0, world_size: int = 1, pin_memory: bool = False, teacher_view=None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.sources = expand_sources(cfg.train)
@@ -518,6 +532,10 @@ class TrainStream:
             sample_transform = training_sample_transform(preprocess)
             self.sample_transform, finish = (split_transform(sample_transform) if cfg.uint8_transfer
                                              else (sample_transform, None))
+        self.teacher_view = teacher_view
+        if teacher_view is not None:
+            # The teacher's view comes from the same decoded image, at its own size: no reduced JPEG draft.
+            self.draft_size = None
         self.uint8 = finish is not None
         self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
         self._positions = [_fresh_position() for _ in range(self.n_roles)]
@@ -539,7 +557,7 @@ class TrainStream:
                 "shuffle_buffer": int(self.cfg.shuffle_buffer), "batch_size": int(self.cfg.batch_size),
                 "max_pixels": int(self.cfg.max_image_pixels), "draft_size": self.draft_size,
                 "preprocess": self.sample_transform, "as_uint8": self.uint8, "tokenizer": self.tokenizer,
-                "worker_nice": self.worker_nice, "keys": self.keys}
+                "worker_nice": self.worker_nice, "keys": self.keys, "teacher_view": self.teacher_view}
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [_copy_position(p) for p in self._positions]
@@ -657,7 +675,8 @@ class TrainStream:
 
 
 def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
-                       rank: int = 0, world_size: int = 1, pin_memory: bool = False) -> TrainStream:
+                       rank: int = 0, world_size: int = 1, pin_memory: bool = False,
+                       teacher_view=None) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
@@ -671,8 +690,10 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
         seed: base seed; shard order, shuffling and augmentation derive from (seed, rank, worker, epoch).
         rank, world_size: this process's place among data-parallel processes.
         pin_memory: page-locked batches (for a GPU).
+        teacher_view: a `mmcl.teacher.TeacherView` (distillation): batches also carry ``teacher_image`` and
+            ``teacher_text``, the teacher's view of the un-augmented image and of the same caption.
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
-                       pin_memory=pin_memory)
+                       pin_memory=pin_memory, teacher_view=teacher_view)

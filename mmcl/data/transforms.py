@@ -57,7 +57,7 @@ def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
 def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
                   draft_size: Optional[Tuple[int, int]] = None,
                   aug_seed: Optional[int] = None, as_uint8: bool = False, keys=None,
-                  caption_draw: int = 0) -> Tuple[torch.Tensor, str, int]:
+                  caption_draw: int = 0, teacher_view=None):
     """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
 
     Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
@@ -66,7 +66,9 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
     state is restored (a worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a
     split transform (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad
     samples and `TransformOutputError` when the PIL stage gives no RGB image. `keys` (a `SampleKeys`) and
-    `caption_draw` choose the members and the caption (`parse_sample`).
+    `caption_draw` choose the members and the caption (`parse_sample`). With `teacher_view` (a
+    `mmcl.teacher.TeacherView`) a fourth element is the teacher's uint8 view of the same decoded image, before any
+    augmentation.
     """
     data, caption, label = parse_sample(files, keys=keys, draw=caption_draw)  # keys: data.image_key/caption_key
     img = decode_image(data, max_pixels, draft_size)
@@ -87,7 +89,10 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
         finally:
             random.setstate(py_state)
             torch.set_rng_state(torch_state)
-    return (pil_to_uint8(out) if as_uint8 else out), caption, label
+    image = pil_to_uint8(out) if as_uint8 else out
+    if teacher_view is not None:
+        return image, caption, label, teacher_view.image(img)
+    return image, caption, label
 
 
 class TransformOutputError(Exception):

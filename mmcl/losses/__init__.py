@@ -27,10 +27,12 @@ in. The objective holds the only state: the MoCHi feature queues and the random 
 negatives.
 
 Layout: `tiling` (the shared autograd machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and
-hard-negative), `mochi`, `geometry` (align, uniform), `distributed` (gather), `objective` and `errors`.
+hard-negative), `mochi`, `distill` (KL from a teacher's distributions), `geometry` (align, uniform),
+`distributed` (gather), `objective` and `errors`.
 """
 
 from .clip import clip_loss, infonce_rows, logsumexp_rows
+from .distill import TeacherFeatures, distill_loss
 from .distributed import Gathered, gather_batch, gather_features
 from .errors import LossInputError
 from .geometry import align_loss, uniform_loss
@@ -51,6 +53,8 @@ __all__ = [
     "debiased_clip_loss",
     "hard_negative_clip_loss",
     "mochi_loss",
+    "distill_loss",
+    "TeacherFeatures",
     "align_loss",
     "uniform_loss",
     "gather_features",

@@ -78,16 +78,29 @@ class Gathered(NamedTuple):
     all_labels: Optional[Tensor]  # (W*n,) long, or None
     offset: int
     world_size: int
+    all_teacher_image: Optional[Tensor] = None  # (W*n, Dt), no gradient: the distill term's teacher columns
+    all_teacher_text: Optional[Tensor] = None
 
 
-def gather_batch(image_features: Tensor, text_features: Tensor, labels: Optional[Tensor] = None
-                 ) -> Optional[Gathered]:
+def _all_gather_plain(x: Tensor) -> Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def gather_batch(image_features: Tensor, text_features: Tensor, labels: Optional[Tensor] = None,
+                 teacher=None) -> Optional[Gathered]:
     """`gather_features` for the objective: a `Gathered` when ``torch.distributed`` runs several ranks, else None
-    (one process: the local batch is the global one). Call it on every rank alike."""
+    (one process: the local batch is the global one). ``teacher`` (a `TeacherFeatures`) is gathered too, without
+    gradient. Call it on every rank alike."""
     if not _distributed():
         return None
     _check_pair(image_features, text_features)  # before any collective, so that no rank waits on a bad one
     if labels is not None:
         labels = _check_labels(labels.to(image_features.device), image_features.shape[0], image_features.device)
     all_image, all_text, all_labels, offset = gather_features(image_features, text_features, labels)
-    return Gathered(all_image, all_text, all_labels, offset, dist.get_world_size())
+    teacher_cols = {}
+    if teacher is not None:
+        teacher_cols = dict(all_teacher_image=_all_gather_plain(teacher.image.detach()),
+                            all_teacher_text=_all_gather_plain(teacher.text.detach()))
+    return Gathered(all_image, all_text, all_labels, offset, dist.get_world_size(), **teacher_cols)

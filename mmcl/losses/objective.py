@@ -19,10 +19,11 @@ from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .mochi import FeatureQueue, mochi_loss
 from .geometry import _uniform_log_partial, align_loss, uniform_loss
 from .distributed import Gathered
+from .distill import TeacherFeatures, distill_loss
 
 # Logged metrics only need a sample of the batch; pairwise uniformity is quadratic in it.
 _METRIC_MAX_ITEMS = 4096
-TERMS = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "mochi")
+TERMS = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "mochi", "distill")
 
 
 class ContrastiveObjective(nn.Module):
@@ -38,7 +39,7 @@ class ContrastiveObjective(nn.Module):
         queue_size: MoCHi's queue of past features (used only with a positive ``mochi`` weight).
 
     ``forward(image_features, text_features, logit_scale, logit_bias=None, labels=None, with_metrics=True,
-    gathered=None)`` returns ``(total_loss, terms)``. With ``gathered`` (`gather_batch` of this rank's features
+    gathered=None, teacher=None)`` returns ``(total_loss, terms)``. With ``gathered`` (`gather_batch` of this rank's features
     and labels, several ranks) each rank's rows are scored against the global columns and ``total_loss`` is this
     rank's 0-dim loss to backpropagate: after DDP averages parameter gradients they equal a single process's on
     the global batch (see the package docstring). ``terms`` holds floats, averaged over ranks so they describe
@@ -46,6 +47,9 @@ class ContrastiveObjective(nn.Module):
     ``align``, ``uniform_image``, ``uniform_text`` (no gradient; each rank's first 4096 items, then averaged
     over ranks). With ``with_metrics=False`` (a trainer's steps that are not logged) there are no metrics, and
     ``loss`` and ``loss/<name>`` stay 0-dim tensors of this rank's rows: no collective and no host read. The scale is used as given: the limit on it is the model's (its parameter is clamped).
+
+    ``teacher`` (a `TeacherFeatures` of this rank's pairs) feeds the ``distill`` term (`distill_loss`); with
+    ``gathered`` its features must have been gathered too (``gather_batch(..., teacher=...)``).
 
     ``labels`` (B,) integer, -1 for "no label", feed the supervised term; without labels every pair is its
     own class. In training mode, each call appends the global batch to the MoCHi queues after the loss.
@@ -93,6 +97,7 @@ class ContrastiveObjective(nn.Module):
         labels: Optional[Tensor] = None,
         with_metrics: bool = True,
         gathered: Optional[Gathered] = None,
+        teacher: Optional[TeacherFeatures] = None,
     ):
         """Weighted loss and the logged numbers. ``with_metrics`` adds the align/uniform metrics, which cost a
         pairwise pass over the batch; a trainer may leave them out on steps it does not log (pass the same value
@@ -145,6 +150,18 @@ class ContrastiveObjective(nn.Module):
                 self.generator,
                 self.image_queue.get(), self.text_queue.get(), **cols, chunk_size=chunk,
             )
+        if w["distill"] > 0:
+            if teacher is None:
+                raise LossInputError("the distill term needs the teacher's features (got none)")
+            extra = {}
+            if distributed:
+                if gathered.all_teacher_image is None:
+                    raise LossInputError("the distill term needs the teacher's features gathered over ranks "
+                                         "(gather_batch(..., teacher=...))")
+                extra = dict(cols, all_teacher_image=gathered.all_teacher_image,
+                             all_teacher_text=gathered.all_teacher_text)
+            values["distill"] = distill_loss(image_features, text_features, logit_scale, teacher.image,
+                                             teacher.text, teacher.scale, chunk, **extra)
         if w["align"] > 0:
             values["align"] = align_loss(image_features, text_features, self.align_alpha)
         if w["uniform"] > 0:
