@@ -111,6 +111,16 @@ def cmd_shards(args) -> int:
     return 0
 
 
+def cmd_reinforce(args) -> int:
+    from .reinforce import reinforce
+
+    keys = _sample_keys(args) if (args.image_key or args.caption_key) else None
+    summary = reinforce(args.teacher, args.data, args.out, batch_size=args.batch_size, device=args.device,
+                        keys=keys, progress=not args.no_progress)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _load(args):
     from .weights import load
 
@@ -217,6 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shard-size", type=int, default=1000)
     s.add_argument("--caption-template", default="a photo of a {}.", help="ImageFolder captions")
     s.set_defaults(func=cmd_shards)
+
+    rf = sub.add_parser("reinforce", help="copy shards with a teacher's image and caption embeddings stored in "
+                                          "each sample, for distill.from_shards")
+    rf.add_argument("--teacher", required=True, help="run dir, its model/, an export, or a Hugging Face CLIP dir")
+    rf.add_argument("--data", required=True, help="input shards (brace-expanded spec, a directory or a list)")
+    rf.add_argument("--out", required=True, help="output directory (one shard per input shard, same names)")
+    rf.add_argument("--batch-size", type=int, default=64)
+    rf.add_argument("--device", default=None)
+    rf.add_argument("--image-key", default=None, help="image member (default: first of jpg, jpeg, png, webp)")
+    rf.add_argument("--caption-key", nargs="+", default=None,
+                    help="caption member(s), as data.caption_key: every caption is embedded")
+    rf.add_argument("--no-progress", action="store_true")
+    rf.set_defaults(func=cmd_reinforce)
 
     def eval_args(x, data_help):
         x.add_argument("--model", required=True, help="run dir, its model/, or an export")

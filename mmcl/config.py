@@ -183,6 +183,7 @@ class EvalConfig(_Section):
 @dataclass
 class DistillConfig(_Section):
     teacher: Optional[str] = None  # a model mmcl.load reads: an mmcl run or export, open_clip local-dir, HF CLIP dir
+    from_shards: bool = False  # the teacher embeddings `mmcl reinforce` stored in the shards instead of a teacher
 
 
 @dataclass
@@ -387,13 +388,16 @@ def validate(cfg: TrainConfig) -> List[str]:
 
 
 def _distill_problems(cfg: TrainConfig) -> List[str]:
-    if cfg.loss.distill > 0 and not cfg.distill.teacher:
-        return ["loss.distill > 0 needs a teacher: set distill.teacher=PATH (an mmcl run or export, an open_clip "
-                "local-dir or a Hugging Face CLIP directory)"]
-    if cfg.loss.distill == 0 and cfg.distill.teacher:
-        # A teacher that would be loaded and run on every batch, then weigh nothing, is a mistake, not a choice.
-        return ["distill.teacher is set but loss.distill is 0: give the term a weight (e.g. loss.distill=1.0) or "
-                "unset distill.teacher"]
+    d, weight = cfg.distill, cfg.loss.distill
+    sources = bool(d.teacher) + bool(d.from_shards)
+    if weight > 0 and sources != 1:
+        return [f"loss.distill > 0 needs a teacher: distill.teacher=PATH (an mmcl run or export, an open_clip "
+                f"local-dir or a Hugging Face CLIP directory) or distill.from_shards=true (embeddings stored by "
+                f"mmcl reinforce), one of them (got {'both' if sources else 'neither'})"]
+    if weight == 0 and sources:
+        # A teacher that would be run on every batch (or shards read for it), then weigh nothing, is a mistake.
+        return ["distill.teacher / distill.from_shards is set but loss.distill is 0: give the term a weight "
+                "(e.g. loss.distill=1.0) or unset the teacher"]
     return []
 
 

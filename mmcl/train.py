@@ -271,11 +271,23 @@ def score(objective, image_features, text_features, logit_scale, logit_bias, lab
         raise DataError(str(err)) from None
 
 
-def _teacher_features(teacher, batches):
-    """The teacher's features of the micro-batches, concatenated (`mmcl.teacher.Teacher.embed`), or None."""
-    if teacher is None:
+def _stored_teacher(b, device) -> losses.TeacherFeatures:
+    """The teacher embeddings a batch read from reinforced shards (``distill.from_shards``), as float32 unit
+    vectors on the device (they are stored as float16)."""
+    image = torch.nn.functional.normalize(_moved(b["teacher_image_features"], device).float(), dim=1)
+    text = torch.nn.functional.normalize(_moved(b["teacher_text_features"], device).float(), dim=1)
+    return losses.TeacherFeatures(image, text, _moved(b["teacher_scale"][0], device).float())
+
+
+def _teacher_features(teacher, batches, device):
+    """The teacher's features of the micro-batches, concatenated: computed by `teacher` (a
+    `mmcl.teacher.Teacher`), or read from the batches (stored in the shards); None without distillation."""
+    if teacher is not None:
+        parts = [teacher.embed(b["teacher_image"], b["teacher_text"]) for b in batches]
+    elif "teacher_image_features" in batches[0]:
+        parts = [_stored_teacher(b, device) for b in batches]
+    else:
         return None
-    parts = [teacher.embed(b["teacher_image"], b["teacher_text"]) for b in batches]
     if len(parts) == 1:
         return parts[0]
     return losses.TeacherFeatures(torch.cat([p.image for p in parts]), torch.cat([p.text for p in parts]),
@@ -296,7 +308,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
     with several micro-batches its features join the one contrastive problem like the student's.
     """
     device = accelerator.device
-    teacher_features = _teacher_features(teacher, batches)
+    teacher_features = _teacher_features(teacher, batches, device)
     if len(batches) == 1:
         b = batches[0]
         with accelerator.autocast():
@@ -553,7 +565,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         cfg.data, image_spec, models.training_tokenizer(model, run.tokenizer), seed=cfg.train.seed,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         pin_memory=accelerator.device.type == "cuda",
-        teacher_view=None if run.teacher is None else run.teacher.view))
+        teacher_view=None if run.teacher is None else run.teacher.view, stored_teacher=cfg.distill.from_shards))
     if cfg.train.compile:
         model = torch.compile(model)
     run.model, run.optimizer = accelerator.prepare(model, optimizer)

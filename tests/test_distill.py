@@ -312,3 +312,149 @@ def test_a_missing_or_unreadable_teacher_is_one_line_before_step_one(demo, tmp_p
         load_config(None, ["loss.distill=1.0"])
     with pytest.raises(Exception, match="loss.distill is 0"):
         load_config(None, [f"distill.teacher={tmp_path}"])
+
+
+# ------------------------------------------------------------------------------- reinforced shards
+def _two_shards(demo):
+    from mmcl.data import expand_urls
+
+    return expand_urls(demo["train"])[:2]
+
+
+def _members(path):
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+
+
+@pytest.fixture(scope="module")
+def reinforced(demo, teacher_run, tmp_path_factory):
+    from mmcl.reinforce import reinforce
+
+    out = tmp_path_factory.mktemp("reinforced") / "shards"
+    summary = reinforce(str(teacher_run), "::".join(_two_shards(demo)), str(out), batch_size=16, progress=False)
+    return out, summary
+
+
+def test_reinforce_keeps_every_member_and_stores_the_teachers_embeddings(demo, teacher_run, reinforced):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mmcl.teacher import Teacher
+
+    out, summary = reinforced
+    assert summary["shards"] == 2 and summary["samples"] == 192 and summary["without_teacher"] == 0
+    teacher = Teacher.load(str(teacher_run))
+    for src in _two_shards(demo):
+        before, after = _members(src), _members(out / Path(src).name)
+        assert {k: after[k] for k in before} == before  # every original member, byte for byte
+        added = sorted(set(after) - set(before))
+        keys = sorted({k.split(".")[0] for k in before})
+        assert added == sorted(f"{k}.{m}" for k in keys for m in ("teacher.json", "teacher_image.npy",
+                                                                  "teacher_text.npy"))
+        for key in keys[:4]:
+            image = np.load(io.BytesIO(after[f"{key}.teacher_image.npy"]))
+            text = np.load(io.BytesIO(after[f"{key}.teacher_text.npy"]))
+            meta = json.loads(after[f"{key}.teacher.json"])
+            assert image.dtype == np.float16 and text.shape == (1, image.shape[0]) == (1, meta["dim"])
+            assert meta["scale"] == pytest.approx(float(teacher.scale))
+            pil = Image.open(io.BytesIO(before[f"{key}.jpg"])).convert("RGB")
+            online = teacher.embed(teacher.view.image(pil)[None], teacher.view.tokenize([before[f"{key}.txt"]
+                                                                                         .decode()]))
+            assert np.abs(image.astype(np.float32) - online.image[0].numpy()).max() < 2e-3  # float16 rounding
+            assert np.abs(text[0].astype(np.float32) - online.text[0].numpy()).max() < 2e-3
+
+
+def test_reinforce_resumes_shard_by_shard_and_refuses_another_teacher(demo, teacher_run, tmp_path, monkeypatch,
+                                                                      capsys):
+    import mmcl.reinforce as rf
+    from mmcl.cli import main
+
+    out = tmp_path / "out"
+    (tmp_path / "out").mkdir()
+    (out / "notes.txt").write_text("mine")
+    real, calls = rf._reinforce_shard, [0]
+
+    def failing(url, dest, *a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            with open(dest.with_name(dest.name + rf._TEMP_SUFFIX), "wb") as f:
+                f.write(b"half a shard")
+            raise KeyboardInterrupt  # interrupted while writing the second shard
+        return real(url, dest, *a, **k)
+
+    monkeypatch.setattr(rf, "_reinforce_shard", failing)
+    args = ["reinforce", "--teacher", str(teacher_run), "--data", "::".join(_two_shards(demo)), "--out", str(out),
+            "--no-progress"]
+    assert main(args) == 130  # "mmcl: interrupted", as Ctrl-C
+    first = out / Path(_two_shards(demo)[0]).name
+    stamp = first.stat().st_mtime_ns
+    assert first.is_file() and not (out / Path(_two_shards(demo)[1]).name).exists()
+    monkeypatch.setattr(rf, "_reinforce_shard", real)
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["already_done"] == 1 and summary["samples"] == 96
+    assert first.stat().st_mtime_ns == stamp
+    assert not list(out.glob(f"*{rf._TEMP_SUFFIX}")) and (out / "notes.txt").read_text() == "mine"
+    other = tmp_path / "other-teacher"
+    import shutil
+
+    shutil.copytree(teacher_run / "model", other)
+    assert main(["reinforce", "--teacher", str(other), "--data", _two_shards(demo)[0], "--out", str(out),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mmcl: error:") and "another teacher" in err and "\n" not in err
+
+
+def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinforced):
+    """The same samples in the same order through the training stream: the teacher run online on its view, and
+    its embeddings read from the reinforced shards, give the same distillation loss (to float16 rounding)."""
+    from mmcl.config import load_config
+    from mmcl.data import ImageSpec, build_train_stream
+    from mmcl.teacher import Teacher
+    from mmcl.train import _teacher_features
+
+    out, _ = reinforced
+    cfg = load_config(None, [f"data.train={out}/*.tar", "data.batch_size=24", "data.workers=0"])
+    model, _, pp, _, _, tokenizer = __import__("mmcl.models", fromlist=["build"]).build(cfg.model)
+    teacher = Teacher.load(str(teacher_run))
+    online = build_train_stream(cfg.data, ImageSpec.from_config(pp), tokenizer, seed=0, teacher_view=teacher.view)
+    stored = build_train_stream(cfg.data, ImageSpec.from_config(pp), tokenizer, seed=0, stored_teacher=True)
+    b_online, b_stored = next(iter(online)), next(iter(stored))
+    assert b_online["key"] == b_stored["key"] and torch.equal(b_online["text"], b_stored["text"])
+    t_online = _teacher_features(teacher, [b_online], torch.device("cpu"))
+    t_stored = _teacher_features(None, [b_stored], torch.device("cpu"))
+    assert (t_online.image - t_stored.image).abs().max() < 2e-3
+    assert float(t_stored.scale) == pytest.approx(float(t_online.scale), rel=1e-6)
+    with torch.no_grad():
+        out_model = model(online.finish_images(b_online["image"]), b_online["text"])
+    args = (out_model["image_features"], out_model["text_features"], out_model["logit_scale"].exp())
+    a = distill_loss(*args, *t_online)
+    b = distill_loss(*args, *t_stored)
+    assert a.item() > 0.01 and b.item() == pytest.approx(a.item(), rel=2e-3)
+
+
+def test_training_from_reinforced_shards_never_loads_a_teacher(demo, reinforced, tmp_path, monkeypatch):
+    import mmcl.teacher as teacher_mod
+    from mmcl.cli import main
+
+    def no_teacher(*a, **k):
+        raise AssertionError("a teacher was loaded")
+
+    monkeypatch.setattr(teacher_mod.Teacher, "load", no_teacher)
+    out = tmp_path / "student"
+    shards, _ = reinforced
+    args = run_args(demo, out, "train.steps=4", "data.batch_size=8", "train.save_every=0", "data.workers=0",
+                    "train.log_every=1", "distill.from_shards=true", "loss.distill=1.0")
+    args = [a for a in args if not a.startswith("data.train=")] + [f"data.train={shards}/*.tar"]
+    assert main(["train", *args]) == 0
+    rows = metrics(out)
+    assert len(rows) == 4 and all(r["loss/distill"] > 0 for r in rows)
+    # plain shards with from_shards on: every sample lacks the members, one line, exit 2
+    other = tmp_path / "plain"
+    plain = run_args(demo, other, "train.steps=2", "data.batch_size=8", "data.workers=0",
+                     "distill.from_shards=true", "loss.distill=1.0")
+    assert main(["train", *plain]) == 2

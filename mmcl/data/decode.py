@@ -20,8 +20,12 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SKIP_REASONS = (
     "decode", "missing_image", "missing_caption", "bad_caption", "bad_label", "too_large", "truncated_tar",
     "shard_open",
-    "unsupported_mode",
+    "unsupported_mode", "no_teacher_features",
 )
+# The members `mmcl reinforce` adds to each sample: the teacher's L2-normalised image embedding (float16, (D,)),
+# its caption embeddings (float16, (K, D), one row per candidate caption in `candidate_captions` order) and
+# {"scale", "teacher", "dim"}.
+TEACHER_IMAGE, TEACHER_TEXT, TEACHER_META = "teacher_image.npy", "teacher_text.npy", "teacher.json"
 
 
 def zero_skips() -> Dict[str, int]:
@@ -313,3 +317,35 @@ def parse_sample(files: Dict[str, bytes], caption_required: bool = True, keys: O
             raise
         caption = ""
     return data, caption, parse_label(files.get("cls"))
+
+
+def candidate_captions(files: Dict[str, bytes], keys: Optional[SampleKeys] = None) -> List[str]:
+    """Every caption a sample offers, in a fixed order (sources in `keys` order, each source's list in order): the
+    rows of its stored teacher text embeddings."""
+    keys = keys or DEFAULT_KEYS
+    if keys is DEFAULT_KEYS:
+        return [parse_caption(files.get("txt"))]
+    return [c for caps in keys.captions(files) for c in caps]
+
+
+def _npy(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def stored_teacher_features(files: Dict[str, bytes], caption: str, keys: Optional[SampleKeys] = None
+                            ) -> Tuple[np.ndarray, np.ndarray, float]:
+    """The teacher's stored (image (D,), text (D,) of `caption`, scale) of a reinforced sample, float32.
+
+    Raises `SkipSample` ``no_teacher_features`` when the members are missing, unreadable or do not fit (another
+    caption set than the one they were computed for)."""
+    if TEACHER_IMAGE not in files or TEACHER_TEXT not in files or TEACHER_META not in files:
+        raise SkipSample("no_teacher_features", "no teacher members (shards not written by mmcl reinforce?)")
+    try:
+        image, text = _npy(files[TEACHER_IMAGE]), _npy(files[TEACHER_TEXT])
+        scale = float(json.loads(files[TEACHER_META].decode("utf-8"))["scale"])
+        row = candidate_captions(files, keys).index(caption)
+    except (ValueError, KeyError, TypeError, OSError, UnicodeDecodeError) as err:
+        raise SkipSample("no_teacher_features", f"unreadable teacher members ({type(err).__name__}: {err})")
+    if image.ndim != 1 or text.ndim != 2 or text.shape[1] != image.shape[0] or row >= text.shape[0]:
+        raise SkipSample("no_teacher_features", f"teacher members of shapes {image.shape} and {text.shape}")
+    return image.astype(np.float32), text[row].astype(np.float32), scale

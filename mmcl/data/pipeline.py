@@ -203,7 +203,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                     aug_seed=_mix(s["seed"], origin["slot"], origin["epoch"], item.shard, item.index),
                     as_uint8=s["as_uint8"], keys=s["keys"],
                     caption_draw=caption_draw(s["seed"], origin["epoch"], item.key) if s["keys"] is not None else 0,
-                    teacher_view=s["teacher_view"])
+                    teacher_view=s["teacher_view"], stored_teacher=s["stored_teacher"])
             except SkipSample as skip:
                 skipped[skip.reason] += 1
                 continue
@@ -252,7 +252,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                         aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"],
                         keys=s["keys"],
                         caption_draw=caption_draw(s["seed"], epoch, item.key) if s["keys"] is not None else 0,
-                        teacher_view=s["teacher_view"])
+                        teacher_view=s["teacher_view"], stored_teacher=s["stored_teacher"])
                 except SkipSample as skip:
                     skipped[skip.reason] += 1
                     continue
@@ -468,7 +468,8 @@ def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], 
             teacher_images: Optional[List[torch.Tensor]] = None) -> Dict[str, Any]:
     """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list;
     with `teacher_view` (distillation) also teacher_image (B,3,Ht,Wt) uint8 and teacher_text (B,Lt) long, the
-    same captions in the teacher's tokens."""
+    same captions in the teacher's tokens; with stored teacher embeddings in `teacher_images` (no view),
+    teacher_image_features and teacher_text_features (B, Dt) float32 and teacher_scale (B,)."""
     text = tokenizer(captions)
     if not isinstance(text, torch.Tensor):
         text = torch.as_tensor(text)
@@ -481,6 +482,10 @@ def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], 
     if teacher_view is not None:
         batch["teacher_image"] = torch.stack(teacher_images)
         batch["teacher_text"] = teacher_view.tokenize(captions)
+    elif teacher_images:  # stored (image, text, scale) per sample: distill.from_shards
+        batch["teacher_image_features"] = torch.from_numpy(np.stack([t[0] for t in teacher_images]))
+        batch["teacher_text_features"] = torch.from_numpy(np.stack([t[1] for t in teacher_images]))
+        batch["teacher_scale"] = torch.tensor([t[2] for t in teacher_images], dtype=torch.float32)
     return batch
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -498,7 +503,8 @@ class TrainStream:
     """
 
     def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
-                 rank: int = 0, world_size: int = 1, pin_memory: bool = False, teacher_view=None):
+                 rank: int = 0, world_size: int = 1, pin_memory: bool = False, teacher_view=None,
+                 stored_teacher: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.sources = expand_sources(cfg.train)
@@ -532,7 +538,7 @@ class TrainStream:
             sample_transform = training_sample_transform(preprocess)
             self.sample_transform, finish = (split_transform(sample_transform) if cfg.uint8_transfer
                                              else (sample_transform, None))
-        self.teacher_view = teacher_view
+        self.teacher_view, self.stored_teacher = teacher_view, bool(stored_teacher)
         if teacher_view is not None:
             # The teacher's view comes from the same decoded image, at its own size: no reduced JPEG draft.
             self.draft_size = None
@@ -557,7 +563,8 @@ class TrainStream:
                 "shuffle_buffer": int(self.cfg.shuffle_buffer), "batch_size": int(self.cfg.batch_size),
                 "max_pixels": int(self.cfg.max_image_pixels), "draft_size": self.draft_size,
                 "preprocess": self.sample_transform, "as_uint8": self.uint8, "tokenizer": self.tokenizer,
-                "worker_nice": self.worker_nice, "keys": self.keys, "teacher_view": self.teacher_view}
+                "worker_nice": self.worker_nice, "keys": self.keys, "teacher_view": self.teacher_view,
+                "stored_teacher": self.stored_teacher}
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [_copy_position(p) for p in self._positions]
@@ -676,7 +683,7 @@ class TrainStream:
 
 def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                        rank: int = 0, world_size: int = 1, pin_memory: bool = False,
-                       teacher_view=None) -> TrainStream:
+                       teacher_view=None, stored_teacher: bool = False) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
@@ -692,8 +699,11 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
         pin_memory: page-locked batches (for a GPU).
         teacher_view: a `mmcl.teacher.TeacherView` (distillation): batches also carry ``teacher_image`` and
             ``teacher_text``, the teacher's view of the un-augmented image and of the same caption.
+        stored_teacher: batches carry the teacher embeddings `mmcl reinforce` stored in the shards
+            (``teacher_image_features``, ``teacher_text_features``, ``teacher_scale``); samples without them
+            are skipped and counted (``no_teacher_features``).
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
-                       pin_memory=pin_memory, teacher_view=teacher_view)
+                       pin_memory=pin_memory, teacher_view=teacher_view, stored_teacher=stored_teacher)

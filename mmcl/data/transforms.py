@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .decode import decode_image, parse_sample
+from .decode import decode_image, parse_sample, stored_teacher_features
 
 
 def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
@@ -57,7 +57,7 @@ def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
 def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
                   draft_size: Optional[Tuple[int, int]] = None,
                   aug_seed: Optional[int] = None, as_uint8: bool = False, keys=None,
-                  caption_draw: int = 0, teacher_view=None):
+                  caption_draw: int = 0, teacher_view=None, stored_teacher: bool = False):
     """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
 
     Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
@@ -68,9 +68,11 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
     samples and `TransformOutputError` when the PIL stage gives no RGB image. `keys` (a `SampleKeys`) and
     `caption_draw` choose the members and the caption (`parse_sample`). With `teacher_view` (a
     `mmcl.teacher.TeacherView`) a fourth element is the teacher's uint8 view of the same decoded image, before any
-    augmentation.
+    augmentation. With `stored_teacher` (``distill.from_shards``) it is the sample's stored teacher embeddings
+    (image, drawn caption, scale), or `SkipSample` ``no_teacher_features``.
     """
     data, caption, label = parse_sample(files, keys=keys, draw=caption_draw)  # keys: data.image_key/caption_key
+    stored = stored_teacher_features(files, caption, keys) if stored_teacher else None
     img = decode_image(data, max_pixels, draft_size)
     if aug_seed is None:
         out = preprocess(img)
@@ -92,6 +94,8 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
     image = pil_to_uint8(out) if as_uint8 else out
     if teacher_view is not None:
         return image, caption, label, teacher_view.image(img)
+    if stored is not None:
+        return image, caption, label, stored
     return image, caption, label
 
 

@@ -1,0 +1,212 @@
+"""`mmcl reinforce`: shards with a teacher's embeddings stored beside every sample ("reinforced" data, as in
+MobileCLIP), so that distillation (``distill.from_shards``) costs no teacher forward at training time.
+
+For each input shard one output shard of the same name is written: every original member unchanged (same names,
+same bytes), plus per sample ``KEY.teacher_image.npy`` (float16 (D,), L2-normalised), ``KEY.teacher_text.npy``
+(float16 (K, D), one row per candidate caption in `mmcl.data.decode.candidate_captions` order) and
+``KEY.teacher.json`` (``{"scale", "teacher", "dim"}``). The teacher sees what it sees in the loop
+(`mmcl.teacher`): its own evaluation view of the un-augmented image and its own tokens. A sample whose image or
+captions cannot be read is copied unchanged, without teacher members (training skips it and counts it as
+``no_teacher_features``, as it would have skipped it as damaged), and counted here.
+
+Resumable shard by shard: each shard is written under a temporary name and renamed when complete, and
+``reinforce.json`` in the output directory records the teacher and the finished shards; a rerun skips those and
+redoes the rest. Files in the output directory that mmcl did not write are never touched.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .data.decode import (TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys, SkipSample, candidate_captions,
+                          decode_image)
+from .data.reading import read_raw_samples
+from .data.sources import expand_urls, has_scheme
+from .errors import DataError
+from .fsutil import atomic_write_text, os_error_text
+
+MANIFEST = "reinforce.json"
+_TEMP_SUFFIX = ".reinforce-partial"
+_MAX_PIXELS = 1 << 26
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = 0, 0o644, 0, 0, "", ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _read_manifest(out_dir: Path, teacher_id: str) -> Dict[str, Any]:
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path} is unreadable ({err}); remove it to start the output directory afresh") from None
+    if manifest.get("teacher") != teacher_id:
+        raise DataError(f"{out_dir} holds shards reinforced by another teacher ({manifest.get('teacher')}); "
+                        f"use another --out for {teacher_id}")
+    return manifest
+
+
+class _Embedder:
+    """Batches samples for the teacher and writes each shard's members in the input's order."""
+
+    def __init__(self, teacher, batch_size: int, keys: Optional[SampleKeys], teacher_id: str):
+        self.teacher, self.batch_size, self.keys = teacher, batch_size, keys
+        self.meta = {"scale": float(teacher.scale), "teacher": teacher_id}
+
+    def embed(self, items: List[Any]) -> List[Optional[Dict[str, bytes]]]:
+        """The teacher members of each raw sample, or None for one the teacher cannot read."""
+        views, captions, owners = [], [], []
+        for n, item in enumerate(items):
+            try:
+                image = decode_image((self.keys.image(item.files) if self.keys else _first_image(item.files))
+                                     or b"", _MAX_PIXELS)
+                caps = candidate_captions(item.files, self.keys)
+            except SkipSample:
+                continue
+            if not caps:
+                continue
+            views.append(self.teacher.view.image(image))
+            captions.append(caps)
+            owners.append(n)
+        out: List[Optional[Dict[str, bytes]]] = [None] * len(items)
+        for start in range(0, len(views), self.batch_size):
+            part = slice(start, start + self.batch_size)
+            flat = [c for caps in captions[part] for c in caps]
+            feats = self.teacher.embed(torch.stack(views[part]), self.teacher.view.tokenize(flat))
+            image = feats.image.cpu().numpy().astype(np.float16)
+            text = feats.text.cpu().numpy().astype(np.float16)
+            row = 0
+            for i, (n, caps) in enumerate(zip(owners[part], captions[part])):
+                meta = dict(self.meta, dim=int(image.shape[1]))
+                out[n] = {TEACHER_IMAGE: _npy(image[i]), TEACHER_TEXT: _npy(text[row:row + len(caps)]),
+                          TEACHER_META: json.dumps(meta).encode()}
+                row += len(caps)
+        return out
+
+
+def _first_image(files: Dict[str, bytes]) -> Optional[bytes]:
+    from .data.decode import image_bytes
+
+    return image_bytes(files)
+
+
+def _reinforce_shard(url: str, dest: Path, embedder: _Embedder, window: int) -> Dict[str, int]:
+    """Write one output shard; returns its counts. The temporary file is removed on any failure."""
+    tmp = dest.with_name(dest.name + _TEMP_SUFFIX)
+    counts = {"samples": 0, "without_teacher": 0, "errors": 0}
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tar:
+            pending: List[Any] = []
+
+            def flush():
+                for item, members in zip(pending, embedder.embed(pending)):
+                    for ext, data in item.files.items():
+                        _add(tar, f"{item.key}.{ext}", data)
+                    if members is None:
+                        counts["without_teacher"] += 1
+                    else:
+                        for ext, data in members.items():
+                            _add(tar, f"{item.key}.{ext}", data)
+                    counts["samples"] += 1
+                pending.clear()
+
+            for item in read_raw_samples([(url, None)]):
+                if item.error is not None:
+                    counts["errors"] += 1
+                    continue
+                pending.append(item)
+                if len(pending) >= window:
+                    flush()
+            flush()
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return counts
+
+
+def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, device: Optional[str] = None,
+              keys: Optional[SampleKeys] = None, progress: bool = True) -> Dict[str, Any]:
+    """Write reinforced copies of the shards of `data` into `out_dir` (see the module docstring); returns the
+    summary (shards written and already done, samples, samples without teacher members, seconds)."""
+    import warnings
+
+    from .teacher import Teacher
+
+    if batch_size <= 0:
+        raise DataError(f"--batch-size must be > 0 (got {batch_size})")
+    urls = expand_urls(data)
+    if not urls:
+        raise DataError(f"no shards match {data}")
+    # pipe: commands name their shard in some word ending in .tar (e.g. "pipe:aws s3 cp s3://b/x.tar -")
+    names = [os.path.basename(next((w for w in u.split() if w.endswith(".tar")), u)) for u in urls]
+    if len(set(names)) != len(names):
+        raise DataError("several input shards share a file name; reinforce them into separate output directories")
+    teacher = Teacher.load(teacher_path, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    teacher_id = teacher_path if has_scheme(teacher_path) else str(Path(teacher_path).resolve())
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"cannot create {out}: {os_error_text(err)}") from None
+    manifest = _read_manifest(out, teacher_id) or {"teacher": teacher_id, "scale": float(teacher.scale),
+                                                   "shards": {}}
+    for leftover in out.glob(f"*{_TEMP_SUFFIX}"):  # an interrupted earlier run's partial shard
+        leftover.unlink(missing_ok=True)
+    embedder = _Embedder(teacher, batch_size, keys, teacher_id)
+    start, done_before, totals = time.perf_counter(), 0, {"samples": 0, "without_teacher": 0, "errors": 0}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(urls), desc="reinforce", unit="shard", dynamic_ncols=True)
+    try:
+        for url, name in zip(urls, names):
+            dest = out / name
+            record = manifest["shards"].get(name)
+            if record is not None and dest.is_file() and dest.stat().st_size == record.get("bytes"):
+                done_before += 1
+                if bar is not None:
+                    bar.update(1)
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    counts = _reinforce_shard(url, dest, embedder, window=max(batch_size, 256))
+                except OSError as err:
+                    raise DataError(f"cannot write {dest}: {os_error_text(err)}") from None
+            for w in caught[:1]:
+                print(f"mmcl: warning: {w.message}", flush=True)
+            for k in totals:
+                totals[k] += counts[k]
+            manifest["shards"][name] = {"source": url, "bytes": dest.stat().st_size, **counts}
+            atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(samples=totals["samples"])
+    finally:
+        if bar is not None:
+            bar.close()
+    return {"out_dir": str(out), "teacher": teacher_id, "shards": len(urls), "already_done": done_before,
+            "samples": totals["samples"], "without_teacher": totals["without_teacher"],
+            "shard_errors": totals["errors"], "seconds": round(time.perf_counter() - start, 1)}
