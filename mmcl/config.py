@@ -99,6 +99,11 @@ class DataConfig(_Section):
     image_key: Optional[str] = None
     caption_key: Any = "txt"
     caption_key_weights: Optional[List[float]] = None
+    # A remote shard (http(s), pipe:, ...) that cannot be opened or breaks off mid-stream is opened again this
+    # many times, after retry_delay seconds doubling each time (1 + 2 + 4 s by default), and read on from the
+    # sample that broke; only then is it skipped and counted.
+    retries: int = 3
+    retry_delay: float = 1.0
 
 
 @dataclass
@@ -208,7 +213,8 @@ _POSITIVE = (
     "data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size",
 )
 _NON_NEGATIVE = (
-    "data.workers", "data.shuffle_buffer", "train.save_every", "train.keep_checkpoints", "optim.warmup_steps",
+    "data.workers", "data.shuffle_buffer", "data.retries", "data.retry_delay", "train.save_every",
+    "train.keep_checkpoints", "optim.warmup_steps",
     "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",
     "loss.debiased", "loss.hard_negative", "loss.mochi.weight", "loss.mochi.queue_size", "loss.distill", "eval.every",
     "optim.image_lr_mult", "optim.text_lr_mult", "train.unmasked_steps",

@@ -34,6 +34,29 @@ def _path_problem(key: str, path: str) -> List[str]:
     return [f"{key}: {os.path.abspath(os.path.expanduser(path))} does not exist"]
 
 
+def _pipe_problems(spec) -> List[str]:
+    """``pipe:`` commands whose program is not installed (a missing gsutil would otherwise fail, be retried and
+    skipped shard after shard)."""
+    import shlex
+    import shutil
+
+    from .data.sources import _split_spec
+
+    missing = {}
+    for url in _split_spec(spec):  # the program is the same for every shard a braced command names
+        if not url.startswith("pipe:"):
+            continue
+        try:
+            words = shlex.split(url[len("pipe:"):])
+        except ValueError:
+            words = url[len("pipe:"):].split()
+        program = next((w for w in words if "=" not in w), None)  # after VAR=value assignments
+        if program and shutil.which(program) is None:
+            missing.setdefault(program, url)
+    return [f"data.train: the command '{program}' of {url} is not installed (not on PATH)"
+            for program, url in missing.items()]
+
+
 def input_problems(cfg: TrainConfig) -> List[str]:
     """Every missing input of a training run, one ``key: what`` entry each (empty when all are in place)."""
     problems = []
@@ -41,6 +64,7 @@ def input_problems(cfg: TrainConfig) -> List[str]:
         problems.append(f"data.train is not set: {_SET_TRAIN}")
     else:
         problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train)]
+        problems += _pipe_problems(cfg.data.train)
     zeroshot = cfg.eval.zeroshot
     if zeroshot and not is_image_folder(os.path.expanduser(zeroshot)):  # else a directory of shards or a spec
         problems += [f"eval.zeroshot: {p}" for p in missing_shards(zeroshot)]

@@ -13,12 +13,13 @@ from __future__ import annotations
 import lzma
 import os
 import tarfile
+import time
 import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
-from .sources import open_shard
+from .sources import has_scheme, open_shard
 
 def _split_name(name: str) -> Tuple[str, str]:
     """'dir/abc.seg.jpg' -> ('dir/abc', 'seg.jpg'): the key ends at the first dot of the base name."""
@@ -115,8 +116,25 @@ class TarReader:
             raise TarFormatError(str(err)) from None
 
 
+_READ_ERRORS = (TarFormatError, EOFError, OSError, ValueError, zlib.error, lzma.LZMAError)
+
+
+def _retryable(url: str) -> bool:
+    """Remote shards (http(s), ``pipe:`` commands, other schemes) can fail for a moment; a local file that is
+    truncated stays truncated."""
+    return has_scheme(url)
+
+
+def _close(stream) -> None:
+    try:
+        stream.close()
+    except Exception:  # a pipe that failed reports its problem when read; closing it may raise again
+        pass
+
+
 def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], start: Tuple[int, int] = (0, 0),
-                     open_fn: Callable[[str], Any] = open_shard) -> Iterator[RawSample]:
+                     open_fn: Callable[[str], Any] = open_shard, retries: int = 0,
+                     retry_delay: float = 1.0) -> Iterator[RawSample]:
     """Stream raw samples from the shards of `plan`, starting at position `start`.
 
     Args:
@@ -125,55 +143,71 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
             slot ``shard ordinal % n_slots`` only).
         start: (shard ordinal, samples to skip in it). Skipped samples are passed over by their tar headers;
             their bytes never reach a decoder.
+        retries, retry_delay: a remote shard (`has_scheme`) that cannot be opened or breaks off mid-stream is
+            opened again up to `retries` times, after `retry_delay` seconds doubling each time, and read on from
+            the sample that broke (the samples already yielded are passed over by their headers, so none is seen
+            twice and none is lost); only then is it reported.
     Yields:
         `RawSample` items; shard-level problems (cannot open, truncated tar) as items with ``error`` set.
     """
     first_shard, skip = start
     for shard in range(first_shard, len(plan)):
         url, modulo = plan[shard]
-        skip_here = skip if shard == first_shard else 0
+        next_index = skip if shard == first_shard else 0  # the first sample index not yet yielded
         owns_errors = modulo is None or shard % modulo[1] == modulo[0]
-        stream = None
-        try:
-            stream = open_fn(url)
-            tar = TarReader(stream)
-        except Exception as err:  # a missing file, a failing pipe, a non-tar file: all mean the shard is lost
-            if stream is not None:
-                try:
-                    stream.close()
-                except Exception:  # the shard is reported as lost either way
-                    pass
-            warnings.warn(f"cannot open shard {url}: {type(err).__name__}: {err}; skipping it")
-            if owns_errors:
-                yield RawSample(pos=(shard + 1, 0), shard=shard, index=-1, error="shard_open", url=url)
-            continue
-        index, key, files = -1, None, None
-        try:
+        attempt = 0
+        while True:
+            stream, opened, index = None, False, -1
             try:
+                stream = open_fn(url)
+                tar = TarReader(stream)
+                opened = True
+                key, files = None, None
                 for name in tar:
                     name_key, ext = _split_name(name)
                     if name_key != key:
                         if key is not None and files is not None:
                             yield RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key,
                                             files=files, url=url)
+                        if key is not None:
+                            next_index = max(next_index, index + 1)
                         index += 1
                         key = name_key
-                        wanted = index >= skip_here and (modulo is None or index % modulo[1] == modulo[0])
+                        wanted = index >= next_index and (modulo is None or index % modulo[1] == modulo[0])
                         files = {} if wanted else None
                     if files is not None:
                         files[ext] = tar.read()
-            except (TarFormatError, EOFError, OSError, ValueError, zlib.error, lzma.LZMAError) as err:
+                # A pipe (curl for http, any pipe: command) reports its exit status when closed: a download cut
+                # off at a member boundary reads like a complete archive until then. The last sample is held
+                # back until the stream has closed cleanly.
+                finished, stream = stream, None
+                finished.close()
+                if key is not None and files is not None:
+                    yield RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key, files=files, url=url)
+                break
+            except Exception as err:  # a missing file, a failing pipe, a non-tar file, a dropped connection
+                broken = err
+            finally:
+                if stream is not None:
+                    _close(stream)
+            if opened and not isinstance(broken, _READ_ERRORS):
+                raise broken  # not a damaged stream: a defect, shown as such
+            if _retryable(url) and attempt < retries:
+                attempt += 1
+                wait = retry_delay * 2 ** (attempt - 1)
+                warnings.warn(f"shard {url} failed after {max(next_index, 0)} samples ({type(broken).__name__}: "
+                              f"{broken}); retry {attempt} of {retries} in {wait:g} s")
+                time.sleep(wait)
+                continue
+            if not opened:
+                warnings.warn(f"cannot open shard {url}: {type(broken).__name__}: {broken}; skipping it")
+                if owns_errors:
+                    yield RawSample(pos=(shard + 1, 0), shard=shard, index=-1, error="shard_open", url=url)
+            else:
                 # The sample being read when the tar broke is lost; report it once.
                 warnings.warn(f"shard {url} is truncated or corrupt after {max(index, 0)} samples "
-                              f"({type(err).__name__}: {err})")
+                              f"({type(broken).__name__}: {broken})")
                 if owns_errors:
                     yield RawSample(pos=(shard + 1, 0), shard=shard, index=index, error="truncated_tar",
                                     url=url)
-                continue
-            if key is not None and files is not None:
-                yield RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key, files=files, url=url)
-        finally:
-            try:
-                stream.close()
-            except Exception:  # a pipe that failed already reported its problem above
-                pass
+            break

@@ -1,0 +1,131 @@
+"""Remote shards that fail: an http server on 127.0.0.1 that drops the connection part-way through a shard. The
+shard is opened again (``data.retries``, after ``data.retry_delay``) and read on from the sample that broke: every
+sample once, in order; past the retries it is skipped and counted; a missing ``pipe:`` program is one line."""
+
+import http.server
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mmcl.config import load_config
+from mmcl.data import read_raw_samples, write_shards
+from mmcl.errors import ConfigError
+
+
+class _Shards(http.server.BaseHTTPRequestHandler):
+    files: dict = {}
+    drops: dict = {}  # path -> [bytes to send before dropping, ...] for the next requests
+    requests: list = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        data = self.files.get(self.path)
+        self.requests.append(self.path)
+        if data is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        cuts = self.drops.get(self.path)
+        if cuts:
+            self.wfile.write(data[:cuts.pop(0)])  # then the connection goes away mid-body
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("remote")
+    samples = [{"key": f"s{i:03d}", "image": Image.new("RGB", (16, 16), (i * 9 % 255, 20, 40)),
+                "caption": f"sample {i}", "label": i % 3} for i in range(24)]
+    summary = write_shards(samples, str(root), shard_size=12, prefix="part")
+    _Shards.files = {f"/{Path(p).name}": Path(p).read_bytes() for p in summary["shards"]}
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Shards)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def _read(urls, retries, delay=0.01):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        items = list(read_raw_samples([(u, None) for u in urls], retries=retries, retry_delay=delay))
+    return items, [str(w.message) for w in caught]
+
+
+def test_a_dropped_connection_is_retried_and_read_on_from_the_sample_that_broke(server):
+    shard = "/part-000000.tar"
+    size = len(_Shards.files[shard])
+    _Shards.drops = {shard: [size // 3, size // 2]}  # two drops, at different samples
+    _Shards.requests = []
+    items, messages = _read([server + shard, server + "/part-000001.tar"], retries=3)
+    assert [i.error for i in items] == [None] * 24
+    assert [i.key for i in items] == [f"s{i:03d}" for i in range(24)]  # every sample once, in order
+    assert all(set(i.files) == {"png", "txt", "cls"} for i in items)
+    assert _Shards.requests.count(shard) == 3
+    assert sum("retry 1 of 3" in m for m in messages) == 1 and sum("retry 2 of 3" in m for m in messages) == 1
+
+
+def test_past_its_retries_a_shard_is_counted_and_the_stream_goes_on(server):
+    shard = "/part-000000.tar"
+    size = len(_Shards.files[shard])
+    _Shards.drops = {shard: [size // 2] * 3}
+    items, messages = _read([server + shard, server + "/part-000001.tar"], retries=2)
+    good = [i.key for i in items if i.error is None]
+    errors = [i.error for i in items if i.error is not None]
+    assert errors == ["truncated_tar"]
+    # the samples before the break, once each, then all of the next shard
+    assert good == sorted(set(good)) and good[-12:] == [f"s{i:03d}" for i in range(12, 24)]
+    assert 0 < len(good) - 12 < 12
+    assert any("truncated or corrupt" in m for m in messages)
+
+
+def test_a_missing_remote_shard_is_retried_a_bounded_number_of_times(server):
+    import time
+
+    _Shards.requests = []
+    start = time.perf_counter()
+    items, _ = _read([server + "/nothing.tar"], retries=2, delay=0.05)
+    assert [i.error for i in items] == ["shard_open"] or [i.error for i in items] == ["truncated_tar"]
+    assert _Shards.requests.count("/nothing.tar") == 3  # the first try and two retries, no more
+    assert time.perf_counter() - start < 30
+
+
+def test_the_training_stream_sees_every_sample_once_through_dropped_connections(server):
+    from mmcl import models
+    from mmcl.data import ImageSpec, build_train_stream
+
+    size = len(_Shards.files["/part-000001.tar"])
+    _Shards.drops = {"/part-000001.tar": [size // 4]}
+    cfg = load_config(None, [f"data.train={server}/part-{{000000..000001}}.tar", "data.batch_size=8",
+                             "data.workers=0", "data.shuffle_buffer=4", "data.retry_delay=0.01"])
+    _, _, pp, _, _, tokenizer = models.build(cfg.model)
+    stream = build_train_stream(cfg.data, ImageSpec.from_config(pp), tokenizer, seed=0)
+    keys = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in stream:
+            keys += batch["key"]
+            if len(keys) >= 24:
+                break
+    assert sorted(keys) == [f"s{i:03d}" for i in range(24)] and stream.skipped.get("total", 0) == 0
+
+
+def test_a_pipe_command_that_is_not_installed_is_one_line_before_training(tmp_path):
+    from mmcl.preflight import check_inputs
+
+    cfg = load_config(None, ["data.train=pipe:gsutil-not-installed cat gs://bucket/shard-{000..003}.tar"])
+    with pytest.raises(ConfigError, match="the command 'gsutil-not-installed' of pipe:.* is not installed"):
+        check_inputs(cfg)
+    check_inputs(load_config(None, [f"data.train=pipe:cat {tmp_path}/x.tar"]))  # cat exists: nothing to say
+    with pytest.raises(ConfigError, match="data.retries must be >= 0"):
+        load_config(None, ["data.retries=-1"])
