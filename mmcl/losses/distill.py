@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .errors import LossInputError
-from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _exp_, _tile_width, _upcast
+from .tiling import _TILE_ELEMENTS, TiledLogSumExp, _as_scale, _check_chunk, _exp_, _upcast
 from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits
 
 
@@ -50,29 +50,26 @@ class _TeacherWeightedProducts(torch.autograd.Function):
 
 
 def _teacher_pass(queries, keys, t_queries, t_keys, t_scale, chunk_size):
-    """For one direction, without gradient and tile by tile (memory linear in n + M): the teacher's row
-    log-sum-exp ``lse_t`` (n,), ``sum_j p_t T`` per row (n,), ``kbar = P_t K`` (n, D) and ``qbar = P_t^T Q``
-    (M, D), where K, Q are the student's keys and queries."""
+    """For one direction, without gradient: the teacher's row log-sum-exp ``lse_t`` (n,), ``sum_j p_t T`` per row
+    (n,), ``kbar = P_t K`` (n, D) and ``qbar = P_t^T Q`` (M, D), where K, Q are the student's keys and queries.
+
+    The teacher's logits are formed once, in stripes of whole rows holding at most `chunk_size` rows and about
+    as many logits as a `TiledLogSumExp` tile (at least one row), so memory stays linear in n + M."""
     n, m = queries.shape[0], keys.shape[0]
-    width = _tile_width(chunk_size, m, live_tiles=1)
+    rows_per = max(1, min(chunk_size, _TILE_ELEMENTS // max(m, 1)))
     ts = t_queries * t_scale
     lse = torch.empty(n, dtype=queries.dtype, device=queries.device)
-    for r0 in range(0, n, chunk_size):  # pass 1: the teacher's row log-sum-exps
-        rows = slice(r0, r0 + chunk_size)
-        parts = [torch.logsumexp(ts[rows] @ t_keys[c0:c0 + width].T, dim=1) for c0 in range(0, m, width)]
-        lse[rows] = torch.logsumexp(torch.stack(parts, dim=1), dim=1) if len(parts) > 1 else parts[0]
-    expected_t = torch.zeros(n, dtype=queries.dtype, device=queries.device)
-    kbar = torch.zeros_like(queries)
+    expected_t = torch.empty(n, dtype=queries.dtype, device=queries.device)
+    kbar = torch.empty_like(queries)
     qbar = torch.zeros(keys.shape, dtype=queries.dtype, device=queries.device)
-    for r0 in range(0, n, chunk_size):  # pass 2: the probabilities' weighted sums
-        rows = slice(r0, r0 + chunk_size)
-        for c0 in range(0, m, width):
-            cols = slice(c0, c0 + width)
-            logits = ts[rows] @ t_keys[cols].T
-            p = _teacher_probs_(logits.clone(), lse[rows])
-            expected_t[rows] += (p * logits).sum(dim=1)
-            kbar[rows] += p @ keys[cols]
-            qbar[cols] += p.T @ queries[rows]
+    for r0 in range(0, n, rows_per):
+        rows = slice(r0, r0 + rows_per)
+        logits = ts[rows] @ t_keys.T  # (rows, M)
+        lse[rows] = torch.logsumexp(logits, dim=1)
+        p = _teacher_probs_(logits.clone(), lse[rows])
+        expected_t[rows] = torch.linalg.vecdot(p, logits)
+        kbar[rows] = p @ keys
+        qbar.addmm_(p.T, queries[rows])
     return lse, expected_t, kbar, qbar
 
 
