@@ -49,7 +49,11 @@ def runs(demo, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     config = _fsdp_config(root)
     out = {}
-    for name, extra in (("plain", ()), ("locked", ("model.lock_text=true", "model.lock_text_freeze_layer_norm=true"))):
+    variants = (("plain", ()), ("locked", ("model.lock_text=true", "model.lock_text_freeze_layer_norm=true")),
+                # GradCache accumulation (no_sync), gradient checkpointing and in-loop evaluations
+                ("accum", ("train.accum_steps=2", "data.batch_size=2", "model.grad_checkpointing=true",
+                           f"eval.zeroshot={demo['zeroshot_colour']}", "eval.every=10")))
+    for name, extra in variants:
         for how, cfg, program in (("fsdp", config, [SHIM]), ("ddp", ROOT / "launch" / "cpu-2proc.yaml",
                                                            ["-m", "mmcl"])):
             run = root / f"{how}-{name}"
@@ -61,7 +65,7 @@ def runs(demo, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["plain", "locked"])
+@pytest.mark.parametrize("name", ["plain", "locked", "accum"])
 def test_fsdp_trains_to_the_weights_of_ddp(runs, name):
     fsdp_run, stdout = runs[("fsdp", name)]
     assert "2 process(es), FSDP on cpu" in stdout  # accelerate's FSDP path, not a silent DDP fallback
@@ -74,6 +78,11 @@ def test_fsdp_trains_to_the_weights_of_ddp(runs, name):
     for ra, rb in zip(rows_a, rows_b):
         for key in ("loss", "logit_scale", "grad_norm"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4), key
+        evals = sorted(k for k in ra if k.startswith("eval/"))
+        assert evals == sorted(k for k in rb if k.startswith("eval/"))
+        assert all(ra[k] == pytest.approx(rb[k], abs=1e-6) for k in evals)
+    if name == "accum":  # evaluated in the loop (step 10) and at the end, on the gathered weights
+        assert [r["step"] for r in rows_a if "eval/zeroshot_classification/colour/acc1" in r] == [10, 20]
     text = [k for k in a if k.startswith(("transformer.", "token_embedding", "ln_final", "positional",
                                            "text_projection"))]
     if name == "locked":
