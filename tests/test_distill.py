@@ -165,6 +165,7 @@ def _kl_worker(rank, world, port, out_path, chunk):
     torch.distributed.all_reduce(s_grad)
     if rank == 0:
         torch.save({"loss": terms["loss/distill"], "img": grads[0], "txt": grads[1], "s": s_grad / world}, out_path)
+    torch.distributed.barrier()  # no process tears the group down while another still uses it
     torch.distributed.destroy_process_group()
 
 
