@@ -27,7 +27,7 @@ import torch
 
 from . import checkpoints
 from . import data as data_mod
-from . import elastic, flip, losses, models, optim, tracking, weights
+from . import elastic, flip, fsdp, losses, models, optim, tracking, weights
 from .ema import WeightEMA, swapped_in
 from .agree import agreed, any_process, broadcast_from_main, lost_peer
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
@@ -544,6 +544,11 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
         run.log(init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
+    if fsdp.in_effect(accelerator):  # fully_shard takes no 0-dim parameter: before the optimiser sees them
+        if cfg.train.ema_decay is not None:
+            raise ConfigError("train.ema_decay is not supported with FSDP (the average would need the full "
+                              "weights on every step); unset it or launch without FSDP")
+        fsdp.vector_scalars(model)
     if cfg.model.patch_dropout:
         run.patch_dropout = models.set_patch_dropout(model, cfg.model.patch_dropout, cfg.train.seed,
                                                      accelerator.process_index, accelerator.num_processes,
@@ -774,17 +779,20 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
         skipped_total = int(skipped.get("total", 0))
     record = {"step": progress.step, "samples": progress.samples, "loss": float(loss.detach()),
               **{k: float(v) for k, v in terms.items()}, "lr": lr,
-              "logit_scale": float(raw_model.logit_scale.detach().exp()),
+              "logit_scale": float(fsdp.full(raw_model.logit_scale.detach()).exp()),
               "samples_per_s": run.window_samples / max(elapsed, 1e-9),
               "data_time_frac": run.data_time / max(elapsed, 1e-9), "data/skipped": skipped_total}
     if getattr(raw_model, "logit_bias", None) is not None:
-        record["logit_bias"] = float(raw_model.logit_bias.detach())
+        record["logit_bias"] = float(fsdp.full(raw_model.logit_bias.detach()))
     if grad_norm is not None:
-        record["grad_norm"] = float(grad_norm)
+        record["grad_norm"] = float(fsdp.full(grad_norm))
     if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < run.total:
+        eval_model = raw_model
+        if fsdp.in_effect(accelerator) and _has_eval(cfg):  # every process joins the gathering of the weights
+            eval_model = fsdp.full_model(accelerator, run.model, run.model_cfg)
         try:
-            with swapped_in(run.ema, raw_model):
-                record.update(run_eval(cfg, raw_model, run.tokenizer, run.pp_cfg, accelerator))
+            with swapped_in(run.ema, eval_model):
+                record.update(run_eval(cfg, eval_model, run.tokenizer, run.pp_cfg, accelerator))
         except MmclError as err:
             # The evaluation runs on the main process only: training goes on, with nothing lost and no other
             # process waiting on it. The final evaluation's failure still ends the run (after model/ is saved).
@@ -846,9 +854,12 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
     accelerator.wait_for_everyone()
     eval_failure = None
     averaged = contextlib.ExitStack()  # model/ and the final evaluation use the EMA weights when train.ema_decay
+    final_model = run.raw_model
+    if fsdp.in_effect(accelerator):  # the full weights, gathered from every process's shards
+        final_model = fsdp.full_model(accelerator, run.model, run.model_cfg)
     if run.main:
-        averaged.enter_context(swapped_in(run.ema, run.raw_model))
-        weights.save_model_dir(run.raw_model, run.model_cfg, run.pp_cfg, out_dir / "model",
+        averaged.enter_context(swapped_in(run.ema, final_model))
+        weights.save_model_dir(final_model, run.model_cfg, run.pp_cfg, out_dir / "model",
                                extra={"steps": progress.step, "samples": progress.samples})
         run.log(f"model saved to {out_dir / 'model'}")
         # The final evaluation runs after model/ is written, so a failing evaluation never loses the model; the
@@ -856,7 +867,7 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
         unwritten = last.get("step") == progress.step  # the final step's record, held back by log_record
         final = last if unwritten else {"step": progress.step, "samples": progress.samples}
         try:
-            final.update(run_eval(cfg, run.raw_model, run.tokenizer, run.pp_cfg, accelerator))
+            final.update(run_eval(cfg, final_model, run.tokenizer, run.pp_cfg, accelerator))
         except MmclError as err:
             eval_failure = (f"final evaluation failed: {err}; the trained model is saved in {out_dir / 'model'} "
                             f"(evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
