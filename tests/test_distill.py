@@ -17,7 +17,7 @@ from mmcl.config import LossConfig, load_config
 from mmcl.losses import ContrastiveObjective, TeacherFeatures, distill_loss
 from mmcl.train import objective_from_config, train_step
 
-from test_train import (ROOT, _free_port, demo, fake_batch, final_weights, grads_of, metrics,  # noqa: F401
+from test_train import (_free_port, demo, fake_batch, final_weights, grads_of, metrics,  # noqa: F401
                         micro_model, run_args)
 
 
@@ -209,10 +209,7 @@ def test_accumulation_with_a_teacher_equals_the_large_batch():
 
     acc = Accelerator(cpu=True)
     objective = objective_from_config(LossConfig(clip=1.0, distill=2.0))
-    big = fake_batch(12, seed=1)
-    g = torch.Generator().manual_seed(2)
-    big["teacher_image"] = torch.randint(0, 256, (12, 3, 16, 16), generator=g, dtype=torch.uint8)
-    big["teacher_text"] = torch.randint(1, 100, (12, 20), generator=g)
+    big = _teacher_batch()
     halves = [{k: v[:6] for k, v in big.items()}, {k: v[6:] for k, v in big.items()}]
     teacher = _FakeTeacher()
     results = []
@@ -459,3 +456,58 @@ def test_training_from_reinforced_shards_never_loads_a_teacher(demo, reinforced,
     plain = run_args(demo, other, "train.steps=2", "data.batch_size=8", "data.workers=0",
                      "distill.from_shards=true", "loss.distill=1.0")
     assert main(["train", *plain]) == 2
+
+
+def _ddp_teacher_worker(rank, world, port, out_path, micro_batches):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    objective = objective_from_config(LossConfig(clip=1.0, distill=2.0, chunk_size=4))
+    model = acc.prepare(micro_model())
+    big = _teacher_batch()
+    n = 12 // world
+    local = {k: v[rank * n:(rank + 1) * n] for k, v in big.items()}
+    m = n // micro_batches
+    parts = [{k: v[i * m:(i + 1) * m] for k, v in local.items()} for i in range(micro_batches)]
+    _, terms, backward = train_step(model, objective, parts, acc, None, True, _FakeTeacher())
+    backward()
+    if rank == 0:
+        torch.save({"terms": terms, "grads": grads_of(acc.unwrap_model(model))}, out_path)
+    acc.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+def _teacher_batch():
+    big = fake_batch(12, seed=1)
+    g = torch.Generator().manual_seed(2)
+    big["teacher_image"] = torch.randint(0, 256, (12, 3, 16, 16), generator=g, dtype=torch.uint8)
+    big["teacher_text"] = torch.randint(1, 100, (12, 20), generator=g)
+    return big
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_two_training_processes_with_a_teacher_equal_one(tmp_path, micro_batches):
+    """DDP with a teacher (its features gathered like the student's), with and without GradCache accumulation:
+    the loss terms and parameter gradients of one process holding the global batch, tiled KL included."""
+    from accelerate import Accelerator
+
+    out = tmp_path / "ddp.pt"
+    torch.multiprocessing.spawn(_ddp_teacher_worker, args=(2, _free_port(), str(out), micro_batches), nprocs=2,
+                                join=True)
+    got = torch.load(out)
+    acc = Accelerator(cpu=True)
+    model = micro_model()
+    objective = objective_from_config(LossConfig(clip=1.0, distill=2.0, chunk_size=4))
+    _, terms, backward = train_step(model, objective, [_teacher_batch()], acc, None, True, _FakeTeacher())
+    backward()
+    single = grads_of(model)
+    assert terms["loss/distill"] > 0.01
+    for key in ("loss/clip", "loss/distill", "loss"):
+        assert got["terms"][key] == pytest.approx(terms[key], rel=1e-5), key
+    for name in single:
+        atol = max(1e-6, 1e-5 * single[name].abs().max().item())
+        torch.testing.assert_close(got["grads"][name], single[name], rtol=1e-4, atol=atol, msg=name)
