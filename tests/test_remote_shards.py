@@ -82,11 +82,14 @@ def test_past_its_retries_a_shard_is_counted_and_the_stream_goes_on(server):
     items, messages = _read([server + shard, server + "/part-000001.tar"], retries=2)
     good = [i.key for i in items if i.error is None]
     errors = [i.error for i in items if i.error is not None]
-    assert errors == ["truncated_tar"]
-    # the samples before the break, once each, then all of the next shard
+    # curl exits as the connection drops, and webdataset's pipe reports that on the next read even with data
+    # still buffered: the attempts read some or none of the shard, so it counts as truncated or as unopened.
+    assert errors in (["truncated_tar"], ["shard_open"])
+    # the samples read before the breaks, once each, then all of the next shard
     assert good == sorted(set(good)) and good[-12:] == [f"s{i:03d}" for i in range(12, 24)]
-    assert 0 < len(good) - 12 < 12
-    assert any("truncated or corrupt" in m for m in messages)
+    assert len(good) - 12 < 12
+    assert sum("retry" in m for m in messages) == 2
+    assert any("truncated or corrupt" in m or "cannot open" in m for m in messages)
 
 
 def test_a_missing_remote_shard_is_retried_a_bounded_number_of_times(server):

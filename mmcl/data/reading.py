@@ -154,6 +154,7 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
     for shard in range(first_shard, len(plan)):
         url, modulo = plan[shard]
         next_index = skip if shard == first_shard else 0  # the first sample index not yet yielded
+        first_index = next_index
         owns_errors = modulo is None or shard % modulo[1] == modulo[0]
         attempt = 0
         while True:
@@ -199,15 +200,15 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
                               f"{broken}); retry {attempt} of {retries} in {wait:g} s")
                 time.sleep(wait)
                 continue
-            if not opened:
+            if not opened and next_index == first_index:  # nothing of it read, in any attempt
                 warnings.warn(f"cannot open shard {url}: {type(broken).__name__}: {broken}; skipping it")
                 if owns_errors:
                     yield RawSample(pos=(shard + 1, 0), shard=shard, index=-1, error="shard_open", url=url)
             else:
                 # The sample being read when the tar broke is lost; report it once.
-                warnings.warn(f"shard {url} is truncated or corrupt after {max(index, 0)} samples "
+                warnings.warn(f"shard {url} is truncated or corrupt after {max(index, next_index, 0)} samples "
                               f"({type(broken).__name__}: {broken})")
                 if owns_errors:
-                    yield RawSample(pos=(shard + 1, 0), shard=shard, index=index, error="truncated_tar",
-                                    url=url)
+                    yield RawSample(pos=(shard + 1, 0), shard=shard, index=max(index, next_index),
+                                    error="truncated_tar", url=url)
             break
