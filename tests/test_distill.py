@@ -17,6 +17,7 @@ from mmcl.config import LossConfig, load_config
 from mmcl.losses import ContrastiveObjective, TeacherFeatures, distill_loss
 from mmcl.train import objective_from_config, train_step
 
+from spawned import end_worker
 from test_train import (_free_port, demo, fake_batch, final_weights, grads_of, metrics,  # noqa: F401
                         micro_model, run_args)
 
@@ -167,8 +168,7 @@ def _kl_worker(rank, world, port, out_path, chunk):
     torch.distributed.all_reduce(s_grad)
     if rank == 0:
         torch.save({"loss": terms["loss/distill"], "img": grads[0], "txt": grads[1], "s": s_grad / world}, out_path)
-    torch.distributed.barrier()  # no process tears the group down while another still uses it
-    torch.distributed.destroy_process_group()
+    end_worker()
 
 
 @pytest.mark.slow
@@ -478,8 +478,7 @@ def _ddp_teacher_worker(rank, world, port, out_path, micro_batches):
     backward()
     if rank == 0:
         torch.save({"terms": terms, "grads": grads_of(acc.unwrap_model(model))}, out_path)
-    acc.wait_for_everyone()
-    torch.distributed.destroy_process_group()
+    end_worker()
 
 
 def _teacher_batch():

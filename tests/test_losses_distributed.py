@@ -2,7 +2,6 @@
 whole batch: the logged loss terms and every parameter gradient after DDP's averaging."""
 
 import math
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mmcl.config import LossConfig, MochiConfig
 from mmcl.losses import gather_batch, gather_features
 from mmcl.train import objective_from_config
+from spawned import end_worker, free_port as _free_port
 
 WORLD = 2
 GLOBAL_BATCH = 12
@@ -82,20 +82,9 @@ def _run(wrap, rank, world):
 
 def _worker(rank, port, path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        _check_gather(rank, path)
-        torch.save(_run(DistributedDataParallel, rank, WORLD), f"{path}/rank{rank}.pt")
-        # Both ranks finish all communication before either tears down its gloo threads; a rank that destroys
-        # the group while its peer is still sending can abort in gloo's C++ teardown.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    _check_gather(rank, path)
+    torch.save(_run(DistributedDataParallel, rank, WORLD), f"{path}/rank{rank}.pt")
+    end_worker()  # only after success: an exception must reach spawn's error file
 
 
 def _check_gather(rank, path):

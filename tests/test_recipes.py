@@ -11,6 +11,7 @@ from mmcl.ema import WeightEMA
 from mmcl.train import objective_from_config as build_objective
 from mmcl.train import apply_update, build_optimizer, train_step
 
+from spawned import end_worker
 from test_train import MICRO, _free_port, demo, fake_batch, metrics, run_args  # noqa: F401 (demo: a fixture)
 
 
@@ -109,8 +110,7 @@ def _ema_ddp_worker(rank, world, port, out_path):
     train_steps(model, acc, batches, ema, ADAM_DDP)
     if rank == 0:
         torch.save(ema.state_dict(), out_path)
-    acc.wait_for_everyone()
-    torch.distributed.destroy_process_group()
+    end_worker()
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.errors import TrainingError
 from mmcl.checkpoints import latest_checkpoint, list_checkpoints
 from mmcl.train import lr_at, objective_from_config, param_groups, train, train_step
+from spawned import end_worker, free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # A smaller tower than configs/tiny.yaml so each step takes milliseconds on a busy 2-core machine.
@@ -168,14 +168,7 @@ def _ddp_worker(rank, world, port, out_path, micro_batches=1):
     backward()
     if rank == 0:
         torch.save({"loss": terms["loss/clip"], "grads": grads_of(acc.unwrap_model(model))}, out_path)
-    acc.wait_for_everyone()
-    torch.distributed.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    end_worker()
 
 
 @pytest.mark.slow
