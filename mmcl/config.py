@@ -104,6 +104,9 @@ class DataConfig(_Section):
     # sample that broke; only then is it skipped and counted.
     retries: int = 3
     retry_delay: float = 1.0
+    # A pipe shard (pipe: command, http(s) through curl) that sends nothing for this many seconds while it is read
+    # is killed with its children and treated as broken off (then retried); 0 waits for ever.
+    read_timeout: float = 300.0
 
 
 @dataclass
@@ -213,7 +216,8 @@ _POSITIVE = (
     "data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size",
 )
 _NON_NEGATIVE = (
-    "data.workers", "data.shuffle_buffer", "data.retries", "data.retry_delay", "train.save_every",
+    "data.workers", "data.shuffle_buffer", "data.retries", "data.retry_delay", "data.read_timeout",
+    "train.save_every",
     "train.keep_checkpoints", "optim.warmup_steps",
     "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",
     "loss.debiased", "loss.hard_negative", "loss.mochi.weight", "loss.mochi.queue_size", "loss.distill", "eval.every",

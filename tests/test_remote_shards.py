@@ -132,3 +132,93 @@ def test_a_pipe_command_that_is_not_installed_is_one_line_before_training(tmp_pa
     check_inputs(load_config(None, [f"data.train=pipe:cat {tmp_path}/x.tar"]))  # cat exists: nothing to say
     with pytest.raises(ConfigError, match="data.retries must be >= 0"):
         load_config(None, ["data.retries=-1"])
+
+
+# ------------------------------------------------------------------------------------- commands that hang
+_TRICKLE = """import sys, time
+data = open(sys.argv[1], "rb").read()
+cut, pause = int(sys.argv[2]), float(sys.argv[3])
+step = 1500
+for i in range(0, min(cut, len(data)), step):
+    sys.stdout.buffer.write(data[i:min(i + step, cut)])
+    sys.stdout.flush()
+    time.sleep(pause)
+if cut < len(data):
+    time.sleep(float(sys.argv[4]))  # hangs: the shard never ends
+"""
+
+
+@pytest.fixture
+def trickle(tmp_path, server):
+    """`pipe:` URL of a command sending the first `cut` bytes of a shard in pieces `pause` s apart, then
+    hanging for `hang` s (the number marks its processes)."""
+    import sys
+
+    script = tmp_path / "trickle.py"
+    script.write_text(_TRICKLE)
+    shard = tmp_path / "part.tar"
+    shard.write_bytes(_Shards.files["/part-000000.tar"])
+
+    def url(cut, pause, hang=377.0):
+        return f"pipe:{sys.executable} {script} {shard} {cut} {pause} {hang}"
+    return url, len(_Shards.files["/part-000000.tar"])
+
+
+def _hung(hang):
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if str(hang) in " ".join(p.info["cmdline"] or [])]
+
+
+def _read_timed(urls, retries, timeout):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        items = list(read_raw_samples([(u, None) for u in urls], retries=retries, retry_delay=0.01,
+                                      read_timeout=timeout))
+    return items, [str(w.message) for w in caught]
+
+
+def test_a_pipe_that_hangs_mid_shard_is_killed_retried_and_counted(trickle):
+    import time
+
+    url, size = trickle
+    start = time.perf_counter()
+    items, messages = _read_timed([url(size // 2, 0.0, 377.5)], retries=1, timeout=1.0)
+    elapsed = time.perf_counter() - start
+    good = [i.key for i in items if i.error is None]
+    # the samples whole in the first half, once each although the shard was read twice, then the count
+    assert good == [f"s{i:03d}" for i in range(len(good))] and 3 <= len(good) < 12
+    assert [i.error for i in items if i.error is not None] == ["truncated_tar"]
+    assert sum("data.read_timeout" in m for m in messages) == 2  # the retry, then the report
+    assert elapsed < 15, elapsed  # two stalls of about 1 s, not the command's 377 s
+    assert _hung(377.5) == []  # the command and its children are gone
+
+
+def test_a_pipe_that_never_sends_is_a_shard_that_cannot_be_opened(trickle):
+    url, _ = trickle
+    items, messages = _read_timed([url(0, 0.0, 377.25)], retries=0, timeout=0.5)
+    assert [i.error for i in items] == ["shard_open"]
+    assert any("cannot open" in m and "no data for 0.5 s" in m for m in messages)
+    assert _hung(377.25) == []
+
+
+def test_a_slow_pipe_that_keeps_sending_and_a_slow_consumer_are_not_stalls(trickle):
+    import time
+
+    url, size = trickle
+    items, messages = _read_timed([url(size, 0.15)], retries=0, timeout=0.6)  # about 2 s in all, 0.15 s gaps
+    assert [i.key for i in items] == [f"s{i:03d}" for i in range(12)] and messages == []
+    # the consumer holding the stream longer than the timeout between reads is not a stall either
+    reader = read_raw_samples([(url(size, 0.0), None)], read_timeout=0.3)
+    keys = []
+    for item in reader:
+        keys.append(item.key)
+        if len(keys) <= 2:
+            time.sleep(0.8)
+    assert keys == [f"s{i:03d}" for i in range(12)]
+
+
+def test_read_timeout_is_a_checked_key():
+    assert load_config(None, ["data.read_timeout=30"]).data.read_timeout == 30
+    with pytest.raises(ConfigError, match="data.read_timeout must be >= 0"):
+        load_config(None, ["data.read_timeout=-1"])

@@ -229,7 +229,8 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
         plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
         full_epoch = (shard, sample, emitted) == (0, 0, 0)
         raw_seen, good_seen = 0, 0
-        reader = read_raw_samples(plan, (shard, sample), retries=s["retries"], retry_delay=s["retry_delay"])
+        reader = read_raw_samples(plan, (shard, sample), retries=s["retries"], retry_delay=s["retry_delay"],
+                                  read_timeout=s["read_timeout"])
         while True:
             block: List[RawSample] = []
             for item in reader:
@@ -294,7 +295,8 @@ def _task_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSa
     plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
     block_size = max(1, s["shuffle_buffer"])
     shard, sample, emitted = task["shard"], task["sample"], task["emitted"]
-    reader = read_raw_samples(plan, (shard, sample), retries=s["retries"], retry_delay=s["retry_delay"])
+    reader = read_raw_samples(plan, (shard, sample), retries=s["retries"], retry_delay=s["retry_delay"],
+                              read_timeout=s["read_timeout"])
     while True:
         block: List[RawSample] = []
         for item in reader:
@@ -565,7 +567,7 @@ class TrainStream:
                 "preprocess": self.sample_transform, "as_uint8": self.uint8, "tokenizer": self.tokenizer,
                 "worker_nice": self.worker_nice, "keys": self.keys, "teacher_view": self.teacher_view,
                 "stored_teacher": self.stored_teacher, "retries": int(self.cfg.retries),
-                "retry_delay": float(self.cfg.retry_delay)}
+                "retry_delay": float(self.cfg.retry_delay), "read_timeout": float(self.cfg.read_timeout)}
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [_copy_position(p) for p in self._positions]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import lzma
 import os
 import tarfile
+import threading
 import time
 import warnings
 import zlib
@@ -125,6 +126,83 @@ def _retryable(url: str) -> bool:
     return has_scheme(url)
 
 
+class _StallWatch:
+    """A pipe stream (``pipe:`` commands, http(s) through curl) whose reads may block for at most `timeout`
+    seconds: a command that hangs (a stalled download, a credential prompt nobody answers) is killed with its
+    children, which ends its output, so the shard breaks off and goes through retries like any other failure.
+    Time spent outside `read` (the consumer training) never counts."""
+
+    def __init__(self, stream, timeout: float):
+        self._stream, self._timeout = stream, timeout
+        self._since: Optional[float] = None  # when the read in progress began
+        self._done = threading.Event()
+        self.stalled = False
+        threading.Thread(target=self._watch, daemon=True, name="mmcl-shard-watch").start()
+
+    def read(self, size: int = -1) -> bytes:
+        # A buffered pipe's read(size) waits for all `size` bytes: a slow, live download would count as a stall.
+        # Reading what has arrived (read1) restarts the clock at every piece of data.
+        pipe = getattr(self._stream, "stream", None)
+        if size is None or size < 0 or not hasattr(pipe, "read1"):
+            self._since = time.monotonic()
+            try:
+                return self._stream.read(size)
+            finally:
+                self._since = None
+        parts, got = [], 0
+        try:
+            while got < size:
+                self._since = time.monotonic()
+                piece = pipe.read1(size - got)
+                if not piece:
+                    break
+                parts.append(piece)
+                got += len(piece)
+        finally:
+            self._since = None
+        if hasattr(self._stream, "check_status"):
+            self._stream.check_status()  # a command that failed says so, as webdataset's own read does
+        return b"".join(parts)
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(1.0, self._timeout / 4)):
+            since = self._since
+            if since is not None and time.monotonic() - since > self._timeout:
+                self.stalled = True
+                _kill_tree(self._stream.proc.pid)
+                return
+
+    def close(self) -> None:
+        self._done.set()
+        self._stream.close()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill process `pid` and its descendants (a shell's command holds the pipe open after the shell dies)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        family = proc.children(recursive=True) + [proc]
+    except psutil.NoSuchProcess:
+        return
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _open_watched(open_fn, url: str, timeout: float):
+    stream = open_fn(url)
+    if timeout > 0 and hasattr(getattr(stream, "proc", None), "pid"):
+        return _StallWatch(stream, timeout)
+    return stream
+
+
 def _close(stream) -> None:
     try:
         stream.close()
@@ -134,7 +212,7 @@ def _close(stream) -> None:
 
 def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], start: Tuple[int, int] = (0, 0),
                      open_fn: Callable[[str], Any] = open_shard, retries: int = 0,
-                     retry_delay: float = 1.0) -> Iterator[RawSample]:
+                     retry_delay: float = 1.0, read_timeout: float = 0.0) -> Iterator[RawSample]:
     """Stream raw samples from the shards of `plan`, starting at position `start`.
 
     Args:
@@ -147,6 +225,8 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
             opened again up to `retries` times, after `retry_delay` seconds doubling each time, and read on from
             the sample that broke (the samples already yielded are passed over by their headers, so none is seen
             twice and none is lost); only then is it reported.
+        read_timeout: seconds a pipe shard (``pipe:`` command, http(s) through curl) may send nothing while it
+            is read before its command is killed and the shard counts as broken (0: wait for ever).
     Yields:
         `RawSample` items; shard-level problems (cannot open, truncated tar) as items with ``error`` set.
     """
@@ -158,9 +238,9 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
         owns_errors = modulo is None or shard % modulo[1] == modulo[0]
         attempt = 0
         while True:
-            stream, opened, index = None, False, -1
+            stream, watched, opened, index = None, None, False, -1
             try:
-                stream = open_fn(url)
+                stream = watched = _open_watched(open_fn, url, read_timeout)
                 tar = TarReader(stream)
                 opened = True
                 key, files = None, None
@@ -188,6 +268,9 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
                 break
             except Exception as err:  # a missing file, a failing pipe, a non-tar file, a dropped connection
                 broken = err
+                if getattr(watched, "stalled", False):
+                    broken = TimeoutError(f"no data for {read_timeout:g} s (data.read_timeout); its command was "
+                                          "killed")
             finally:
                 if stream is not None:
                     _close(stream)
