@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--stored", action="store_true", help="also train from shards reinforced with the teacher "
                                                                 "(mmcl reinforce, distill.from_shards)")
+    parser.add_argument("--stored-only", action="store_true", help="with --stored, skip the teacher-in-the-loop arm "
+                                                                     "(its targets equal the stored ones)")
     parser.add_argument("--reuse", action="store_true")
     args = parser.parse_args()
     work = Path(args.work_dir)
@@ -93,7 +95,8 @@ def main() -> None:
     results = []
     for seed in args.seeds:
         for weight in args.weights:  # the arms alternate, so machine load affects them alike
-            for shards in ([""] if weight == 0 or not stored else ["", stored]):
+            arms = [""] if weight == 0 or not stored else [stored] if args.stored_only else ["", stored]
+            for shards in arms:
                 res = train_student(work, data, args, seed, teacher_dir, weight, shards)
                 print(json.dumps(res), flush=True)
                 results.append(res)

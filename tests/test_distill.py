@@ -224,7 +224,10 @@ def test_accumulation_with_a_teacher_equals_the_large_batch():
     assert t1["loss/distill"] > 0.01 and t2["loss/distill"] == pytest.approx(t1["loss/distill"], rel=1e-5)
     assert l2 == pytest.approx(l1, rel=1e-5)
     for name in g1:
-        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+        # float32 sums in another order: the token embedding's gradient adds up every occurrence of a token (up
+        # to |g| ~ 30 here), so its absolute noise follows the tensor's scale, not 1
+        atol = 1e-6 * max(1.0, g1[name].abs().max().item())
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=atol, msg=name)
 
 
 @pytest.fixture(scope="module")

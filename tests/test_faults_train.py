@@ -319,7 +319,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(demo, tmp_path
     # after the training process is SIGKILLed: the lock must die with the holder all the same.
     holder = subprocess.Popen([sys.executable, "-c", "import os, time; from mmcl.runlock import RunLock; "
                                f"RunLock({str(out)!r}).acquire(); child = os.fork(); "
-                               "print(child or '', flush=True); time.sleep(600)"],
+                               "child and print(child, flush=True); time.sleep(600)"],  # the parent says its child's PID
                               stdout=subprocess.PIPE, text=True)
     child = int(holder.stdout.readline())
     try:
