@@ -212,7 +212,7 @@ def _close(stream) -> None:
 
 def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], start: Tuple[int, int] = (0, 0),
                      open_fn: Callable[[str], Any] = open_shard, retries: int = 0,
-                     retry_delay: float = 1.0, read_timeout: float = 0.0) -> Iterator[RawSample]:
+                     retry_delay: float = 1.0, read_timeout: float = 300.0) -> Iterator[RawSample]:
     """Stream raw samples from the shards of `plan`, starting at position `start`.
 
     Args:
