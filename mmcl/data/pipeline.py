@@ -27,6 +27,7 @@ warnings to the training process with their batches, which shows each once.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import signal
@@ -177,7 +178,6 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
     """Infinite batches of one worker role, starting at position `start`; each carries ``__state__``."""
     rank, n_roles = s["rank"], s["n_roles"]
     slot, n_slots = rank * n_roles + role, s["world_size"] * n_roles
-    block_size = max(1, s["shuffle_buffer"])
     epoch, shard, sample, emitted = start["epoch"], start["shard"], start["sample"], start["emitted"]
     skipped = dict(zero_skips(), **start["skipped"])
     skipped_before_epoch = dict(zero_skips(), **start.get("skipped_before_epoch", start["skipped"]))
@@ -198,12 +198,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                 skipped[item.error] += 1
                 continue
             try:
-                tensor, caption, label, *teacher_image = decode_sample(
-                    item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
-                    aug_seed=_mix(s["seed"], origin["slot"], origin["epoch"], item.shard, item.index),
-                    as_uint8=s["as_uint8"], keys=s["keys"],
-                    caption_draw=caption_draw(s["seed"], origin["epoch"], item.key) if s["keys"] is not None else 0,
-                    teacher_view=s["teacher_view"], stored_teacher=s["stored_teacher"])
+                tensor, caption, label, *teacher_image = _decode(s, item, origin["slot"], origin["epoch"])
             except SkipSample as skip:
                 skipped[skip.reason] += 1
                 continue
@@ -229,17 +224,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
         plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
         full_epoch = (shard, sample, emitted) == (0, 0, 0)
         raw_seen, good_seen = 0, 0
-        reader = read_raw_samples(plan, (shard, sample), retries=s["retries"], retry_delay=s["retry_delay"],
-                                  read_timeout=s["read_timeout"])
-        while True:
-            block: List[RawSample] = []
-            for item in reader:
-                block.append(item)
-                if len(block) == block_size:
-                    break
-            if not block:
-                break
-            perm = shuffle_block(len(block), s["seed"], slot, epoch, (shard, sample))
+        for block, perm, (shard, sample) in _shuffled_blocks(s, plan, slot, epoch, (shard, sample)):
             for j in range(emitted, len(block)):
                 item = block[perm[j]]
                 emitted = j + 1
@@ -248,12 +233,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                     continue
                 raw_seen += 1
                 try:
-                    tensor, caption, label, *teacher_image = decode_sample(
-                        item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
-                        aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"],
-                        keys=s["keys"],
-                        caption_draw=caption_draw(s["seed"], epoch, item.key) if s["keys"] is not None else 0,
-                        teacher_view=s["teacher_view"], stored_teacher=s["stored_teacher"])
+                    tensor, caption, label, *teacher_image = _decode(s, item, slot, epoch)
                 except SkipSample as skip:
                     skipped[skip.reason] += 1
                     continue
@@ -275,7 +255,6 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
                     images, captions, labels, keys, teacher_images = [], [], [], [], []
                     yield batch
             emitted = 0
-            shard, sample = block[-1].pos
         if full_epoch and good_seen == 0:
             empty_epochs += 1
             problem = _empty_epoch_problem(s, rank, role, n_slots, raw_seen, skipped, plan, empty_epochs)
@@ -293,23 +272,36 @@ def _task_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSa
     position (block start shard, block start sample, emitted) just after it."""
     slot, n_slots, epoch = task["slot"], task["n_slots"], task["epoch"]
     plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
-    block_size = max(1, s["shuffle_buffer"])
-    shard, sample, emitted = task["shard"], task["sample"], task["emitted"]
-    reader = read_raw_samples(plan, (shard, sample), retries=s["retries"], retry_delay=s["retry_delay"],
-                              read_timeout=s["read_timeout"])
-    while True:
-        block: List[RawSample] = []
-        for item in reader:
-            block.append(item)
-            if len(block) == block_size:
-                break
-        if not block:
-            return
-        perm = shuffle_block(len(block), s["seed"], slot, epoch, (shard, sample))
+    emitted = task["emitted"]
+    for block, perm, (shard, sample) in _shuffled_blocks(s, plan, slot, epoch, (task["shard"], task["sample"])):
         for j in range(emitted, len(block)):
             yield block[perm[j]], (shard, sample, j + 1)
         emitted = 0
-        shard, sample = block[-1].pos
+
+
+def _shuffled_blocks(s: Dict[str, Any], plan, slot: int, epoch: int,
+                     start: Tuple[int, int]) -> Iterator[Tuple[List[RawSample], np.ndarray, Tuple[int, int]]]:
+    """The raw items of `plan` from position `start`, in blocks of ``shuffle_buffer`` items: each block with the
+    order it is emitted in (`shuffle_block`) and the position it starts at (which a saved state records)."""
+    reader = read_raw_samples(plan, start, retries=s["retries"], retry_delay=s["retry_delay"],
+                              read_timeout=s["read_timeout"])
+    block_size = max(1, s["shuffle_buffer"])
+    while True:
+        block = list(itertools.islice(reader, block_size))
+        if not block:
+            return
+        yield block, shuffle_block(len(block), s["seed"], slot, epoch, start), start
+        start = block[-1].pos
+
+
+def _decode(s: Dict[str, Any], item: RawSample, slot: int, epoch: int):
+    """`decode_sample` of a raw item drawn by `slot` in `epoch` (its augmentation and caption draw follow from
+    them and the item's place, whichever process reads it)."""
+    return decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
+                         aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"],
+                         keys=s["keys"],
+                         caption_draw=caption_draw(s["seed"], epoch, item.key) if s["keys"] is not None else 0,
+                         teacher_view=s["teacher_view"], stored_teacher=s["stored_teacher"])
 
 
 def _leftover_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Dict[str, Any]]]:
