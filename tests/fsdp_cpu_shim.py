@@ -32,27 +32,12 @@ def _patch_accelerate() -> None:
     AcceleratorState.__init__ = init
 
 
-def _stop_at(step: int) -> None:
-    """Every process sends itself SIGTERM during training step `step` (a preemption, for the resume test)."""
-    import signal
-
-    import mmcl.train as train_mod
-
-    real, calls = train_mod.train_step, [0]
-
-    def signalled(*a, **k):
-        calls[0] += 1
-        if calls[0] == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **k)
-
-    train_mod.train_step = signalled
-
-
 if __name__ == "__main__":
     _patch_accelerate()
     if os.environ.get("MMCL_TEST_STOP_AT_STEP"):
-        _stop_at(int(os.environ["MMCL_TEST_STOP_AT_STEP"]))
+        from preempt import sigterm_during_step  # this file's folder is on sys.path when run as a script
+
+        sigterm_during_step(int(os.environ["MMCL_TEST_STOP_AT_STEP"]))
     from mmcl.cli import main
 
     sys.exit(main(sys.argv[1:]))

@@ -17,6 +17,7 @@ from mmcl.config import LossConfig, load_config
 from mmcl.losses import ContrastiveObjective, TeacherFeatures, distill_loss
 from mmcl.train import objective_from_config, train_step
 
+from preempt import sigterm_during_step
 from spawned import end_worker
 from test_train import (_free_port, demo, fake_batch, final_weights, grads_of, metrics,  # noqa: F401
                         micro_model, run_args)
@@ -271,22 +272,12 @@ def test_a_teacher_in_the_loop_trains_and_is_never_saved(demo, teacher_run, tmp_
 
 
 def test_resume_with_a_teacher_is_exact(demo, teacher_run, tmp_path, monkeypatch):
-    import signal
-
     import mmcl.train as train_mod
     from mmcl.cli import main
 
     ref = tmp_path / "ref"
     assert main(_student_args(demo, ref, teacher_run)) == 0
-    real, calls = train_mod.train_step, [0]
-
-    def signalled(*a):
-        calls[0] += 1
-        if calls[0] == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a)
-
-    monkeypatch.setattr(train_mod, "train_step", signalled)
+    real = sigterm_during_step(4, monkeypatch)
     out = tmp_path / "run"
     assert main(_student_args(demo, out, teacher_run)) == 75
     monkeypatch.setattr(train_mod, "train_step", real)

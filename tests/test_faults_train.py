@@ -364,22 +364,13 @@ def mmcl_lines_only(err: str):
     assert "/mmcl/" not in rest and "Connection closed" not in rest and "gloo" not in rest.lower(), err
 
 
-SIGNAL_ONE_RANK = """\
-import os, signal, sys
-import mmcl.train as train_mod
+SIGNAL_ONE_RANK = f"""\
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from preempt import sigterm_during_step
 from mmcl.cli import main
 
-real, calls = train_mod.train_step, [0]
-
-
-def signalled(*args):
-    calls[0] += 1
-    if calls[0] == 3 and os.environ.get("RANK") == "1":
-        os.kill(os.getpid(), signal.SIGTERM)
-    return real(*args)
-
-
-train_mod.train_step = signalled
+sigterm_during_step(3, rank=1)
 sys.exit(main(sys.argv[1:]))
 """
 

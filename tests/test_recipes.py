@@ -11,6 +11,7 @@ from mmcl.ema import WeightEMA
 from mmcl.train import objective_from_config as build_objective
 from mmcl.train import apply_update, build_optimizer, train_step
 
+from preempt import sigterm_during_step
 from spawned import end_worker
 from test_train import MICRO, _free_port, demo, fake_batch, metrics, run_args  # noqa: F401 (demo: a fixture)
 
@@ -591,9 +592,6 @@ def test_a_run_stopped_by_a_signal_closes_its_trackers(demo, tmp_path, monkeypat
     """SIGTERM at step 3 (a preemption): the trackers are closed before the run stops. TensorBoard's events hold
     every logged step, and the MLflow run is marked KILLED with an end time instead of staying RUNNING forever;
     the resumed run finishes and its own MLflow run is FINISHED."""
-    import os
-    import signal
-
     import yaml
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -601,15 +599,7 @@ def test_a_run_stopped_by_a_signal_closes_its_trackers(demo, tmp_path, monkeypat
     from mmcl.cli import main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    real, calls = train_mod.train_step, [0]
-
-    def signalled(*a):
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a)
-
-    monkeypatch.setattr(train_mod, "train_step", signalled)
+    real = sigterm_during_step(3, monkeypatch)
     out = tmp_path / "run"
     args = run_args(demo, out, "train.steps=5", "data.batch_size=8", "train.log_every=1", "train.save_every=0",
                     "data.workers=0", "train.log_with=[tensorboard, mlflow]")

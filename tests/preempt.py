@@ -1,0 +1,25 @@
+"""A preemption at a chosen training step, for the resume tests: ``mmcl.train.train_step`` is wrapped so that
+the process sends itself SIGTERM during its `step`-th call, as a scheduler would during that step."""
+
+import os
+import signal
+
+
+def sigterm_during_step(step: int, monkeypatch=None, rank=None):
+    """Wrap ``mmcl.train.train_step`` (through `monkeypatch` when given, else for the life of the process); with
+    `rank`, only the process whose RANK is `rank` is signalled. Returns the real ``train_step``."""
+    import mmcl.train as train_mod
+
+    real, calls = train_mod.train_step, [0]
+
+    def signalled(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == step and (rank is None or os.environ.get("RANK") == str(rank)):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(train_mod, "train_step", signalled)
+    else:
+        train_mod.train_step = signalled
+    return real
