@@ -143,8 +143,8 @@ for i in range(0, min(cut, len(data)), step):
     sys.stdout.buffer.write(data[i:min(i + step, cut)])
     sys.stdout.flush()
     time.sleep(pause)
-if cut < len(data):
-    time.sleep(float(sys.argv[4]))  # hangs: the shard never ends
+if cut < len(data) or len(sys.argv) > 5:
+    time.sleep(float(sys.argv[4]))  # hangs: the shard never ends, or the command never exits
 """
 
 
@@ -159,8 +159,8 @@ def trickle(tmp_path, server):
     shard = tmp_path / "part.tar"
     shard.write_bytes(_Shards.files["/part-000000.tar"])
 
-    def url(cut, pause, hang=377.0):
-        return f"pipe:{sys.executable} {script} {shard} {cut} {pause} {hang}"
+    def url(cut, pause, hang=377.0, then_hang=False):
+        return f"pipe:{sys.executable} {script} {shard} {cut} {pause} {hang}{' x' if then_hang else ''}"
     return url, len(_Shards.files["/part-000000.tar"])
 
 
@@ -222,3 +222,51 @@ def test_read_timeout_is_a_checked_key():
     assert load_config(None, ["data.read_timeout=30"]).data.read_timeout == 30
     with pytest.raises(ConfigError, match="data.read_timeout must be >= 0"):
         load_config(None, ["data.read_timeout=-1"])
+
+
+def test_the_training_stream_passes_a_hung_shard_by_with_data_read_timeout(trickle, server):
+    """The setting reaches the reader: a training stream over a shard whose command hangs mid-way and a healthy
+    one yields the healthy samples and counts the hung shard, instead of waiting for the command."""
+    import dataclasses
+    import time
+
+    from mmcl import models
+    from mmcl.data import ImageSpec, build_train_stream
+
+    url, size = trickle
+    cfg = load_config(None, ["data.batch_size=4", "data.workers=0", "data.shuffle_buffer=1", "data.retries=0",
+                             "data.read_timeout=0.5"])
+    data = dataclasses.replace(cfg.data, train=[url(size // 2, 0.0, 377.75), f"{server}/part-000001.tar"])
+    _, _, pp, _, _, tokenizer = models.build(cfg.model)
+    stream = build_train_stream(data, ImageSpec.from_config(pp), tokenizer, seed=0)
+    keys, start = [], time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in stream:
+            keys += batch["key"]
+            if set(f"s{i:03d}" for i in range(12, 24)) <= set(keys):
+                break
+    assert time.perf_counter() - start < 60
+    assert stream.skipped.get("truncated_tar", 0) == 1
+    assert _hung(377.75) == []
+
+
+def test_a_command_that_never_exits_or_a_consumer_that_stops_does_not_block_the_close(trickle):
+    """Closing a pipe waits for its command's exit status (which says whether the archive was whole): a command
+    that sends a whole shard and then never exits is killed after the timeout, and, its status unknown, its last
+    sample is not vouched for; a stream left early kills its command at once instead of waiting for it."""
+    import time
+
+    url, size = trickle
+    start = time.perf_counter()
+    items, messages = _read_timed([url(size, 0.0, 377.625, then_hang=True)], retries=0, timeout=0.5)
+    assert [i.key for i in items if i.error is None] == [f"s{i:03d}" for i in range(11)]
+    assert [i.error for i in items if i.error is not None] == ["truncated_tar"]
+    assert any("data.read_timeout" in m for m in messages)
+    assert time.perf_counter() - start < 15 and _hung(377.625) == []
+
+    reader = read_raw_samples([(url(size // 2, 0.0, 377.875), None)], read_timeout=300)
+    assert next(reader).key == "s000"
+    start = time.perf_counter()
+    reader.close()  # the consumer stops while the command still runs (and would for 377 s)
+    assert time.perf_counter() - start < 5 and _hung(377.875) == []

@@ -135,13 +135,16 @@ class _StallWatch:
     def __init__(self, stream, timeout: float):
         self._stream, self._timeout = stream, timeout
         self._since: Optional[float] = None  # when the read in progress began
+        self._delivered = 0  # bytes returned so far
         self._done = threading.Event()
         self.stalled = False
         threading.Thread(target=self._watch, daemon=True, name="mmcl-shard-watch").start()
 
     def read(self, size: int = -1) -> bytes:
-        # A buffered pipe's read(size) waits for all `size` bytes: a slow, live download would count as a stall.
-        # Reading what has arrived (read1) restarts the clock at every piece of data.
+        # What has arrived is returned (read1), as a raw pipe does: tarfile asks again until it has what it needs,
+        # and never for bytes past the archive's end, which a command that does not exit would never send. (A
+        # buffered read(size) would wait for all `size` bytes.) The first 512 bytes come whole: tarfile tells a
+        # compressed stream from a plain one by them. Each piece of data restarts the clock.
         pipe = getattr(self._stream, "stream", None)
         if size is None or size < 0 or not hasattr(pipe, "read1"):
             self._since = time.monotonic()
@@ -149,9 +152,10 @@ class _StallWatch:
                 return self._stream.read(size)
             finally:
                 self._since = None
+        want = min(size, max(1, 512 - self._delivered))
         parts, got = [], 0
         try:
-            while got < size:
+            while got < want:
                 self._since = time.monotonic()
                 piece = pipe.read1(size - got)
                 if not piece:
@@ -160,6 +164,7 @@ class _StallWatch:
                 got += len(piece)
         finally:
             self._since = None
+        self._delivered += got
         if hasattr(self._stream, "check_status"):
             self._stream.check_status()  # a command that failed says so, as webdataset's own read does
         return b"".join(parts)
@@ -172,8 +177,28 @@ class _StallWatch:
                 _kill_tree(self._stream.proc.pid)
                 return
 
+    def drain(self) -> None:
+        """Read what follows the archive's end (its zero padding) so that the command can finish writing and
+        exit cleanly instead of on a broken pipe."""
+        while self.read(1 << 16):
+            pass
+
     def close(self) -> None:
+        """The end of a shard read to its end: the command's exit is waited for (its status says whether the
+        archive was whole), for at most the timeout, like a read."""
+        self._since = time.monotonic()
+        try:
+            self._stream.close()
+        finally:
+            self._since = None
+            self._done.set()
+
+    def abort(self) -> None:
+        """A shard left before its end (an error, or the consumer stopped): its output is no longer wanted, so
+        the command is killed rather than waited for (a hung one would never exit)."""
         self._done.set()
+        if self._stream.proc.poll() is None:
+            _kill_tree(self._stream.proc.pid)
         self._stream.close()
 
     def __getattr__(self, name):
@@ -205,7 +230,7 @@ def _open_watched(open_fn, url: str, timeout: float):
 
 def _close(stream) -> None:
     try:
-        stream.close()
+        getattr(stream, "abort", stream.close)()
     except Exception:  # a pipe that failed reports its problem when read; closing it may raise again
         pass
 
@@ -261,6 +286,8 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
                 # A pipe (curl for http, any pipe: command) reports its exit status when closed: a download cut
                 # off at a member boundary reads like a complete archive until then. The last sample is held
                 # back until the stream has closed cleanly.
+                if hasattr(stream, "drain"):
+                    stream.drain()
                 finished, stream = stream, None
                 finished.close()
                 if key is not None and files is not None:
