@@ -174,18 +174,72 @@ def shuffle_block(n: int, seed: int, slot: int, epoch: int, start: Tuple[int, in
     """
     return np.random.default_rng([seed & 0xFFFFFFFF, slot, epoch, start[0], start[1], 2]).permutation(n)
 
+class _Filling:
+    """The decoded samples of the batch being filled."""
+
+    def __init__(self, s: Dict[str, Any]):
+        self.s = s
+        self.clear()
+
+    def clear(self) -> None:
+        self.images: List[torch.Tensor] = []
+        self.captions: List[str] = []
+        self.labels: List[int] = []
+        self.keys: List[str] = []
+        self.teacher: List[Any] = []  # the teacher's view, or its stored embeddings, of each image; else empty
+
+    def add(self, key: str, decoded) -> bool:
+        """Add one `decode_sample` result; whether the batch is full."""
+        tensor, caption, label, *teacher = decoded
+        self.images.append(tensor)
+        self.captions.append(caption)
+        self.labels.append(label)
+        self.keys.append(key)
+        self.teacher += teacher
+        return len(self.images) == self.s["batch_size"]
+
+    def take(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The full batch, carrying `state` (the position just after it) as ``__state__``; empties the filling."""
+        batch = collate(self.images, self.captions, self.labels, self.keys, self.s["tokenizer"],
+                        self.s["teacher_view"], self.teacher)
+        batch["__state__"] = state
+        self.clear()
+        return batch
+
+
+def _decoded(s: Dict[str, Any], item: RawSample, slot: int, epoch: int, skipped: Dict[str, int]):
+    """`_decode` of `item`, or None when it is unreadable or skipped (counted in `skipped`)."""
+    if item.error is not None:
+        skipped[item.error] += 1
+        return None
+    try:
+        return _decode(s, item, slot, epoch)
+    except SkipSample as skip:
+        skipped[skip.reason] += 1
+        return None
+
+
 def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
-    """Infinite batches of one worker role, starting at position `start`; each carries ``__state__``."""
+    """Infinite batches of one worker role, starting at position `start`; each carries ``__state__``. A transform
+    whose output cannot be batched ends the stream with one ``{"__error__": message}``."""
+    try:
+        yield from _role_batches(s, role, start)
+    except TransformOutputError as err:
+        yield {"__error__": str(err)}
+
+
+def _role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
     rank, n_roles = s["rank"], s["n_roles"]
     slot, n_slots = rank * n_roles + role, s["world_size"] * n_roles
     epoch, shard, sample, emitted = start["epoch"], start["shard"], start["sample"], start["emitted"]
     skipped = dict(zero_skips(), **start["skipped"])
     skipped_before_epoch = dict(zero_skips(), **start.get("skipped_before_epoch", start["skipped"]))
-    images: List[torch.Tensor] = []
-    captions: List[str] = []
-    labels: List[int] = []
-    keys: List[str] = []
-    teacher_images: List[torch.Tensor] = []  # the teacher's view of each image (distillation), else empty
+    filling = _Filling(s)
+
+    def state(**extra) -> Dict[str, Any]:
+        return {"role": role, "epoch": epoch, "shard": shard, "sample": sample, "emitted": emitted,
+                "skipped": dict(skipped), "skipped_before_epoch": dict(skipped_before_epoch), **extra}
+
     # After a resume on another number of processes or workers: the rest of the saved run's epochs, as tasks
     # (`resized_positions`), before this slot's own epochs begin.
     tasks = copy.deepcopy(list(start.get("leftover", ())))
@@ -194,30 +248,9 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
         for item, origin in _leftover_items(s, task):
             if not _in_parts(item, task["parts"]):
                 continue
-            if item.error is not None:
-                skipped[item.error] += 1
-                continue
-            try:
-                tensor, caption, label, *teacher_image = _decode(s, item, origin["slot"], origin["epoch"])
-            except SkipSample as skip:
-                skipped[skip.reason] += 1
-                continue
-            except TransformOutputError as err:
-                yield {"__error__": str(err)}
-                return
-            images.append(tensor)
-            captions.append(caption)
-            labels.append(label)
-            keys.append(item.key)
-            teacher_images += teacher_image
-            if len(images) == s["batch_size"]:
-                batch = collate(images, captions, labels, keys, s["tokenizer"], s["teacher_view"], teacher_images)
-                batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
-                                      "emitted": emitted, "skipped": dict(skipped),
-                                      "skipped_before_epoch": dict(skipped_before_epoch),
-                                      "leftover": copy.deepcopy(tasks)}
-                images, captions, labels, keys, teacher_images = [], [], [], [], []
-                yield batch
+            decoded = _decoded(s, item, origin["slot"], origin["epoch"], skipped)
+            if decoded is not None and filling.add(item.key, decoded):
+                yield filling.take(state(leftover=copy.deepcopy(tasks)))
         tasks.pop(0)
     empty_epochs = 0
     while True:
@@ -228,32 +261,13 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
             for j in range(emitted, len(block)):
                 item = block[perm[j]]
                 emitted = j + 1
-                if item.error is not None:
-                    skipped[item.error] += 1
+                raw_seen += item.error is None
+                decoded = _decoded(s, item, slot, epoch, skipped)
+                if decoded is None:
                     continue
-                raw_seen += 1
-                try:
-                    tensor, caption, label, *teacher_image = _decode(s, item, slot, epoch)
-                except SkipSample as skip:
-                    skipped[skip.reason] += 1
-                    continue
-                except TransformOutputError as err:
-                    yield {"__error__": str(err)}
-                    return
                 good_seen += 1
-                images.append(tensor)
-                captions.append(caption)
-                labels.append(label)
-                keys.append(item.key)
-                teacher_images += teacher_image
-                if len(images) == s["batch_size"]:
-                    batch = collate(images, captions, labels, keys, s["tokenizer"], s["teacher_view"],
-                                    teacher_images)
-                    batch["__state__"] = {"role": role, "epoch": epoch, "shard": shard, "sample": sample,
-                                          "emitted": emitted, "skipped": dict(skipped),
-                                          "skipped_before_epoch": dict(skipped_before_epoch)}
-                    images, captions, labels, keys, teacher_images = [], [], [], [], []
-                    yield batch
+                if filling.add(item.key, decoded):
+                    yield filling.take(state())
             emitted = 0
         if full_epoch and good_seen == 0:
             empty_epochs += 1
@@ -265,6 +279,7 @@ def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterato
             empty_epochs = 0
         epoch, shard, sample, emitted = epoch + 1, 0, 0, 0
         skipped_before_epoch = dict(skipped)
+
 
 def _task_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Tuple[int, int, int]]]:
     """The raw items a saved slot (``task["slot"]`` of ``task["n_slots"]``) emits in ``task["epoch"]`` from its
