@@ -32,8 +32,14 @@ trap on_stop USR1 TERM
 # so a requeued job (preemption, node failure) continues where it stopped.
 # The config and the overrides reach the inner shell as its arguments ("$0" "$@"), never as text it parses:
 # a shard spec such as data.train=/data/shard-{000000..041455}.tar keeps its braces, a value its spaces.
+# srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): without it each task is bound to one CPU, which
+# the launcher's processes and their data loader workers would all share.
+srun_args=(--kill-on-bad-exit=1)
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+  srun_args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+fi
 export GPUS_PER_NODE MASTER_ADDR MASTER_PORT
-srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch \
+srun "${srun_args[@]}" bash -c 'exec accelerate launch \
   --config_file launch/multi-node.yaml \
   --num_machines "$SLURM_NNODES" \
   --num_processes "$((SLURM_NNODES * GPUS_PER_NODE))" \

@@ -9,8 +9,9 @@ run ends with that one line.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from . import errors
 
@@ -60,23 +61,66 @@ def agreed(accelerator, fn: Callable[[], Any]) -> Any:
     raise agreed_error
 
 
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+# How gloo and NCCL word a collective that failed because another process is gone or stopped answering.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
+              "NCCL error", "ProcessGroupNCCL", "Watchdog caught collective operation timeout", "Timed out waiting")
 
 
 def lost_peer(err: BaseException) -> Optional[str]:
-    """When `err` is a collective failing because another process is gone, a short description of it, else None.
+    """When `err` is a collective failing because another process is gone (or did not answer within the
+    group's timeout), a short description of it, else None.
 
     A process that dies (an error outside an agreed block, a SIGKILL) leaves the others in their next collective;
     gloo then raises a RuntimeError such as ``[.../pair.cc:545] Read error [127.0.0.1]:47234: Connection reset
-    by peer. This is typically caused by ...``.
+    by peer. This is typically caused by ...`` or ``[.../unbound_buffer.cc:81] Timed out waiting 1800000ms for
+    recv operation to complete``; NCCL a ``DistBackendError`` such as ``NCCL error in: .../ProcessGroupNCCL.cpp:
+    ..., remote process exited or there was a network error`` or its watchdog's ``Watchdog caught collective
+    operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, ...) ran for 600010 milliseconds before timing out``.
     """
     import torch.distributed as dist
 
     text = str(err)
     if not (isinstance(err, getattr(dist, "DistError", ())) or any(s in text for s in _PEER_GONE)):
         return None
-    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", lines[0] if lines else type(err).__name__)
     return first.split(". This is typically")[0]
+
+
+def timed_out(description: str) -> bool:
+    """Whether a `lost_peer` description is a collective's timeout (the peer may still be running) rather than a
+    closed connection."""
+    return bool(re.search(r"time(d)? ?out|timing out", description, re.IGNORECASE))
+
+
+_WAIT_GROUPS: Dict[float, Any] = {}
+
+
+@contextlib.contextmanager
+def others_wait(accelerator, timeout_s: float) -> Iterator[None]:
+    """For work on the main process alone (its evaluation, model/ save and plots): at the end of the block the
+    other processes wait for it, up to `timeout_s`.
+
+    In the default group the others would sit in the next collective (an all-reduce, a barrier) under that
+    group's timeout, NCCL's 10 minutes by default: an ImageNet-size evaluation would end the run. They wait
+    instead in a barrier of a separate CPU group (gloo, made once per timeout, on entry, while every process is
+    still here) whose own timeout covers the work, so no default-group collective is pending meanwhile. A main
+    process that fails or dies still ends the wait at once (its connections close). Every process must enter the
+    block.
+    """
+    if accelerator.num_processes == 1:
+        yield
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    group = _WAIT_GROUPS.get(timeout_s)
+    if group is None:
+        group = _WAIT_GROUPS[timeout_s] = dist.new_group(backend="gloo",
+                                                         timeout=datetime.timedelta(seconds=timeout_s))
+    yield
+    dist.barrier(group=group)  # not after a failure: the others then learn of it when this process ends
 
 
 def any_process(accelerator, flag: bool) -> bool:

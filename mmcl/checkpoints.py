@@ -8,6 +8,14 @@ out of ``keep_checkpoints`` rotation and out of the way of a new save of the sam
 
 Imports no training code: `newest_run_weights` is what loading a run directory (``mmcl.weights``) uses, so the
 layout and the COMPLETE check are known here only.
+
+Nothing in a checkpoint runs code when it is loaded: a run folder may come from someone else, and its COMPLETE
+marker proves nothing then (whoever wrote the files wrote the marker). Every pickled file is read with
+``weights_only=True`` (`load_plain`): tensors and plain containers load, anything else is one `CheckpointError`
+naming the file. The run's progress and weight average live in the rank states, not in objects handed to
+accelerate's ``register_for_checkpointing`` (accelerate unpickles those ``custom_checkpoint_<i>.pkl`` files with
+``weights_only=False``); `load_accelerate_state` keeps accelerate away from such files, which older checkpoints
+hold, and `legacy_custom_states` reads them as plain data instead.
 """
 
 from __future__ import annotations
@@ -16,11 +24,14 @@ import errno
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .errors import StorageError
+from .errors import CheckpointError, StorageError
 from .fsutil import atomic_write_text
 
 CHECKPOINTS_DIR = "checkpoints"  # inside a run's output directory
@@ -30,6 +41,63 @@ DAMAGED_PREFIX = "damaged-"
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# What accelerate names the state of objects given to `register_for_checkpointing`: mmcl registers none now;
+# checkpoints written before held the progress (index 0) and, with train.ema_decay, the weight average (1).
+_CUSTOM_STATE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+LEGACY_PROGRESS, LEGACY_EMA = 0, 1
+
+
+def rank_state_file(ckpt: Path, rank: int) -> Path:
+    """The file holding process `rank`'s own state (data position, loss state; progress; rank 0: the EMA)."""
+    return ckpt / f"rank_state_{rank}.pt"
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def load_plain(path: Path, map_location: Any = "cpu") -> Any:
+    """`torch.load` of `path` as tensors and plain containers only (``weights_only=True``), mapped to
+    `map_location` (never to the device the file names, which may be another process's GPU or absent here).
+
+    Raises CheckpointError naming the file when it holds anything else (a class, a function: loading it the
+    way ``weights_only=False`` does would run what it names). Other read errors (a truncated file) propagate
+    unchanged, for the caller's damaged-checkpoint handling.
+    """
+    import torch
+
+    try:
+        return torch.load(str(path), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message spans paragraphs; its "WeightsUnpickler error" line names what was refused.
+        lines = [ln.strip() for ln in str(err).splitlines() if "Unsupported" in ln or "WeightsUnpickler" in ln]
+        what = lines[0].split(". Please")[0] if lines else (str(err).splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"refusing {path}: it does not load as plain tensors and containers ({what}); "
+                              f"mmcl never runs code a file names") from None
+
+
+def legacy_custom_states(ckpt: Path) -> Dict[int, Any]:
+    """{index: state} of the ``custom_checkpoint_<index>.pkl`` files in `ckpt` (checkpoints written when mmcl
+    registered its progress and EMA with accelerate), each read by `load_plain`; {} when there are none."""
+    out = {}
+    for name in sorted(os.listdir(ckpt)):
+        m = _CUSTOM_STATE.match(name)
+        if m:
+            out[int(m.group(1))] = load_plain(ckpt / name, "cpu")
+    return out
+
+
+def load_accelerate_state(accelerator, ckpt: Path) -> None:
+    """``accelerator.load_state(ckpt)`` (weights, optimiser, scaler, RNG: all read by accelerate with
+    ``weights_only=True``) without letting accelerate see a ``custom_checkpoint_<i>.pkl``, which it would
+    unpickle with ``weights_only=False``: when `ckpt` holds one, accelerate reads a temporary view of `ckpt`
+    (symbolic links to every other entry) instead. The checkpoint itself is not changed."""
+    names = os.listdir(ckpt)
+    if not any(_CUSTOM_STATE.match(n) for n in names):
+        accelerator.load_state(str(ckpt))
+        return
+    with tempfile.TemporaryDirectory(prefix="mmcl-checkpoint-view-") as view:
+        for name in names:
+            if not _CUSTOM_STATE.match(name):
+                os.symlink(Path(ckpt).resolve() / name, Path(view) / name)
+        accelerator.load_state(view)
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -278,7 +346,7 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
         try:
             accelerator.save_state(str(tmp))
             # Data position and loss queues differ per process; accelerate saves custom state on the main one only.
-            torch.save(rank_state, tmp / f"rank_state_{accelerator.process_index}.pt")
+            torch.save(rank_state, rank_state_file(tmp, accelerator.process_index))
         except Exception as err:  # noqa: BLE001 - torch and safetensors wrap I/O errors in their own types
             converted = storage_error(err, what, ckpt_dir, needed, tmp)
             if converted is None:

@@ -107,6 +107,13 @@ class DataConfig(_Section):
     # A pipe shard (pipe: command, http(s) through curl) that sends nothing for this many seconds while it is read
     # is killed with its children and treated as broken off (then retried); 0 waits for ever.
     read_timeout: float = 300.0
+    # The largest shard member read (bytes): a sample needing a larger one is skipped and counted (too_large) without
+    # reading it, so a small .tar.gz holding gigabytes of zeros cannot exhaust memory. 64 MiB holds any real photo
+    # (a 50 MP JPEG is about 25 MB) and stored embeddings; members a sample does not use are never read.
+    max_member_bytes: int = 64 * 2 ** 20
+    # A shard list file (data.train=shards.yaml) comes with the data: its pipe: entries are commands that run on
+    # this machine, refused unless allowed here. pipe: commands typed in the config or an override always run.
+    allow_pipe: bool = False
 
 
 @dataclass
@@ -165,7 +172,10 @@ class TrainSection(_Section):
     log_every: int = 10
     save_every: int = 50
     keep_checkpoints: int = 2
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    # auto | fp32 | bf16 | fp16; auto: the launcher's mixed precision (`accelerate launch`'s mixed_precision, passed
+    # as ACCELERATE_MIXED_PRECISION), fp32 without one. A set value that a launcher contradicts is an error.
+    precision: str = "auto"
+    tf32: bool = True  # TF32 tensor cores for float32 matmuls and convolutions on CUDA (as open_clip); no-op elsewhere
     accum_steps: int = 1  # micro-batches forming one contrastive batch
     compile: bool = False
     nan_policy: str = "stop"  # stop | skip
@@ -176,6 +186,10 @@ class TrainSection(_Section):
     # Trackers through accelerate (tensorboard | wandb | mlflow | aim); metrics.jsonl is always written
     log_with: List[str] = field(default_factory=lambda: ["tensorboard"])
     unmasked_steps: int = 0  # the last K steps run without model.patch_dropout (FLIP's unmasked tuning)
+    # Seconds a collective between the processes may wait before the run ends with "another process ... did not
+    # answer"; null: torch's default (10 min for NCCL, 30 min for gloo). Evaluations and the final save do not
+    # count against it (eval.timeout_s).
+    dist_timeout_s: Optional[float] = None
 
 
 @dataclass
@@ -186,6 +200,8 @@ class EvalConfig(_Section):
     templates: str = "auto"  # templates.txt beside the data, else open_clip's openai_imagenet_template
     retrieval: Optional[str] = None  # shards
     batch_size: int = 128
+    # Seconds the other processes wait for the main process's evaluation (and, at the end, model/ and plots)
+    timeout_s: float = 14400.0
 
 
 @dataclass
@@ -205,15 +221,19 @@ class TrainConfig(_Section):
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 
+# train.precision's values and the name accelerate (``mixed_precision``, ACCELERATE_MIXED_PRECISION) gives each.
+PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
 _CHOICES = {
     "model.text.pooling": ("mean", "cls", "max"),
     "model.text.projection": ("mlp", "linear", "none"),
     "optim.schedule": ("cosine", "constant", "linear"),
-    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.precision": ("auto", *PRECISIONS),
     "train.nan_policy": ("stop", "skip"),
 }
 _POSITIVE = (
     "data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size",
+    "train.dist_timeout_s", "eval.timeout_s", "data.max_member_bytes",
 )
 _NON_NEGATIVE = (
     "data.workers", "data.shuffle_buffer", "data.retries", "data.retry_delay", "data.read_timeout",

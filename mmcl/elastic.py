@@ -74,24 +74,27 @@ def keep_global_batch(cfg, processes: int) -> Tuple[Any, Optional[str]]:
             f"batch of {total}")
 
 
-def load_resized(run, resume: Path, saved_processes: int) -> None:
-    """Load `resume`, written by `saved_processes` processes, into `run` on this process (another count)."""
-    import torch
+def load_resized(run, resume: Path, saved_processes: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Load `resume`, written by `saved_processes` processes, into `run` on this process (another count).
 
+    Returns (the rank state this process continues from, rank 0's), for the progress and EMA they hold. Every
+    rank state is read as plain data onto the CPU (`checkpoints.load_plain`): they were written on other
+    processes' devices, which this process must not touch (or may not have)."""
     accelerator = run.accelerator
-    files = [resume / f"rank_state_{i}.pt" for i in range(saved_processes)]
+    files = [checkpoints.rank_state_file(resume, i) for i in range(saved_processes)]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise CheckpointError(f"cannot resume from {resume}: {', '.join(missing)} missing")
     # Weights, optimiser and progress are the same on every process; the RNG states of processes beyond the
     # saved ones do not exist and are left as seeded.
-    accelerator.load_state(str(resume))
-    states = [torch.load(f, weights_only=False) for f in files]
+    states = [checkpoints.load_plain(f, "cpu") for f in files]
+    checkpoints.load_accelerate_state(accelerator, resume)
     why = run.stream.load_resized([st["data"] for st in states])
     if why is not None:
         run.log(f"warning: {why}; restarting the earliest saved epoch, each sample is not seen exactly once")
     own = states[accelerator.process_index] if accelerator.process_index < saved_processes else states[0]
     run.objective.load_state_dict(own["objective"])
+    return own, states[0]
 
 
 def processes_from_environment() -> int:

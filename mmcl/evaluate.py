@@ -104,16 +104,23 @@ def _input_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def eval_loader(data, preprocess, batch_size: int, workers: int, keys=None):
+def eval_loader(data, preprocess, batch_size: int, workers: int, keys=None, reading: Optional[Dict[str, Any]] = None):
     """DataLoader over `data_mod.build_eval_dataset`: batches as `data_mod.eval_collate` makes them
-    (images, labels, captions, keys, problems)."""
+    (images, labels, captions, keys, problems). `reading` holds the training run's ``data.max_member_bytes`` and
+    ``data.allow_pipe`` (`reading_options`); the defaults otherwise."""
     if batch_size <= 0:
         raise DataError(f"batch size must be > 0 (got {batch_size})")
     if workers < 0:
         raise DataError(f"workers must be >= 0 (got {workers})")
-    ds = data_mod.build_eval_dataset(data, preprocess, keys=keys)  # keys: a data.SampleKeys (image/caption members)
+    ds = data_mod.build_eval_dataset(data, preprocess, keys=keys, **(reading or {}))  # keys: a data.SampleKeys (image/caption members)
     return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
                                            collate_fn=data_mod.eval_collate)
+
+
+def reading_options(cfg) -> Dict[str, Any]:
+    """The shard-reading limits of a DataConfig that evaluation sets follow too: the member size limit and whether
+    a shard list file may name ``pipe:`` commands."""
+    return {"max_member_bytes": cfg.max_member_bytes, "allow_pipe": cfg.allow_pipe}
 
 
 def _unwrap_worker_error(err: MmclError) -> MmclError:
@@ -279,7 +286,8 @@ def _check_labels(labels: torch.Tensor, n_classes: int, data, what: str) -> None
 
 
 def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates=None, batch_size: int = 128,
-             workers: int = 0, device="cpu", progress: bool = True, model_name: str = "", keys=None) -> Dict[str, Any]:
+             workers: int = 0, device="cpu", progress: bool = True, model_name: str = "", keys=None,
+             reading: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Zero-shot classification of an ImageFolder or labelled shards.
 
     Args:
@@ -298,7 +306,7 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     """
     import open_clip
 
-    ds, loader = eval_loader(data, preprocess, batch_size, workers, keys)
+    ds, loader = eval_loader(data, preprocess, batch_size, workers, keys, reading)
     names = _resolve_classnames(data, ds, classnames)
     if templates is None or templates == "auto":
         templates = (getattr(ds, "templates", None) or _find_beside(data, TEMPLATE_FILES)
@@ -385,7 +393,8 @@ def split_captions(captions: Sequence[str]) -> Tuple[List[str], torch.Tensor]:
 
 @torch.no_grad()
 def retrieval(model, preprocess, tokenizer, data: str, batch_size: int = 128, workers: int = 0, device="cpu",
-              progress: bool = True, model_name: str = "", ks: Sequence[int] = (1, 5, 10), keys=None
+              progress: bool = True, model_name: str = "", ks: Sequence[int] = (1, 5, 10), keys=None,
+              reading: Optional[Dict[str, Any]] = None
               ) -> Dict[str, Any]:
     """Image<->text retrieval over shards; each line of ``KEY.txt`` is one caption of the image, or with `keys`
     (a `mmcl.data.SampleKeys`: ``data.image_key``/``data.caption_key``) every caption of those members: all are
@@ -395,7 +404,7 @@ def retrieval(model, preprocess, tokenizer, data: str, batch_size: int = 128, wo
         ``{"dataset", "model", "task": "zeroshot_retrieval", "metrics": {image_retrieval_recall@K,
         text_retrieval_recall@K for K in ks}, "n_images", "n_texts", "n_skipped", "skipped": {reason: count}}``.
     """
-    _, loader = eval_loader(data, preprocess, batch_size, workers, keys)
+    _, loader = eval_loader(data, preprocess, batch_size, workers, keys, reading)
     model = model.to(device).eval()
     img_feats, _, captions, _, skips = encode_images(model, loader, device, progress, "retrieval images", data)
     texts, owner = split_captions(captions)

@@ -175,7 +175,9 @@ def _write_text_tower_files(model, model_cfg: Dict[str, Any], src_dir: Path, out
     from transformers import AutoTokenizer
 
     try:  # a hub id already in the local cache
-        AutoTokenizer.from_pretrained(hf_name).save_pretrained(str(out))
+        AutoTokenizer.from_pretrained(hf_name, trust_remote_code=False).save_pretrained(str(out))
+    except ValueError as err:
+        raise (models.hf_custom_code_error(err, hf_name) or err) from None
     except OSError as err:
         raise CheckpointError(f"cannot find the text tower's tokenizer files (got '{hf_name}', not in {src_dir} "
                               f"nor in the local Hugging Face cache: {str(err).splitlines()[0]})") from None

@@ -89,10 +89,11 @@ def _recorded_sha256(model_dir: Path) -> Optional[str]:
 
 
 def _local_url(url: str) -> str:
-    """A shard URL as the index keeps it: local paths absolute (the index may move), other URLs as they are."""
-    from .data import has_scheme
+    """A shard URL as the index keeps it: local paths absolute (the index may move), other URLs with their
+    credentials hidden (`mmcl.data.redact`: the index is a file others read)."""
+    from .data import has_scheme, redact
 
-    return url if has_scheme(url) else os.path.abspath(url)
+    return redact(url) if has_scheme(url) else os.path.abspath(url)
 
 
 def _sample_url(files: Optional[Dict[str, bytes]]) -> Optional[str]:

@@ -14,7 +14,8 @@ from typing import List
 
 from .config import TrainConfig
 from .data import has_scheme, is_image_folder, missing_shards
-from .errors import ConfigError
+from .data.sources import redact
+from .errors import ConfigError, DataError
 
 _TEMPLATE_NAMES = ("auto", "openai_imagenet_template", "openai", "imagenet", "simple_imagenet_template", "simple")
 _SET_TRAIN = "set it with data.train=... (e.g. data.train='shards/shard-{000000..000009}.tar')"
@@ -43,7 +44,11 @@ def _pipe_problems(spec) -> List[str]:
     from .data.sources import _split_spec
 
     missing = {}
-    for url in _split_spec(spec):  # the program is the same for every shard a braced command names
+    try:
+        urls = _split_spec(spec, allow_pipe=True)  # a list file's commands, if not allowed, are reported elsewhere
+    except (DataError, OSError):
+        return []  # an unreadable spec: `missing_shards` says why
+    for url in urls:  # the program is the same for every shard a braced command names
         if not url.startswith("pipe:"):
             continue
         try:
@@ -53,7 +58,7 @@ def _pipe_problems(spec) -> List[str]:
         program = next((w for w in words if "=" not in w), None)  # after VAR=value assignments
         if program and shutil.which(program) is None:
             missing.setdefault(program, url)
-    return [f"data.train: the command '{program}' of {url} is not installed (not on PATH)"
+    return [f"data.train: the command '{program}' of {redact(url)} is not installed (not on PATH)"
             for program, url in missing.items()]
 
 
@@ -63,7 +68,7 @@ def input_problems(cfg: TrainConfig) -> List[str]:
     if cfg.data.train is None or (isinstance(cfg.data.train, str) and not cfg.data.train.strip()):
         problems.append(f"data.train is not set: {_SET_TRAIN}")
     else:
-        problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train)]
+        problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train, cfg.data.allow_pipe)]
         problems += _pipe_problems(cfg.data.train)
     zeroshot = cfg.eval.zeroshot
     if zeroshot and not is_image_folder(os.path.expanduser(zeroshot)):  # else a directory of shards or a spec

@@ -10,8 +10,9 @@ captions cannot be read is copied unchanged, without teacher members (training s
 ``no_teacher_features``, as it would have skipped it as damaged), and counted here.
 
 Resumable shard by shard: each shard is written under a temporary name and renamed when complete, and
-``reinforce.json`` in the output directory records the teacher and the finished shards; a rerun skips those and
-redoes the rest. Files in the output directory that mmcl did not write are never touched.
+``reinforce.json`` in the output directory (an `mmcl.manifest.OutputManifest`) records the teacher, the finished
+shards and every file written; a rerun skips those and redoes the rest. A non-empty output directory that is not
+a reinforce output is refused, and files in it that mmcl did not write are never replaced or deleted.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from .data.decode import (TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys,
 from .data.reading import read_raw_samples
 from .data.sources import expand_urls, has_scheme
 from .errors import DataError
-from .fsutil import atomic_write_text, os_error_text
+from .fsutil import os_error_text
+from .manifest import OutputManifest
 
 MANIFEST = "reinforce.json"
 _TEMP_SUFFIX = ".reinforce-partial"
@@ -52,16 +54,18 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _read_manifest(out_dir: Path, teacher_id: str) -> Dict[str, Any]:
-    path = out_dir / MANIFEST
-    if not path.is_file():
-        return {}
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise DataError(f"{path} is unreadable ({err}); remove it to start the output directory afresh") from None
-    if manifest.get("teacher") != teacher_id:
-        raise DataError(f"{out_dir} holds shards reinforced by another teacher ({manifest.get('teacher')}); "
+def _claim(out_dir: Path, teacher_id: str, scale: float) -> OutputManifest:
+    """The output directory's manifest: its record (``data``) holds the teacher and the finished shards."""
+    def legacy(meta: Dict[str, Any]):  # written before the manifest listed files: the shards it records
+        shards = meta.get("shards")
+        return [*shards, MANIFEST] if "teacher" in meta and isinstance(shards, dict) else None
+
+    manifest = OutputManifest.claim(out_dir, "reinforce", name=MANIFEST, legacy=legacy)
+    if not manifest.data:
+        manifest.data = {"teacher": teacher_id, "scale": scale, "shards": {}}
+        manifest.save()
+    if manifest.data.get("teacher") != teacher_id:
+        raise DataError(f"{out_dir} holds shards reinforced by another teacher ({manifest.data.get('teacher')}); "
                         f"use another --out for {teacher_id}")
     return manifest
 
@@ -165,14 +169,10 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
     teacher = Teacher.load(teacher_path, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     teacher_id = teacher_path if has_scheme(teacher_path) else str(Path(teacher_path).resolve())
     out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(f"cannot create {out}: {os_error_text(err)}") from None
-    manifest = _read_manifest(out, teacher_id) or {"teacher": teacher_id, "scale": float(teacher.scale),
-                                                   "shards": {}}
-    for leftover in out.glob(f"*{_TEMP_SUFFIX}"):  # an interrupted earlier run's partial shard
-        leftover.unlink(missing_ok=True)
+    owned = _claim(out, teacher_id, float(teacher.scale))
+    manifest = owned.data
+    # An interrupted earlier run's partial shards: only those it recorded (a file of the user's is never deleted).
+    owned.remove([n for n in sorted(owned.files) if n.endswith(_TEMP_SUFFIX)])
     embedder = _Embedder(teacher, batch_size, keys, teacher_id)
     start, done_before, totals = time.perf_counter(), 0, {"samples": 0, "without_teacher": 0, "errors": 0}
     bar = None
@@ -189,6 +189,7 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
                 if bar is not None:
                     bar.update(1)
                 continue
+            owned.will_write([name, name + _TEMP_SUFFIX])  # refuses a file of the user's of that name
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
@@ -200,7 +201,8 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
             for k in totals:
                 totals[k] += counts[k]
             manifest["shards"][name] = {"source": url, "bytes": dest.stat().st_size, **counts}
-            atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            owned.files.discard(name + _TEMP_SUFFIX)  # renamed into `name`
+            owned.save()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(samples=totals["samples"])

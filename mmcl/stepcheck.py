@@ -3,11 +3,13 @@
 Reading a per-step flag on the host (``.item()``) waits for the device on a GPU and, with several processes,
 for the all-reduce that makes them agree: a stall on every step. Here each step's flag stays a tensor:
 
-* every process's "this loss is not finite" flag is summed over the processes on the device (one all-reduce
-  of one number, not read), so every process holds the same decision;
-* the fused AdamW takes it as ``found_inf`` (the mechanism of `torch.amp.GradScaler`): where it is non-zero the
-  kernel leaves the parameters, both moments and the step count exactly as they were, as a skipped step did
-  when it was decided on the host;
+* every process's "this loss is not finite" flag (0 or 1) is reduced to its maximum over the processes on the
+  device (one all-reduce of one number, not read), so every process holds the same decision, 0 or 1;
+* the fused AdamW takes it as ``found_inf`` (the mechanism of `torch.amp.GradScaler`): where it is 1 the kernel
+  leaves the parameters, both moments and the step count exactly as they were, as a skipped step did when it was
+  decided on the host. It must be exactly 0 or 1: the kernel skips only on 1 and takes ``found_inf`` off the
+  step count, so a count of the non-finite processes (2 where two are poisoned) would apply the step, NaN
+  gradients and all, and move the step count back (to 0 and below: NaN from the bias correction next);
 * the flags of the steps since the last read are read together on the next logged or saved step
   (`StepChecks.resolve`, one host read), where a non-finite step is counted and reported (``nan_policy=skip``)
   or ends the run (``stop``) before any checkpoint is written.
@@ -35,12 +37,13 @@ class StepChecks:
         self.pending: List[Tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, flag, loss)
 
     def not_finite_anywhere(self, loss: torch.Tensor) -> torch.Tensor:
-        """A float32 0-d tensor: the number of processes whose `loss` is not finite (same on every process)."""
+        """A float32 0-d tensor, the same on every process: 1.0 where `loss` is not finite on some process, else
+        0.0 (a flag, never a count: see the module's notes on ``found_inf``)."""
         bad = (~torch.isfinite(loss.detach())).reshape(()).to(torch.float32)
         if self.accelerator.num_processes > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(bad)  # in place, summed; nothing is read on the host
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # in place; nothing is read on the host
         return bad
 
     def arm(self, loss: torch.Tensor, step: int) -> None:

@@ -55,16 +55,20 @@ def accelerator_kwargs(names: List[str], out_dir: Path) -> Dict[str, Any]:
 
 
 def hyperparameters(config: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    """The resolved config as flat ``section.key`` scalars (lists, dicts and None as text), as trackers take them."""
+    """The resolved config as flat ``section.key`` scalars (lists, dicts and None as text), as trackers take them,
+    with the credentials a ``pipe:`` command or URL may carry hidden (`mmcl.data.sources.redact`): a tracker's
+    records travel to servers and colleagues."""
+    from .data.sources import redact
+
     out: Dict[str, Any] = {}
     for k, v in config.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and key not in ("model.vision_cfg", "model.text_cfg"):
             out.update(hyperparameters(v, key + "."))
-        elif isinstance(v, (bool, int, float, str)):
+        elif isinstance(v, (bool, int, float)):
             out[key] = v
         else:
-            out[key] = str(v)
+            out[key] = redact(v if isinstance(v, str) else str(v))
     return out
 
 

@@ -26,7 +26,7 @@ from . import checkpoints, hf_clip
 from .errors import CheckpointError, ConfigError
 from .fsutil import atomic_dir, files_under, is_local_dir, os_error_text, output_dir
 from .models import (CONFIG_FILE, HF_CONFIG_FILE, WEIGHTS_FILE, build_tokenizer, build_transforms, create,
-                     preprocess_config)
+                     hf_custom_code_error, preprocess_config)
 
 # Weight files of a local directory, most preferred first (open_clip's names, then transformers').
 DIR_WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
@@ -51,7 +51,9 @@ def _save_hf_text_files(model: nn.Module, text_cfg: Dict[str, Any], dest: Path) 
     model.text.config.to_json_file(str(dest / HF_CONFIG_FILE))
     source = text_cfg.get("hf_tokenizer_name") or text_cfg["hf_model_name"]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except ValueError as err:
+        raise (hf_custom_code_error(err, source) or err) from None
     except OSError as err:
         raise CheckpointError(f"cannot save the text tower's tokenizer: '{source}' is not readable "
                               f"({str(err).splitlines()[0]})") from None
@@ -286,8 +288,10 @@ def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
         except Exception as err:  # safetensors raises its own error types for bad headers
             raise _damaged(path, f"not a readable safetensors file: {str(err).splitlines()[0]}") from None
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as err:  # unpickling errors come in many types
+        obj = checkpoints.load_plain(path)  # a pickled object is refused by name (CheckpointError)
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged file's errors come in many types
         raise CheckpointError(f"cannot read {path} as a weights-only torch checkpoint: "
                               f"{str(err).splitlines()[0]}") from None
     if isinstance(obj, dict):

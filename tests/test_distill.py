@@ -369,7 +369,6 @@ def test_reinforce_resumes_shard_by_shard_and_refuses_another_teacher(demo, teac
 
     out = tmp_path / "out"
     (tmp_path / "out").mkdir()
-    (out / "notes.txt").write_text("mine")
     real, calls = rf._reinforce_shard, [0]
 
     def failing(url, dest, *a, **k):
@@ -387,6 +386,7 @@ def test_reinforce_resumes_shard_by_shard_and_refuses_another_teacher(demo, teac
     first = out / Path(_two_shards(demo)[0]).name
     stamp = first.stat().st_mtime_ns
     assert first.is_file() and not (out / Path(_two_shards(demo)[1]).name).exists()
+    (out / "notes.txt").write_text("mine")  # added by the user to reinforce's folder: kept by the resumed run
     monkeypatch.setattr(rf, "_reinforce_shard", real)
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)

@@ -99,5 +99,5 @@ def test_no_host_sync_on_steps_that_are_neither_logged_nor_saved(demo, tmp_path,
         assert {s[0] for s in on_ordinary} == ordinary
     rows = metrics(out)
     assert [r["step"] for r in rows] == [4, 8] and [r["samples"] for r in rows] == [12, 28]
-    state = torch.load(out / "checkpoints" / "step-00000008" / "custom_checkpoint_0.pkl", weights_only=False)
+    state = torch.load(out / "checkpoints" / "step-00000008" / "rank_state_0.pt", weights_only=True)["progress"]
     assert state["skipped_steps"] == 1 and state["step"] == 8 and state["samples"] == 28

@@ -1,9 +1,11 @@
-"""launch/slurm.sh with stand-ins for srun, scontrol and accelerate: the overrides reach `mmcl train` unchanged,
-and a run that stops for a signal (exit 75) is requeued."""
+"""launch/slurm.sh with stand-ins for srun, scontrol and accelerate: srun gets the CPUs per task, the overrides
+reach `mmcl train` unchanged, and a run that stops for a signal (exit 75) is requeued."""
 
 import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -12,7 +14,9 @@ def fake_bin(tmp_path: Path, accelerate_body: str) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scripts = {
-        "srun": '#!/usr/bin/env bash\nshift\nexec "$@"\n',  # drops --kill-on-bad-exit=1, runs the task here
+        # records its own options, then runs the task here
+        "srun": ('#!/usr/bin/env bash\nwhile [ "${1#-}" != "$1" ]; do echo "$1" >> "$SRUN_LOG"; shift; done\n'
+                 'exec "$@"\n'),
         "scontrol": '#!/usr/bin/env bash\nif [ "$1" = requeue ]; then echo "requeue $2" >> "$LOG"; else echo node0; fi\n',
         "accelerate": "#!/usr/bin/env bash\n" + accelerate_body,
     }
@@ -22,11 +26,14 @@ def fake_bin(tmp_path: Path, accelerate_body: str) -> Path:
     return bin_dir
 
 
-def run_slurm(tmp_path, accelerate_body, *overrides):
+def run_slurm(tmp_path, accelerate_body, *overrides, cpus_per_task="64"):
     bin_dir = fake_bin(tmp_path, accelerate_body)
     log = tmp_path / "log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SLURM_JOB_NODELIST": "n",
-           "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_ID": "42"}
+           "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_ID": "42", "SRUN_LOG": str(tmp_path / "srun")}
+    env.pop("SLURM_CPUS_PER_TASK", None)
+    if cpus_per_task is not None:  # what sbatch sets from the script's #SBATCH --cpus-per-task
+        env["SLURM_CPUS_PER_TASK"] = cpus_per_task
     p = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sh"), "configs/tiny.yaml", *overrides], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=60)
     return p, (log.read_text().splitlines() if log.exists() else [])
@@ -50,3 +57,20 @@ def test_a_run_stopped_by_a_signal_is_requeued(tmp_path):
     (tmp_path / "again").mkdir()
     p, log2 = run_slurm(tmp_path / "again", "exit 3\n")
     assert p.returncode == 3 and log2 == []
+
+
+def srun_options(tmp_path):
+    return (tmp_path / "srun").read_text().splitlines()
+
+
+@pytest.mark.gpu_path
+def test_srun_gets_the_cpus_per_task(tmp_path):
+    # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: the script must pass it on, or every task
+    # (one launcher and its 8 training processes with their data workers) is bound to one CPU.
+    p, _ = run_slurm(tmp_path, "exit 0\n", cpus_per_task="48")
+    assert p.returncode == 0, p.stderr
+    assert srun_options(tmp_path) == ["--kill-on-bad-exit=1", "--cpus-per-task=48"]
+    (tmp_path / "unset").mkdir()  # a job submitted without --cpus-per-task: srun's own default, no empty value
+    p, _ = run_slurm(tmp_path / "unset", "exit 0\n", cpus_per_task=None)
+    assert p.returncode == 0, p.stderr
+    assert srun_options(tmp_path / "unset") == ["--kill-on-bad-exit=1"]

@@ -369,7 +369,7 @@ def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
         rows = metrics(out)
         assert [r["step"] for r in rows] == [1, 2, 4]  # step 3 was skipped, not logged as a number
         assert all(math.isfinite(r["loss"]) for r in rows)
-        state = torch.load(latest_checkpoint(out / "checkpoints") / "custom_checkpoint_0.pkl", weights_only=False)
+        state = torch.load(latest_checkpoint(out / "checkpoints") / "rank_state_0.pt", weights_only=True)["progress"]
         assert state["skipped_steps"] == 1 and state["step"] == 4
 
 
@@ -411,7 +411,7 @@ def test_non_finite_loss_on_one_process_is_decided_by_all(demo, tmp_path, policy
         rows = metrics(out)
         assert [r["step"] for r in rows] == [1, 2, 4] and [r["samples"] for r in rows] == [8, 16, 24]
         assert "skipped step 3: loss is not finite on some process" in p.stdout
-        state = torch.load(latest_checkpoint(out / "checkpoints") / "custom_checkpoint_0.pkl", weights_only=False)
+        state = torch.load(latest_checkpoint(out / "checkpoints") / "rank_state_0.pt", weights_only=True)["progress"]
         assert state["skipped_steps"] == 1 and state["step"] == 4
     else:
         assert p.returncode != 0

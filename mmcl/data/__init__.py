@@ -4,8 +4,9 @@ Shards follow the img2dataset / WebDataset convention: consecutive tar members s
 (``KEY.jpg|jpeg|png|webp`` image, ``KEY.txt`` caption, optional ``KEY.cls`` label, optional ``KEY.json``).
 One concern per module, imported in this order (each uses only those above it)::
 
-    sources.py     shard specs (braces, globs, directories, '::' sources, YAML lists) -> URLs; `open_shard`
-                   opens any URL (local, ``pipe:``, http) through webdataset's ``gopen``
+    sources.py     shard specs (braces, globs, directories, '::' sources, YAML lists) -> URLs (names found on
+                   disk as absolute paths); `open_shard` opens local paths with ``open()`` and URLs (``pipe:``,
+                   http) through webdataset's ``gopen``; `redact` hides credentials in commands and URLs
     reading.py     tar streams -> raw samples with their positions (`TarReader`, `read_raw_samples`)
     decode.py      raw sample -> image bytes, caption, label (`parse_sample`); bytes -> RGB (`decode_image`,
                    `to_rgb`); the skip reasons
@@ -28,7 +29,8 @@ from .eval_sets import (EvalFailure, EvalSkip, ImageFolderDataset, ShardEvalData
 from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, collate, epoch_shard_plan,
                        role_batches, shuffle_block)
 from .reading import RawSample, TarFormatError, TarReader, read_raw_samples
-from .sources import SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard
+from .sources import (SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard,
+                      redact)
 from .transforms import (TRAIN_CROP_SCALE, ImageFinish, ImageSpec, PyRandomResizedCrop, TransformOutputError,
                          decode_sample, draft_size_of, pil_to_uint8, random_crop_box, split_transform,
                          train_draft_size, train_image_stages, training_sample_transform)
@@ -44,7 +46,7 @@ __all__ = [
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
     "SampleKeys", "caption_draw", "sample_keys",
-    "pil_to_uint8", "random_crop_box", "read_raw_samples", "role_batches", "shards_from_input", "shuffle_block",
+    "pil_to_uint8", "random_crop_box", "read_raw_samples", "redact", "role_batches", "shards_from_input", "shuffle_block",
     "split_transform", "to_rgb", "train_draft_size", "train_image_stages", "training_sample_transform",
     "write_shards", "zero_skips",
 ]

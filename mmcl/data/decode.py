@@ -11,7 +11,7 @@ import io
 import json
 import warnings
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -140,6 +140,8 @@ def decode_image(data: bytes, max_pixels: int, draft_size: Optional[Tuple[int, i
             if draft_size is not None and img.format == "JPEG":
                 img.draft("RGB", draft_size)
             img.load()  # decode now, so a cut-off file is reported here and not by a later conversion
+        except MemoryError:
+            raise SkipSample("too_large", f"{width}x{height} pixels: out of memory decoding them")
         except Exception as err:
             raise SkipSample("decode", f"{type(err).__name__}: {err}")
         try:
@@ -278,6 +280,21 @@ def sample_keys(cfg=None, image_key: Optional[str] = None, caption_key: Any = "t
         from ..errors import ConfigError
 
         raise ConfigError(str(err)) from None
+
+
+def needed_members(keys: Optional[SampleKeys] = None, stored_teacher: bool = False,
+                   extra: Sequence[str] = ()) -> FrozenSet[str]:
+    """The member extensions a sample's reading needs (`read_raw_samples` passes over the others unread): the
+    image (``data.image_key``, else every image extension), the caption members, ``cls``, the teacher members of
+    reinforced shards when `stored_teacher`, and `extra` (e.g. ``json`` for an index's source URLs)."""
+    keys = keys or DEFAULT_KEYS
+    out = set(IMAGE_EXTS) if keys.image_key is None else {keys.image_key, keys.image_key.lower()}
+    out.update(member for member, _ in keys.sources)
+    out.add("cls")
+    if stored_teacher:
+        out.update((TEACHER_IMAGE, TEACHER_TEXT, TEACHER_META))
+    out.update(extra)
+    return frozenset(out)
 
 
 def caption_draw(seed: int, epoch: int, key: str) -> int:

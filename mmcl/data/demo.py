@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from ..errors import DataError
+from ..manifest import OutputManifest
 from .writer import ShardWriter
 
 # Alphabetical, so that a class's index is the same in `.cls`, classnames.txt and the ImageFolder's sorted
@@ -205,13 +206,27 @@ def _write_folder(root: str, classes: List[str], templates: Tuple[str, ...], per
         make(k, rng).save(os.path.join(folder, f"{i:04d}.png"))
 
 
+def _demo_files(colours: List[str], n_train: int, n_val: int, n_zeroshot: int, shard_size: int) -> List[str]:
+    """Every file `make_demo_data` writes, relative to its folder (shards with their temporary names)."""
+    files = []
+    for split, n in (("train", n_train), ("val", n_val)):
+        for i in range(-(-n // shard_size)):
+            files += [f"{split}/shard-{i:06d}.tar", f"{split}/shard-{i:06d}.tar.tmp"]
+        files.append(f"{split}/classnames.txt")
+    for task, classes in (("colour", colours), ("shape", list(SHAPES))):
+        files += [f"zeroshot/{task}/classnames.txt", f"zeroshot/{task}/templates.txt"]
+        files += [f"zeroshot/{task}/{c}/{i:04d}.png" for c in classes for i in range(n_zeroshot)]
+    return files
+
+
 def make_demo_data(out_dir: str, seed: int = 0, n_train: int = 20000, n_val: int = 500, image_size: int = 64,
                    n_zeroshot: int = 50, shard_size: int = 2000, progress: bool = True) -> Dict[str, str]:
     """Generate the demo dataset under `out_dir`; deterministic from `seed`.
 
     Writes ``train/shard-*.tar`` and ``val/shard-*.tar`` (JPEG images, ``.txt`` captions, ``.cls`` = colour
     index, ``.json`` attributes), and ImageFolders ``zeroshot/colour/<colour>/*.png`` and
-    ``zeroshot/shape/<shape>/*.png``, each with ``classnames.txt`` and ``templates.txt``.
+    ``zeroshot/shape/<shape>/*.png``, each with ``classnames.txt`` and ``templates.txt``, and the list of those
+    files (``mmcl-manifest.json``). `out_dir` must be new, empty or an earlier demo's (ConfigError otherwise).
 
     Returns:
         {"train": shard spec, "val": shard spec, "zeroshot_colour": dir, "zeroshot_shape": dir,
@@ -222,14 +237,17 @@ def make_demo_data(out_dir: str, seed: int = 0, n_train: int = 20000, n_val: int
         if value <= 0:
             raise DataError(f"{name} must be > 0 (got {value})")
     colours = list(COLOURS)
+    # `out_dir` must be new, empty or an earlier demo's (its manifest lists the demo's files): the files of an
+    # earlier, larger demo are deleted, and nothing else is ever replaced or deleted.
+    owned = OutputManifest.claim(out_dir, "demo-data")
+    planned = _demo_files(colours, n_train, n_val, n_zeroshot, shard_size)
+    owned.will_write(planned)
+    owned.keep_only(planned)
     out: Dict[str, str] = {}
     # Independent RNG streams per split, so changing n_train leaves val and zero-shot images unchanged.
     for split, n, stream in (("train", n_train, 1), ("val", n_val, 2)):
         folder = os.path.join(out_dir, split)
         os.makedirs(folder, exist_ok=True)
-        for old in os.listdir(folder):
-            if old.startswith("shard-") and old.endswith(".tar"):
-                os.remove(os.path.join(folder, old))
         with ShardWriter(folder, shard_size=shard_size, prefix="shard", image_format="jpg", quality=92) as w:
             for sample in _progress(_samples(n, seed, stream, image_size, split[0]), n, f"demo {split}", progress):
                 w.write(sample)

@@ -17,9 +17,9 @@ from PIL import Image
 
 from ..config import DataConfig
 from ..errors import DataError, MmclError
-from .decode import SampleKeys, SkipSample, decode_image, parse_sample, zero_skips
+from .decode import SampleKeys, SkipSample, decode_image, needed_members, parse_sample, zero_skips
 from .reading import read_raw_samples
-from .sources import SHARD_SUFFIXES, expand_urls, has_scheme
+from .sources import SHARD_SUFFIXES, expand_urls, has_scheme, redact
 
 FOLDER_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -80,14 +80,19 @@ class EvalFailure:
     error: Exception
 
 
-def _decode_file(path: str, max_pixels: int) -> Image.Image:
+def _decode_file(path: str, max_pixels: int, max_bytes: int = DataConfig.max_member_bytes) -> Image.Image:
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:  # the same limit as a shard member's (data.max_member_bytes)
+                raise SkipSample("too_large", f"{size} bytes > {max_bytes}")
+            data = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise SkipSample("missing_file", "the file is gone")
     except OSError as err:
         raise SkipSample("decode", f"{type(err).__name__}: {err}")
+    if len(data) > max_bytes:  # a file that grew, or a device that reports no size
+        raise SkipSample("too_large", f"more than {max_bytes} bytes")
     return decode_image(data, max_pixels)
 
 
@@ -151,13 +156,19 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
     the iteration. Under a DataLoader with workers, shards (or, with fewer shards than workers, samples) are
     split across them. ``classnames``/``templates`` come from ``classnames.txt`` and ``templates.txt`` (or
     CLIP_benchmark's ``zeroshot_classification_templates.txt``) next to the shards, when present.
+    Only the members a sample needs are read (`needed_members`, plus ``json``), each at most `max_member_bytes`
+    (a sample with a larger one is a ``too_large`` skip); a shard list file runs ``pipe:`` commands only with
+    `allow_pipe`.
     """
 
     def __init__(self, spec: Any, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels,
-                 keys: Optional[SampleKeys] = None):
-        self.urls = expand_urls(spec)
+                 keys: Optional[SampleKeys] = None, max_member_bytes: int = DataConfig.max_member_bytes,
+                 allow_pipe: bool = False):
+        self.urls = expand_urls(spec, allow_pipe)
         self.keys = keys  # data.image_key / data.caption_key; every caption is kept, one per line
         self.preprocess, self.max_pixels = preprocess, max_pixels
+        self.members = needed_members(keys, extra=("json",))  # json: an index's source URLs
+        self.max_member_bytes = max_member_bytes
         self.skipped = zero_skips()
         folder = os.path.dirname(self.urls[0]) if not has_scheme(self.urls[0]) else None
         self.classnames = _read_lines(os.path.join(folder, "classnames.txt")) if folder is not None else None
@@ -179,10 +190,11 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
             plan = [(u, None) for u in self.urls[k::n]]
         else:
             plan = [(u, (k, n)) for u in self.urls]
-        for item in read_raw_samples(plan):
+        for item in read_raw_samples(plan, members=self.members, max_member_bytes=self.max_member_bytes):
+            where = redact(f"{item.url}:{item.key}" if item.key else item.url)
             if item.error is not None:
                 self.skipped[item.error] += 1
-                yield EvalSkip(item.error, item.url)
+                yield EvalSkip(item.error, where)
                 continue
             try:
                 data, caption, label = parse_sample(item.files, caption_required=False, keys=self.keys,
@@ -190,7 +202,11 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
                 img = decode_image(data, self.max_pixels)
             except SkipSample as skip:
                 self.skipped[skip.reason] += 1
-                yield EvalSkip(skip.reason, f"{item.url}:{item.key}", str(skip))
+                yield EvalSkip(skip.reason, where, str(skip))
+                continue
+            except MemoryError:
+                self.skipped["too_large"] += 1
+                yield EvalSkip("too_large", where, "out of memory decoding it")
                 continue
             yield self.preprocess(img), label, caption, self.item_key(item)
 
@@ -215,14 +231,16 @@ def eval_collate(items: List[Any]):
     return images, labels, [it[2] for it in good], [it[3] for it in good], problems
 
 
-def build_eval_dataset(path: Any, preprocess: Callable, keys: Optional[SampleKeys] = None):
+def build_eval_dataset(path: Any, preprocess: Callable, keys: Optional[SampleKeys] = None,
+                       max_member_bytes: int = DataConfig.max_member_bytes, allow_pipe: bool = False):
     """An evaluation dataset from an ImageFolder directory or a shard spec.
 
     Returns a torch Dataset (ImageFolder) or IterableDataset (shards) yielding
     (image FloatTensor (3,H,W), label int (-1 if none), caption str ("" if none), key str), with
     ``classnames`` (list or None) and ``templates`` (list or None). Finite: each sample exactly once. `keys`
-    chooses the image and caption members of shards (all captions of a sample, one per line).
+    chooses the image and caption members of shards (all captions of a sample, one per line); `max_member_bytes`
+    and `allow_pipe` are ``data.max_member_bytes`` and ``data.allow_pipe`` (see `ShardEvalDataset`).
     """
     if isinstance(path, str) and is_image_folder(path):
         return ImageFolderDataset(path, preprocess)
-    return ShardEvalDataset(path, preprocess, keys=keys)
+    return ShardEvalDataset(path, preprocess, keys=keys, max_member_bytes=max_member_bytes, allow_pipe=allow_pipe)

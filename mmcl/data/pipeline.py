@@ -40,7 +40,7 @@ import torch
 
 from ..config import DataConfig
 from ..errors import ConfigError, DataError
-from .decode import SkipSample, caption_draw, sample_keys, zero_skips
+from .decode import SkipSample, caption_draw, needed_members, sample_keys, zero_skips
 from .reading import RawSample, read_raw_samples
 from .sources import expand_sources, has_scheme
 from .transforms import (ImageSpec, TransformOutputError, decode_sample, draft_size_of, split_transform,
@@ -217,6 +217,9 @@ def _decoded(s: Dict[str, Any], item: RawSample, slot: int, epoch: int, skipped:
     except SkipSample as skip:
         skipped[skip.reason] += 1
         return None
+    except MemoryError:  # a sample too large to decode or transform here; the stream goes on
+        skipped["too_large"] += 1
+        return None
 
 
 def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
@@ -261,7 +264,7 @@ def _role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterat
             for j in range(emitted, len(block)):
                 item = block[perm[j]]
                 emitted = j + 1
-                raw_seen += item.error is None
+                raw_seen += item.error is None or bool(item.key)  # a sample skipped as too large was read
                 decoded = _decoded(s, item, slot, epoch, skipped)
                 if decoded is None:
                     continue
@@ -299,7 +302,8 @@ def _shuffled_blocks(s: Dict[str, Any], plan, slot: int, epoch: int,
     """The raw items of `plan` from position `start`, in blocks of ``shuffle_buffer`` items: each block with the
     order it is emitted in (`shuffle_block`) and the position it starts at (which a saved state records)."""
     reader = read_raw_samples(plan, start, retries=s["retries"], retry_delay=s["retry_delay"],
-                              read_timeout=s["read_timeout"])
+                              read_timeout=s["read_timeout"], members=s["members"],
+                              max_member_bytes=s["max_member_bytes"])
     block_size = max(1, s["shuffle_buffer"])
     while True:
         block = list(itertools.islice(reader, block_size))
@@ -438,7 +442,7 @@ def _first_valid_sample(s: Dict[str, Any]) -> Optional[str]:
     urls = [(u, None) for src in s["sources"] for u in src]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the slots' own reading already warned about these shards
-        for item in read_raw_samples(urls):
+        for item in read_raw_samples(urls, members=s["members"], max_member_bytes=s["max_member_bytes"]):
             if item.error is None:
                 try:
                     decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
@@ -516,7 +520,7 @@ class TrainStream:
                  stored_teacher: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
-        self.sources = expand_sources(cfg.train)
+        self.sources = expand_sources(cfg.train, allow_pipe=bool(cfg.allow_pipe))
         self.urls = [u for src in self.sources for u in src]
         if cfg.weights is not None:
             if not cfg.resampled:
@@ -574,7 +578,9 @@ class TrainStream:
                 "preprocess": self.sample_transform, "as_uint8": self.uint8, "tokenizer": self.tokenizer,
                 "worker_nice": self.worker_nice, "keys": self.keys, "teacher_view": self.teacher_view,
                 "stored_teacher": self.stored_teacher, "retries": int(self.cfg.retries),
-                "retry_delay": float(self.cfg.retry_delay), "read_timeout": float(self.cfg.read_timeout)}
+                "retry_delay": float(self.cfg.retry_delay), "read_timeout": float(self.cfg.read_timeout),
+                "members": needed_members(self.keys, self.stored_teacher),
+                "max_member_bytes": int(self.cfg.max_member_bytes)}
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [_copy_position(p) for p in self._positions]

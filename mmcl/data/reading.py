@@ -6,6 +6,11 @@ mid-shard or a cut-off member is reported rather than read as the end of the arc
 epoch's shard plan into `RawSample` items (a sample's undecoded files by extension, and its position), passing
 over the samples a resumed stream has already consumed by their headers alone, and reporting a shard that cannot
 be opened or breaks off as a counted item.
+
+A shard cannot exhaust memory: only the members a reader needs are read (the others are passed over unread), a
+member is read only when the size its header declares is within ``max_member_bytes`` (a 4 MB ``.tar.gz`` can hold
+a 4 GiB member of zeros), and a sample with a larger member, or one whose reading runs out of memory, is a counted
+``too_large`` item.
 """
 
 from __future__ import annotations
@@ -18,9 +23,15 @@ import time
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, Iterator, Optional, Sequence, Tuple
 
-from .sources import has_scheme, open_shard
+from ..config import DataConfig
+from .sources import has_scheme, open_shard, redact
+
+# Headers that tarfile reads whole before a member (pax records, GNU long names) are small in any real archive.
+_MAX_HEADER_BYTES = 2 ** 20
+_LONG_HEADER_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                      tarfile.GNUTYPE_LONGLINK)
 
 def _split_name(name: str) -> Tuple[str, str]:
     """'dir/abc.seg.jpg' -> ('dir/abc', 'seg.jpg'): the key ends at the first dot of the base name."""
@@ -41,7 +52,9 @@ class RawSample:
     index: int
     key: str = ""
     files: Optional[Dict[str, bytes]] = None
-    error: Optional[str] = None  # a SKIP_REASONS entry for shard-level problems
+    # A SKIP_REASONS entry: for shard-level problems (no key), or ``too_large`` for a sample (with its key) that
+    # has a member over the size limit.
+    error: Optional[str] = None
     url: str = ""
 
 class TarFormatError(Exception):
@@ -64,6 +77,12 @@ class _CheckedTarInfo(tarfile.TarInfo):
         except tarfile.TruncatedHeaderError:
             tar.damage = "truncated header"
             raise
+
+    def _proc_member(self, tarfile_):
+        # A pax or GNU long-name header is read whole into memory by tarfile; a real one is a few hundred bytes.
+        if self.type in _LONG_HEADER_TYPES and self.size > _MAX_HEADER_BYTES:
+            raise TarFormatError(f"a {self.size}-byte extended header (at most {_MAX_HEADER_BYTES} are read)")
+        return super()._proc_member(tarfile_)
 
 
 class TarReader:
@@ -100,6 +119,8 @@ class TarReader:
                 member = tar.next()
             except tarfile.TarError as err:
                 raise TarFormatError(str(err)) from None
+            except MemoryError:
+                raise TarFormatError("out of memory reading a member header") from None
             if member is None:
                 if tar.damage is not None:
                     raise TarFormatError(tar.damage)
@@ -108,6 +129,11 @@ class TarReader:
             if member.isfile():
                 self._member = member
                 yield member.name
+
+    @property
+    def size(self) -> int:
+        """The size the header of the member just yielded declares (what `read` would return)."""
+        return int(self._member.size)
 
     def read(self) -> bytes:
         """The bytes of the member just yielded."""
@@ -235,9 +261,17 @@ def _close(stream) -> None:
         pass
 
 
+def _item(shard: int, index: int, key: str, files: Dict[str, bytes], oversize: bool, url: str) -> RawSample:
+    if oversize:
+        return RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key, error="too_large", url=url)
+    return RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key, files=files, url=url)
+
+
 def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], start: Tuple[int, int] = (0, 0),
                      open_fn: Callable[[str], Any] = open_shard, retries: int = 0,
-                     retry_delay: float = 1.0, read_timeout: float = 300.0) -> Iterator[RawSample]:
+                     retry_delay: float = 1.0, read_timeout: float = 300.0,
+                     members: Optional[Collection[str]] = None,
+                     max_member_bytes: int = DataConfig.max_member_bytes) -> Iterator[RawSample]:
     """Stream raw samples from the shards of `plan`, starting at position `start`.
 
     Args:
@@ -252,8 +286,13 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
             twice and none is lost); only then is it reported.
         read_timeout: seconds a pipe shard (``pipe:`` command, http(s) through curl) may send nothing while it
             is read before its command is killed and the shard counts as broken (0: wait for ever).
+        members: the extensions of the members a sample needs (``jpg``, ``txt``, ``teacher_image.npy``; see
+            `decode.needed_members`); the others are passed over without reading their bytes. None reads all.
+        max_member_bytes: the largest member read; a needed member whose header declares more, or whose reading
+            runs out of memory, makes its sample a ``too_large`` item (``data.max_member_bytes``).
     Yields:
-        `RawSample` items; shard-level problems (cannot open, truncated tar) as items with ``error`` set.
+        `RawSample` items; shard-level problems (cannot open, truncated tar) and samples with a member over the
+        size limit as items with ``error`` set.
     """
     first_shard, skip = start
     for shard in range(first_shard, len(plan)):
@@ -268,21 +307,26 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
                 stream = watched = _open_watched(open_fn, url, read_timeout)
                 tar = TarReader(stream)
                 opened = True
-                key, files = None, None
+                key, files, oversize = None, None, False
                 for name in tar:
                     name_key, ext = _split_name(name)
                     if name_key != key:
                         if key is not None and files is not None:
-                            yield RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key,
-                                            files=files, url=url)
+                            yield _item(shard, index, key, files, oversize, url)
                         if key is not None:
                             next_index = max(next_index, index + 1)
                         index += 1
                         key = name_key
                         wanted = index >= next_index and (modulo is None or index % modulo[1] == modulo[0])
-                        files = {} if wanted else None
-                    if files is not None:
-                        files[ext] = tar.read()
+                        files, oversize = ({} if wanted else None), False
+                    if files is not None and not oversize and (members is None or ext in members):
+                        if tar.size > max_member_bytes:
+                            oversize = True  # never read: its header's size is enough to know
+                        else:
+                            try:
+                                files[ext] = tar.read()
+                            except MemoryError:
+                                oversize = True
                 # A pipe (curl for http, any pipe: command) reports its exit status when closed: a download cut
                 # off at a member boundary reads like a complete archive until then. The last sample is held
                 # back until the stream has closed cleanly.
@@ -291,7 +335,7 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
                 finished, stream = stream, None
                 finished.close()
                 if key is not None and files is not None:
-                    yield RawSample(pos=(shard, index + 1), shard=shard, index=index, key=key, files=files, url=url)
+                    yield _item(shard, index, key, files, oversize, url)
                 break
             except Exception as err:  # a missing file, a failing pipe, a non-tar file, a dropped connection
                 broken = err
@@ -306,18 +350,18 @@ def read_raw_samples(plan: Sequence[Tuple[str, Optional[Tuple[int, int]]]], star
             if _retryable(url) and attempt < retries:
                 attempt += 1
                 wait = retry_delay * 2 ** (attempt - 1)
-                warnings.warn(f"shard {url} failed after {max(next_index, 0)} samples ({type(broken).__name__}: "
-                              f"{broken}); retry {attempt} of {retries} in {wait:g} s")
+                warnings.warn(redact(f"shard {url} failed after {max(next_index, 0)} samples ({type(broken).__name__}"
+                                     f": {broken}); retry {attempt} of {retries} in {wait:g} s"))
                 time.sleep(wait)
                 continue
             if not opened and next_index == first_index:  # nothing of it read, in any attempt
-                warnings.warn(f"cannot open shard {url}: {type(broken).__name__}: {broken}; skipping it")
+                warnings.warn(redact(f"cannot open shard {url}: {type(broken).__name__}: {broken}; skipping it"))
                 if owns_errors:
                     yield RawSample(pos=(shard + 1, 0), shard=shard, index=-1, error="shard_open", url=url)
             else:
                 # The sample being read when the tar broke is lost; report it once.
-                warnings.warn(f"shard {url} is truncated or corrupt after {max(index, next_index, 0)} samples "
-                              f"({type(broken).__name__}: {broken})")
+                warnings.warn(redact(f"shard {url} is truncated or corrupt after {max(index, next_index, 0)} samples "
+                                     f"({type(broken).__name__}: {broken})"))
                 if owns_errors:
                     yield RawSample(pos=(shard + 1, 0), shard=shard, index=max(index, next_index),
                                     error="truncated_tar", url=url)

@@ -3,8 +3,14 @@
 A spec is a string or a list: '::'-separated sources, each a brace range (``shard-{000000..000009}.tar``), a
 glob, a directory of shards, a local path, or a URL with a scheme (``pipe:``, ``http://``, ...). A YAML list, or a
 ``.yaml`` file holding one, is accepted too. `expand_sources` gives one URL list per source, `missing_shards`
-describes what a spec names that is not there (for preflight checks), and `open_shard` opens any URL as a byte
-stream through webdataset's ``gopen``.
+describes what a spec names that is not there (for preflight checks), and `open_shard` opens a URL as a byte stream.
+
+Names are data, not commands. Only text the user typed (a config value, an override, a command-line argument) may
+be a ``pipe:`` command or a URL: a name found on disk (by a glob or a directory listing) is expanded to its absolute
+path, and `open_shard` opens every name without a scheme with ``open()``, so a downloaded file named
+``pipe:cmd;#.tar`` is read as the (empty) file it is. A shard list file (``shards.yaml``) ships with the data and
+may list ``pipe:`` commands only with ``data.allow_pipe=true``. `redact` hides the credentials a ``pipe:`` command
+or URL may carry wherever mmcl writes or prints it.
 """
 
 from __future__ import annotations
@@ -23,37 +29,119 @@ from ..errors import DataError
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
-def _split_spec(spec: Any) -> List[str]:
-    """Flatten a spec (str, list, YAML list, '::'-joined) into one string per source."""
+# Credentials a pipe: command or URL can carry: each pattern's group "keep" is kept and its group "secret" hidden.
+# A value that is only an environment variable ($HF_TOKEN, Bearer ${TOKEN}) is kept: the shell fills it in at run
+# time, the documented way to pass a secret.
+_VALUE = r"""[^\s'"&;]+"""
+_SECRET_WORDS = (r"token|secret|passw(?:or)?d|pwd|api[_-]?key|access[_-]?key|private[_-]?key|credential|signature|"
+                 r"sig|auth")
+_REDACT_PATTERNS = [
+    # an HTTP header given to curl/wget (-H 'Name: value', --header=Name:value): every header's value
+    re.compile(r"""(?P<keep>(?:-H|--header)(?:\s+|=)(?P<q>['"])[\w-]+\s*:\s*)(?P<secret>[^'"]+)(?=(?P=q))"""),
+    re.compile(r"""(?P<keep>(?:-H|--header)(?:\s+|=)[\w-]+:\s*)(?P<secret>[^\s'"]+)"""),
+    # a header written anywhere else (a JSON string, an error message quoting a command's arguments)
+    re.compile(r"""(?P<keep>(?:proxy-)?(?:authorization|x-api-key|api-key|x-auth-token|private-token|"""
+               r"""x-amz-security-token|cookie)\s*[:=]\s*)(?P<secret>(?:[a-z]+\s+)?[^\s'"\n,)\]]+)""", re.IGNORECASE),
+    re.compile(r"(?P<keep>\b(?:bearer|basic)\s+)(?P<secret>" + _VALUE + ")", re.IGNORECASE),
+    # user:password@ in a URL
+    re.compile(r"""(?P<keep>\b[a-z][a-z0-9+.-]*://[^\s/:@'"]+:)(?P<secret>[^\s/@'"]+)(?=@)""", re.IGNORECASE),
+    # name=value (query parameters, environment assignments, --option=value) and --option value whose name says
+    # secret (token=, AWS_SECRET_ACCESS_KEY=, X-Amz-Signature=, sig=, --token, --oauth2-bearer)
+    re.compile(r"(?P<keep>[\w.-]*(?:" + _SECRET_WORDS + r")[\w.-]*=)(?P<secret>" + _VALUE + ")", re.IGNORECASE),
+    re.compile(r"(?P<keep>(?:^|\s)--?[\w-]*(?:" + _SECRET_WORDS + r"|bearer)[\w-]*\s+)(?P<secret>" + _VALUE + ")",
+               re.IGNORECASE),
+    # curl --user name:password, -u name:password
+    re.compile(r"""(?P<keep>(?:--user|-u)(?:\s+|=)['"]?[^\s:'"]+:)(?P<secret>[^\s'"]+)"""),
+    # an AWS access key id written out
+    re.compile(r"(?P<keep>)\b(?P<secret>(?:AKIA|ASIA)[0-9A-Z]{16})\b"),
+]
+_ENV_REFERENCE = re.compile(r"(?:\w+\s+)?\$\{?\w+\}?")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials a ``pipe:`` command or URL can carry replaced by ``***``: HTTP header values
+    (``Authorization: Bearer ...``, ``X-Api-Key``, any ``-H``/``--header``), ``user:password@`` in URLs, secret-named
+    parameters, variables and options (``token=``, ``AWS_SECRET_ACCESS_KEY=``, ``X-Amz-Signature=``, ``sig=``,
+    ``--token``), ``--user name:password`` and AWS access key ids. A value that is only an environment variable
+    (``$HF_TOKEN``, ``Bearer $HF_TOKEN``) is kept.
+
+    The one redaction of mmcl: config.yaml, tracker hyper-parameters, warnings and errors all pass through it.
+    """
+    if not isinstance(text, str) or not text:
+        return text
+
+    def hide(match: "re.Match[str]") -> str:
+        if _ENV_REFERENCE.fullmatch(match.group("secret").strip()):
+            return match.group(0)
+        return match.group("keep") + "***"
+
+    for pattern in _REDACT_PATTERNS:
+        text = pattern.sub(hide, text)
+    return text
+
+
+def redact_values(obj: Any) -> Any:
+    """A copy of a config dict (or list, or string) with `redact` applied to every string in it."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {k: redact_values(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redact_values(v) for v in obj)
+    return obj
+
+
+def _split_spec(spec: Any, allow_pipe: bool = False, listed_in: Optional[str] = None) -> List[str]:
+    """Flatten a spec (str, list, YAML list, '::'-joined) into one string per source.
+
+    Entries read from a shard list file (`listed_in`) are the data's, not the user's: a ``pipe:`` command there is
+    refused unless `allow_pipe` (``data.allow_pipe``)."""
     if spec is None:
         raise DataError("no training data given (got data.train=None, expected a shard spec such as "
                         "'shards/shard-{000000..000009}.tar')")
     if isinstance(spec, (list, tuple)):
         out: List[str] = []
         for item in spec:
-            out += _split_spec(item)
+            out += _split_spec(item, allow_pipe, listed_in)
         return out
     if not isinstance(spec, str):
-        raise DataError(f"shard spec must be a string or a list of strings (got {type(spec).__name__}: {spec!r})")
+        raise DataError(f"shard spec must be a string or a list of strings (got {type(spec).__name__}: "
+                        f"{redact(repr(spec))})")
     text = spec.strip()
     if text.startswith("["):
         try:
             items = yaml.safe_load(text)
         except yaml.YAMLError as err:
-            raise DataError(f"cannot parse shard spec as a YAML list: {text!r} ({str(err).splitlines()[0]})")
-        return _split_spec(items)
+            raise DataError(f"cannot parse shard spec as a YAML list: {redact(text)!r} "
+                            f"({redact(str(err).splitlines()[0])})")
+        return _split_spec(items, allow_pipe, listed_in)
     if text.lower().endswith((".yaml", ".yml")) and os.path.isfile(text):
-        with open(text) as f:
-            items = yaml.safe_load(f)
+        try:
+            with open(text) as f:
+                items = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise DataError(f"cannot read the shard list {text}: {str(err).splitlines()[0]}")
         if not isinstance(items, list):
             raise DataError(f"{text} must hold a YAML list of shard specs (got {type(items).__name__})")
-        return _split_spec(items)
-    return [part.strip() for part in text.split("::") if part.strip()]
+        return _split_spec(items, allow_pipe, listed_in=text)
+    parts = [part.strip() for part in text.split("::") if part.strip()]
+    if listed_in is not None and not allow_pipe:
+        for part in parts:
+            if part[:5].lower() == "pipe:":  # webdataset reads the scheme in any case
+                raise DataError(f"the shard list {listed_in} runs a command ({redact(part)}); a list that comes "
+                                f"with data may name files and URLs only, set data.allow_pipe=true if you trust it")
+    return parts
 
 
 def has_scheme(url: str) -> bool:
     """Whether `url` starts with a URL scheme (``pipe:``, ``http:``, ...); a Windows drive letter is no scheme."""
     return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", url)) and not re.match(r"^[a-zA-Z]:[\\/]", url)
+
+
+def _found(paths: List[str]) -> List[str]:
+    """Names a glob or a directory listing returned, as absolute paths: a file's name is data, and one that reads
+    like a command or URL (``pipe:cmd;#.tar``, ``http:x.tar``) must stay a local path."""
+    return sorted(os.path.abspath(p) for p in paths)
 
 
 def _expand_one(source: str) -> List[str]:
@@ -63,34 +151,38 @@ def _expand_one(source: str) -> List[str]:
     urls: List[str] = []
     missing: List[str] = []
     for item in braceexpand.braceexpand(source):
-        if item.startswith("file://"):
+        local = item.startswith("file://")
+        if local:
             item = item[len("file://"):]
-        if has_scheme(item):
+        if has_scheme(item) and not local:
             urls.append(item)
         elif any(ch in item for ch in "*?["):
-            urls += sorted(glob.glob(os.path.expanduser(item)))
+            urls += _found(glob.glob(os.path.expanduser(item)))
         elif os.path.isdir(os.path.expanduser(item)):
             folder = os.path.expanduser(item)
-            urls += sorted(p for p in glob.glob(os.path.join(folder, "*")) if p.endswith(SHARD_SUFFIXES))
+            urls += _found(p for p in glob.glob(os.path.join(folder, "*")) if p.endswith(SHARD_SUFFIXES))
         elif os.path.isfile(os.path.expanduser(item)):
-            urls.append(os.path.expanduser(item))
+            path = os.path.expanduser(item)
+            # A path given after file:// is a path even where it reads like a command (file://pipe:x.tar).
+            urls.append(os.path.abspath(path) if has_scheme(path) else path)
         else:
             missing.append(item)
     if missing and urls:
-        warnings.warn(f"{len(missing)} of {len(missing) + len(urls)} shards of '{source}' do not exist, "
+        warnings.warn(f"{len(missing)} of {len(missing) + len(urls)} shards of '{redact(source)}' do not exist, "
                       f"e.g. {missing[0]}; using the {len(urls)} that do", stacklevel=3)
     return urls
 
 
-def missing_shards(spec: Any) -> List[str]:
+def missing_shards(spec: Any, allow_pipe: bool = False) -> List[str]:
     """What a shard spec names that is not there, one description per source (empty when all is in place).
 
     Checks local paths only: a glob that matches nothing, a brace range or path naming files that do not exist,
     a directory without shards. URLs with a scheme (``pipe:``, ``http://``, ...) are not checked. Relative
-    paths resolve against the current directory; the descriptions show them resolved.
+    paths resolve against the current directory; the descriptions show them resolved. A shard list file that
+    runs a command without `allow_pipe` is a problem too.
     """
     try:
-        sources = _split_spec(spec)
+        sources = _split_spec(spec, allow_pipe)
     except (DataError, OSError) as err:
         return [str(err)]
     if not sources:
@@ -138,38 +230,44 @@ def missing_shards(spec: Any) -> List[str]:
     return problems
 
 
-def expand_sources(spec: Any) -> List[List[str]]:
+def expand_sources(spec: Any, allow_pipe: bool = False) -> List[List[str]]:
     """Expand a shard spec into one list of URLs per source.
 
     Sources are the '::'-separated parts of a string spec (or the items of a list). Each source may use
     brace expansion (``shard-{000000..000009}.tar``), a glob, a directory (its ``*.tar`` files), a local
-    path, or a URL with a scheme (``pipe:``, ``http://``, ...). Raises `DataError` naming the source when a
-    source matches nothing.
+    path, or a URL with a scheme (``pipe:``, ``http://``, ...). Files found by a glob or in a directory are
+    given as absolute paths, whatever their names. Raises `DataError` naming the source when a source matches
+    nothing, and when a shard list file (``.yaml``) names a ``pipe:`` command without `allow_pipe`.
     """
-    sources = _split_spec(spec)
+    sources = _split_spec(spec, allow_pipe)
     if not sources:
-        raise DataError(f"empty shard spec (got {spec!r}, expected e.g. 'shards/shard-{{000000..000009}}.tar')")
+        raise DataError(f"empty shard spec (got {redact(repr(spec))}, expected e.g. "
+                        f"'shards/shard-{{000000..000009}}.tar')")
     out = []
     for source in sources:
         urls = _expand_one(source)
         if not urls:
-            raise DataError(f"no shards match '{source}' (expected existing .tar files, a glob, a directory of "
-                            f"shards or a pipe:/http URL)")
+            raise DataError(f"no shards match '{redact(source)}' (expected existing .tar files, a glob, a "
+                            f"directory of shards or a pipe:/http URL)")
         out.append(urls)
     return out
 
 
-def expand_urls(spec: Any) -> List[str]:
+def expand_urls(spec: Any, allow_pipe: bool = False) -> List[str]:
     """Expand a shard spec into a flat list of URLs (see `expand_sources` for the accepted forms).
 
     >>> expand_urls("data/shard-{000000..000001}.tar")  # doctest: +SKIP
     ['data/shard-000000.tar', 'data/shard-000001.tar']
     """
-    return [url for urls in expand_sources(spec) for url in urls]
+    return [url for urls in expand_sources(spec, allow_pipe) for url in urls]
 
 
 def open_shard(url: str):
-    """A readable binary stream of shard `url` (local path, ``pipe:`` command, http(s), ...)."""
+    """A readable binary stream of shard `url`: a name without a scheme is a local file, opened with ``open()``
+    whatever it looks like; only a URL (``pipe:`` command, http(s), gs, ...) goes through webdataset's
+    ``gopen``."""
+    if not has_scheme(url):
+        return open(url, "rb")
     from webdataset import gopen
 
     return gopen(url, "rb")

@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from PIL import Image
 
 from ..errors import DataError
+from ..manifest import OutputManifest
 from .decode import IMAGE_EXTS, SkipSample, decode_image
 from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, walk_files
 from .sources import SHARD_SUFFIXES
@@ -54,11 +55,12 @@ class ShardWriter:
 
     Each shard is written to a temporary name and renamed when complete, so a crash never leaves a
     truncated shard under a final name. Member metadata is fixed (mtime 0, uid 0), so equal samples give
-    byte-identical shards.
+    byte-identical shards. With a `manifest` (`mmcl.manifest.OutputManifest` of `out_dir`), each shard's names
+    are recorded before it is created, and a file of the user's with such a name is an error, never replaced.
     """
 
     def __init__(self, out_dir: str, shard_size: int = 1000, prefix: str = "shard",
-                 image_format: str = "png", quality: int = 95):
+                 image_format: str = "png", quality: int = 95, manifest=None):
         if shard_size <= 0:
             raise DataError(f"shard_size must be > 0 (got {shard_size})")
         if image_format not in ("png", "jpg", "jpeg", "webp"):
@@ -66,6 +68,7 @@ class ShardWriter:
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir, self.shard_size, self.prefix = out_dir, shard_size, prefix
         self.image_format, self.quality = image_format, quality
+        self.manifest = manifest
         self.shards: List[str] = []
         self.n_samples = 0
         self._tar: Optional[tarfile.TarFile] = None
@@ -81,6 +84,8 @@ class ShardWriter:
     def _open_next(self) -> None:
         path = os.path.join(self.out_dir, f"{self.prefix}-{len(self.shards):06d}.tar")
         self._tmp = path + ".tmp"
+        if self.manifest is not None:
+            self.manifest.will_write([os.path.relpath(p, self.manifest.folder) for p in (path, self._tmp)])
         self._tar = tarfile.open(self._tmp, "w", format=tarfile.GNU_FORMAT)
         self.shards.append(path)
         self._in_shard = 0
@@ -131,7 +136,7 @@ class ShardWriter:
 
 
 def write_shards(samples: Iterable[Dict[str, Any]], out_dir: str, shard_size: int = 1000, prefix: str = "shard",
-                 image_format: str = "png", quality: int = 95) -> Dict[str, Any]:
+                 image_format: str = "png", quality: int = 95, manifest=None) -> Dict[str, Any]:
     """Write samples as WebDataset shards ``out_dir/<prefix>-000000.tar``, ...
 
     Args:
@@ -139,10 +144,11 @@ def write_shards(samples: Iterable[Dict[str, Any]], out_dir: str, shard_size: in
             `image_format`, or encoded bytes with ``ext`` such as 'jpg'), ``caption`` (str), optional
             ``label`` (int, written as ``.cls``) and ``json`` (dict).
         shard_size: samples per shard.
+        manifest: the `mmcl.manifest.OutputManifest` of `out_dir`, when a command owns it (see `ShardWriter`).
     Returns:
         {"out_dir", "shards": [paths], "n_shards", "n_samples"}.
     """
-    with ShardWriter(out_dir, shard_size, prefix, image_format, quality) as writer:
+    with ShardWriter(out_dir, shard_size, prefix, image_format, quality, manifest) as writer:
         for sample in samples:
             writer.write(sample)
     return writer.close()
@@ -433,11 +439,17 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
             written.append(where)
 
     written: List[str] = []
-    os.makedirs(out_dir, exist_ok=True)
-    summary = write_shards(samples(), out_dir, shard_size=shard_size, prefix="shard")
+    # `out_dir` must be new, empty or an earlier conversion's: its manifest lists the files written there, and
+    # the shards of an earlier, larger conversion are deleted (a glob would mix them in); nothing else is touched.
+    owned = OutputManifest.claim(out_dir, "shards")
+    summary = write_shards(samples(), out_dir, shard_size=shard_size, prefix="shard", manifest=owned)
+    ours = [os.path.relpath(p, out_dir) for p in summary["shards"]]
     if classnames is not None:
+        owned.will_write(["classnames.txt"])
+        ours.append("classnames.txt")
         with open(os.path.join(out_dir, "classnames.txt"), "w", encoding="utf-8") as f:
             f.write("\n".join(n.replace("_", " ") for n in classnames) + "\n")
+    owned.keep_only(ours)
     counts: Dict[str, int] = {}
     for _, reason in problems:
         counts[reason] = counts.get(reason, 0) + 1
