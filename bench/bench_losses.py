@@ -10,6 +10,17 @@ logit scale. Prints one JSON line per measurement, then one per N with the ratio
                                       [--sizes 4096 16384] [--scales 14.3 100] [--align random aligned]
                                       [--dim 512] [--chunk 1024] [--repeats 3] [--threads T]
 
+Op-count mode (``--op-count``): dispatched ops (each at most one kernel launch on a GPU) and host syncs of one
+rank's tiled forward+backward, counted with tests/syncwatch.py's dispatch mode, for ranks of ``--sizes`` rows in a
+``--world``-process job, with the CPU's tile (2^22 logits) and the tile an 80 GB GPU gets (`cuda_tile_elements`).
+The count depends only on the tile grid (row blocks x column tiles per pass), not on the device or the widths, so it
+is counted on a replica with the same grid and 2-row tiles of 8-wide features, which runs in seconds on a CPU at
+any batch size; ``--full-size`` counts at the real shapes on the meta device instead (no memory, no arithmetic; a
+package whose losses read device values on the host cannot run there). SupCon's per-class tables add a few ops per
+block of feature columns, which the replica's narrow features do not have: count it with ``--full-size``.
+
+    python bench/bench_losses.py --op-count [--loss clip siglip supcon] [--sizes 32768] [--world 8] [--chunk 1024]
+
 For memory figures stable to about 1 MiB, run with ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment (it
 reaches every case's process): glibc otherwise raises its mmap threshold after the first large free, later tiles
 come from the heap, and the peak RSS of the same case varies by tens of MiB with allocation order (measured
@@ -246,6 +257,76 @@ def run_interleaved(n: int, dim: int, chunk: int, rounds: int, threads: int, kin
     }
 
 
+def _tile_policies():
+    """(name, logits per tile) of the CPU's tile and of an 80 GB GPU's (absent from packages without the choice)."""
+    from mmcl.losses import tiling
+
+    policies = [("cpu", 1 << 22)]
+    if hasattr(tiling, "cuda_tile_elements"):
+        policies.append(("cuda_80GB", tiling.cuda_tile_elements(80 * 10 ** 9)))
+    return policies
+
+
+def count_ops(kind: str, n: int, world: int, chunk: int, tile: int, full_size: bool, dim: int) -> dict:
+    """Ops and host syncs of one rank's tiled fwd+bwd of `kind` at n rows per rank x `world` ranks (see the module
+    docstring: a replica with the same tile grid unless `full_size`)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from syncwatch import SyncWatch
+
+    import mmcl
+    from mmcl import losses
+    from mmcl.losses import tiling
+
+    m = n * world
+    width = min(m, max(chunk, tile // chunk))
+    row_blocks, col_tiles = math.ceil(n / chunk), math.ceil(m / width)
+    if full_size:
+        device, rows, cols, c, e, d = "meta", n, m, chunk, tile, dim
+    else:  # 2-row tiles, as many row blocks and column tiles as at the real size
+        c, device, d = 2, "cpu", 8
+        rows = row_blocks * c
+        w = max(c, math.ceil(rows * world / col_tiles))  # columns per tile
+        cols = col_tiles * w if world > 1 else rows  # one process: the columns are the rows
+        e = c * w
+    tiling._TILE_ELEMENTS = e  # the tile of the chosen policy on this process's device
+    g = torch.Generator().manual_seed(0)
+
+    def feats(k):
+        if device == "meta":
+            return torch.empty(k, d, device="meta", requires_grad=True)
+        return F.normalize(torch.randn(k, d, generator=g), dim=1).requires_grad_(True)
+
+    q_img, q_txt = feats(rows), feats(rows)
+    cols_kw = {}
+    if world > 1:
+        k_img, k_txt = feats(cols), feats(cols)
+        cols_kw = dict(all_image_features=k_img, all_text_features=k_txt, offset=cols - rows)
+    scale = torch.full((), 14.3, device=device).requires_grad_(True)
+    bias = torch.full((), -5.0, device=device).requires_grad_(True)
+    with SyncWatch() as watch:
+        if kind == "clip":
+            loss = losses.clip_loss(q_img, q_txt, scale, c, **cols_kw)
+        elif kind == "supcon":
+            labels = torch.arange(cols, device=device) % max(2, cols // 3)
+            extra = {"all_labels": labels} if world > 1 else {}
+            loss = losses.supcon_loss(q_img, q_txt, labels[cols - rows:], scale, c, **cols_kw, **extra)
+        elif kind == "siglip":
+            extra = dict(all_text_features=cols_kw["all_text_features"], offset=cols - rows) if world > 1 else {}
+            loss = losses.siglip_loss(q_img, q_txt, scale, bias, chunk_size=c, **extra)
+        else:
+            raise SystemExit(f"--op-count measures clip, supcon or siglip (got {kind})")
+        loss.backward()
+    return {"bench": f"{kind}_loss_ops_per_step", "rows_per_rank": n, "world": world, "chunk": chunk,
+            "tile_logits": tile, "row_blocks": row_blocks, "column_tiles_per_block": col_tiles,
+            "counted_on": "meta, full size" if full_size else f"replica grid {rows} x {cols} rows/cols",
+            "ops": watch.op_count, "host_syncs": watch.count, "mmcl": os.path.dirname(mmcl.__file__)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss", nargs="+", choices=tuple(REFERENCE), default=["clip"],
@@ -270,8 +351,20 @@ def main() -> None:
                         help="measure mmcl's tiled losses alone (memory ratios then divide by a reference measured "
                              "in another run: ClipLoss's allocation does not depend on the scale or the features, "
                              "while its time at scale 100 with aligned pairs runs past 1000 s at N=16384)")
+    parser.add_argument("--op-count", action="store_true",
+                        help="count dispatched ops and host syncs per tiled step instead of timing (see above)")
+    parser.add_argument("--world", type=int, default=8, help="--op-count: processes of the job")
+    parser.add_argument("--full-size", action="store_true", help="--op-count: at the real shapes on the meta device")
     parser.add_argument("--case", nargs=5, metavar=("IMPL", "N", "KIND", "SCALE", "ALIGN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    if args.op_count:
+        for n in args.sizes:
+            for kind in args.loss:
+                for policy, tile in _tile_policies():
+                    out = count_ops(kind, n, args.world, args.chunk, tile, args.full_size, args.dim)
+                    print(json.dumps(dict(out, tile_policy=policy)), flush=True)
+        return
 
     if args.interleave:
         for n in args.sizes:

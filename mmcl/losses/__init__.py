@@ -14,8 +14,9 @@ the summing all-gather backward each rank holds ``W`` times the global gradient 
 DDP's averaging of parameter gradients turns that into exactly the global-batch gradient.
 
 Memory. ``chunk_size`` switches the softmax losses (clip, supcon, debiased, hard-negative) to a tiled
-computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to 2^22 / chunk_size columns) of the
-logits are formed, reduced into row and column sums and dropped; backward recomputes each tile once. Extra
+computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to `tile_elements` / chunk_size columns: 2^22
+logits on a CPU, 2^24-2^28 on a GPU by its memory) of the logits are formed, reduced into row and column sums and
+dropped; backward recomputes each tile once. Extra
 memory is O((n + M) * D) plus two tiles instead of O(n * M), with the same value and gradients as the dense
 computation, which stays in the package as the specification. SigLIP's sum over pairs is tiled the same way
 (`TiledSigmoidPairs`, each tile recomputed once in backward), and MoCHi's real negatives and queue too (its

@@ -7,11 +7,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._precision import float32_math, scaled_products
 from .errors import LossInputError
 from .tiling import (TiledLogSumExp, _acc_dtype, _as_scale, _check_chunk, _coefficient_floor, _exp_, _finite_or_zero,
                      _unit, _upcast)
 
 
+@float32_math
 def logsumexp_rows(
     queries: Tensor, keys: Tensor, logit_scale: Tensor, chunk_size: Optional[int] = None, with_cols: bool = False
 ):
@@ -84,7 +86,7 @@ def _positive_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor, offset:
 def _dense_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor) -> Tensor:
     """``s * queries @ keys.T`` built in float32 at least: bf16 logits at scale 100 are off by about 0.4."""
     acc = _acc_dtype(queries.dtype)
-    return logit_scale.to(acc) * (queries.to(acc) @ keys.to(acc).T)
+    return scaled_products(queries.to(acc), keys.to(acc), logit_scale.to(acc))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -105,6 +107,7 @@ class DenseLogSumExp(torch.autograd.Function):
     """
 
     @staticmethod
+    @float32_math
     def forward(ctx, x, dim: int):
         lse = _logsumexp(x, dim)
         ctx.dim = dim
@@ -113,6 +116,7 @@ class DenseLogSumExp(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @float32_math
     def backward(ctx, grad):
         x, lse = ctx.saved_tensors
         dim = ctx.dim
@@ -137,6 +141,7 @@ class DenseInfoNCE(torch.autograd.Function):
     """
 
     @staticmethod
+    @float32_math
     def forward(ctx, logits, offset: int, with_cols: bool):
         n, m = logits.shape
         rows = torch.arange(n, device=logits.device)
@@ -151,6 +156,7 @@ class DenseInfoNCE(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @float32_math
     def backward(ctx, grad_row, grad_col=None):
         logits, row_lse, col_lse = ctx.saved_tensors
         n, m = logits.shape
@@ -174,6 +180,7 @@ class DenseInfoNCE(torch.autograd.Function):
         return grad.mul_(unit), None, None
 
 
+@float32_math
 def infonce_rows(
     queries: Tensor, keys: Tensor, logit_scale: Tensor, offset: int = 0, chunk_size: Optional[int] = None
 ) -> Tensor:
@@ -194,6 +201,7 @@ def infonce_rows(
     return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, False, offset)
 
 
+@float32_math
 def clip_loss(
     image_features: Tensor,
     text_features: Tensor,

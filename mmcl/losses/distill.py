@@ -8,8 +8,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ._precision import float32_math
 from .errors import LossInputError
-from .tiling import _TILE_ELEMENTS, TiledLogSumExp, _as_scale, _check_chunk, _exp_, _upcast
+from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _exp_, _upcast, tile_elements
 from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits
 
 
@@ -36,12 +37,14 @@ class _TeacherWeightedProducts(torch.autograd.Function):
     """
 
     @staticmethod
+    @float32_math
     def forward(ctx, queries, keys, logit_scale, kbar, qbar):
         ctx.save_for_backward(queries, logit_scale, kbar, qbar)
         return logit_scale * torch.linalg.vecdot(queries, kbar).sum()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @float32_math
     def backward(ctx, grad):
         queries, logit_scale, kbar, qbar = ctx.saved_tensors
         g = grad * logit_scale
@@ -56,7 +59,7 @@ def _teacher_pass(queries, keys, t_queries, t_keys, t_scale, chunk_size):
     The teacher's logits are formed once, in stripes of whole rows holding at most `chunk_size` rows and about
     as many logits as a `TiledLogSumExp` tile (at least one row), so memory stays linear in n + M."""
     n, m = queries.shape[0], keys.shape[0]
-    rows_per = max(1, min(chunk_size, _TILE_ELEMENTS // max(m, 1)))
+    rows_per = max(1, min(chunk_size, tile_elements(queries.device) // max(m, 1)))
     ts = t_queries * t_scale
     lse = torch.empty(n, dtype=queries.dtype, device=queries.device)
     expected_t = torch.empty(n, dtype=queries.dtype, device=queries.device)
@@ -94,6 +97,7 @@ def _kl_rows_sum(queries, keys, logit_scale, t_queries, t_keys, t_scale, chunk_s
     return (expected_t - lse_t).sum() + lse_s.sum() - cross
 
 
+@float32_math
 def distill_loss(
     image_features: Tensor,
     text_features: Tensor,

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .clip import _check_pair
-from .errors import LossInputError
 from .supcon import _check_labels
+from .tiling import _check_on_device
 
 
 def _distributed() -> bool:
@@ -32,6 +32,18 @@ def _all_gather_with_grad(x: Tensor) -> Tensor:
     return wait_tensor(all_gather_single(x.contiguous(), 0, dist.group.WORLD))
 
 
+def _check_equal_sizes(n: int, world: int, device: torch.device) -> None:
+    """Every rank must hold n pairs (the gathers below need equal sizes), checked without reading a device value
+    on the host: the sizes are gathered on the device (a fill, not a host-to-device copy) and compared by a
+    device-side assertion. On CPU processes a mismatch raises `LossInputError` at once; on a GPU it stops the run
+    at the assertion a little later, instead of waiting for the GPU on every step."""
+    parts = [torch.empty(1, dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(parts, torch.full((1,), n, dtype=torch.long, device=device))
+    sizes = torch.cat(parts)
+    _check_on_device((sizes == n).all(), f"every rank must hold the same number of pairs (this rank holds {n}; "
+                                         "drop the last partial batch)")
+
+
 def gather_features(
     image_features: Tensor, text_features: Tensor, labels: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor, Optional[Tensor], int]:
@@ -51,14 +63,7 @@ def gather_features(
         return image_features, text_features, labels, 0
     world, rank = dist.get_world_size(), dist.get_rank()
     n = image_features.shape[0]
-    sizes = [torch.zeros(1, dtype=torch.long, device=image_features.device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=image_features.device))
-    sizes = [int(s.item()) for s in sizes]
-    if len(set(sizes)) != 1:
-        raise LossInputError(
-            f"every rank must hold the same number of pairs (got per-rank batch sizes {sizes}; "
-            "drop the last partial batch)"
-        )
+    _check_equal_sizes(n, world, image_features.device)
     all_image = _all_gather_with_grad(image_features)
     all_text = _all_gather_with_grad(text_features)
     all_labels = None

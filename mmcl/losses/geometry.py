@@ -7,10 +7,12 @@ import math
 import torch
 from torch import Tensor
 
+from ._precision import float32_math, scaled_products
 from .errors import LossInputError
 from .tiling import _acc_dtype
 
 
+@float32_math
 def align_loss(x: Tensor, y: Tensor, alpha: float = 2.0) -> Tensor:
     """Alignment ``mean_i ||x_i - y_i||_2^alpha`` over positive pairs.
 
@@ -32,10 +34,11 @@ def _sq_dists(a: Tensor, b: Tensor) -> Tensor:
     # in float32 at least: in bf16 the three terms of size ~1 cancel to distances with an error of ~1e-2.
     acc = _acc_dtype(a.dtype)
     a, b = a.to(acc), b.to(acc)
-    d = a.pow(2).sum(1, keepdim=True) + b.pow(2).sum(1)[None, :] - 2 * (a @ b.T)
+    d = a.pow(2).sum(1, keepdim=True) + b.pow(2).sum(1)[None, :] - 2 * scaled_products(a, b)
     return d.clamp_min(0)
 
 
+@float32_math
 def uniform_loss(x: Tensor, t: float = 2.0) -> Tensor:
     """Uniformity ``log mean_{i<j} exp(-t ||x_i - x_j||^2)`` over distinct pairs of one batch.
 
@@ -55,7 +58,7 @@ def _uniform_log_partial(x: Tensor, all_x: Tensor, offset: int, t: float) -> Ten
     """``log sum_{i local, j != offset+i} exp(-t ||x_i - all_x_j||^2)`` (ordered pairs), a 0-dim tensor."""
     d = _sq_dists(x, all_x)
     rows = torch.arange(x.shape[0], device=x.device)
-    d = d.index_put((rows, rows + offset), torch.tensor(math.inf, dtype=d.dtype, device=d.device))
+    d = d.index_put((rows, rows + offset), torch.full((), math.inf, dtype=d.dtype, device=d.device))
     return torch.logsumexp((-t * d).flatten(), dim=0)
 
 

@@ -8,9 +8,18 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from ._precision import float32_math
 from .errors import LossInputError
 from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _check_chunk, _upcast
 from .clip import DenseInfoNCE, _check_pair, _columns, _dense_logits, _positive_logits
+
+
+def _to_device(draws: Tensor, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Random draws made on the CPU (the generator's draws are the same on every device), moved to `like`'s device
+    without the host waiting: from pinned memory, non-blocking, where the device is a GPU."""
+    if like.device.type == "cuda":
+        draws = draws.pin_memory()
+    return draws.to(like.device, dtype, non_blocking=True)
 
 
 def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
@@ -28,12 +37,10 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
     rows = torch.arange(n, device=queries.device)
     # Draws are made for all M queries of the global batch and sliced at this rank's offset, so every rank
     # (sharing one seed) synthesises exactly what a single process holding the global batch would.
-    pairs = torch.randint(0, max(k, 1), (m, s, 2), generator=generator)[offset:offset + n].to(queries.device)
-    alpha = torch.rand(m, s, 1, generator=generator)[offset:offset + n].to(queries.device, acc)
-    picks = torch.randint(0, max(k, 1), (m, s_prime), generator=generator)[offset:offset + n].to(queries.device)
-    beta = (torch.rand(m, s_prime, 1, generator=generator) * mix_max)[offset:offset + n].to(
-        queries.device, acc
-    )
+    pairs = _to_device(torch.randint(0, max(k, 1), (m, s, 2), generator=generator)[offset:offset + n], queries)
+    alpha = _to_device(torch.rand(m, s, 1, generator=generator)[offset:offset + n], queries, acc)
+    picks = _to_device(torch.randint(0, max(k, 1), (m, s_prime), generator=generator)[offset:offset + n], queries)
+    beta = _to_device((torch.rand(m, s_prime, 1, generator=generator) * mix_max)[offset:offset + n], queries, acc)
     if queue is not None and n_queue > 0:
         queue = queue.detach().to(acc)
     else:
@@ -93,6 +100,7 @@ class SyntheticLogits(torch.autograd.Function):
     """
 
     @staticmethod
+    @float32_math
     def forward(ctx, queries, logit_scale, candidates, hard, hard_sims, draws, block: int):
         pairs, alpha, picks, beta = draws
         q = queries.detach()
@@ -131,6 +139,7 @@ class SyntheticLogits(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @float32_math
     def backward(ctx, grad):
         q, logit_scale, candidates, ids, weights, dots, q_weight = ctx.saved_tensors
         g = grad * logit_scale  # d logit / d(q . u) = s; d(q . u) / dq = u
@@ -145,6 +154,7 @@ class SyntheticLogits(torch.autograd.Function):
         return grad_q, (grad * dots).sum().reshape(logit_scale.shape), None, None, None, None, None
 
 
+@float32_math
 def mochi_loss(
     image_features: Tensor,
     text_features: Tensor,

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ._precision import float32_math
 from .errors import LossInputError
 from .tiling import _acc_dtype, _as_scale
 from .clip import _check_pair, clip_loss
@@ -88,6 +89,7 @@ class ContrastiveObjective(nn.Module):
         """Names of the terms with a positive weight."""
         return [name for name, w in self.weights.items() if w > 0]
 
+    @float32_math
     def forward(
         self,
         image_features: Tensor,
@@ -220,6 +222,6 @@ class ContrastiveObjective(nn.Module):
             out["uniform_image"] = uniform_loss(img, self.uniform_t)
             out["uniform_text"] = uniform_loss(txt, self.uniform_t)
         else:
-            nan = torch.tensor(math.nan, device=img.device)
+            nan = torch.full((), math.nan, device=img.device)
             out["uniform_image"] = out["uniform_text"] = nan
         return out

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._precision import float32_math
 from .errors import LossInputError
 from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _upcast
 from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits, _positive_logits
@@ -27,7 +28,7 @@ def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, 
         def masked(q, k):
             logits = _dense_logits(q, k, logit_scale)
             rows = torch.arange(q.shape[0], device=q.device)
-            minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+            minus_inf = torch.full((), -math.inf, dtype=logits.dtype, device=logits.device)
             return logits.index_put((rows, rows + offset), minus_inf)
 
         positives = (_positive_logits(image_features, all_txt, logit_scale, offset),
@@ -68,6 +69,7 @@ def _check_tau_beta(tau_plus: float, beta: float = 0.0) -> None:
         raise LossInputError(f"hard-negative beta must be >= 0 (got {beta})")
 
 
+@float32_math
 def hard_negative_clip_loss(
     image_features: Tensor,
     text_features: Tensor,
@@ -126,6 +128,7 @@ def hard_negative_clip_loss(
     return (i2t.mean() + t2i.mean()) / 2
 
 
+@float32_math
 def debiased_clip_loss(
     image_features: Tensor,
     text_features: Tensor,

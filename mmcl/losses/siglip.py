@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._precision import float32_math
 from .errors import LossInputError
 from .tiling import _acc_dtype, _as_scale, _check_chunk, _tile_positives, _tile_width, _upcast
 from .clip import _check_pair, _dense_logits
 
 
+@float32_math
 def siglip_loss(
     image_features: Tensor,
     text_features: Tensor,
@@ -32,9 +34,9 @@ def siglip_loss(
             against every text and the positive of row i is column ``offset + i``. The sum over all pairs
             divided by the global batch size is the mean of the per-rank values.
         chunk_size: None computes the (n, M) logits at once; an int sums tiles of ``chunk_size`` rows (by up to
-            2^22 / chunk_size columns) with `TiledSigmoidPairs`, each recomputed in the backward pass instead of
-            stored, so memory stays a few tiles whatever the batch. The sum is separable over pairs, so tiling
-            changes only the order of the additions.
+            `tile_elements` / chunk_size columns) with `TiledSigmoidPairs`, each recomputed in the backward pass
+            instead of stored, so memory stays a few tiles whatever the batch. The sum is separable over pairs,
+            so tiling changes only the order of the additions.
     Returns:
         0-dim tensor.
     """
@@ -57,15 +59,14 @@ def siglip_loss(
 def _signed_logit_tile(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, shift: int) -> Tensor:
     """x_ij = z_ij (s q_i.k_j + b) for one tile, z = +1 where j = i + shift, else -1 (a new (c, w) tensor)."""
     x = torch.mm(q, k.T).mul_(scale).add_(bias).neg_()
-    rows, cols = _tile_positives(q.shape[0], k.shape[0], shift, q.device)
-    x[rows, cols] = -x[rows, cols]
+    _tile_positives(x, shift)[0].neg_()
     return x
 
 
 class TiledSigmoidPairs(torch.autograd.Function):
     """``sum_ij log sigmoid(z_ij (s q_i.k_j + b))`` over all pairs, in tiles, with a hand-written backward.
 
-    Forward keeps no tile: per tile of ``chunk_size`` rows by up to ``2^22 / chunk_size`` columns it forms
+    Forward keeps no tile: per tile of ``chunk_size`` rows by up to ``tile_elements / chunk_size`` columns it forms
     x = z (s q.k + b) and adds ``min(x, 0) - log1p(exp(-|x|))`` (log sigmoid without overflow). Backward
     recomputes each tile once: ``d/dl log sigmoid(z l) = z sigmoid(-z l)`` gives the tile's logit gradient G,
     then dq = s G k, dk = s G^T q, ds = sum_i q_i . (G k)_i and db = sum G. Sums accumulate in float32 at least.
@@ -75,12 +76,13 @@ class TiledSigmoidPairs(torch.autograd.Function):
     """
 
     @staticmethod
+    @float32_math
     def forward(ctx, queries, keys, logit_scale, logit_bias, chunk_size: int, offset: int):
         acc = _acc_dtype(queries.dtype)
         q, k = queries.to(acc), keys.to(acc)
         scale, bias = logit_scale.to(acc), logit_bias.to(acc)
         n, m = q.shape[0], k.shape[0]
-        width = _tile_width(chunk_size, m)
+        width = _tile_width(chunk_size, m, q.device)
         total = torch.zeros((), dtype=acc, device=q.device)
         for i0 in range(0, n, chunk_size):
             qi = q[i0:i0 + chunk_size]
@@ -95,6 +97,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
         return total
 
     @staticmethod
+    @float32_math
     def backward(ctx, grad_out):
         queries, keys, logit_scale, logit_bias = ctx.saved_tensors
         acc = _acc_dtype(queries.dtype)
@@ -102,7 +105,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
         scale, bias = logit_scale.to(acc), logit_bias.to(acc)
         g = grad_out.to(acc)
         n, m = q.shape[0], k.shape[0]
-        width = _tile_width(ctx.chunk_size, m)
+        width = _tile_width(ctx.chunk_size, m, q.device)
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
         ds = torch.zeros((), dtype=acc, device=q.device)
         db = torch.zeros((), dtype=acc, device=q.device)
@@ -114,8 +117,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
                 x = _signed_logit_tile(qi, kj, scale, bias, shift)
                 # G = g z sigmoid(-x): sigmoid(-x) with the sign of z (-1 off the positives).
                 grad = x.neg_().sigmoid_().neg_()
-                rows, cols = _tile_positives(qi.shape[0], kj.shape[0], shift, q.device)
-                grad[rows, cols] = -grad[rows, cols]
+                _tile_positives(grad, shift)[0].neg_()
                 grad.mul_(g)
                 gk = grad @ kj
                 dq[i0:i0 + ctx.chunk_size] += gk * scale
@@ -129,13 +131,11 @@ class TiledSigmoidPairs(torch.autograd.Function):
 def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, offset: int) -> Tensor:
     """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) from the whole (n, M) logits; row i's positive is column i + offset."""
     logits = _dense_logits(queries, keys, logit_scale) + logit_bias.to(_acc_dtype(queries.dtype))
-    rows, cols = _tile_positives(queries.shape[0], keys.shape[0], offset, logits.device)
-    positive = logits[rows, cols]
+    positive = logits.diagonal(offset)
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
     # subtracted, which would cancel catastrophically for large logits. (F.softplus is avoided: it turns
     # linear above its threshold of 20, an error of e^-20 per pair.)
-    minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
-    negatives = logits.index_put((rows, cols), minus_inf)
+    negatives = torch.diagonal_scatter(logits, torch.full_like(positive, -math.inf), offset)
     return F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()
 
 

@@ -7,9 +7,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._precision import float32_math
 from .errors import LossInputError
-from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _upcast
+from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _check_on_device, _upcast
 from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits
+
+
+# Entries of a per-class table: its (M + 1) buckets (one per possible class) are built a block of feature columns
+# at a time, so the table stays at most 1/8 of a feature matrix (or 4 MiB) where a whole (M + 1, D) one would weigh
+# as much as a feature gradient; at most 8 blocks, so a few dozen ops per step.
+_TABLE_ELEMENTS = 1 << 20
+
+
+def _feature_blocks(buckets: int, width: int):
+    """Slices of the feature columns, each holding at most max(`_TABLE_ELEMENTS`, buckets * width / 8) entries of a
+    `buckets`-row table."""
+    step = max(1, min(width, max(_TABLE_ELEMENTS, buckets * width // 8) // max(buckets, 1)))
+    return [slice(c0, min(width, c0 + step)) for c0 in range(0, width, step)]
 
 
 def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
@@ -36,13 +50,17 @@ def _supcon_rows_dense(queries, keys, logit_scale, q_labels, k_labels, offset):
 
 
 def _class_index(q_labels, k_labels):
-    """(q_cls (n,), k_cls (M,), counts (C + 1,)): dense class ids, unlabelled keys in a spare bucket C."""
-    n = q_labels.shape[0]
-    classes, inverse = torch.unique(torch.cat([q_labels, k_labels]), return_inverse=True)
-    q_cls, k_cls = inverse[:n], inverse[n:]
-    spare = classes.numel()  # bucket collecting unlabelled keys, never read
-    k_cls = torch.where(k_labels >= 0, k_cls, spare)
-    counts = torch.zeros(spare + 1, dtype=torch.float64, device=k_labels.device).index_add(
+    """(q_cls (n,), k_cls (M,), counts (M + 1,)): class ids in [0, M) (a label's first position among the sorted key
+    labels), unlabelled keys and queries in a spare bucket M.
+
+    The number of classes is data, so the buckets are sized by M, the largest it can be: every shape here follows
+    from the inputs' shapes, and nothing (no `unique`, no `nonzero`) reads a device value on the host. A query's
+    label is among the keys' (its own pair is one of them)."""
+    m = k_labels.shape[0]
+    sorted_labels = torch.sort(k_labels).values
+    k_cls = torch.where(k_labels >= 0, torch.searchsorted(sorted_labels, k_labels), m)
+    q_cls = torch.where(q_labels >= 0, torch.searchsorted(sorted_labels, q_labels), m)
+    counts = torch.zeros(m + 1, dtype=torch.float64, device=k_labels.device).index_add(
         0, k_cls, torch.ones_like(k_cls, dtype=torch.float64))
     return q_cls, k_cls, counts
 
@@ -50,11 +68,15 @@ def _class_index(q_labels, k_labels):
 def _positive_means(keys, q_labels, k_labels, offset):
     """Mean of each query's positive keys, (n, D): its class mean, or its own pair when unlabelled."""
     q_cls, k_cls, counts = _class_index(q_labels, k_labels)
-    sums = keys.new_zeros(counts.shape[0], keys.shape[1]).index_add(0, k_cls, keys)
-    means = sums[q_cls]
-    means.div_(counts.to(keys.dtype)[q_cls].clamp_min(1)[:, None])  # (an unlabelled query's bucket may be empty)
-    unlabelled = torch.nonzero(q_labels < 0).squeeze(1)
-    return means.index_copy_(0, unlabelled, keys[offset + unlabelled])
+    means = keys.new_empty(q_labels.shape[0], keys.shape[1])
+    for cols in _feature_blocks(counts.shape[0], keys.shape[1]):
+        table = keys.new_zeros(counts.shape[0], cols.stop - cols.start).index_add_(0, k_cls, keys[:, cols])
+        means[:, cols] = table[q_cls]
+    means.div_(counts.to(keys.dtype)[q_cls].clamp_min(1)[:, None])
+    # The own pair's key for unlabelled queries: mean * 1 + own * 0 and mean * 0 + own * 1 are exact.
+    unlabelled = (q_labels < 0).to(keys.dtype)[:, None]
+    own = keys[offset:offset + q_labels.shape[0]]
+    return means.mul_(1 - unlabelled).addcmul_(own, unlabelled)
 
 
 class _PositiveMeanLogits(torch.autograd.Function):
@@ -67,6 +89,7 @@ class _PositiveMeanLogits(torch.autograd.Function):
     """
 
     @staticmethod
+    @float32_math
     def forward(ctx, queries, keys, logit_scale, q_labels, k_labels, offset: int):
         dots = torch.linalg.vecdot(queries, _positive_means(keys, q_labels, k_labels, offset))
         ctx.offset = offset
@@ -75,6 +98,7 @@ class _PositiveMeanLogits(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @float32_math
     def backward(ctx, grad):
         queries, keys, logit_scale, q_labels, k_labels, dots = ctx.saved_tensors
         n, offset = queries.shape[0], ctx.offset
@@ -85,17 +109,20 @@ class _PositiveMeanLogits(torch.autograd.Function):
         q_cls, k_cls, counts = _class_index(q_labels, k_labels)
         labelled = q_labels >= 0
         per_query = torch.where(labelled, weight / counts.to(weight.dtype)[q_cls], 0)
-        # (C + 1, n) sparse one-hot of the query classes times the queries: no (n, D) temporary
-        onehot = torch.sparse_coo_tensor(torch.stack([q_cls, torch.arange(n, device=q_cls.device)]), per_query,
-                                         (counts.shape[0], n), check_invariants=False)  # valid by construction
-        class_sum = torch.sparse.mm(onehot, queries)
-        class_sum[-1] = 0  # the spare bucket of unlabelled keys is nobody's class
-        grad_k = class_sum[k_cls]
+        # Per class, the sum of its queries' weighted rows, then read back by every key of the class; a block of
+        # feature columns at a time (a sparse one-hot matmul would coalesce its indices: a count read on the host).
+        grad_k = keys.new_empty(keys.shape)
+        for cols in _feature_blocks(counts.shape[0], queries.shape[1]):
+            class_sum = queries.new_zeros(counts.shape[0], cols.stop - cols.start).index_add_(
+                0, q_cls, queries[:, cols] * per_query[:, None])
+            class_sum[-1] = 0  # the spare bucket of unlabelled keys is nobody's class
+            grad_k[:, cols] = class_sum[k_cls]
         own = torch.where(labelled, 0, weight)
         grad_k[offset:offset + n].addcmul_(queries, own[:, None])
         return grad_q, grad_k, (grad * dots).sum().reshape(logit_scale.shape), None, None, None
 
 
+@float32_math
 def supcon_loss(
     image_features: Tensor,
     text_features: Tensor,
@@ -143,8 +170,8 @@ def supcon_loss(
         all_labels = labels
     else:
         all_labels = _check_labels(all_labels, all_img.shape[0], image_features.device)
-        if not torch.equal(all_labels[offset:offset + n], labels):
-            raise LossInputError(f"all_labels[{offset}:{offset + n}] must equal this rank's labels")
+        _check_on_device((all_labels[offset:offset + n] == labels).all(),
+                         f"all_labels[{offset}:{offset + n}] must equal this rank's labels")
     if chunk_size is None:
         i2t = _supcon_rows_dense(image_features, all_txt, logit_scale, labels, all_labels, offset)
         t2i = _supcon_rows_dense(text_features, all_img, logit_scale, labels, all_labels, offset)

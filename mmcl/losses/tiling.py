@@ -2,23 +2,51 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ._precision import float32_math
 from .errors import LossInputError
 
-# Tiles of the logit matrix span chunk_size rows and enough columns to hold about this many logits (16 MiB in
-# float32): few, large elementwise kernels (each a thread barrier on CPU, a launch on GPU) at bounded memory.
+# Tiles of the logit matrix span chunk_size rows and enough columns to hold about `tile_elements(device)` logits.
+# On a CPU, about 2^22 (16 MiB in float32): few, large elementwise kernels (each a thread barrier) whose tiles stay
+# near the caches, so time and memory stay linear in the batch.
 _TILE_ELEMENTS = 1 << 22
+# On a GPU every op of a tile is a kernel launch, and the CPU's tile would mean ~2,000 tiles per pass at 32k rows
+# per GPU x 8 GPUs: the tiles are as large as the memory allows, between these bounds.
+_CUDA_MIN_TILE_ELEMENTS, _CUDA_MAX_TILE_ELEMENTS = 1 << 24, 1 << 28
 
 
-def _tile_width(chunk_size: int, n_cols: int, live_tiles: int = 1) -> int:
-    """Columns per tile: about _TILE_ELEMENTS logits in all, shared by the `live_tiles` tiles a pass holds at
-    once beyond the two every pass holds (the logits and one exp)."""
-    return min(n_cols, max(chunk_size, _TILE_ELEMENTS // (chunk_size * live_tiles)))
+def cuda_tile_elements(total_memory: int) -> int:
+    """Logits per tile on a GPU with `total_memory` bytes: the largest power of two up to 1/256 of it (a pass holds
+    at most four float32 tiles, so at most 1/16 of the memory), within [2^24, 2^28]: 2^28 (1 GiB tiles) on an
+    80 GB GPU, 2^26 on a 24 GB one."""
+    budget = max(1, total_memory // 256)
+    return max(_CUDA_MIN_TILE_ELEMENTS, min(_CUDA_MAX_TILE_ELEMENTS, 1 << (budget.bit_length() - 1)))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_tile_elements(index: int) -> int:
+    return cuda_tile_elements(torch.cuda.get_device_properties(index).total_memory)
+
+
+def tile_elements(device: torch.device) -> int:
+    """Logits per tile of the tiled losses on `device`: cache-sized on a CPU (`_TILE_ELEMENTS`), memory-sized on a
+    GPU (`cuda_tile_elements`, from the device's total memory, read once: no synchronisation). ``chunk_size``
+    still sets the rows of a tile; this sets how many columns join them."""
+    if device.type == "cuda":
+        return _cuda_tile_elements(device.index if device.index is not None else torch.cuda.current_device())
+    return _TILE_ELEMENTS
+
+
+def _tile_width(chunk_size: int, n_cols: int, device: torch.device, live_tiles: int = 1) -> int:
+    """Columns per tile: about `tile_elements(device)` logits in all, shared by the `live_tiles` tiles a pass holds
+    at once beyond the two every pass holds (the logits and one exp)."""
+    return min(n_cols, max(chunk_size, tile_elements(device) // (chunk_size * live_tiles)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -51,10 +79,10 @@ def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int], keep: Optional
     (their values first written to `keep`, indexed by the tile's row, when given)."""
     logits = qs @ k.T
     if mask_shift is not None:
-        rows, cols = _tile_positives(qs.shape[0], k.shape[0], mask_shift, qs.device)
+        diag, lo, hi = _tile_positives(logits, mask_shift)
         if keep is not None:
-            keep[rows] = logits[rows, cols]
-        logits[rows, cols] = -math.inf
+            keep[lo:hi] = diag
+        diag.fill_(-math.inf)
     return logits
 
 
@@ -94,8 +122,9 @@ def _coefficient_floor(coef: Tensor, unit: Tensor, width: int) -> Tuple[Tensor, 
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
 
-    Tiles are ``chunk_size`` rows by ``max(chunk_size, 2^22 / (chunk_size * G))`` columns (at most M; G gammas),
-    so memory is bounded by two tiles plus the (n + M) x D inputs and gradients, whatever the batch size or logit scale.
+    Tiles are ``chunk_size`` rows by ``max(chunk_size, E / (chunk_size * G))`` columns (at most M; G gammas; E
+    logits per tile from `tile_elements`: 2^22 on a CPU, up to 2^28 on a GPU), so memory is bounded by two tiles
+    plus the (n + M) x D inputs and gradients, whatever the batch size or logit scale.
 
     Forward keeps a running maximum and a sum rescaled to it for every row (within a row block) and for every
     column (across row blocks), the online softmax of flash attention in both directions: per tile one
@@ -131,6 +160,7 @@ class TiledLogSumExp(torch.autograd.Function):
     """
 
     @staticmethod
+    @float32_math
     def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
                 mask_offset=None, gammas=None, return_masked=False, topk=0, topk_skip=None):
         acc = _acc_dtype(queries.dtype)
@@ -146,13 +176,13 @@ class TiledLogSumExp(torch.autograd.Function):
         top_idx = torch.zeros(n, topk, dtype=torch.long, device=q32.device)
         top_val = torch.zeros(n, topk, dtype=acc, device=q32.device)
         n_g = len(gammas)
-        minus_inf = torch.tensor(-math.inf, dtype=acc, device=q32.device)
+        minus_inf = torch.full((), -math.inf, dtype=acc, device=q32.device)
         row_lse = torch.empty(n_g, n, dtype=acc, device=q32.device)
         row_out = torch.empty(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
         m_cols = m if with_cols else 0
         col_max = minus_inf.expand(m_cols).clone()  # of L; the maximum of gamma * L is gamma times it
         col_sum = torch.zeros(n_g, m_cols, dtype=acc, device=q32.device)
-        width = _tile_width(chunk_size, m, n_g)
+        width = _tile_width(chunk_size, m, q32.device, n_g)
         masked = torch.zeros(n if return_masked else 0, dtype=acc, device=q32.device)
         # The positive logits L[i, offset + i], read from the tiles themselves: lse_i - L_ii is then formed from
         # the same rounded number on both sides, exactly 0 + log(sum) when the positive is the row's maximum.
@@ -173,8 +203,8 @@ class TiledLogSumExp(torch.autograd.Function):
                 logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0,
                                      masked[i0:i0 + chunk_size] if return_masked else None)
                 if positive_offset is not None:
-                    rows, cols = _tile_positives(qs.shape[0], j1 - j0, positive_offset + i0 - j0, q32.device)
-                    positive[i0 + rows] = logits[rows, cols]
+                    diag, lo, hi = _tile_positives(logits, positive_offset + i0 - j0)
+                    positive[i0 + lo:i0 + hi] = diag
                 new_max = torch.maximum(r_max, logits.amax(dim=1))
                 shift = _finite_or_zero(new_max)
                 d = torch.sub(logits, shift[:, None])
@@ -184,8 +214,7 @@ class TiledLogSumExp(torch.autograd.Function):
                 r_max = new_max
                 if topk:  # the row's largest logits, leaving out L[i, topk_skip + i]; logits is not read again
                     if topk_skip is not None:
-                        rows, cols = _tile_positives(qs.shape[0], j1 - j0, topk_skip + i0 - j0, q32.device)
-                        logits[rows, cols] = -math.inf
+                        _tile_positives(logits, topk_skip + i0 - j0)[0].fill_(-math.inf)
                     tile_top = logits.topk(min(topk, j1 - j0), dim=1)
                     if j0 == 0:
                         best_val, best_idx = tile_top.values, tile_top.indices
@@ -229,6 +258,7 @@ class TiledLogSumExp(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @float32_math
     def backward(ctx, *grad_outputs: Optional[Tensor]):
         grad_row = grad_outputs[0]
         grad_col = grad_outputs[1] if ctx.with_cols else None
@@ -260,7 +290,7 @@ class TiledLogSumExp(torch.autograd.Function):
                 terms.append((g, is_row, _finite_or_zero(lse[gi]), coef, floor))
                 if ctx.positive_offset is not None and gi == 0:
                     diag += coef  # d(-L[i, off+i]) / dL = -1 at the positive, from rows and from columns
-        width = _tile_width(c, m, len(gammas))
+        width = _tile_width(c, m, q32.device, len(gammas))
         if grad_masked is not None:
             grad_masked = grad_masked.to(acc) / unit
         if terms or grad_masked is not None:
@@ -284,12 +314,11 @@ class TiledLogSumExp(torch.autograd.Function):
                     if ctx.positive_offset is not None:
                         # The -1 of the positive inside the tile, so that softmax_ii - 1 is formed before the
                         # matmul (exactly 0 when the positive dominates) instead of cancelling after it.
-                        rows, cols = _tile_positives(q_raw.shape[0], j1 - j0, ctx.positive_offset + i0 - j0,
-                                                     q32.device)
-                        g_tile[rows, cols] -= diag[i0 + rows]
+                        pos, lo, hi = _tile_positives(g_tile, ctx.positive_offset + i0 - j0)
+                        pos.sub_(diag[i0 + lo:i0 + hi])
                     if grad_masked is not None:  # d L[i, mask_offset + i] at the entries left out of the sums
-                        rows, cols = _tile_positives(q_raw.shape[0], j1 - j0, mask_offset + i0 - j0, q32.device)
-                        g_tile[rows, cols] += grad_masked[i0 + rows]
+                        pos, lo, hi = _tile_positives(g_tile, mask_offset + i0 - j0)
+                        pos.add_(grad_masked[i0 + lo:i0 + hi])
                     grad_q[i0:i0 + c].addmm_(g_tile, k)
                     grad_k[j0:j1].addmm_(g_tile.T, q_raw)
                     del logits, g_tile
@@ -310,6 +339,15 @@ class TiledLogSumExp(torch.autograd.Function):
         )
 
 
+def _check_on_device(condition: Tensor, message: str) -> None:
+    """Require a 0-dim bool `condition` without reading it on the host: a device-side assertion on a GPU (no
+    wait; a failure stops the run there), `LossInputError` at once on the CPU."""
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError as e:
+        raise LossInputError(message) from e
+
+
 def _check_chunk(chunk_size: Optional[int]) -> None:
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
         raise LossInputError(f"chunk_size must be a positive integer or None (got {chunk_size!r})")
@@ -318,7 +356,7 @@ def _check_chunk(chunk_size: Optional[int]) -> None:
 def _as_scale(logit_scale, like: Tensor) -> Tensor:
     # In float32 at least, like the features after `_upcast`.
     if not torch.is_tensor(logit_scale):
-        return torch.tensor(float(logit_scale), dtype=_acc_dtype(like.dtype), device=like.device)
+        return torch.full((), float(logit_scale), dtype=_acc_dtype(like.dtype), device=like.device)
     if logit_scale.numel() != 1:
         raise LossInputError(f"logit_scale must be a scalar (got shape {tuple(logit_scale.shape)}, expected ())")
     return logit_scale.reshape(()).to(_acc_dtype(logit_scale.dtype))
@@ -333,10 +371,12 @@ def _upcast(*features: Optional[Tensor]):
 
 
 
-def _tile_positives(n_rows: int, n_cols: int, shift: int, device) -> Tuple[Tensor, Tensor]:
-    """(rows, cols) of the positives j = i + shift that fall inside an (n_rows, n_cols) tile."""
-    rows = torch.arange(n_rows, device=device)
-    rows = rows[(rows + shift >= 0) & (rows + shift < n_cols)]
-    return rows, rows + shift
+def _tile_positives(tile: Tensor, shift: int) -> Tuple[Tensor, int, int]:
+    """The entries j = i + shift of a 2-D tile as a writable view (its `diagonal`), and the range [lo, hi) of the
+    tile's rows they sit in. The range is known from the shapes alone: no mask, no data-dependent op, no host
+    sync (a boolean mask would cost a device-to-host read per tile on a GPU)."""
+    n_rows, n_cols = tile.shape
+    lo, hi = max(0, -shift), max(max(0, -shift), min(n_rows, n_cols - shift))
+    return tile.diagonal(shift), lo, hi
 
 
