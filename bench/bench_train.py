@@ -41,6 +41,14 @@ Usage::
 
     nice .venv/bin/python bench/bench_train.py [--mode sliced|sequential|concurrent] [--rounds 3] [--steps 25]
     python bench/bench_train.py --model ViT-B-32 --precision bf16 --batch-size 256 --workers 8 --steps 60  # GPU
+    # the GPU mode's code on a CPU (tests/test_bench_paths.py runs this, with dynamo off to skip code generation):
+    python bench/bench_train.py --device cpu --mode sequential --compile yes --steps 3 --skip-steps 1 --log-every 1
+
+On a GPU the default is ``--mode sequential --compile yes``: mmcl and open_clip, each plain and compiled
+(``train.compile=true``, ``--torchcompile``), one after the other, all in the ``--precision`` given (bf16 for
+the comparison). Each run reports samples/s per device (one process, one GPU), its peak memory (written by the
+run's own process at exit: the CUDA allocator's peak, or the peak resident set on a CPU) and, with the step's
+counted FLOPs, model FLOPs utilisation.
 
 Prints one JSON line per measurement, then one summary line with the medians and the ratios (and, on a GPU,
 model FLOPs utilisation: the step's FLOPs counted by torch's FlopCounterMode over the device's peak).
@@ -87,11 +95,13 @@ def register_models(work: Path, model: str) -> None:
         shutil.copy(own, work / "oc-models" / f"{open_clip_model_name(model)}.json")
 
 
-def device_info() -> Tuple[str, str]:
-    """("cuda" or "cpu", the device's name) for this machine."""
+def device_info(wanted: str = "auto") -> Tuple[str, str]:
+    """("cuda" or "cpu", the device's name): `wanted` (auto: a GPU when there is one)."""
     import torch
 
-    if torch.cuda.is_available():
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    if wanted != "cpu" and torch.cuda.is_available():
         return "cuda", torch.cuda.get_device_name(0)
     return "cpu", cpu_name()
 
@@ -107,9 +117,40 @@ def peak_flops(args, device: str, name: str) -> Optional[float]:
     return None
 OPEN_CLIP_LINE = re.compile(r"Train Epoch: (\d+) \[\s*(\d+)/(\d+)")
 
-OPEN_CLIP_WRAPPER = """\
+# Both tools run under a wrapper that writes the process's peak memory at exit (MMCL_BENCH_PEAK): the CUDA caching
+# allocator's peak on a GPU, the peak resident set size on a CPU (the main process; data workers are not counted).
+PEAK_HOOK = """\
+import atexit
+import json
+import os
+import resource
 import sys
 
+
+def _write_peak():
+    path = os.environ.get("MMCL_BENCH_PEAK")
+    torch = sys.modules.get("torch")
+    if not path:
+        return
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak, kind = torch.cuda.max_memory_allocated(), "cuda_max_allocated"
+    else:
+        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max_rss"
+    with open(path, "w") as f:
+        json.dump({"peak_memory_bytes": peak, "peak_memory_kind": kind}, f)
+
+
+atexit.register(_write_peak)
+"""
+
+MMCL_WRAPPER = PEAK_HOOK + """\
+import runpy
+
+sys.argv = ["mmcl", *sys.argv[1:]]
+runpy.run_module("mmcl", run_name="__main__", alter_sys=True)
+"""
+
+OPEN_CLIP_WRAPPER = PEAK_HOOK + """\
 import open_clip
 
 open_clip.add_model_config(sys.argv[1])
@@ -161,18 +202,38 @@ def prepare_data(work: Path, n_train: int, image_size: int = 64, n_shards: int =
 
 
 # ------------------------------------------------------------------------------------------------- the runs
+def with_peak(env: Dict[str, str], path: Path) -> Dict[str, str]:
+    """`env` with the wrapper's peak-memory file set to `path` (removed first, so a stale file cannot be read)."""
+    path.unlink(missing_ok=True)
+    return dict(env, MMCL_BENCH_PEAK=str(path))
+
+
+def read_peak(path: Path) -> Dict[str, object]:
+    """The peak memory a wrapped run wrote at exit, in GiB, and what kind of peak it is."""
+    if not path.is_file():
+        return {"peak_memory_gib": None, "peak_memory_kind": None}
+    peak = json.loads(path.read_text())
+    return {"peak_memory_gib": peak["peak_memory_bytes"] / 2 ** 30, "peak_memory_kind": peak["peak_memory_kind"]}
+
+
+def mmcl_command(args, work: Path, shards: str, run_dir: Path, extra: Tuple[str, ...] = ()) -> List[str]:
+    """``mmcl train`` (through the peak-memory wrapper) on the bench's data, with the shared settings."""
+    return [sys.executable, str(work / "run_mmcl.py"), "train", str(REPO / "configs" / "tiny.yaml"),
+            f"data.train={shards}", f"data.batch_size={args.batch_size}", f"data.workers={args.workers}",
+            f"train.steps={args.steps}", f"train.output_dir={run_dir}", f"train.log_every={args.log_every}",
+            f"model.name={args.model}", f"train.precision={args.precision}", "train.save_every=0",
+            "train.plot=false", "train.progress=false",
+            "eval.zeroshot=null", "eval.retrieval=null", *args.mmcl_override, *extra]
+
+
 def start_mmcl(args, work: Path, shards: str, tag: str, env: Dict[str, str], extra: Tuple[str, ...] = ()) -> Run:
     run_dir = work / f"mmcl-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "mmcl", "train", str(REPO / "configs" / "tiny.yaml"),
-           f"data.train={shards}", f"data.batch_size={args.batch_size}", f"data.workers={args.workers}",
-           f"train.steps={args.steps}", f"train.output_dir={run_dir}", f"train.log_every={args.log_every}",
-           f"model.name={args.model}", f"train.precision={args.precision}", "train.save_every=0",
-           "train.plot=false", "train.progress=false",
-           "eval.zeroshot=null", "eval.retrieval=null", *args.mmcl_override, *extra]
-    run = Run("mmcl", cmd, run_dir / "metrics.jsonl", env, work / f"mmcl-{tag}.out", REPO)
-    run.run_dir = run_dir
+    env = with_peak(env, work / f"mmcl-{tag}.peak.json")
+    run = Run("mmcl", mmcl_command(args, work, shards, run_dir, extra), run_dir / "metrics.jsonl", env,
+              work / f"mmcl-{tag}.out", REPO)
+    run.run_dir, run.peak_file = run_dir, Path(env["MMCL_BENCH_PEAK"])
     return run
 
 
@@ -182,10 +243,20 @@ def mmcl_points(run: Run, lines) -> List[Tuple[float, Tuple[float, float], int]]
     return [(t, cpu, int(json.loads(line)["samples"])) for t, cpu, line in lines]
 
 
-def start_open_clip(args, work: Path, csv: Path, n_train: int, tag: str, env: Dict[str, str]) -> Run:
+def start_open_clip(args, work: Path, csv: Path, n_train: int, tag: str, env: Dict[str, str],
+                    compiled: bool = False) -> Run:
     logs = work / "oc-logs"
+    env = with_peak(env, work / f"open_clip-{tag}.peak.json")
     name = f"open_clip-{tag}"
     shutil.rmtree(logs / name, ignore_errors=True)
+    run = Run("open_clip", open_clip_command(args, work, csv, n_train, logs, name, compiled), logs / name / "out.log",
+              env, work / f"{name}.out", REPO)
+    run.run_dir, run.peak_file = logs / name, Path(env["MMCL_BENCH_PEAK"])
+    return run
+
+
+def open_clip_command(args, work: Path, csv: Path, n_train: int, logs: Path, name: str, compiled: bool) -> List[str]:
+    """open_clip's training script (through the peak-memory wrapper) with the settings mmcl's run gets."""
     steps_per_epoch = n_train // args.batch_size
     epochs = -(-args.steps // steps_per_epoch)
     cmd = [sys.executable, str(work / "run_open_clip.py"), str(work / "oc-models"),
@@ -196,10 +267,11 @@ def start_open_clip(args, work: Path, csv: Path, n_train: int, tag: str, env: Di
            "--precision", {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp"}[args.precision],
            "--lr", "1e-3", "--wd", "0.1", "--warmup", "15", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
            "--grad-clip-norm", "1.0", "--seed", "0", "--log-every-n-steps", str(args.log_every),
-           "--save-frequency", "0", "--logs", str(logs), "--name", name, "--report-to", ""]
-    run = Run("open_clip", cmd, logs / name / "out.log", env, work / f"{name}.out", REPO)
-    run.run_dir = logs / name
-    return run
+           "--save-frequency", "0", "--logs", str(logs), "--name", name, "--report-to", "",
+           *(["--torchcompile"] if compiled else [])]
+    if args.device == "cpu":
+        cmd.append("--device=cpu")  # open_clip_train's own device flag (it would otherwise take a visible GPU)
+    return cmd
 
 
 def open_clip_points(run: Run, lines) -> List[Tuple[float, Tuple[float, float], int]]:
@@ -265,7 +337,7 @@ def sliced_round(args, work: Path, shards: str, csv: Path, n_train: int, r: int,
             points = on_own_clock(run, parse(run, lines))
             res = steady_rate(points, skip)
             res.update(wall_s=wall, running_s=running_time(run.running, math.inf),
-                       last_step=max(p[2] for p in points) // args.batch_size)
+                       last_step=max(p[2] for p in points) // args.batch_size, **read_peak(run.peak_file))
             out.append((name, res))
         p_lines, p_wall = pure.finish(stop=True)
     finally:
@@ -346,7 +418,8 @@ def pure_step_child(args) -> None:
     from mmcl.data import ImageSpec, build_train_stream
 
     data_cfg = dataclasses.replace(cfg.data, train=args.shards, workers=0)  # the loaded config is read-only
-    stream = build_train_stream(data_cfg, ImageSpec.from_config(pp_cfg), tokenizer, seed=0)  # as train does
+    stream = build_train_stream(data_cfg, ImageSpec.from_config(pp_cfg), models.training_tokenizer(model, tokenizer),
+                                seed=0)  # as train does
     it = iter(stream)
     held, raw = [], []
     for _ in range(args.pure_batches):
@@ -408,6 +481,8 @@ def pure_step_child(args) -> None:
     optimizer.zero_grad(set_to_none=True)
     flops_per_sample = counter.get_total_flops() / b
     sync()
+    if cuda:  # the steps timed below set the peak (after the warm-up's, which are the same steps)
+        torch.cuda.reset_peak_memory_stats()
     if args.pure_trace:
         # The bare step alone, its speed over consecutive windows of --log-every steps: shows the machine's
         # speed phases that the sliced mode exists for.
@@ -450,7 +525,19 @@ def pure_step_child(args) -> None:
                       "cpu_ms_per_sample": 1000 * statistics.fmean(cpu["step"]) / b,
                       "fwd_bwd_cpu_ms_per_sample": 1000 * statistics.fmean(cpu["fwd_bwd"]) / b,
                       "params": n_params, "threads": torch.get_num_threads(),
-                      "flops_per_sample": flops_per_sample, "device": str(device), "precision": args.precision}))
+                      "flops_per_sample": flops_per_sample, "device": str(device), "precision": args.precision,
+                      **peak_memory(torch, cuda)}))
+
+
+def peak_memory(torch, cuda: bool) -> Dict[str, object]:
+    """This process's peak memory in GiB: the CUDA allocator's peak on a GPU, the peak resident set on a CPU."""
+    import resource
+
+    if cuda:
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+                "peak_memory_kind": "cuda_max_allocated"}
+    return {"peak_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2 ** 30,
+            "peak_memory_kind": "max_rss"}
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -485,6 +572,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "data.worker_nice=0; the summary gives default / variant throughput per round")
     p.add_argument("--mmcl-variant-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment variable for the variant run (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where every run trains (auto: the GPU when there is one); --device cpu runs the GPU mode's "
+                        "code on a CPU, e.g. --device cpu --mode sequential --compile yes --steps 3")
+    p.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
+                   help="also measure both tools compiled (mmcl train.compile=true, open_clip --torchcompile) in "
+                        "--mode sequential; auto: yes on a GPU")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment variable for every run (repeatable)")
     p.add_argument("--work-dir", default=None, help="keep data and logs here (default: a temporary directory)")
     p.add_argument("--pure-trace", type=int, default=0, metavar="STEPS",
                    help="only run the bare step alone for STEPS steps and print its samples/s per --log-every "
@@ -497,13 +592,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.pure_step_child:
         pure_step_child(args)
         return
-    device, device_name = device_info()
+    if args.device == "cpu":  # the children too: no GPU is visible to them
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    device, device_name = device_info(args.device)
+    args.device = device
+    if args.compile == "auto":
+        args.compile = "yes" if device == "cuda" else "no"
     if args.concurrent:
         args.mode = "concurrent"
     if args.mode is None:
         # Held processes' queued GPU kernels would still run during others' turns, so GPUs go one run at a time.
         args.mode = "sliced" if device == "cpu" else "sequential"
     args.concurrent = args.mode == "concurrent"
+    if args.compile == "yes" and args.mode != "sequential":
+        raise SystemExit("--compile yes is measured in --mode sequential (compilation would fill the turns of "
+                         "--mode sliced and compete with the other run in --mode concurrent)")
     if args.image_size is None:
         args.image_size = 64 if args.model == "tiny" else 256
     if args.skip_steps >= args.steps - args.log_every:
@@ -527,17 +630,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     register_models(work, args.model)
     (work / "run_open_clip.py").write_text(OPEN_CLIP_WRAPPER)
+    (work / "run_mmcl.py").write_text(MMCL_WRAPPER)
     # One epoch of open_clip covers the whole run, so neither tool restarts its loader inside the window.
     shards, csv, n_train = prepare_data(work, n_train=args.steps * args.batch_size, image_size=args.image_size,
                                         n_shards=max(8, args.workers))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               **dict(kv.split("=", 1) for kv in args.env))
     common = {"device": device, "device_name": device_name, "mode": args.mode, "cpu": cpu_name(),
               "cores": os.cpu_count(), "model": args.model, "precision": args.precision,
               "image_size": args.image_size, "batch": args.batch_size, "workers": args.workers, "steps": args.steps,
               "window_from_step": args.skip_steps, "mmcl_overrides": args.mmcl_override}
 
     results: Dict[str, List[Dict[str, float]]] = {"mmcl": [], "open_clip": [], "pure": [], "mmcl_beside_pure": [],
-                                                  "pure_beside_mmcl": [], "mmcl_variant": [], "pure_sliced": []}
+                                                  "pure_beside_mmcl": [], "mmcl_variant": [], "pure_sliced": [],
+                                                  "mmcl_compiled": [], "open_clip_compiled": []}
     for r in range(args.rounds):
         order = ["mmcl", "open_clip", "pure"] if r % 2 == 0 else ["pure", "open_clip", "mmcl"]
         if args.mmcl_variant or args.mmcl_variant_env:  # next to mmcl, on the side that alternates with it
@@ -547,6 +653,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.mode == "sliced":
             # The in-process pure step (and mmcl's step code beside it) is measured on its own, after the turns.
             order = ["sliced", "pure"]
+        if args.compile == "yes":  # each tool compiled (train.compile / --torchcompile), beside its plain run
+            order += ["open_clip_compiled", "mmcl_compiled"] if r % 2 else ["mmcl_compiled", "open_clip_compiled"]
         for what in order:
             if what == "sliced":
                 done = sliced_round(args, work, shards, csv, n_train, r, env)
@@ -560,6 +668,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                 runs = []
                 if what in ("mmcl", "both"):
                     runs.append(("mmcl", start_mmcl(args, work, shards, str(r), env), mmcl_points))
+                if what == "mmcl_compiled":
+                    runs.append(("mmcl_compiled", start_mmcl(args, work, shards, f"compiled-{r}", env,
+                                                             ("train.compile=true",)), mmcl_points))
+                if what == "open_clip_compiled":
+                    runs.append(("open_clip_compiled", start_open_clip(args, work, csv, n_train, f"compiled-{r}", env,
+                                                                       compiled=True), open_clip_points))
                 if what == "mmcl_variant":
                     variant_env = dict(env, **dict(kv.split("=", 1) for kv in args.mmcl_variant_env))
                     runs.append(("mmcl_variant", start_mmcl(args, work, shards, f"variant-{r}", variant_env,
@@ -573,9 +687,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                 # Running together, both are timed over the same span, so both see the same load.
                 interval = common_interval(points, [skip] * len(runs)) if len(runs) > 1 else None
                 done = []
-                for (name, _, _), (_, wall), pts in zip(runs, finished, points):
+                for (name, run, _), (_, wall), pts in zip(runs, finished, points):
                     res = steady_rate(pts, skip, interval)
                     res["wall_s"] = wall
+                    res.update(read_peak(run.peak_file))
                     res["last_step"] = max(p[2] for p in pts) // args.batch_size
                     done.append((name, res))
             for name, res in done:
@@ -631,6 +746,23 @@ def main(argv: Optional[List[str]] = None) -> None:
                 r["mmcl_step_in_memory_s"] / r["step_s"] for r in results["pure"]),
             "cpu_over_pure_fwd_bwd": ratio(mmcl_cpu, median("pure", "fwd_bwd_cpu_ms_per_sample")),
         })
+    # One process per run, on one device: samples/s is per device (per GPU on a GPU).
+    summary["samples_per_s_per_device"] = {name: median(name, "samples_per_s") for name in
+                                           ("mmcl", "open_clip", "mmcl_compiled", "open_clip_compiled", "pure")
+                                           if results[name]}
+    summary["peak_memory_gib"] = {name: median(name, "peak_memory_gib") for name in
+                                  ("mmcl", "open_clip", "mmcl_compiled", "open_clip_compiled", "pure")
+                                  if results[name] and all(x.get("peak_memory_gib") is not None
+                                                           for x in results[name])}
+    summary["peak_memory_kind"] = "cuda_max_allocated" if device == "cuda" else "max_rss"
+    if results["mmcl_compiled"] and results["open_clip_compiled"]:
+        compiled_sps = median("mmcl_compiled", "samples_per_s")
+        summary.update({
+            "compiled_speedup_vs_open_clip_compiled": statistics.median(
+                m["samples_per_s"] / o["samples_per_s"]
+                for m, o in zip(results["mmcl_compiled"], results["open_clip_compiled"])),
+            "mmcl_compiled_over_mmcl": ratio(compiled_sps, mmcl_sps),
+            "open_clip_compiled_over_open_clip": ratio(median("open_clip_compiled", "samples_per_s"), oc_sps)})
     flops = median("pure", "flops_per_sample")
     peak = peak_flops(args, device, device_name)
     summary["flops_per_sample"] = flops
@@ -639,6 +771,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         summary.update({"peak_tflops": peak / 1e12, "mfu_mmcl": flops * mmcl_sps / peak,
                         "mfu_open_clip": flops * oc_sps / peak,
                         "mfu_pure_step": flops * args.batch_size / median("pure", "step_s") / peak})
+        for name in ("mmcl_compiled", "open_clip_compiled"):
+            if results[name]:
+                summary[f"mfu_{name}"] = flops * median(name, "samples_per_s") / peak
     if results["mmcl_variant"]:
         per_round_variant = [m["samples_per_s"] / v["samples_per_s"]
                              for m, v in zip(results["mmcl"], results["mmcl_variant"])]

@@ -43,14 +43,18 @@ class WeightEMA:
         device-side flag, non-zero where the optimiser skipped this step (a non-finite loss decided without a
         host sync); the average then stays as it is, without the flag being read."""
         params = dict(model.named_parameters())
-        current = [params[n].detach().float() for n in self.names]
+        current = [params[n].float() for n in self.names]  # under no_grad: no per-tensor detach needed
         shadows = [self.shadow[n] for n in self.names]
         if skipped is None:
             torch._foreach_lerp_(shadows, current, 1.0 - self.decay)
         else:
-            weight = (skipped == 0).to(torch.float32) * (1.0 - self.decay)
-            for avg, now in zip(shadows, current):
-                avg.lerp_(now, weight.to(avg.device))
+            # The step's weight as a 0-dim device tensor (0 on a skipped step): three multi-tensor kernels over all
+            # the averages, not one small kernel per tensor (a foreach lerp with a tensor weight would take its
+            # per-tensor path).
+            weight = (skipped.to(shadows[0].device) == 0).to(torch.float32) * (1.0 - self.decay)
+            delta = torch._foreach_sub(current, shadows)
+            torch._foreach_mul_(delta, weight)
+            torch._foreach_add_(shadows, delta)
         self.updates += 1
 
     @contextlib.contextmanager

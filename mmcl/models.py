@@ -114,6 +114,9 @@ class MaskedMaxPooler(nn.Module):
         return hidden.masked_fill(pad, torch.finfo(hidden.dtype).min).max(dim=1).values
 
 
+TEXT_WIDTH_STEP = 8  # a cut token batch runs at its width rounded up to a multiple of this (`_clip_class`)
+
+
 @functools.lru_cache(maxsize=None)
 def _clip_class():
     """open_clip's CLIP whose text tower, in training, skips the padding after the longest caption of a batch.
@@ -147,13 +150,18 @@ def _clip_class():
                 text = F.pad(text, (0, full - text.shape[1]))
             if tracing or not self.training or not cut_safe or text.shape[1] > full:
                 return super().encode_text(text, normalize=normalize)
-            eot = text.argmax(dim=-1)  # (B,)
-            if text.shape[1] < full:
-                n = text.shape[1]  # cut by the data loader, on the host: no device read here
-            else:
-                n = int(eot.max()) + 1  # a device read; the training loop's batches come cut (no read)
+            n = text.shape[1]  # cut by the data loader, on the host (`TrimmedTokenizer`): no device read here
             if n >= full:
+                # A caption fills the context, or the tokens were not cut: the full context, with no read of the
+                # longest caption from the device (it would stall the host on every such batch).
                 return super().encode_text(text, normalize=normalize)
+            eot = text.argmax(dim=-1)  # (B,)
+            # The width rounded up to a multiple of 8 (`TEXT_WIDTH_STEP`): a compiled tower then meets a few widths,
+            # not one per batch, and matmuls keep an aligned shape; the added padding columns come after every
+            # end-of-text token, where the causal mask keeps them from changing any output.
+            n = min(full, -(-n // TEXT_WIDTH_STEP) * TEXT_WIDTH_STEP)
+            if n > text.shape[1]:
+                text = F.pad(text, (0, n - text.shape[1]))
             cast_dtype = self.transformer.get_cast_dtype()
             x = self.token_embedding(text[:, :n]).to(cast_dtype) + self.positional_embedding[:n].to(cast_dtype)
             x = self.ln_final(self.transformer(x, attn_mask=self.attn_mask[:n, :n]))
@@ -224,6 +232,16 @@ def _hf_pooler(pooler_type: Optional[str], model_type: str) -> nn.Module:
     return poolers[pooler_type]()
 
 
+def hf_custom_code_error(err: ValueError, source: str) -> Optional[ConfigError]:
+    """The one-line error for transformers' refusal of a model, config or tokenizer whose ``auto_map`` points to
+    Python code shipped with it (every load passes ``trust_remote_code=False``: such code is never run, and the
+    user is never asked), or None when `err` is another ValueError."""
+    if "custom code" not in str(err):
+        return None
+    return ConfigError(f"refusing the Hugging Face model '{source}': its files map to custom Python code "
+                       f"(auto_map), which mmcl never runs; use a model that transformers implements")
+
+
 @functools.lru_cache(maxsize=None)
 def _hf_text_tower_class():
     """open_clip's Hugging Face text adapter (its forward, pooling and projection layout), constructed with the
@@ -239,17 +257,20 @@ def _hf_text_tower_class():
 
             self.output_tokens = output_tokens
             self.output_dim = output_dim
-            self.config = AutoConfig.from_pretrained(source)
+            try:  # trust_remote_code=False: a config's auto_map is an error, never a prompt or an import
+                self.config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+            except ValueError as err:
+                raise (hf_custom_code_error(err, source) or err) from None
             # The same construction calls, in the same order, as open_clip's adapter: the random projection's
             # initial weights then equal those of a tower built by open_clip for the same seed.
             pooler = _hf_pooler(pooler_type, self.config.model_type)
             load = (lambda: AutoModel.from_pretrained(source, **extra)) if pretrained else (
                 lambda: AutoModel.from_config(self.config, **extra))
             if getattr(self.config, "is_encoder_decoder", False):
-                extra = {}
+                extra = {"trust_remote_code": False}
                 self.transformer = load().encoder
             else:
-                extra = {"add_pooling_layer": pooler_type == "cls_pooler"}
+                extra = {"add_pooling_layer": pooler_type == "cls_pooler", "trust_remote_code": False}
                 self.transformer = load()
             self.vocab_size = getattr(self.config, "vocab_size", 0)
             self.context_length = getattr(self.config, "max_position_embeddings", 0)
@@ -341,7 +362,9 @@ def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None)
         if source_dir and (Path(source_dir) / "tokenizer_config.json").is_file():
             hf_name = source_dir
         try:
-            return HFTokenizer(hf_name, context_length=context_length)
+            return HFTokenizer(hf_name, context_length=context_length, trust_remote_code=False)
+        except ValueError as err:
+            raise (hf_custom_code_error(err, hf_name) or err) from None
         except OSError as err:
             raise ConfigError(f"cannot load the tokenizer '{hf_name}' (not a local directory with tokenizer "
                               f"files, nor in the local Hugging Face cache): {str(err).splitlines()[0]}") from None

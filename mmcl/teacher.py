@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, List
 
 import torch
+import torch.nn.functional as F
 
 from .data.transforms import ImageFinish, pil_to_uint8, split_transform
 from .errors import ConfigError, MmclError
@@ -71,9 +72,12 @@ class Teacher:
     @torch.no_grad()
     def embed(self, images_uint8: torch.Tensor, tokens: torch.Tensor) -> TeacherFeatures:
         """L2-normalised float32 features of a batch already in the teacher's view (uint8 (B,3,H,W) and tokens
-        (B,L)), with its scale."""
+        (B,L)), with its scale. The towers run in the caller's autocast (the training loop calls this under the
+        student's mixed precision: a float32 teacher beside a bf16 student would cost more than the student's own
+        forward); the features come back in float32 whatever it is."""
         device = self.model.logit_scale.device
         images = self.finish(images_uint8.to(device, non_blocking=True))
-        image = self.model.encode_image(images, normalize=True).float()
-        text = self.model.encode_text(tokens.to(device, non_blocking=True), normalize=True).float()
+        # Normalised in float32 (under autocast a bf16 unit vector is off unit length by ~1e-3).
+        image = F.normalize(self.model.encode_image(images).float(), dim=-1)
+        text = F.normalize(self.model.encode_text(tokens.to(device, non_blocking=True)).float(), dim=-1)
         return TeacherFeatures(image, text, self.scale)

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,9 +29,10 @@ from . import checkpoints
 from . import data as data_mod
 from . import elastic, flip, fsdp, losses, models, optim, tracking, weights
 from .ema import WeightEMA, swapped_in
-from .agree import agreed, any_process, broadcast_from_main, lost_peer
+from .agree import agreed, any_process, broadcast_from_main, lost_peer, others_wait, timed_out
 from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
-from .config import LossConfig, OptimConfig, TrainConfig, to_dict, to_yaml
+from .config import PRECISIONS, LossConfig, OptimConfig, TrainConfig, to_dict
+from .data.sources import redact_values
 from .fsutil import atomic_write_text
 from .errors import (CheckpointError, ConfigError, DamagedCheckpointError, DataError, MmclError, RunStopped,
                      TrainingError)
@@ -45,7 +46,8 @@ ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context
 
 
 class TrainProgress:
-    """Global progress, saved in every checkpoint (the resumed step is read from here, never a folder name)."""
+    """Global progress, saved in every checkpoint's rank states as plain ints (the resumed step is read from
+    there, never from a folder name; not registered with accelerate, which would pickle and unpickle it)."""
 
     def __init__(self):
         self.step = 0
@@ -279,11 +281,13 @@ def _stored_teacher(b, device) -> losses.TeacherFeatures:
     return losses.TeacherFeatures(image, text, _moved(b["teacher_scale"][0], device).float())
 
 
-def _teacher_features(teacher, batches, device):
+def _teacher_features(teacher, batches, device, autocast=contextlib.nullcontext):
     """The teacher's features of the micro-batches, concatenated: computed by `teacher` (a
-    `mmcl.teacher.Teacher`), or read from the batches (stored in the shards); None without distillation."""
+    `mmcl.teacher.Teacher`, under `autocast`, the student's mixed precision), or read from the batches (stored in
+    the shards); None without distillation."""
     if teacher is not None:
-        parts = [teacher.embed(b["teacher_image"], b["teacher_text"]) for b in batches]
+        with autocast():
+            parts = [teacher.embed(b["teacher_image"], b["teacher_text"]) for b in batches]
     elif "teacher_image_features" in batches[0]:
         parts = [_stored_teacher(b, device) for b in batches]
     else:
@@ -292,6 +296,35 @@ def _teacher_features(teacher, batches, device):
         return parts[0]
     return losses.TeacherFeatures(torch.cat([p.image for p in parts]), torch.cat([p.text for p in parts]),
                                   parts[0].scale)
+
+
+def device_rng(device: torch.device):
+    """The module holding `device`'s random generators (``torch.cuda``, ``torch.xpu``, ...), or None on the CPU,
+    whose generator ``torch.get_rng_state`` already covers."""
+    return None if device.type == "cpu" else torch.get_device_module(device.type)
+
+
+def rng_state(device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The CPU generator's state and `device`'s (None on the CPU): what draws dropout and drop-path masks."""
+    on_device = device_rng(device)
+    return torch.get_rng_state(), None if on_device is None else on_device.get_rng_state(device)
+
+
+@contextlib.contextmanager
+def replayed_rng(state: Tuple[torch.Tensor, Optional[torch.Tensor]], device: torch.device):
+    """Run the block from the generator states `state` (`rng_state`), then put back the states it found: the
+    block draws the same numbers as the pass that `state` was taken before, on the CPU and on the device."""
+    on_device = device_rng(device)
+    found = rng_state(device)
+    torch.set_rng_state(state[0])
+    if on_device is not None:
+        on_device.set_rng_state(state[1], device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(found[0])
+        if on_device is not None:
+            on_device.set_rng_state(found[1], device)
 
 
 def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
@@ -308,7 +341,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
     with several micro-batches its features join the one contrastive problem like the student's.
     """
     device = accelerator.device
-    teacher_features = _teacher_features(teacher, batches, device)
+    teacher_features = _teacher_features(teacher, batches, device, accelerator.autocast)
     if len(batches) == 1:
         b = batches[0]
         with accelerator.autocast():
@@ -320,11 +353,12 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
-    # Each micro-batch replays the same RNG state on its second pass (dropout, drop-path identical).
+    # Each micro-batch replays the same RNG states, the CPU's and the device's, on its second pass (dropout and
+    # drop-path masks identical).
     rng_states = []
     with torch.no_grad():
         for b in batches:
-            rng_states.append(torch.get_rng_state())
+            rng_states.append(rng_state(device))
             with accelerator.autocast():
                 image_features, text_features, logit_scale, logit_bias = _forward(
                     model, _images(b, device, finish_images), _moved(b["text"], device))
@@ -335,7 +369,8 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
     # features: the loss's gradient with respect to them reaches the parameters through the last re-run below.
     logit_scale = _leaf(logit_scale)
     logit_bias = None if logit_bias is None else _leaf(logit_bias)
-    labels = torch.cat([b["label"] for b in batches]).to(device)
+    # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
+    labels = torch.cat([_moved(b["label"], device) for b in batches])
     loss, terms = score(objective, all_image_features, all_text_features, logit_scale, logit_bias, labels,
                         with_metrics, teacher_features)
 
@@ -350,12 +385,9 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
             last = i == len(batches) - 1
             cm = contextlib.nullcontext() if last else accelerator.no_sync(model)
             with cm:
-                cur = torch.get_rng_state()
-                torch.set_rng_state(rng_states[i])
-                with accelerator.autocast():
+                with replayed_rng(rng_states[i], device), accelerator.autocast():
                     image_features, text_features, scale_out, bias_out = _forward(
                         model, _images(b, device, finish_images), _moved(b["text"], device))
-                torch.set_rng_state(cur)
                 surrogate = ((image_features.float() * grad_image[start:start + n]).sum()
                              + (text_features.float() * grad_text[start:start + n]).sum())
                 if last:  # once, inside the backward DDP averages across processes
@@ -387,15 +419,48 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     Raises `MmclError` on bad input (on every process alike, so that the run ends with one line) and `RunStopped`
     after saving a checkpoint on SIGTERM, SIGUSR1 or SIGINT.
     """
+    refuse_deepspeed()
     with contextlib.ExitStack() as held:  # the output directory's lock and the signal handlers, for the whole run
         try:
             return _train(cfg, held)
-        except RuntimeError as err:
+        except RuntimeError as err:  # torch.distributed's DistError (NCCL's DistBackendError) included
             gone = lost_peer(err) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
             if gone is None:
                 raise
+            if timed_out(gone):
+                raise TrainingError(
+                    f"another process of this run did not answer in time ({gone}); it may have ended or hung, its "
+                    f"own output says which; a longer wait is train.dist_timeout_s; re-run the same command to "
+                    f"resume from the newest checkpoint") from None
             raise TrainingError(f"another process of this run ended ({gone}); its own output says why; re-run "
                                 f"the same command to resume from the newest checkpoint") from None
+
+
+def refuse_deepspeed() -> None:
+    """A DeepSpeed launch (``distributed_type: DEEPSPEED``) is refused in one line before anything starts.
+
+    mmcl's step does not fit DeepSpeed's engine: accelerate's DeepSpeed path needs a prepared DataLoader for the
+    micro-batch size, the engine steps on its own accumulation count (not GradCache's micro-batches), keeps a
+    bf16 copy of the logit scale beyond the clamp and clips by its own config. FSDP2 is the sharded path.
+    """
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
+        return
+    err = ConfigError("DeepSpeed is not supported by mmcl train; for sharded training use "
+                      "`accelerate launch --config_file launch/fsdp.yaml` (FSDP2 is the sharded path)")
+    err.quiet = int(os.environ.get("RANK", "0")) != 0  # every process refuses alike; one line
+    raise err
+
+
+def dist_timeout(seconds: Optional[float]) -> list:
+    """accelerate's kwargs handlers for ``train.dist_timeout_s``: the default process group's collective timeout
+    (none set: torch's default)."""
+    if seconds is None:
+        return []
+    import datetime
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=seconds))]
 
 
 def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
@@ -420,7 +485,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
                             run.progress.step < run.total - cfg.train.unmasked_steps)
         batches = next_batches(run, data_iter)
         with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
-        loss, terms, backward = train_step(run.model, run.objective, batches, run.accelerator,
+        loss, terms, backward = train_step(run.step_model, run.loss_fn, batches, run.accelerator,
                                            run.stream.finish_images, with_metrics, run.teacher)
         if run.checks.on_device:  # no host sync on steps that are neither logged nor saved (mmcl/stepcheck.py)
             last = device_checked_step(run, loss, terms, lr, backward, last)
@@ -465,6 +530,9 @@ class Run:
         self.metrics: Optional[MetricsLog] = None
         self.ema: Optional[WeightEMA] = None  # train.ema_decay
         self.teacher = None  # distill.teacher: a frozen `mmcl.teacher.Teacher`, never saved
+        # What a step calls: the prepared model and the objective, or their compiled forms (train.compile)
+        self.step_model: Optional[torch.nn.Module] = None
+        self.loss_fn = None
         self.patch_dropout: List[torch.nn.Module] = []  # model.patch_dropout's masking modules
         self.param_groups: List[Dict[str, Any]] = []  # the optimiser's groups as param_groups.json describes them
         self.ckpt_bytes = 0
@@ -486,12 +554,74 @@ class Run:
         return dict(self.progress.state_dict(), **{elastic.GLOBAL_BATCH: self.global_batch})
 
     def rank_state(self) -> Dict[str, Any]:
-        """What each process saves beside accelerate's state: its data position and the objective's state."""
-        return {"data": self.stream.state_dict(), "objective": self.objective.state_dict()}
+        """What each process saves beside accelerate's state, as tensors and plain containers (resume loads it
+        with ``weights_only=True``): its data position, the objective's state, the progress, and on the main
+        process the weight average (the same on every process, so saved once)."""
+        state = {"data": self.stream.state_dict(), "objective": self.objective.state_dict(),
+                 "progress": self.progress.state_dict()}
+        if self.main and self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        return state
 
 
-def make_accelerator(precision: str, **tracking_kwargs):
-    """An `Accelerator` for ``train.precision`` (fp32 | bf16 | fp16).
+LAUNCHER_PRECISION = "ACCELERATE_MIXED_PRECISION"  # what `accelerate launch` sets from its mixed_precision
+
+
+def choose_precision(configured: str = "auto") -> Tuple[str, str]:
+    """The precision a run trains in and where it comes from, from ``train.precision`` and the launcher.
+
+    The launcher's ``mixed_precision`` (a launch file, ``--mixed_precision``) reaches the processes as
+    ACCELERATE_MIXED_PRECISION. ``train.precision=auto`` (the default) takes it, and fp32 without a launcher; a set
+    ``train.precision`` is used as it is where no launcher set one or where the launcher agrees. A launcher that
+    says otherwise is a ConfigError naming both: two settings that disagree would train in one of them silently.
+    Returns (fp32 | bf16 | fp16, a few words on where it came from).
+    """
+    from_launcher = os.environ.get(LAUNCHER_PRECISION, "").strip().lower() or None
+    accelerate_names = {v: k for k, v in PRECISIONS.items()}
+    launched = accelerate_names.get(from_launcher)
+    said = f"the launcher ({LAUNCHER_PRECISION}={from_launcher})"
+    problem = None
+    if from_launcher is not None and launched is None:
+        problem = (f"the launcher asks for mixed precision {from_launcher} ({LAUNCHER_PRECISION}), which mmcl does "
+                   f"not train in; launch with mixed_precision one of "
+                   f"{', '.join(repr(v) for v in PRECISIONS.values())}")
+    elif configured == "auto":
+        return (launched, said) if launched else ("fp32", "the default (train.precision=auto, no launcher setting)")
+    elif launched is None:
+        return configured, "train.precision"
+    elif launched != configured:
+        problem = (f"train.precision={configured} disagrees with the launcher's mixed precision {launched} "
+                   f"({LAUNCHER_PRECISION}={from_launcher}): drop train.precision (or set it to auto) to train in "
+                   f"{launched}, or launch with mixed_precision {PRECISIONS[configured]!r} (--mixed_precision "
+                   f"{PRECISIONS[configured]}) to train in {configured}")
+    if problem is not None:
+        err = ConfigError(problem)
+        err.quiet = int(os.environ.get("RANK", "0") or 0) > 0  # every process finds it; rank 0 says it
+        raise err
+    return configured, f"train.precision and {said}"
+
+
+def tf32_setting(enabled: bool, device: torch.device) -> str:
+    """How `set_tf32` leaves float32 matmuls on `device`, in words for the startup line."""
+    if device.type != "cuda":
+        return f"TF32 n/a on {device.type}"
+    return f"TF32 for float32 matmuls {'on' if enabled else 'off'} (train.tf32)"
+
+
+def set_tf32(enabled: bool, device: torch.device) -> None:
+    """Allow TF32 tensor cores for float32 matmuls and convolutions on a CUDA device (``train.tf32``: several times
+    the float32 matmul rate on Ampere and later, 10-bit mantissa products accumulated in float32, as open_clip
+    trains), or keep them IEEE float32. Set either way, since the flags are process-wide; nothing changes on other
+    devices."""
+    if device.type != "cuda":
+        return
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def make_accelerator(precision: str = "auto", **tracking_kwargs):
+    """An `Accelerator` for ``train.precision`` (auto | fp32 | bf16 | fp16), as `choose_precision` settles it
+    with the launcher.
 
     accelerate keeps its state, mixed precision included, for the life of the Python process and offers no public
     call to start it afresh. A second run in one process (a notebook) with another precision therefore ends with
@@ -501,11 +631,11 @@ def make_accelerator(precision: str, **tracking_kwargs):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, is_initialized
 
-    names = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
-    mixed_precision = names[precision]
+    precision, _ = choose_precision(precision)
+    mixed_precision = PRECISIONS[precision]
     if is_initialized() and AcceleratorState().mixed_precision != mixed_precision:
-        held = {v: k for k, v in names.items()}.get(AcceleratorState().mixed_precision,
-                                                    AcceleratorState().mixed_precision)
+        held = {v: k for k, v in PRECISIONS.items()}.get(AcceleratorState().mixed_precision,
+                                                         AcceleratorState().mixed_precision)
         raise ConfigError(f"train.precision={precision}, but this Python process already ran accelerate with "
                           f"train.precision={held}, which accelerate keeps for the life of the process (expected "
                           f"{held}; run the other precision in a new process, e.g. restart the notebook kernel)")
@@ -518,7 +648,9 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     from accelerate.utils import set_seed
 
     accelerator = make_accelerator(cfg.train.precision,  # log_with and project_dir: train.log_with's trackers
-                                   **tracking.accelerator_kwargs(cfg.train.log_with, Path(cfg.train.output_dir)))
+                                   **tracking.accelerator_kwargs(cfg.train.log_with, Path(cfg.train.output_dir)),
+                                   kwargs_handlers=dist_timeout(cfg.train.dist_timeout_s))
+    set_tf32(cfg.train.tf32, accelerator.device)
     run = Run(cfg, accelerator, held.enter_context(StopSignals()))
 
     def take_directory():
@@ -549,6 +681,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
             raise ConfigError("train.ema_decay is not supported with FSDP (the average would need the full "
                               "weights on every step); unset it or launch without FSDP")
         fsdp.vector_scalars(model)
+        fsdp.shard_with_precision(accelerator, model)  # bf16/fp16: float32 reduction, temperature and bias
     if cfg.model.patch_dropout:
         run.patch_dropout = models.set_patch_dropout(model, cfg.model.patch_dropout, cfg.train.seed,
                                                      accelerator.process_index, accelerator.num_processes,
@@ -571,16 +704,21 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         pin_memory=accelerator.device.type == "cuda",
         teacher_view=None if run.teacher is None else run.teacher.view, stored_teacher=cfg.distill.from_shards))
-    if cfg.train.compile:
-        model = torch.compile(model)
     run.model, run.optimizer = accelerator.prepare(model, optimizer)
     run.raw_model = accelerator.unwrap_model(run.model)
+    run.step_model, run.loss_fn = run.model, run.objective
+    if cfg.train.compile:
+        # After prepare: dynamo then compiles the DDP-wrapped model in pieces cut at DDP's gradient buckets, so each
+        # bucket's all-reduce overlaps the rest of the backward (compiled before wrapping, one graph would finish
+        # its backward before any all-reduce starts). The objective (tiled losses included) is compiled too;
+        # checkpoints, the EMA and evaluation keep using the modules themselves (`model`, `objective`).
+        run.step_model = torch.compile(run.model)
+        run.loss_fn = torch.compile(run.objective)
     run.checks = StepChecks(accelerator, run.optimizer)
     run.objective.to(accelerator.device)
-    accelerator.register_for_checkpointing(run.progress)
+    # The progress and the EMA are saved in the rank states (`Run.rank_state`), not registered with accelerate.
     if cfg.train.ema_decay:  # after the locks: locked parameters get no average
         run.ema = WeightEMA(run.raw_model, cfg.train.ema_decay)
-        accelerator.register_for_checkpointing(run.ema)
     return run
 
 
@@ -591,21 +729,45 @@ def load_checkpoint(run: Run, resume: Path) -> None:
     if saved_cfg_path.is_file():
         from omegaconf import OmegaConf
 
-        check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)), to_dict(run.cfg), run.log)
+        check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)),
+                        redact_values(to_dict(run.cfg)), run.log)  # config.yaml holds no credentials
     saved_processes = int(checkpoints.read_marker(resume).get("world_size", accelerator.num_processes))
     if saved_processes != accelerator.num_processes:
-        return elastic.load_resized(run, resume, saved_processes)
-    rank_file = resume / f"rank_state_{accelerator.process_index}.pt"
+        own, first = elastic.load_resized(run, resume, saved_processes)
+        return restore_progress(run, resume, own, first)
+    rank_file = checkpoints.rank_state_file(resume, accelerator.process_index)
     if not rank_file.is_file():
         if checkpoints.read_marker(resume).get("world_size", 0) != accelerator.num_processes:
             raise CheckpointError(f"{resume} was written by a run with a different number of processes "
                                   f"(no {rank_file.name}); resume with the same launch configuration")
         raise DamagedCheckpointError(f"cannot resume from {resume}: {rank_file.name} is missing")
-    accelerator.load_state(str(resume))
-    rank_state = torch.load(rank_file, weights_only=False)
+    # Every file as plain data (`checkpoints.load_plain`), on the CPU: a CPU generator state must stay there,
+    # and load_state_dict copies the rest onto this process's device.
+    rank_state = checkpoints.load_plain(rank_file)
+    first = rank_state if accelerator.process_index == 0 or run.ema is None else checkpoints.load_plain(
+        checkpoints.rank_state_file(resume, 0))
+    restore_progress(run, resume, rank_state, first)
+    checkpoints.load_accelerate_state(accelerator, resume)
     run.stream.load_state_dict(rank_state["data"])
     check_objective_state(run.objective, rank_state["objective"], resume)
     run.objective.load_state_dict(rank_state["objective"])
+
+
+def restore_progress(run: Run, resume: Path, own: Dict[str, Any], first: Dict[str, Any]) -> None:
+    """Set the run's progress from this process's rank state `own` and its EMA from rank 0's (`first`); a
+    checkpoint written when both were registered with accelerate has them in ``custom_checkpoint_<i>.pkl``
+    files instead, read as plain data (any such file present is read, so one that is not plain data is refused)."""
+    legacy = checkpoints.legacy_custom_states(resume)
+    progress = own.get("progress", legacy.get(checkpoints.LEGACY_PROGRESS))
+    if not isinstance(progress, dict):
+        raise CheckpointError(f"cannot resume from {resume}: it records no training progress")
+    run.progress.load_state_dict(progress)
+    if run.ema is not None:
+        ema = first.get("ema", legacy.get(checkpoints.LEGACY_EMA))
+        if not isinstance(ema, dict):
+            raise CheckpointError(f"cannot resume from {resume}: it holds no weight average (was train.ema_decay "
+                                  f"unset when it was written?); unset train.ema_decay or start a new run")
+        run.ema.load_state_dict(ema)
 
 
 def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> None:
@@ -628,7 +790,11 @@ def resume_or_start(run: Run) -> None:
     def write_config():
         if run.main:
             try:
-                atomic_write_text(run.out_dir / "config.yaml", to_yaml(run.cfg))
+                # Credentials in a pipe: command or URL never reach the run folder (a colleague's copy of it).
+                from omegaconf import OmegaConf
+
+                atomic_write_text(run.out_dir / "config.yaml",
+                                  OmegaConf.to_yaml(OmegaConf.create(redact_values(to_dict(run.cfg)))))
                 optim.write_groups(run.param_groups, run.out_dir)
             except OSError as err:
                 raise (checkpoints.storage_error(err, "config.yaml", run.out_dir) or err) from None
@@ -654,8 +820,10 @@ def describe_setup(run: Run) -> None:
     """Log the processes, distribution, device, precision and global batch, and launch settings not in effect."""
     cfg, accelerator = run.cfg, run.accelerator
     dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    precision, source = choose_precision(cfg.train.precision)
     run.log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
-            f"{cfg.train.precision}; global batch {run.global_batch}")
+            f"{precision}; global batch {run.global_batch}")
+    run.log(f"precision {precision} from {source}; {tf32_setting(cfg.train.tf32, accelerator.device)}")
     for mode, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
         if os.environ.get(var, "").lower() in ("1", "true") and dist_type != mode:
             run.log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
@@ -786,17 +954,23 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
         record["logit_bias"] = float(fsdp.full(raw_model.logit_bias.detach()))
     if grad_norm is not None:
         record["grad_norm"] = float(fsdp.full(grad_norm))
-    if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < run.total:
+    if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < run.total and _has_eval(cfg):
         eval_model = raw_model
-        if fsdp.in_effect(accelerator) and _has_eval(cfg):  # every process joins the gathering of the weights
+        if fsdp.in_effect(accelerator):  # every process joins the gathering of the weights
             eval_model = fsdp.full_model(accelerator, run.model, run.model_cfg)
-        try:
-            with swapped_in(run.ema, eval_model):
-                record.update(run_eval(cfg, eval_model, run.tokenizer, run.pp_cfg, accelerator))
-        except MmclError as err:
-            # The evaluation runs on the main process only: training goes on, with nothing lost and no other
-            # process waiting on it. The final evaluation's failure still ends the run (after model/ is saved).
-            run.log(f"warning: evaluation at step {progress.step} failed, training goes on: {err}")
+            if run.main:
+                eval_model = fsdp.for_evaluation(accelerator, eval_model)
+        # The others wait outside the default group: its timeout (NCCL's 10 min) need not cover an evaluation.
+        with others_wait(accelerator, cfg.eval.timeout_s):
+            if run.main:
+                try:
+                    with swapped_in(run.ema, eval_model):
+                        record.update(run_eval(cfg, eval_model, run.tokenizer, run.pp_cfg, accelerator))
+                except MmclError as err:
+                    # Training goes on, with nothing lost. The final evaluation's failure still ends the run
+                    # (after model/ is saved).
+                    run.log(f"warning: evaluation at step {progress.step} failed, training goes on: {err}")
+        del eval_model  # the gathered FSDP replica, before the next step allocates
     if progress.step < run.total:  # the last record waits for the final evaluation, after model/ is saved
         run.metrics.write(record)
     if run.bar is not None:
@@ -857,34 +1031,39 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
     final_model = run.raw_model
     if fsdp.in_effect(accelerator):  # the full weights, gathered from every process's shards
         final_model = fsdp.full_model(accelerator, run.model, run.model_cfg)
-    if run.main:
-        averaged.enter_context(swapped_in(run.ema, final_model))
-        weights.save_model_dir(final_model, run.model_cfg, run.pp_cfg, out_dir / "model",
-                               extra={"steps": progress.step, "samples": progress.samples})
-        run.log(f"model saved to {out_dir / 'model'}")
-        # The final evaluation runs after model/ is written, so a failing evaluation never loses the model; the
-        # run then ends with an error naming where the model is (exit code 2 from the command line).
-        unwritten = last.get("step") == progress.step  # the final step's record, held back by log_record
-        final = last if unwritten else {"step": progress.step, "samples": progress.samples}
-        try:
-            final.update(run_eval(cfg, final_model, run.tokenizer, run.pp_cfg, accelerator))
-        except MmclError as err:
-            eval_failure = (f"final evaluation failed: {err}; the trained model is saved in {out_dir / 'model'} "
-                            f"(evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
-        if unwritten or len(final) > 2:
-            run.metrics.write(final)
-            last = final
-    averaged.close()
-    run.metrics.close()
-    if run.main and cfg.train.plot:
-        try:
-            from .plot import plot_run
+    # model/, the final evaluation and the plots are the main process's: the others wait outside the default
+    # group, whose timeout (NCCL's 10 min) need not cover them.
+    with others_wait(accelerator, cfg.eval.timeout_s):
+        if run.main:
+            averaged.enter_context(swapped_in(run.ema, final_model))
+            weights.save_model_dir(final_model, run.model_cfg, run.pp_cfg, out_dir / "model",
+                                   extra={"steps": progress.step, "samples": progress.samples})
+            run.log(f"model saved to {out_dir / 'model'}")
+            # The final evaluation runs after model/ is written, so a failing evaluation never loses the model;
+            # the run then ends with an error naming where the model is (exit code 2 from the command line).
+            unwritten = last.get("step") == progress.step  # the final step's record, held back by log_record
+            final = last if unwritten else {"step": progress.step, "samples": progress.samples}
+            try:
+                if fsdp.in_effect(accelerator):  # saved from the CPU, evaluated on the device
+                    final_model = fsdp.for_evaluation(accelerator, final_model)
+                final.update(run_eval(cfg, final_model, run.tokenizer, run.pp_cfg, accelerator))
+            except MmclError as err:
+                eval_failure = (f"final evaluation failed: {err}; the trained model is saved in "
+                                f"{out_dir / 'model'} (evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
+            if unwritten or len(final) > 2:
+                run.metrics.write(final)
+                last = final
+        averaged.close()
+        del final_model  # the gathered FSDP replica
+        run.metrics.close()
+        if run.main and cfg.train.plot:
+            try:
+                from .plot import plot_run
 
-            for p in plot_run(out_dir):
-                run.log(f"plot written: {p}")
-        except ImportError as err:  # matplotlib is optional
-            run.log(f"plots skipped: {err}")
-    accelerator.wait_for_everyone()
+                for p in plot_run(out_dir):
+                    run.log(f"plot written: {p}")
+            except ImportError as err:  # matplotlib is optional
+                run.log(f"plots skipped: {err}")
     accelerator.end_training()
     if eval_failure is not None:
         raise TrainingError(eval_failure)
@@ -916,17 +1095,18 @@ def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator) -> Dict[st
 
     _, eval_tf = models.build_transforms(pp_cfg)
     keys = data_mod.sample_keys(cfg.data)  # the training data's image and caption members
+    reading = evaluate.reading_options(cfg.data)  # and its member size limit and pipe rule
     was_training = model.training
     model.eval()
     try:
         if cfg.eval.zeroshot:
             res = evaluate.zeroshot(model, eval_tf, tokenizer, cfg.eval.zeroshot, classnames=cfg.eval.classnames,
                                     templates=cfg.eval.templates, batch_size=cfg.eval.batch_size,
-                                    device=accelerator.device, progress=False, keys=keys)
+                                    device=accelerator.device, progress=False, keys=keys, reading=reading)
             out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
         if cfg.eval.retrieval:
             res = evaluate.retrieval(model, eval_tf, tokenizer, cfg.eval.retrieval, batch_size=cfg.eval.batch_size,
-                                     device=accelerator.device, progress=False, keys=keys)
+                                     device=accelerator.device, progress=False, keys=keys, reading=reading)
             out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
     finally:
         model.train(was_training)

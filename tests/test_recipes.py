@@ -329,7 +329,9 @@ def test_recipes_train_end_to_end(demo, tmp_path, monkeypatch):
     first = (rows[0]["loss"] + rows[1]["loss"]) / 2
     last = (rows[-2]["loss"] + rows[-1]["loss"]) / 2
     acc = rows[-1]["eval/zeroshot_classification/colour/acc1"]
-    assert first > 3.0 and last < first - 0.3, (first, last, acc)  # measured: 3.62 -> 2.95
+    # The drop depends on the masks drawn: measured over train.seed 0, 1, 2 with the device-side masks 3.63 -> 3.41,
+    # 3.62 -> 3.45, 3.49 -> 2.89 (and with the earlier host-generator masks, seeds 0, 1: 3.62 -> 2.95, 3.72 -> 3.47).
+    assert first > 3.0 and last < first - 0.15, (first, last, acc)
     assert "eval/zeroshot_classification/colour/acc1" in rows[5]  # the in-loop evaluation (EMA weights)
     assert acc > 0.125, acc  # above chance (8 colours, 8 images; measured 0.25)
     groups = json.loads((out / "param_groups.json").read_text())

@@ -1,0 +1,197 @@
+"""``train.compile``: graph breaks and recompiles of the towers and the loss, counted by dynamo on a CPU.
+
+Dynamo's tracing (where a graph breaks, when a guard fails and a frame is compiled again) does not depend on the
+backend, so the counts below are those a CUDA run with inductor gets; `CompileCounter` stands in for the backend
+to keep the tests free of code generation.
+"""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from mmcl import flip, models
+from mmcl.config import LossConfig, load_config
+from mmcl.train import objective_from_config, train_step
+
+from test_train import demo, fake_batch, micro_model, run_args  # noqa: F401 - demo is a fixture
+
+EOT = 49407  # open_clip's end-of-text token, the highest id: where the text tower pools
+
+
+def cut_batch(n, seed, width, context=32):
+    """A batch whose tokens end at column `width` (as the data loader cuts them), every caption ending there."""
+    b = fake_batch(n, seed, context=context)
+    text = b["text"][:, :width].clone()
+    text[:, width - 1] = EOT
+    b["text"] = text
+    return b
+
+
+def flip_model():
+    model = micro_model(0)
+    mods = models.set_patch_dropout(model, 0.5, seed=1)
+    model.train()
+    return model, mods
+
+
+def test_towers_with_flip_and_a_cut_batch_have_no_graph_break():
+    model, _ = flip_model()
+    b = cut_batch(8, 1, 13)
+    explained = torch._dynamo.explain(model)(b["image"], b["text"])
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])  # dense and tiled
+def test_the_loss_on_an_ordinary_step_has_no_graph_break(chunk_size):
+    torch.manual_seed(0)
+    img = torch.nn.functional.normalize(torch.randn(8, 16), dim=1)
+    txt = torch.nn.functional.normalize(torch.randn(8, 16), dim=1)
+    objective = objective_from_config(LossConfig(chunk_size=chunk_size))
+    explained = torch._dynamo.explain(objective)(img, txt, torch.tensor(10.0), None, torch.full((8,), -1), False)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+
+
+def test_the_text_width_is_bucketed_exactly_and_a_full_batch_reads_nothing_back():
+    """A batch cut at 13 columns runs the text transformer at 16 (the next multiple of 8) with open_clip's
+    full-context features and gradients (the padding comes after every end-of-text token, under the causal mask);
+    a batch as wide as the context runs at full width without reading its longest caption from the device."""
+    from open_clip.model import CLIP
+
+    from syncwatch import SyncWatch
+
+    model = micro_model(0).train()
+    widths = []
+    model.transformer.register_forward_pre_hook(lambda m, args, kwargs: widths.append(args[0].shape[1]),
+                                                with_kwargs=True)
+    b = cut_batch(4, 2, 13)
+    b["text"][1, 5:] = 0  # captions of different lengths
+    b["text"][1, 4] = EOT
+    full_tokens = torch.nn.functional.pad(b["text"], (0, 32 - 13))
+    grads = []
+    for fn, tokens in ((model.encode_text, b["text"]), (lambda t: CLIP.encode_text(model, t), full_tokens)):
+        model.zero_grad()
+        features = fn(tokens)
+        (features ** 2).sum().backward()
+        grads.append((features.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}))
+    assert widths == [16, 32]
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+    assert grads[0][1].keys() == grads[1][1].keys()
+    for name, want in grads[1][1].items():  # float32 sums over other matmul shapes: rounding only
+        assert (grads[0][1][name] - want).abs().max() <= 1e-5 * want.abs().max() + 1e-8, name
+    widths.clear()
+    long = cut_batch(4, 3, 32)  # a caption fills the context
+    with SyncWatch() as watch:
+        model.encode_text(long["text"])
+    assert widths == [32] and watch.count == 0, watch.summary()
+
+
+def compiled_steps(widths, chunk_size=None):
+    """Train steps of the compiled FLIP model and objective (a new FLIP seed each step) at the given token widths;
+    returns the number of frames compiled (model, loss) after each step."""
+    from accelerate import Accelerator
+
+    torch._dynamo.reset()
+    acc = Accelerator(cpu=True)
+    model, mods = flip_model()
+    counts, model_frames, loss_frames = [], CompileCounter(), CompileCounter()
+    step_model = torch.compile(model, backend=model_frames)
+    loss_fn = torch.compile(objective_from_config(LossConfig(chunk_size=chunk_size)), backend=loss_frames)
+    for step, width in enumerate(widths):
+        flip.begin_step(mods, step, True)
+        loss, _, backward = train_step(step_model, loss_fn, [cut_batch(8, step, width)], acc, with_metrics=False)
+        backward()
+        assert torch.isfinite(loss)
+        counts.append((model_frames.frame_count, loss_frames.frame_count))
+    return counts
+
+
+@pytest.mark.slow
+def test_ten_steps_at_a_fixed_width_compile_once_whatever_the_flip_masks():
+    """The FLIP masks change every step (their seeds are a buffer, not a Python number in the graph): one frame for
+    the model and one for the loss over 10 steps."""
+    assert compiled_steps([20] * 10) == [(1, 1)] * 10
+
+
+@pytest.mark.slow
+def test_token_widths_that_change_every_batch_stop_recompiling_after_the_first_steps():
+    """Widths drawn per batch (as the data loader cuts them): the width is bucketed to multiples of 8 in the tower,
+    and after the first few steps no width compiles a new frame."""
+    widths = [11, 16, 21, 29, 30, 10, 4, 15, 19, 17]
+    counts = compiled_steps(widths)
+    assert counts[-1][1] == 1  # the loss sees the same shapes every step
+    assert counts[-1][0] <= 3 and counts[3:] == [counts[3]] * 7, counts
+
+
+def test_train_compiles_the_prepared_model_and_the_objective(demo, tmp_path, monkeypatch):
+    """``train.compile``: the model is compiled after ``accelerator.prepare`` (with DDP, dynamo then cuts the graph
+    at the gradient buckets so that their all-reduces overlap the backward), and the objective is compiled too."""
+    from accelerate import Accelerator
+
+    from mmcl.losses import ContrastiveObjective
+    from mmcl.train import train
+
+    order, real_compile, real_prepare = [], torch.compile, Accelerator.prepare
+
+    def prepare(self, *args, **kwargs):
+        order.append("prepare")
+        return real_prepare(self, *args, **kwargs)
+
+    def compile_(module, **kwargs):
+        order.append(type(module).__name__)
+        return real_compile(module, backend="eager")
+
+    monkeypatch.setattr(Accelerator, "prepare", prepare)
+    monkeypatch.setattr(torch, "compile", compile_)
+    cfg = load_config(None, run_args(demo, tmp_path / "run", "train.steps=2", "train.save_every=0",
+                                     "data.batch_size=4", "data.workers=0", "train.compile=true")[2:])
+    train(cfg)
+    # One process: prepare hands the model back unwrapped (several: DistributedDataParallel, compiled as such).
+    assert order == ["prepare", "ShortTextCLIP", ContrastiveObjective.__name__]
+
+
+def _compile_worker(rank, world, port, cfg_args, out_dir):
+    import json
+    import os
+    from pathlib import Path
+
+    from accelerate import Accelerator
+
+    from mmcl.train import train
+    from spawned import end_worker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    order, real_compile, real_prepare = [], torch.compile, Accelerator.prepare
+
+    def prepare(self, *args, **kwargs):
+        order.append("prepare")
+        return real_prepare(self, *args, **kwargs)
+
+    def compile_(module, **kwargs):
+        order.append(type(module).__name__)
+        return real_compile(module, backend="eager")
+
+    Accelerator.prepare, torch.compile = prepare, compile_
+    last = train(load_config(None, cfg_args))
+    Path(out_dir, f"order-{rank}.json").write_text(json.dumps({"order": order, "loss": last["loss"]}))
+    end_worker()
+
+
+@pytest.mark.slow
+def test_two_processes_compile_the_ddp_model_after_prepare(demo, tmp_path):
+    """With 2 gloo processes the model handed to torch.compile is accelerate's DistributedDataParallel (whose
+    buckets dynamo's DDP support cuts the graph at), and the compiled run trains."""
+    import json
+
+    from spawned import free_port
+
+    args = run_args(demo, tmp_path / "run", "train.steps=3", "train.log_every=3", "train.save_every=0",
+                    "data.batch_size=4", "data.workers=0", "train.compile=true", "model.patch_dropout=0.5")[2:]
+    torch.multiprocessing.spawn(_compile_worker, args=(2, free_port(), args, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"order-{rank}.json").read_text())
+        assert got["order"] == ["prepare", "DistributedDataParallel", "ContrastiveObjective"], rank
+    assert 0 < got["loss"] < 10

@@ -1,0 +1,157 @@
+"""No host sync on ordinary training steps, counted by torch's dispatcher (`syncwatch.SyncWatch`).
+
+Every op of a step passes through the dispatcher on a CPU exactly as on a GPU, so a dispatch mode held from the
+start of `train_step` (forward, loss) to the end of `device_checked_step` (backward, all-reduces, the optimiser,
+the EMA) sees each read of a device value, each data-dependent op and each blocking copy the step would make on a
+GPU. Ordinary steps are those neither logged nor saved; the first step (optimiser state, DDP's buckets) and the
+logged ones read on purpose and are left out. Each recipe runs end to end through `mmcl.train.train`, in one
+process and (slow) in two gloo processes.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmcl.config import load_config
+from mmcl.train import train
+
+from spawned import end_worker, free_port
+from syncwatch import SyncWatch
+from test_train import demo, run_args  # noqa: F401 - demo is a fixture
+
+STEPS, LOG_EVERY = 7, 3  # logged steps 3, 6, 7; steps 2, 4, 5 are ordinary (1 is the first)
+ORDINARY = {2, 4, 5}
+
+# Each recipe of the issue's list, as config overrides; "long caption" fills the context of one caption per batch.
+RECIPES = {
+    "chunked": ["loss.chunk_size=4"],
+    "siglip_chunked": ["loss.clip=0", "loss.siglip=1.0", "loss.chunk_size=4", "model.init_logit_bias=-10"],
+    "flip": ["model.patch_dropout=0.5"],
+    "mochi_queue": ["loss.mochi.weight=1.0", "loss.mochi.queue_size=16", "loss.mochi.n_hard=4", "loss.mochi.s=2",
+                    "loss.mochi.s_prime=2"],
+    "supcon": ["loss.clip=0", "loss.supcon=1.0", "loss.chunk_size=4"],  # tiled: its positives per tile
+    "long_caption": [],
+    "accumulation": ["train.accum_steps=2", "train.ema_decay=0.9"],
+}
+
+
+def watched_train(cfg, long_caption: bool = False):
+    """Train `cfg` with a `SyncWatch` over each ordinary step; returns {step: [(op, where), ...]}."""
+    import mmcl.train as train_mod
+
+    real_step, real_rest, real_next = train_mod.train_step, train_mod.device_checked_step, train_mod.next_batches
+    events, current, watch = {}, [0], [None]
+
+    def next_batches(run, data_iter):
+        batches = real_next(run, data_iter)
+        if long_caption:  # the batch as the data loader gives it when one caption fills the context
+            full = run.tokenizer(["word " * 200])
+            for b in batches:
+                text = F.pad(b["text"], (0, full.shape[1] - b["text"].shape[1]))
+                text[0] = full[0]
+                b["text"] = text
+        return batches
+
+    def train_step(*a, **k):
+        current[0] += 1
+        if current[0] in ORDINARY:
+            watch[0] = SyncWatch()
+            watch[0].__enter__()
+        return real_step(*a, **k)
+
+    def device_checked_step(*a, **k):
+        try:
+            return real_rest(*a, **k)
+        finally:
+            if watch[0] is not None:
+                watch[0].__exit__(None, None, None)
+                events[current[0]] = list(watch[0].events)
+                watch[0] = None
+
+    patches = {"train_step": train_step, "device_checked_step": device_checked_step, "next_batches": next_batches}
+    saved = {name: getattr(train_mod, name) for name in patches}
+    for name, fn in patches.items():
+        setattr(train_mod, name, fn)
+    try:
+        train(cfg)
+    finally:
+        for name, fn in saved.items():
+            setattr(train_mod, name, fn)
+    return events
+
+
+def recipe_config(demo, out, recipe, *extra):
+    # data.workers=1: samples are decoded in a worker process; only the training process's ops are counted.
+    args = run_args(demo, out, f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.save_every=0",
+                    "data.batch_size=8", "data.workers=1", *RECIPES[recipe], *extra)
+    return load_config(None, args[2:])
+
+
+def report(events) -> str:
+    return "\n".join(f"step {s}: {op} at {where}" for s, evs in sorted(events.items()) for op, where in evs)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_ordinary_steps_make_no_host_sync_in_one_process(demo, tmp_path, recipe):
+    events = watched_train(recipe_config(demo, tmp_path / "run", recipe), long_caption=recipe == "long_caption")
+    assert sorted(events) == sorted(ORDINARY)  # every ordinary step was watched
+    assert all(not evs for evs in events.values()), report(events)
+
+
+def test_the_watch_sees_a_sync_in_the_step(demo, tmp_path, monkeypatch):
+    """The same harness catches a device read in the model's forward (the text tower's former read of the longest
+    caption, put back here), so an empty report above is not an unwatched step."""
+    from mmcl import models
+
+    cls = models._clip_class()
+    real = cls._encode_text
+
+    def reading(self, text, normalize):
+        int(text.argmax(dim=-1).max())
+        return real(self, text, normalize)
+
+    monkeypatch.setattr(cls, "_encode_text", reading)
+    events = watched_train(recipe_config(demo, tmp_path / "run", "flip"))
+    assert {s: [op for op, _ in evs] for s, evs in events.items()} == {
+        s: ["aten._local_scalar_dense.default"] for s in ORDINARY}
+
+
+def test_flip_masks_are_drawn_on_the_images_device():
+    """On a CPU every tensor shares the host, so a copy from the host is invisible end to end; with the images on
+    the ``meta`` device a mask drawn on the host would show up as a blocking copy. The step's seeds reach the
+    device in `begin_step`, outside the forward."""
+    from mmcl.flip import SeededPatchDropout
+
+    dropout = SeededPatchDropout(0.5, seed=3, rank=1, world_size=2, accum_steps=2).to("meta").train()
+    dropout.begin_step(5)
+    with SyncWatch() as watch:
+        for _ in range(2):  # both micro-batches of the step
+            out = dropout(torch.empty(4, 17, 8, device="meta"))
+    assert out.shape == (4, 9, 8) and out.device.type == "meta"
+    assert watch.count == 0, watch.summary()
+
+
+def _gloo_worker(rank, world, port, cfg_args, long_caption, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    events = watched_train(load_config(None, cfg_args), long_caption)
+    Path(out_dir, f"events-{rank}.json").write_text(json.dumps({str(k): v for k, v in events.items()}))
+    end_worker()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_ordinary_steps_make_no_host_sync_in_two_processes(demo, tmp_path, recipe):
+    args = run_args(demo, tmp_path / "run", f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}",
+                    "train.save_every=0", "data.batch_size=4", "data.workers=1", *RECIPES[recipe])[2:]
+    torch.multiprocessing.spawn(_gloo_worker, args=(2, free_port(), args, recipe == "long_caption", str(tmp_path)),
+                                nprocs=2, join=True)
+    for rank in (0, 1):
+        events = {int(k): v for k, v in json.loads((tmp_path / f"events-{rank}.json").read_text()).items()}
+        assert sorted(events) == sorted(ORDINARY), rank
+        assert all(not evs for evs in events.values()), f"rank {rank}:\n" + report(events)
