@@ -66,9 +66,12 @@ def load_plain(path: Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(str(path), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        # torch's message spans paragraphs; its "WeightsUnpickler error" line names what was refused.
-        lines = [ln.strip() for ln in str(err).splitlines() if "Unsupported" in ln or "WeightsUnpickler" in ln]
-        what = lines[0].split(". Please")[0] if lines else (str(err).splitlines() or [type(err).__name__])[0]
+        # torch's message spans paragraphs around the one line that names what was refused ("Unsupported
+        # operand 110" for bytes that are no pickle, "... unsupported GLOBAL posix.system ..." for a callable).
+        lines = [ln.strip() for ln in str(err).splitlines() if "nsupported" in ln]
+        what = lines[0].rstrip(".") if lines else "not a torch file"
+        if "GLOBAL" not in what:  # bytes that are not a pickle at all: damaged or another format
+            raise CheckpointError(f"cannot read {path}: it is not a file of tensors ({what})") from None
         raise CheckpointError(f"refusing {path}: it does not load as plain tensors and containers ({what}); "
                               f"mmcl never runs code a file names") from None
 

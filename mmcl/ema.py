@@ -6,8 +6,8 @@ dtype. Locked parameters have no average (they do not change), and neither do bu
 
 timm's ``ModelEmaV3`` keeps a deep copy of the whole module (locked towers and buffers included) and swaps nothing
 in; mmcl follows its update rule (one fused ``lerp`` over all tensors) but keeps only the trainable tensors, by
-parameter name, so that a locked tower costs no memory and the state is a plain dict that accelerate saves with
-the checkpoint. The in-loop evaluation, ``model/`` and exports see the average through `swapped_in`, which puts
+parameter name, so that a locked tower costs no memory and the state is a plain dict, saved in the main process's
+rank state of each checkpoint (loaded as plain data on resume). The in-loop evaluation, ``model/`` and exports see the average through `swapped_in`, which puts
 it into the model's own parameters and gives the trained weights back afterwards (bit for bit).
 """
 
@@ -74,7 +74,7 @@ class WeightEMA:
                 for n in self.names:
                     params[n].copy_(kept[n])
 
-    # accelerate's register_for_checkpointing saves and loads these (main process writes, every process reads)
+    # Saved in rank 0's rank state (`Run.rank_state`); every process loads it from there on resume
     def state_dict(self) -> Dict[str, object]:
         return {"decay": self.decay, "updates": self.updates, "shadow": {n: t.cpu() for n, t in self.shadow.items()}}
 

@@ -23,3 +23,10 @@ def fresh_accelerate_state():
     with another precision than the one before it); the fixture's value clears it again within a test."""
     _reset_accelerate_state()
     return _reset_accelerate_state
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_accelerate_state_per_module():
+    """The same for a module's own fixtures, which are set up before the per-test reset (a module fixture that
+    trains in fp32 after a test that trained in bf16)."""
+    _reset_accelerate_state()

@@ -51,7 +51,7 @@ def test_python_dash_m_prints_no_traceback(tmp_path):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert p.stderr.strip() == ("mmcl: error: override trian.steps: unknown config key 'trian'; "
-                                "did you mean train or train.seed or train.plot?")
+                                "did you mean train or train.tf32 or train.seed?")
 
 
 def test_every_documented_subcommand_exists():
