@@ -6,7 +6,7 @@ the class token, width 128, 4 blocks) and the tiny text tower (32 tokens). Measu
 
 - the image tower's forward+backward (encode_image, then backward of a sum of its features);
 - the whole training step: both towers, the CLIP loss, backward, gradient clipping and the AdamW step
-  (mmcl.train.train_step and apply_update, the code a run executes);
+  (mmcl.training.step.train_step and apply_update, the code a run executes);
 - FLOPs of both, from torch.utils.flop_counter.FlopCounterMode;
 - memory: the bytes autograd saves for backward in the step (activations; counted per storage through
   saved_tensors_hooks), and from it the largest batch whose masked step saves no more than the unmasked step at
@@ -58,8 +58,8 @@ class Setup:
         from accelerate import Accelerator
 
         from mmcl.config import LossConfig, OptimConfig
-        from mmcl.train import objective_from_config as build_objective
-        from mmcl.train import build_optimizer
+        from mmcl.training.step import objective_from_config as build_objective
+        from mmcl.training.optim import build_optimizer
 
         self.acc = Accelerator(cpu=True)
         self.model, self.mods = build(args, prob)
@@ -76,7 +76,7 @@ class Setup:
         self.model.zero_grad(set_to_none=True)
 
     def train_step(self):
-        from mmcl.train import apply_update, train_step
+        from mmcl.training.step import apply_update, train_step
 
         for m in self.mods:
             m.begin_step(self.step_no)

@@ -31,7 +31,7 @@ def main() -> int:
     from open_clip.tokenizer import SimpleTokenizer
     from tokenizers import Tokenizer
 
-    from mmcl.clip_tokenizer_file import tokenizer_json
+    from mmcl.storage.clip_tokenizer_file import tokenizer_json
 
     t0 = time.perf_counter()
     text = tokenizer_json(args.context_length)

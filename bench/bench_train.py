@@ -6,7 +6,7 @@ Measured in one run, round by round; each figure is the median over rounds.
 2. ``open_clip``: ``open_clip_train.main`` (open-clip-torch's training script, which needs pandas for CSV data)
    on the same images written as files + a tab-separated CSV (its webdataset path does not run with the
    installed webdataset), the model config registered with ``open_clip.add_model_config`` from a copy of
-   ``mmcl/model_configs/<model>.json`` (or open_clip's own architecture, e.g. ``--model ViT-B-32``). The files
+   ``mmcl/models/model_configs/<model>.json`` (or open_clip's own architecture, e.g. ``--model ViT-B-32``). The files
    hold the shards' own JPEG bytes, so both decode the same input.
 3. ``pure`` (and mmcl's own step code on the same batches, ``mmcl_step_in_memory``, alternated with it in one
    process): the same model and objective trained on real batches of the same shards, decoded once and held
@@ -85,12 +85,12 @@ PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peak per GPU (NVIDIA datasheets),
 
 def open_clip_model_name(model: str) -> str:
     """The name open_clip knows `model` by: mmcl's own configs are registered as ``mmcl-<name>`` copies."""
-    return f"mmcl-{model}" if (REPO / "mmcl" / "model_configs" / f"{model}.json").exists() else model
+    return f"mmcl-{model}" if (REPO / "mmcl" / "models" / "model_configs" / f"{model}.json").exists() else model
 
 
 def register_models(work: Path, model: str) -> None:
     (work / "oc-models").mkdir(parents=True, exist_ok=True)
-    own = REPO / "mmcl" / "model_configs" / f"{model}.json"
+    own = REPO / "mmcl" / "models" / "model_configs" / f"{model}.json"
     if own.exists():
         shutil.copy(own, work / "oc-models" / f"{open_clip_model_name(model)}.json")
 
@@ -173,7 +173,7 @@ def cpu_name() -> str:
 # ----------------------------------------------------------------------------------------------------- data
 def prepare_data(work: Path, n_train: int, image_size: int = 64, n_shards: int = 8) -> Tuple[str, Path, int]:
     """Demo shards for mmcl and the very same encoded images as files + a tab-separated CSV for open_clip."""
-    from mmcl.demo import make_demo_data
+    from mmcl.data.demo import make_demo_data
 
     # Enough shards that every mmcl worker reads its own shards (as with real data).
     paths = make_demo_data(str(work / "shards"), n_train=n_train, n_val=1, n_zeroshot=1, image_size=image_size,
@@ -382,7 +382,8 @@ def pure_step_child(args) -> None:
 
     from mmcl import models
     from mmcl.config import load_config
-    from mmcl.train import build_optimizer, objective_from_config
+    from mmcl.training.optim import build_optimizer
+    from mmcl.training.step import objective_from_config
 
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"data.batch_size={args.batch_size}",
                                                               f"model.name={args.model}"])
@@ -454,7 +455,7 @@ def pure_step_child(args) -> None:
     # loading. Its time over full_step's is the step's code overhead.
     from accelerate import Accelerator
 
-    from mmcl.train import apply_update, train_step
+    from mmcl.training.step import apply_update, train_step
 
     accelerator = Accelerator(cpu=not cuda, mixed_precision={"fp32": "no"}.get(args.precision, args.precision))
     acc_model, acc_optimizer = accelerator.prepare(model, optimizer)
@@ -552,7 +553,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--pure-steps", type=int, default=8, help="timed steps of each pure variant")
     p.add_argument("--pure-batches", type=int, default=8, help="real batches the pure step cycles through")
     p.add_argument("--model", default="tiny",
-                   help="mmcl model config (mmcl/model_configs) or open_clip architecture, e.g. ViT-B-32")
+                   help="mmcl model config (mmcl/models/model_configs) or open_clip architecture, e.g. ViT-B-32")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--image-size", type=int, default=None,
                    help="side of the generated demo images (default 64 for tiny, else 256)")
@@ -615,7 +616,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.pure_trace:
         work = Path(tempfile.mkdtemp(prefix="mmcl-bench-trace-"))
         register_models(work, args.model)
-        from mmcl.demo import make_demo_data
+        from mmcl.data.demo import make_demo_data
 
         paths = make_demo_data(str(work / "shards"), n_train=args.batch_size * args.pure_batches, n_val=1,
                                n_zeroshot=1, image_size=args.image_size, shard_size=args.batch_size * args.pure_batches,

@@ -9,8 +9,8 @@ __all__ = ["load", "MmclError", "ConfigError", "DataError", "CheckpointError", "
 def load(path):
     """``model, preprocess, tokenizer = mmcl.load(path)`` for a run dir, its ``model/``, or an export.
 
-    See `mmcl.weights.load`. Imported lazily so that ``import mmcl.losses`` does not pull in open_clip.
+    See `mmcl.storage.weights.load`. Imported lazily so that ``import mmcl.losses`` does not pull in open_clip.
     """
-    from .weights import load as _load
+    from .storage.weights import load as _load
 
     return _load(path)

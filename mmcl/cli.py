@@ -85,7 +85,7 @@ def _device(name: Optional[str]):
 
 def cmd_train(args) -> int:
     from .config import load_config
-    from .train import train
+    from .training.loop import train
 
     config, overrides = args.config, list(args.overrides)
     if config is None and overrides and "=" not in overrides[0]:
@@ -96,7 +96,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_demo_data(args) -> int:
-    from .demo import make_demo_data
+    from .data.demo import make_demo_data
 
     kwargs = {"n_train": args.n_train} if args.n_train is not None else {}
     paths = make_demo_data(args.out, seed=args.seed, **kwargs)
@@ -112,7 +112,7 @@ def cmd_shards(args) -> int:
 
 
 def cmd_reinforce(args) -> int:
-    from .reinforce import reinforce
+    from .training.reinforce import reinforce
 
     keys = _sample_keys(args) if (args.image_key or args.caption_key) else None
     summary = reinforce(args.teacher, args.data, args.out, batch_size=args.batch_size, device=args.device,
@@ -122,7 +122,7 @@ def cmd_reinforce(args) -> int:
 
 
 def _load(args):
-    from .weights import load
+    from .storage.weights import load
 
     return load(args.model)
 
@@ -135,7 +135,7 @@ def _sample_keys(args):
 
 
 def cmd_zeroshot(args) -> int:
-    from .evaluate import zeroshot
+    from .evaluation.evaluate import zeroshot
 
     model, preprocess, tokenizer = _load(args)
     res = zeroshot(model, preprocess, tokenizer, args.data, classnames=args.classnames, templates=args.templates,
@@ -146,7 +146,7 @@ def cmd_zeroshot(args) -> int:
 
 
 def cmd_retrieval(args) -> int:
-    from .evaluate import retrieval
+    from .evaluation.evaluate import retrieval
 
     model, preprocess, tokenizer = _load(args)
     res = retrieval(model, preprocess, tokenizer, args.data, batch_size=args.batch_size, workers=args.workers,
@@ -156,7 +156,7 @@ def cmd_retrieval(args) -> int:
 
 
 def cmd_linear_probe(args) -> int:
-    from .evaluate import linear_probe
+    from .evaluation.evaluate import linear_probe
 
     model, preprocess, tokenizer = _load(args)
     res = linear_probe(model, preprocess, args.train, args.test, batch_size=args.batch_size, workers=args.workers,
@@ -166,7 +166,7 @@ def cmd_linear_probe(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export
+    from .storage.export import export
 
     out = export(args.model, args.format, args.out)
     print(f"mmcl: exported {args.format} to {out}")
@@ -174,7 +174,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_index(args) -> int:
-    from .index import build_index
+    from .evaluation.index import build_index
 
     build_index(args.model, args.data, args.out, batch_size=args.batch_size, workers=args.workers,
                 device=_device(args.device))
@@ -182,7 +182,7 @@ def cmd_index(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from .index import search
+    from .evaluation.index import search
 
     hits = search(args.index, query=args.query, image=args.image, k=args.k)
     if args.json:
@@ -195,7 +195,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .plot import plot_run
+    from .evaluation.plot import plot_run
 
     for p in plot_run(args.run_dir):
         print(f"mmcl: wrote {p}")

@@ -56,7 +56,7 @@ class TextTowerConfig(_Section):
 
 @dataclass
 class ModelConfig(_Section):
-    name: str = "tiny"  # an mmcl model config (mmcl/model_configs/*.json) or any open_clip architecture
+    name: str = "tiny"  # an mmcl model config (mmcl/models/model_configs/*.json) or any open_clip architecture
     embed_dim: Optional[int] = None
     image_size: Optional[int] = None
     context_length: Optional[int] = None

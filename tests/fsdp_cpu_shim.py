@@ -42,23 +42,23 @@ def _patch_accelerate() -> None:
 def _slow_evaluation(seconds: float) -> None:
     import time
 
-    import mmcl.train
+    import mmcl.training.loop
 
-    real_run_eval = mmcl.train.run_eval
+    real_run_eval = mmcl.training.loop.run_eval
 
     def run_eval(cfg, model, tokenizer, pp_cfg, accelerator):
         if accelerator.is_main_process:
             time.sleep(seconds)
         return real_run_eval(cfg, model, tokenizer, pp_cfg, accelerator)
 
-    mmcl.train.run_eval = run_eval
+    mmcl.training.loop.run_eval = run_eval
 
 
 def _report_precision() -> None:
-    import mmcl.train
+    import mmcl.training.loop
     from torch.distributed.fsdp import FSDPModule
 
-    real_forward = mmcl.train._forward
+    real_forward = mmcl.training.step._forward
     reported = []
 
     def forward(model, images, texts):
@@ -74,7 +74,7 @@ def _report_precision() -> None:
             print(f"shim: logit_scale dtype {out[2].dtype}", flush=True)
         return out
 
-    mmcl.train._forward = forward
+    mmcl.training.step._forward = forward
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A preemption at a chosen training step, for the resume tests: ``mmcl.train.train_step`` is wrapped so that
+"""A preemption at a chosen training step, for the resume tests: ``mmcl.training.step.train_step`` is wrapped so that
 the process sends itself SIGTERM during its `step`-th call, as a scheduler would during that step."""
 
 import os
@@ -6,9 +6,9 @@ import signal
 
 
 def sigterm_during_step(step: int, monkeypatch=None, rank=None):
-    """Wrap ``mmcl.train.train_step`` (through `monkeypatch` when given, else for the life of the process); with
+    """Wrap ``mmcl.training.step.train_step`` (through `monkeypatch` when given, else for the life of the process); with
     `rank`, only the process whose RANK is `rank` is signalled. Returns the real ``train_step``."""
-    import mmcl.train as train_mod
+    import mmcl.training.loop as train_mod
 
     real, calls = train_mod.train_step, [0]
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from mmcl import flip, models
+from mmcl.models import flip
+from mmcl import models
 from mmcl.config import LossConfig, load_config
-from mmcl.train import objective_from_config, train_step
+from mmcl.training.step import objective_from_config, train_step
 
 from test_train import demo, fake_batch, micro_model, run_args  # noqa: F401 - demo is a fixture
 
@@ -130,7 +131,7 @@ def test_train_compiles_the_prepared_model_and_the_objective(demo, tmp_path, mon
     from accelerate import Accelerator
 
     from mmcl.losses import ContrastiveObjective
-    from mmcl.train import train
+    from mmcl.training.loop import train
 
     order, real_compile, real_prepare = [], torch.compile, Accelerator.prepare
 
@@ -158,7 +159,7 @@ def _compile_worker(rank, world, port, cfg_args, out_dir):
 
     from accelerate import Accelerator
 
-    from mmcl.train import train
+    from mmcl.training.loop import train
     from spawned import end_worker
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

@@ -17,7 +17,8 @@ import yaml
 
 from mmcl import models
 from mmcl.config import from_dict, load_config, to_dict
-from mmcl.train import build_optimizer, objective_from_config
+from mmcl.training.optim import build_optimizer
+from mmcl.training.step import objective_from_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -110,7 +111,7 @@ def test_vit_b_32_is_open_clip_laion_recipe():
     assert cfg.optim.warmup_steps == 2000 and cfg.model.name == "ViT-B-32"
     # 32 epochs of LAION-400M's ~407M pairs, as samples seen, so the length does not depend on the GPU count.
     assert abs(cfg.train.samples - 32 * 407e6) / (32 * 407e6) < 0.01
-    from mmcl.train import total_steps
+    from mmcl.training.loop import total_steps
 
     assert total_steps(cfg, processes) == -(-cfg.train.samples // 32768)
     model_cfg = models.resolve_model_config(cfg.model)
@@ -176,7 +177,7 @@ def user_dir(tmp_path_factory):
     # The teacher of the configs that distil: an untrained model of another image size and width, saved as mmcl
     # saves one (a teacher's quality does not matter to whether a config runs).
     from mmcl.config import ModelConfig
-    from mmcl.weights import save_model_dir
+    from mmcl.storage.weights import save_model_dir
 
     torch.manual_seed(0)
     teacher, teacher_cfg, teacher_pp, *_ = models.build(ModelConfig(name="tiny", image_size=48, embed_dim=24))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmcl import data, demo
+from mmcl import data
+from mmcl.data import demo
 from mmcl.errors import DataError
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mmcl.config import LossConfig, load_config
 from mmcl.losses import ContrastiveObjective, TeacherFeatures, distill_loss
-from mmcl.train import objective_from_config, train_step
+from mmcl.training.step import objective_from_config, train_step
 
 from preempt import sigterm_during_step
 from spawned import end_worker
@@ -272,7 +272,7 @@ def test_a_teacher_in_the_loop_trains_and_is_never_saved(demo, teacher_run, tmp_
 
 
 def test_resume_with_a_teacher_is_exact(demo, teacher_run, tmp_path, monkeypatch):
-    import mmcl.train as train_mod
+    import mmcl.training.loop as train_mod
     from mmcl.cli import main
 
     ref = tmp_path / "ref"
@@ -324,7 +324,7 @@ def _members(path):
 
 @pytest.fixture(scope="module")
 def reinforced(demo, teacher_run, tmp_path_factory):
-    from mmcl.reinforce import reinforce
+    from mmcl.training.reinforce import reinforce
 
     out = tmp_path_factory.mktemp("reinforced") / "shards"
     summary = reinforce(str(teacher_run), "::".join(_two_shards(demo)), str(out), batch_size=16, progress=False)
@@ -337,7 +337,7 @@ def test_reinforce_keeps_every_member_and_stores_the_teachers_embeddings(demo, t
     import numpy as np
     from PIL import Image
 
-    from mmcl.teacher import Teacher
+    from mmcl.training.teacher import Teacher
 
     out, summary = reinforced
     assert summary["shards"] == 2 and summary["samples"] == 192 and summary["without_teacher"] == 0
@@ -364,7 +364,7 @@ def test_reinforce_keeps_every_member_and_stores_the_teachers_embeddings(demo, t
 
 def test_reinforce_resumes_shard_by_shard_and_refuses_another_teacher(demo, teacher_run, tmp_path, monkeypatch,
                                                                       capsys):
-    import mmcl.reinforce as rf
+    import mmcl.training.reinforce as rf
     from mmcl.cli import main
 
     out = tmp_path / "out"
@@ -408,8 +408,8 @@ def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinfor
     its embeddings read from the reinforced shards, give the same distillation loss (to float16 rounding)."""
     from mmcl.config import load_config
     from mmcl.data import ImageSpec, build_train_stream
-    from mmcl.teacher import Teacher
-    from mmcl.train import _teacher_features
+    from mmcl.training.teacher import Teacher
+    from mmcl.training.step import _teacher_features
 
     out, _ = reinforced
     cfg = load_config(None, [f"data.train={out}/*.tar", "data.batch_size=24", "data.workers=0"])
@@ -432,7 +432,7 @@ def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinfor
 
 
 def test_training_from_reinforced_shards_never_loads_a_teacher(demo, reinforced, tmp_path, monkeypatch):
-    import mmcl.teacher as teacher_mod
+    import mmcl.training.teacher as teacher_mod
     from mmcl.cli import main
 
     def no_teacher(*a, **k):

@@ -105,7 +105,7 @@ from test_train import ROOT, _free_port, metrics, run_args  # noqa: E402
 # Each process appends the keys of the samples of every step it trains on to keys-<rank>.jsonl.
 LOG_KEYS = """\
 import json, os, signal, sys
-import mmcl.train as train_mod
+import mmcl.training.loop as train_mod
 from mmcl.cli import main
 
 real = train_mod.next_batches
@@ -207,7 +207,7 @@ def _saved_run(root, world, global_batch):
                                                     (1, 2, 2, (6, 2)), (1, 4, 4, (6, 1))])
 def test_the_global_batch_is_kept_on_another_number_of_processes(tmp_path, saved, now, accum, expect):
     from mmcl.config import load_config
-    from mmcl.elastic import keep_global_batch
+    from mmcl.training.resume import keep_global_batch
 
     out = _saved_run(tmp_path / "run", saved, 24)
     cfg = load_config(None, [f"train.output_dir={out}", f"data.batch_size={24 // saved // accum}",
@@ -225,7 +225,7 @@ def test_the_global_batch_is_kept_on_another_number_of_processes(tmp_path, saved
 
 def test_a_global_batch_that_does_not_divide_among_the_processes_is_one_error(tmp_path):
     from mmcl.config import load_config
-    from mmcl.elastic import keep_global_batch
+    from mmcl.training.resume import keep_global_batch
     from mmcl.errors import ConfigError
 
     out = _saved_run(tmp_path / "run", 2, 16)

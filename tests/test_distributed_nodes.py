@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mmcl.checkpoints import latest_checkpoint
+from mmcl.storage.checkpoints import latest_checkpoint
 
 from test_train import ROOT, _free_port, final_weights, metrics, run_args, demo  # noqa: F401 - demo is a fixture
 

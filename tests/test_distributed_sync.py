@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mmcl.config import load_config
-from mmcl.train import build_optimizer, train
+from mmcl.training.optim import build_optimizer
+from mmcl.training.loop import train
 
 from test_train import fake_batch, metrics, micro_model, run_args, demo  # noqa: F401 - demo is a fixture
 
@@ -18,7 +19,7 @@ SYNCS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__")
 
 def test_a_flagged_step_leaves_weights_and_optimiser_state_exactly_as_they_were():
     from mmcl.config import OptimConfig
-    from mmcl.train import objective_from_config as build_objective
+    from mmcl.training.step import objective_from_config as build_objective
     from mmcl.config import LossConfig
 
     model = micro_model()
@@ -54,8 +55,8 @@ def test_no_host_sync_on_steps_that_are_neither_logged_nor_saved(demo, tmp_path,
     """Counts the training loop's reads of tensors on the host (`.item()`, `.tolist()`, `bool(t)`, ...) per step
     of a 1-process run with a non-finite loss on an ordinary step (skipped all the same); the host-side fallback
     (no device-side skip) shows that the counter sees them."""
-    import mmcl.stepcheck as stepcheck
-    import mmcl.train as train_mod
+    import mmcl.training.stepcheck as stepcheck
+    import mmcl.training.loop as train_mod
 
     real_step, current, syncs = train_mod.train_step, [0], []
 

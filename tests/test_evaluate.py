@@ -12,7 +12,9 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms.functional import to_tensor
 
-from mmcl import evaluate, models, weights
+from mmcl.evaluation import evaluate
+from mmcl import models
+from mmcl.storage import weights
 from mmcl.errors import DataError
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
@@ -340,7 +342,7 @@ def test_training_loop_call_and_cli(tiny_model_dir, tmp_path):
 def test_classnames_given_in_another_order_follow_the_folder_labels(tmp_path):
     from types import SimpleNamespace
 
-    from mmcl.evaluate import _resolve_classnames
+    from mmcl.evaluation.evaluate import _resolve_classnames
 
     ds = SimpleNamespace(folders=["blue", "green", "red"], classnames=["blue", "green", "red"])
     # Labels index the sorted folders; names given as red, blue, green must not be paired by position.

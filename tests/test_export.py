@@ -9,8 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mmcl import export as export_mod
-from mmcl import models, weights
+from mmcl.storage import export as export_mod
+from mmcl import models
+from mmcl.storage import weights
 from mmcl.errors import ConfigError
 
 # Minimum cosine between an export's normalised embeddings and mmcl.load's on the same inputs. Float32 math done
@@ -84,7 +85,7 @@ def test_safetensors_export_loads_without_training_code(model_dir, reference, tm
     script = (
         "import sys, json, torch, mmcl\n"
         f"m, pre, tok = mmcl.load({str(out)!r})\n"
-        "assert not any(n in sys.modules for n in ('mmcl.train', 'accelerate', 'mmcl.losses')), 'training code'\n"
+        "assert not any(n in sys.modules for n in ('mmcl.training.loop', 'accelerate', 'mmcl.losses')), 'training code'\n"
         f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
         "with torch.no_grad():\n"
         "    i = m.encode_image(x['pixels'], normalize=True); t = m.encode_text(x['tokens'], normalize=True)\n"

@@ -17,8 +17,10 @@ import pytest
 import torch
 from PIL import Image
 
-from mmcl import data, evaluate, fsutil, models, weights
-from mmcl import export as export_mod
+from mmcl import data, models
+from mmcl.evaluation import evaluate
+from mmcl.storage import fsutil, weights
+from mmcl.storage import export as export_mod
 from mmcl.errors import CheckpointError, ConfigError, DataError
 
 W = 256  # gradient width: one column per 8-bit level
@@ -616,7 +618,7 @@ def test_export_and_model_dirs_get_the_umask_mode(tiny_model, tmp_path):
 
 
 def test_re_saved_model_and_rebuilt_index_keep_the_users_files(tiny_model, tmp_path):
-    from mmcl import index as index_mod
+    from mmcl.evaluation import index as index_mod
 
     model, model_cfg, pp = weights.load_model_dir(tiny_model)
     saved = weights.save_model_dir(model, model_cfg, pp, tmp_path / "run" / "model")
@@ -636,9 +638,9 @@ def test_re_saved_model_and_rebuilt_index_keep_the_users_files(tiny_model, tmp_p
 
 _KILL_AT = {
     # SIGKILL while the new export's config is being written (files half there in the temporary directory)
-    "writing": "mmcl.weights.write_config_with_record = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)",
+    "writing": "mmcl.storage.weights.write_config_with_record = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)",
     # SIGKILL between the two renames of the swap: the old export moved aside, the new one not yet in place
-    "swapping": ("import mmcl.fsutil as fs\n"
+    "swapping": ("import mmcl.storage.fsutil as fs\n"
                  "calls = []\n"
                  "real = os.replace\n"
                  "def replace(a, b):\n"
@@ -652,7 +654,7 @@ _KILL_AT = {
 
 def _run_export(src, out, fmt, inject="", limit_bytes=None):
     """`mmcl export` in a subprocess, after running `inject` (fault-injection code) in it."""
-    code = ["import os, signal, sys, resource", "import mmcl.weights, mmcl.export"]
+    code = ["import os, signal, sys, resource", "import mmcl.storage.weights, mmcl.storage.export"]
     if limit_bytes is not None:  # a size-limited file system: writes past the limit fail with EFBIG
         code += ["signal.signal(signal.SIGXFSZ, signal.SIG_IGN)",
                  f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes}))"]
@@ -744,7 +746,7 @@ def test_cli_zeroshot_with_workers_skips_a_bad_image_and_fails_in_one_line(tiny_
     ("items.jsonl", r"items.jsonl is damaged \(line \d+: \w"),  # the JSON message depends on where the cut falls
 ])
 def test_damaged_index_files_are_data_errors(tiny_model, tmp_path, damage, match):
-    from mmcl import index as index_mod
+    from mmcl.evaluation import index as index_mod
 
     folder = _colour_folder(tmp_path / "colours", bad=False, hidden=False)
     idx = index_mod.build_index(tiny_model, str(folder), tmp_path / "idx", progress=False)

@@ -16,10 +16,10 @@ import pytest
 import torch
 from test_train import ROOT, demo, final_weights, metrics, run_args  # noqa: F401 - `demo` is a fixture
 
-from mmcl import checkpoints
+from mmcl.storage import checkpoints
 from mmcl.cli import main
 from mmcl.errors import TrainingError
-from mmcl.runlock import RunLock
+from mmcl.training.runlock import RunLock
 
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
@@ -68,7 +68,7 @@ def reference(demo, tmp_path_factory):
                                            (signal.SIGINT, 130, "interrupted")])
 def test_signal_mid_step_saves_then_a_rerun_finishes_with_the_same_weights(demo, reference, tmp_path, monkeypatch,
                                                                           capsys, sig, code, word):
-    import mmcl.train as train_mod
+    import mmcl.training.loop as train_mod
 
     real, calls = train_mod.train_step, [0]
 
@@ -317,7 +317,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(demo, tmp_path
     out.mkdir()
     # The holder forks a child that outlives it with the lock file open, as data loader workers do for a moment
     # after the training process is SIGKILLed: the lock must die with the holder all the same.
-    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from mmcl.runlock import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from mmcl.training.runlock import RunLock; "
                                f"RunLock({str(out)!r}).acquire(); child = os.fork(); "
                                "child and print(child, flush=True); time.sleep(600)"],  # the parent says its child's PID
                               stdout=subprocess.PIPE, text=True)
@@ -400,7 +400,7 @@ SLOW_SAVE = """\
 import sys, time
 from pathlib import Path
 import torch
-import mmcl.checkpoints
+import mmcl.storage.checkpoints
 from mmcl.cli import main
 
 real = torch.save
@@ -444,11 +444,11 @@ def test_sigterm_to_the_launcher_during_a_save_on_two_processes(demo, reference2
 
 REFUSE_ON_RANK_1 = """\
 import os, sys
-import mmcl.train as train_mod
+import mmcl.training.resume as resume_mod
 from mmcl.cli import main
 from mmcl.errors import CheckpointError
 
-real = train_mod.check_resumable
+real = resume_mod.check_resumable
 
 
 def refused(*args):
@@ -457,7 +457,7 @@ def refused(*args):
     return real(*args)
 
 
-train_mod.check_resumable = refused
+resume_mod.check_resumable = refused
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -481,7 +481,7 @@ def test_a_user_error_on_one_of_two_processes_ends_the_launch_with_one_line(demo
 
 FAIL_ON_RANK_1_MID_RUN = """\
 import os, sys
-import mmcl.train as train_mod
+import mmcl.training.loop as train_mod
 from mmcl.cli import main
 from mmcl.errors import DataError
 

@@ -27,7 +27,8 @@ import torch
 
 from mmcl import models
 from mmcl.config import LossConfig, MochiConfig, load_config
-from mmcl.train import make_accelerator, objective_from_config, train, train_step
+from mmcl.training.loop import make_accelerator, train
+from mmcl.training.step import objective_from_config, train_step
 
 from spawned import free_port
 from test_train import MICRO, ROOT, demo, fake_batch, grads_of, metrics, micro_model, run_args  # noqa: F401
@@ -40,7 +41,7 @@ LAUNCHER = "ACCELERATE_MIXED_PRECISION"
 # ------------------------------------------------------------------------------------------- precision's home
 def test_auto_precision_takes_the_launchers(monkeypatch):
     from mmcl.config import PRECISIONS
-    from mmcl.train import choose_precision
+    from mmcl.training.loop import choose_precision
 
     monkeypatch.delenv(LAUNCHER, raising=False)
     assert choose_precision("auto") == ("fp32", "the default (train.precision=auto, no launcher setting)")
@@ -54,7 +55,7 @@ def test_auto_precision_takes_the_launchers(monkeypatch):
 
 def test_a_set_precision_the_launcher_contradicts_is_an_error_naming_both(monkeypatch):
     from mmcl.errors import ConfigError
-    from mmcl.train import choose_precision
+    from mmcl.training.loop import choose_precision
 
     monkeypatch.setenv(LAUNCHER, "bf16")
     with pytest.raises(ConfigError) as err:
@@ -81,7 +82,7 @@ def test_each_launch_file_trains_in_the_precision_it_names(monkeypatch, launch_f
     assert make_accelerator(load_config(None, []).train.precision).mixed_precision == said
 
     from mmcl.config import PRECISIONS
-    from mmcl.train import choose_precision
+    from mmcl.training.loop import choose_precision
 
     assert choose_precision("auto") == ({v: k for k, v in PRECISIONS.items()}[said],
                                         f"the launcher (ACCELERATE_MIXED_PRECISION={said})")
@@ -89,7 +90,7 @@ def test_each_launch_file_trains_in_the_precision_it_names(monkeypatch, launch_f
 
 def test_a_run_under_a_bf16_launcher_trains_in_bf16_and_says_so(demo, tmp_path, monkeypatch, capsys):
     """As `accelerate launch --config_file launch/gpu-1.yaml` sets it: no train.precision, bf16 autocast."""
-    import mmcl.train as train_mod
+    import mmcl.training.loop as train_mod
 
     real, seen = train_mod.train_step, []
 
@@ -124,7 +125,7 @@ def test_a_run_with_fp32_under_a_bf16_launcher_is_one_error_line(demo, tmp_path,
 
 
 def test_tf32_follows_the_key_on_cuda_and_leaves_other_devices_alone():
-    from mmcl.train import set_tf32, tf32_setting
+    from mmcl.training.loop import set_tf32, tf32_setting
 
     before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
     try:
@@ -261,8 +262,8 @@ def test_a_loss_non_finite_on_every_process_skips_the_fused_step(monkeypatch, wo
     import torch.distributed as dist
 
     from mmcl.config import OptimConfig
-    from mmcl.stepcheck import StepChecks
-    from mmcl.train import build_optimizer
+    from mmcl.training.stepcheck import StepChecks
+    from mmcl.training.optim import build_optimizer
 
     class Accelerator:
         num_processes = world
@@ -302,8 +303,8 @@ def test_a_loss_non_finite_on_every_process_skips_the_fused_step(monkeypatch, wo
 POISON_EVERY_RANK = """\
 import json, os, sys
 import torch
-import mmcl.train as train_mod
-import mmcl.stepcheck as stepcheck
+import mmcl.training.loop as train_mod
+import mmcl.training.stepcheck as stepcheck
 from mmcl.cli import main
 
 real_step, real_update, real_arm = train_mod.train_step, train_mod.apply_update, stepcheck.StepChecks.arm
@@ -438,7 +439,7 @@ def test_without_the_replay_gradcache_under_dropout_is_not_the_large_batch(monke
     the replay made a no-op, the second pass draws new ones and the gradients move."""
     import contextlib
 
-    import mmcl.train as train_mod
+    import mmcl.training.step as train_mod
 
     big, halves = _big_and_halves()
     loss_big, g_big = _noisy_grads([big])
@@ -455,7 +456,7 @@ def test_gradcache_replays_the_device_generator_too(monkeypatch):
     """A second generator that the device module reports (`device_rng`, here a stand-in for ``torch.cuda``) is
     replayed like the CPU's: the gradients are the batch of 12's. Replaying the CPU's alone (on CUDA, the masks
     of dropout and drop-path come from the device's) changes them."""
-    import mmcl.train as train_mod
+    import mmcl.training.step as train_mod
 
     big, halves = _big_and_halves()
     noise = torch.Generator()
@@ -473,7 +474,7 @@ def test_gradcache_replays_the_device_generator_too(monkeypatch):
 def test_the_device_generator_state_is_taken_and_put_back(monkeypatch):
     """`replayed_rng` on a device: the block runs from the saved states of both generators, and the states it
     found are back afterwards."""
-    import mmcl.train as train_mod
+    import mmcl.training.step as train_mod
 
     gen = torch.Generator().manual_seed(1)
     monkeypatch.setattr(train_mod, "device_rng", lambda device: FakeDeviceRng(gen))

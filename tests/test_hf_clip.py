@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from mmcl import hf_clip, models
+from mmcl.storage import hf_clip
+from mmcl import models
 from mmcl.errors import CheckpointError
 
 

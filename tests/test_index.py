@@ -9,8 +9,9 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from mmcl import index as index_mod
-from mmcl import models, weights
+from mmcl.evaluation import index as index_mod
+from mmcl import models
+from mmcl.storage import weights
 from mmcl.errors import CheckpointError, DataError
 
 

@@ -27,7 +27,7 @@ from mmcl.losses import (
     supcon_loss,
     uniform_loss,
 )
-from mmcl.train import objective_from_config
+from mmcl.training.step import objective_from_config
 
 
 def _features(n, d, dtype=torch.float32, seed=0, correlated=True):
@@ -969,7 +969,7 @@ def test_train_step_with_mochi_queue_backpropagates(chunk):
 
     from mmcl import models
     from mmcl.config import load_config
-    from mmcl.train import train_step
+    from mmcl.training.step import train_step
 
     torch.manual_seed(0)
     model_cfg = load_config(None, ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",

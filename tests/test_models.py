@@ -13,10 +13,11 @@ import pytest
 import torch
 from open_clip.model import CLIP
 
-from mmcl import checkpoints, models, weights
+from mmcl.storage import checkpoints, weights
+from mmcl import models
 from mmcl.config import ModelConfig, OptimConfig, TextTowerConfig
 from mmcl.errors import CheckpointError, ConfigError
-from mmcl.train import build_optimizer
+from mmcl.training.optim import build_optimizer
 
 TINY = json.loads((models.CONFIG_DIR / "tiny.json").read_text())
 

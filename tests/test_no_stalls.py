@@ -1,10 +1,10 @@
 """No host sync on ordinary training steps, counted by torch's dispatcher (`syncwatch.SyncWatch`).
 
 Every op of a step passes through the dispatcher on a CPU exactly as on a GPU, so a dispatch mode held from the
-start of `train_step` (forward, loss) to the end of `device_checked_step` (backward, all-reduces, the optimiser,
+start of `train_step` (forward, loss) to the end of `finish_step` (backward, all-reduces, the optimiser,
 the EMA) sees each read of a device value, each data-dependent op and each blocking copy the step would make on a
 GPU. Ordinary steps are those neither logged nor saved; the first step (optimiser state, DDP's buckets) and the
-logged ones read on purpose and are left out. Each recipe runs end to end through `mmcl.train.train`, in one
+logged ones read on purpose and are left out. Each recipe runs end to end through `mmcl.training.loop.train`, in one
 process and (slow) in two gloo processes.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmcl.config import load_config
-from mmcl.train import train
+from mmcl.training.loop import train
 
 from spawned import end_worker, free_port
 from syncwatch import SyncWatch
@@ -41,9 +41,9 @@ RECIPES = {
 
 def watched_train(cfg, long_caption: bool = False):
     """Train `cfg` with a `SyncWatch` over each ordinary step; returns {step: [(op, where), ...]}."""
-    import mmcl.train as train_mod
+    import mmcl.training.loop as train_mod
 
-    real_step, real_rest, real_next = train_mod.train_step, train_mod.device_checked_step, train_mod.next_batches
+    real_step, real_rest, real_next = train_mod.train_step, train_mod.finish_step, train_mod.next_batches
     events, current, watch = {}, [0], [None]
 
     def next_batches(run, data_iter):
@@ -63,7 +63,7 @@ def watched_train(cfg, long_caption: bool = False):
             watch[0].__enter__()
         return real_step(*a, **k)
 
-    def device_checked_step(*a, **k):
+    def finish_step(*a, **k):
         try:
             return real_rest(*a, **k)
         finally:
@@ -72,7 +72,7 @@ def watched_train(cfg, long_caption: bool = False):
                 events[current[0]] = list(watch[0].events)
                 watch[0] = None
 
-    patches = {"train_step": train_step, "device_checked_step": device_checked_step, "next_batches": next_batches}
+    patches = {"train_step": train_step, "finish_step": finish_step, "next_batches": next_batches}
     saved = {name: getattr(train_mod, name) for name in patches}
     for name, fn in patches.items():
         setattr(train_mod, name, fn)
@@ -105,9 +105,9 @@ def test_ordinary_steps_make_no_host_sync_in_one_process(demo, tmp_path, recipe)
 def test_the_watch_sees_a_sync_in_the_step(demo, tmp_path, monkeypatch):
     """The same harness catches a device read in the model's forward (the text tower's former read of the longest
     caption, put back here), so an empty report above is not an unwatched step."""
-    from mmcl import models
+    from mmcl.models import towers
 
-    cls = models._clip_class()
+    cls = towers._clip_class()
     real = cls._encode_text
 
     def reading(self, text, normalize):
@@ -124,7 +124,7 @@ def test_flip_masks_are_drawn_on_the_images_device():
     """On a CPU every tensor shares the host, so a copy from the host is invisible end to end; with the images on
     the ``meta`` device a mask drawn on the host would show up as a blocking copy. The step's seeds reach the
     device in `begin_step`, outside the forward."""
-    from mmcl.flip import SeededPatchDropout
+    from mmcl.models.flip import SeededPatchDropout
 
     dropout = SeededPatchDropout(0.5, seed=3, rank=1, world_size=2, accum_steps=2).to("meta").train()
     dropout.begin_step(5)

@@ -8,7 +8,7 @@ import pytest
 
 from mmcl import cli
 from mmcl.errors import DataError
-from mmcl.plot import load_metrics, make_figures, plot_run
+from mmcl.evaluation.plot import load_metrics, make_figures, plot_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -101,7 +101,7 @@ def test_plotted_data_match_the_log(run_dir):
 
 
 def test_smoothed_curve_is_a_bias_corrected_ema(run_dir):
-    from mmcl.plot import _smoothing_weight
+    from mmcl.evaluation.plot import _smoothing_weight
 
     path, records = run_dir
     fig = make_figures(load_metrics(path / "metrics.jsonl"), "t")["loss.png"]

@@ -7,7 +7,7 @@ import pytest
 
 from mmcl.cli import main
 from mmcl.config import load_config
-from mmcl.preflight import check_inputs, input_problems
+from mmcl.training.preflight import check_inputs, input_problems
 from mmcl.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"

@@ -7,9 +7,10 @@ import torch
 
 from mmcl import models
 from mmcl.config import LossConfig, OptimConfig, load_config
-from mmcl.ema import WeightEMA
-from mmcl.train import objective_from_config as build_objective
-from mmcl.train import apply_update, build_optimizer, train_step
+from mmcl.training.ema import WeightEMA
+from mmcl.training.step import objective_from_config as build_objective
+from mmcl.training.step import apply_update, train_step
+from mmcl.training.optim import build_optimizer
 
 from preempt import sigterm_during_step
 from spawned import end_worker
@@ -133,8 +134,8 @@ def test_ema_two_processes_equal_one_process(tmp_path):
 
 # ------------------------------------------------------------------------------ per-tower and layer-wise rates
 def test_learning_rates_per_group_match_hand_computed_ones():
-    from mmcl.optim import param_groups, set_lr
-    from mmcl.train import lr_at
+    from mmcl.training.optim import param_groups, set_lr
+    from mmcl.training.optim import lr_at
 
     model = micro_model(0)  # 2 image blocks, 2 text blocks: layer ids 0 (embeddings), 1-2 (blocks), 3 (head)
     cfg = OptimConfig(lr=1e-3, weight_decay=0.1, warmup_steps=2, image_lr_mult=0.5, image_layer_decay=0.8,
@@ -172,7 +173,7 @@ def test_learning_rates_per_group_match_hand_computed_ones():
 
 
 def test_default_rates_keep_the_two_weight_decay_groups():
-    from mmcl.optim import param_groups
+    from mmcl.training.optim import param_groups
 
     model = micro_model(0, "model.lock_text=true")
     groups = param_groups(model, OptimConfig(weight_decay=0.2))
@@ -230,7 +231,7 @@ def test_unmasked_evaluation_equals_the_same_weights_without_masking():
 
 
 def test_patch_masks_are_a_function_of_seed_step_and_global_row():
-    from mmcl.flip import SeededPatchDropout
+    from mmcl.models.flip import SeededPatchDropout
 
     x = torch.randn(6, 1 + 16, 8)
     one = SeededPatchDropout(0.5, seed=5)
@@ -303,7 +304,7 @@ def test_recipes_train_end_to_end(demo, tmp_path, monkeypatch):
     train.unmasked_steps steps run on every patch, the groups are written, model/ holds the average."""
     import json
 
-    from mmcl import flip
+    from mmcl.models import flip
     from mmcl.cli import main
 
     masked_at = {}  # step -> whether the image transformer ran on masked tokens in training
@@ -462,7 +463,7 @@ def test_retrieval_scores_every_caption_of_a_json_list(tmp_path):
     """The same captions as a JSON list or as lines of .txt: the same recalls, over every caption."""
     import json
 
-    from mmcl import evaluate
+    from mmcl.evaluation import evaluate
     from mmcl.data import sample_keys
 
     samples = captioned(10, with_txt=False)
@@ -516,7 +517,7 @@ def test_tensorboard_tracker_through_accelerate_holds_the_scalars(demo, tmp_path
 
 def test_unknown_or_missing_tracker_is_one_clear_error():
     from mmcl.errors import ConfigError
-    from mmcl.tracking import accelerator_kwargs
+    from mmcl.training.tracking import accelerator_kwargs
 
     with pytest.raises(ConfigError, match="train.log_with: unknown tracker"):
         load_config(None, ["train.log_with=[tensorbored]"])
@@ -597,7 +598,7 @@ def test_a_run_stopped_by_a_signal_closes_its_trackers(demo, tmp_path, monkeypat
     import yaml
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import mmcl.train as train_mod
+    import mmcl.training.loop as train_mod
     from mmcl.cli import main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -124,7 +124,7 @@ def test_the_training_stream_sees_every_sample_once_through_dropped_connections(
 
 
 def test_a_pipe_command_that_is_not_installed_is_one_line_before_training(tmp_path):
-    from mmcl.preflight import check_inputs
+    from mmcl.training.preflight import check_inputs
 
     cfg = load_config(None, ["data.train=pipe:gsutil-not-installed cat gs://bucket/shard-{000..003}.tar"])
     with pytest.raises(ConfigError, match="the command 'gsutil-not-installed' of pipe:.* is not installed"):

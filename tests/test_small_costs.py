@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmcl.ema import WeightEMA
+from mmcl.training.ema import WeightEMA
 
 from syncwatch import SyncWatch
 from test_train import fake_batch, micro_model
@@ -50,8 +50,8 @@ class _MatmulDtypes(TorchDispatchMode):
 def test_the_teacher_runs_in_the_students_mixed_precision_and_returns_float32():
     from accelerate import Accelerator
 
-    from mmcl.teacher import Teacher
-    from mmcl.train import _teacher_features
+    from mmcl.training.teacher import Teacher
+    from mmcl.training.step import _teacher_features
 
     model = micro_model(3).eval().requires_grad_(False)
     teacher = Teacher(model, view=None, finish=lambda x: x.float() / 255.0, name="micro")

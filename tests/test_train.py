@@ -17,8 +17,11 @@ import torch
 from mmcl import models
 from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.errors import TrainingError
-from mmcl.checkpoints import latest_checkpoint, list_checkpoints
-from mmcl.train import lr_at, objective_from_config, param_groups, train, train_step
+from mmcl.storage.checkpoints import latest_checkpoint, list_checkpoints
+from mmcl.training.optim import lr_at
+from mmcl.training.step import objective_from_config, train_step
+from mmcl.training import optim
+from mmcl.training.loop import train
 from spawned import end_worker, free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +61,7 @@ def test_lr_schedule_warmup_then_cosine_to_min():
 
 def test_no_weight_decay_on_gains_biases_and_logit_scale():
     model = micro_model()
-    decay, no_decay = param_groups(model, 0.2)
+    decay, no_decay = optim.optimizer_groups(optim.param_groups(model, OptimConfig(weight_decay=0.2)))
     names = {id(p): n for n, p in model.named_parameters()}
     assert "logit_scale" in [names[id(p)] for p in no_decay["params"]]
     assert all(p.ndim >= 2 for p in decay["params"])
@@ -95,7 +98,8 @@ def test_accumulation_equals_the_large_batch():
 def test_a_loss_input_error_is_one_data_error_and_a_changed_queue_a_checkpoint_error(tmp_path):
     from mmcl.config import MochiConfig
     from mmcl.errors import CheckpointError, DataError
-    from mmcl.train import check_objective_state, score
+    from mmcl.training.resume import check_objective_state
+    from mmcl.training.step import score
 
     img = torch.nn.functional.normalize(torch.randn(4, 8), dim=1)
     with pytest.raises(DataError, match="labels must be an integer tensor of shape"):
@@ -198,7 +202,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, micro_b
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from mmcl.demo import make_demo_data
+    from mmcl.data.demo import make_demo_data
 
     root = tmp_path_factory.mktemp("demo")
     return make_demo_data(str(root), n_train=768, n_val=32, n_zeroshot=8, shard_size=96, progress=False)
@@ -343,7 +347,7 @@ def test_samples_budget_sets_the_number_of_steps(demo, tmp_path, capsys):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
-    import mmcl.train as train_mod
+    import mmcl.training.loop as train_mod
 
     real = train_mod.train_step
     calls = {"n": 0}
@@ -375,7 +379,7 @@ def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
 
 POISON_ONE_RANK = """\
 import os, sys
-import mmcl.train as train_mod
+import mmcl.training.loop as train_mod
 from mmcl.cli import main
 
 real, calls = train_mod.train_step, [0]
@@ -496,7 +500,7 @@ def test_final_evaluation_failure_keeps_the_model(demo, tmp_path, capsys):
 def test_a_failing_periodic_evaluation_warns_and_training_goes_on(demo, tmp_path, capsys, monkeypatch):
     """An evaluation set that breaks during the run (removed, unreadable) costs a warning line at each periodic
     evaluation, not the steps since the last checkpoint."""
-    import mmcl.train as train_mod
+    import mmcl.training.loop as train_mod
     from mmcl.cli import main
     from mmcl.errors import DataError
 
@@ -580,7 +584,7 @@ def test_a_second_run_in_one_process_with_another_precision_is_one_config_error(
     """accelerate keeps its precision for the life of the process: the same precision again is fine, another one
     is a ConfigError naming both; in a fresh process (here: fresh state) bf16 autocasts."""
     from mmcl.errors import ConfigError
-    from mmcl.train import make_accelerator
+    from mmcl.training.loop import make_accelerator
 
     assert make_accelerator("fp32").mixed_precision == "no"
     assert make_accelerator("fp32").mixed_precision == "no"

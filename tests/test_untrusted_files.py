@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmcl.checkpoints import latest_checkpoint
+from mmcl.storage.checkpoints import latest_checkpoint
 from mmcl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def reseal(ckpt: Path) -> None:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from mmcl.demo import make_demo_data
+    from mmcl.data.demo import make_demo_data
 
     root = tmp_path_factory.mktemp("demo")
     return make_demo_data(str(root), n_train=64, n_val=8, n_zeroshot=2, image_size=32, shard_size=32,
@@ -195,7 +195,7 @@ def test_init_from_refuses_a_pickled_object(demo, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def poisoned_model_dir(saved_run, tmp_path_factory):
     """A copy of a saved model whose weights file is a pickle with an object (its record resealed to match)."""
-    from mmcl.weights import weights_record
+    from mmcl.storage.weights import weights_record
 
     root = tmp_path_factory.mktemp("poisoned")
     model = root / "model"
@@ -318,7 +318,7 @@ def test_reinforce_refuses_a_folder_of_the_users(demo, saved_run, tmp_path, caps
 
 
 def test_writing_commands_refuse_each_others_folders(tmp_path, capsys):
-    from mmcl.demo import make_demo_data
+    from mmcl.data.demo import make_demo_data
 
     d = tmp_path / "demo"
     make_demo_data(str(d), n_train=8, n_val=4, n_zeroshot=1, image_size=16, shard_size=8, progress=False)
@@ -333,7 +333,7 @@ def test_a_rerun_into_its_own_folder_replaces_only_its_own_files(demo, tmp_path)
     """demo-data and shards write again into their own folder: their earlier files are replaced, those of an
     earlier, larger run deleted (no stale shard left for a glob to mix in), the user's added files kept."""
     from mmcl import data
-    from mmcl.demo import make_demo_data
+    from mmcl.data.demo import make_demo_data
 
     d = tmp_path / "demo"
     kw = dict(n_val=4, n_zeroshot=1, image_size=16, shard_size=8, progress=False)

@@ -123,7 +123,7 @@ def test_a_shard_list_runs_pipe_commands_only_when_allowed(tmp_path, monkeypatch
     (folder / "upper.yaml").write_text(json.dumps([f"PIPE:cat {shards[1]}; touch {MARKER}"]))  # gopen's case
     with pytest.raises(DataError, match="data.allow_pipe"):
         data.expand_urls(str(folder / "upper.yaml"))
-    from mmcl.preflight import input_problems
+    from mmcl.training.preflight import input_problems
 
     problems = input_problems(load_config(overrides=[f"data.train={listing}"]))
     assert len(problems) == 1 and "data.allow_pipe=true" in problems[0] and problems[0].startswith("data.train:")
@@ -343,7 +343,7 @@ def test_a_small_gzip_shard_with_a_large_member_does_not_end_a_run_under_a_memor
 def test_evaluation_during_training_follows_the_runs_member_limit(tmp_path):
     """`train`'s evaluations read their sets with the run's ``data.max_member_bytes`` (and pipe rule), not the
     defaults: a limit below every image makes every sample a ``too_large`` skip."""
-    from mmcl import evaluate
+    from mmcl.evaluation import evaluate
 
     shard = _shards(tmp_path / "eval", n=3, shard_size=3)[0]
     reading = evaluate.reading_options(DataConfig(max_member_bytes=64))

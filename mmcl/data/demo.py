@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from ..errors import DataError
-from ..manifest import OutputManifest
+from ..storage.manifest import OutputManifest
 from .writer import ShardWriter
 
 # Alphabetical, so that a class's index is the same in `.cls`, classnames.txt and the ImageFolder's sorted

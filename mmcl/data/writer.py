@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from PIL import Image
 
 from ..errors import DataError
-from ..manifest import OutputManifest
+from ..storage.manifest import OutputManifest
 from .decode import IMAGE_EXTS, SkipSample, decode_image
 from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, walk_files
 from .sources import SHARD_SUFFIXES
@@ -55,7 +55,7 @@ class ShardWriter:
 
     Each shard is written to a temporary name and renamed when complete, so a crash never leaves a
     truncated shard under a final name. Member metadata is fixed (mtime 0, uid 0), so equal samples give
-    byte-identical shards. With a `manifest` (`mmcl.manifest.OutputManifest` of `out_dir`), each shard's names
+    byte-identical shards. With a `manifest` (`mmcl.storage.manifest.OutputManifest` of `out_dir`), each shard's names
     are recorded before it is created, and a file of the user's with such a name is an error, never replaced.
     """
 
@@ -144,7 +144,7 @@ def write_shards(samples: Iterable[Dict[str, Any]], out_dir: str, shard_size: in
             `image_format`, or encoded bytes with ``ext`` such as 'jpg'), ``caption`` (str), optional
             ``label`` (int, written as ``.cls``) and ``json`` (dict).
         shard_size: samples per shard.
-        manifest: the `mmcl.manifest.OutputManifest` of `out_dir`, when a command owns it (see `ShardWriter`).
+        manifest: the `mmcl.storage.manifest.OutputManifest` of `out_dir`, when a command owns it (see `ShardWriter`).
     Returns:
         {"out_dir", "shards": [paths], "n_shards", "n_samples"}.
     """

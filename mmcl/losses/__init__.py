@@ -23,7 +23,7 @@ computation, which stays in the package as the specification. SigLIP's sum over 
 synthetic negatives are n x (s + s') x D).
 
 `ContrastiveObjective` combines the weighted terms from plain numbers (training builds it from the config
-with `mmcl.train.objective_from_config`); the caller gathers the global batch (`gather_batch`) and passes it
+with `mmcl.training.step.objective_from_config`); the caller gathers the global batch (`gather_batch`) and passes it
 in. The objective holds the only state: the MoCHi feature queues and the random generator used to synthesise
 negatives.
 

@@ -5,12 +5,12 @@ For each input shard one output shard of the same name is written: every origina
 same bytes), plus per sample ``KEY.teacher_image.npy`` (float16 (D,), L2-normalised), ``KEY.teacher_text.npy``
 (float16 (K, D), one row per candidate caption in `mmcl.data.decode.candidate_captions` order) and
 ``KEY.teacher.json`` (``{"scale", "teacher", "dim"}``). The teacher sees what it sees in the loop
-(`mmcl.teacher`): its own evaluation view of the un-augmented image and its own tokens. A sample whose image or
+(`mmcl.training.teacher`): its own evaluation view of the un-augmented image and its own tokens. A sample whose image or
 captions cannot be read is copied unchanged, without teacher members (training skips it and counts it as
 ``no_teacher_features``, as it would have skipped it as damaged), and counted here.
 
 Resumable shard by shard: each shard is written under a temporary name and renamed when complete, and
-``reinforce.json`` in the output directory (an `mmcl.manifest.OutputManifest`) records the teacher, the finished
+``reinforce.json`` in the output directory (an `mmcl.storage.manifest.OutputManifest`) records the teacher, the finished
 shards and every file written; a rerun skips those and redoes the rest. A non-empty output directory that is not
 a reinforce output is refused, and files in it that mmcl did not write are never replaced or deleted.
 """
@@ -28,13 +28,13 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from .data.decode import (TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys, SkipSample, candidate_captions,
-                          decode_image)
-from .data.reading import read_raw_samples
-from .data.sources import expand_urls, has_scheme
-from .errors import DataError
-from .fsutil import os_error_text
-from .manifest import OutputManifest
+from ..data.decode import (TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys, SkipSample, candidate_captions,
+                           decode_image)
+from ..data.reading import read_raw_samples
+from ..data.sources import expand_urls, has_scheme
+from ..errors import DataError
+from ..storage.fsutil import os_error_text
+from ..storage.manifest import OutputManifest
 
 MANIFEST = "reinforce.json"
 _TEMP_SUFFIX = ".reinforce-partial"
@@ -109,7 +109,7 @@ class _Embedder:
 
 
 def _first_image(files: Dict[str, bytes]) -> Optional[bytes]:
-    from .data.decode import image_bytes
+    from ..data.decode import image_bytes
 
     return image_bytes(files)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from typing import List
 
-from .config import TrainConfig
-from .data import has_scheme, is_image_folder, missing_shards
-from .data.sources import redact
-from .errors import ConfigError, DataError
+from ..config import TrainConfig
+from ..data import has_scheme, is_image_folder, missing_shards
+from ..data.sources import redact
+from ..errors import ConfigError, DataError
 
 _TEMPLATE_NAMES = ("auto", "openai_imagenet_template", "openai", "imagenet", "simple_imagenet_template", "simple")
 _SET_TRAIN = "set it with data.train=... (e.g. data.train='shards/shard-{000000..000009}.tar')"
@@ -41,7 +41,7 @@ def _pipe_problems(spec) -> List[str]:
     import shlex
     import shutil
 
-    from .data.sources import _split_spec
+    from ..data.sources import _split_spec
 
     missing = {}
     try:

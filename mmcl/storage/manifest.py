@@ -7,7 +7,7 @@ folder is refused in one line, and nothing in it is touched. The manifest (JSON,
 file the command wrote, each recorded *before* it is created (`will_write`), so that a run killed halfway still
 owns what it left. A command deletes or replaces only files its manifest lists: a file of the user's that carries
 a name it is about to write is an error, never overwritten. (`mmcl export`, `mmcl index` and saved models keep the
-same rule with their own lists: `mmcl.fsutil.atomic_dir`.)
+same rule with their own lists: `mmcl.storage.fsutil.atomic_dir`.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .fsutil import atomic_write_text, files_under
 
 MANIFEST = "mmcl-manifest.json"

@@ -20,7 +20,7 @@ A ``tokenizers`` pipeline is data, not code, so every step is expressed with its
   special tokens (so a literal ``<|endoftext|>`` in a caption is ordinary text, as in open_clip), truncation and
   padding to the context length.
 
-The hf export ships the same file (`mmcl.export.write_hf_tokenizer`). Where it differs from open_clip (tests in
+The hf export ships the same file (`mmcl.storage.export.write_hf_tokenizer`). Where it differs from open_clip (tests in
 tests/test_export.py compare with ``open_clip.get_tokenizer``): ftfy's context-dependent repairs (mojibake such as
 ``Ã©`` for ``é``, which needs the surrounding bytes) are not reproduced; HTML5-only names (``&NotLessLess;``, about
 2,000 rarely seen ones) and numeric references above U+00FF stay as text; characters above U+FFFF that ftfy would

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import data as data_mod
-from .errors import DataError, MmclError
+from .. import data as data_mod
+from ..errors import DataError, MmclError
 
 TEMPLATE_SETS = ("openai_imagenet_template", "simple_imagenet_template")
 # Files looked for next to the data (and one level up, for CLIP_benchmark's DIR/test/*.tar layout).
@@ -112,7 +112,8 @@ def eval_loader(data, preprocess, batch_size: int, workers: int, keys=None, read
         raise DataError(f"batch size must be > 0 (got {batch_size})")
     if workers < 0:
         raise DataError(f"workers must be >= 0 (got {workers})")
-    ds = data_mod.build_eval_dataset(data, preprocess, keys=keys, **(reading or {}))  # keys: a data.SampleKeys (image/caption members)
+    # keys: a data.SampleKeys (image/caption members)
+    ds = data_mod.build_eval_dataset(data, preprocess, keys=keys, **(reading or {}))
     return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
                                            collate_fn=data_mod.eval_collate)
 

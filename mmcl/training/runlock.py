@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .errors import StorageError, TrainingError
+from ..errors import StorageError, TrainingError
 
 LOCK_NAME = ".lock"
 

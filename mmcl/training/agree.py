@@ -13,7 +13,7 @@ import contextlib
 import re
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-from . import errors
+from .. import errors
 
 
 def _describe(err: BaseException) -> Tuple[str, str, bool]:

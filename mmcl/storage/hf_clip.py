@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # (open_clip name, transformers name, transposed): open_clip projects with x @ proj (width, embed); nn.Linear
 # computes x @ W.T, so W = proj.T.

@@ -17,12 +17,15 @@ record stays metrics.jsonl, written as before.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..storage import checkpoints
+from ..storage.fsutil import atomic_write_text
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "aim": "aim"}  # name -> module
 PROJECT = "mmcl"
@@ -58,7 +61,7 @@ def hyperparameters(config: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     """The resolved config as flat ``section.key`` scalars (lists, dicts and None as text), as trackers take them,
     with the credentials a ``pipe:`` command or URL may carry hidden (`mmcl.data.sources.redact`): a tracker's
     records travel to servers and colleagues."""
-    from .data.sources import redact
+    from ..data.sources import redact
 
     out: Dict[str, Any] = {}
     for k, v in config.items():
@@ -135,3 +138,38 @@ def finish(accelerator, stopped: bool = False) -> List[str]:
             problems.append(f"warning: tracker {tracker.name} did not close: {detail}")
     accelerator.trackers = []
     return problems
+
+
+class MetricsLog:
+    """metrics.jsonl (flushed each line, so it can be tailed) plus the ``train.log_with`` trackers through
+    accelerate (`mmcl.training.tracking`); main process only."""
+
+    def __init__(self, out_dir: Path, resume_step: int, enabled: bool, accelerator=None):
+        self.enabled = enabled
+        self.path = out_dir / "metrics.jsonl"
+        self.accelerator = accelerator
+        if not enabled:
+            return
+        try:
+            if self.path.exists():  # a resumed run continues the file without duplicated steps
+                kept = [ln for ln in self.path.read_text().splitlines()
+                        if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+                atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
+            self.file = open(self.path, "a")
+        except OSError as err:
+            raise checkpoints.storage_error(err, "metrics", out_dir) from None
+
+    def write(self, record: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as err:  # a full disk or quota while training: one line, the checkpoints are untouched
+            raise checkpoints.storage_error(err, "metrics", self.path.parent) from None
+        if self.accelerator is not None:
+            log(self.accelerator, record)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()

@@ -1,23 +1,20 @@
 """The training loop.
 
 `train` reads top to bottom: `build_run` (accelerator, signal handlers, the output directory's lock, model,
-objective, optimiser, data stream, ``accelerator.prepare``), `resume_or_start`, then per step `train_step`,
-`device_checked_step` (backward and an update the fused optimiser skips on a non-finite loss, decided on the
-device and read on logged and saved steps only: `mmcl.stepcheck`; without a fused optimiser `agree_on_step`
-decides on the host each step), `apply_update`, `log_record`, `maybe_save`, and `finish_run` (model/ saved,
+objective, optimiser, data stream, ``accelerator.prepare``), `resume_or_start`, then per step `train_step`
+(`mmcl.training.step`: forward and loss) and `finish_step` (backward, the update, logging, saving, stopping: one
+path, with the host reading the device only where a step is logged or saved), and `finish_run` (model/ saved,
 then the final evaluation). A `Run` holds what these share.
 
 Resumable: checkpoints are written into a temporary directory and renamed into place, then a ``latest``
 pointer is replaced atomically; starting the same command on the same output directory continues from the
 newest complete checkpoint with the same weights, optimiser, RNG and data position; on another number of
-processes, with the same global batch and every sample of the epoch once (`mmcl.elastic`).
+processes, with the same global batch and every sample of the epoch once (`mmcl.training.resume`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import time
 from pathlib import Path
@@ -25,24 +22,25 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import checkpoints
-from . import data as data_mod
-from . import elastic, flip, fsdp, losses, models, optim, tracking, weights
+from .. import data as data_mod
+from .. import models
+from ..config import PRECISIONS, TrainConfig, to_dict
+from ..data.sources import redact_values
+from ..errors import ConfigError, MmclError, RunStopped, TrainingError
+from ..models import flip
+from ..storage import checkpoints, weights
+from ..storage.checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
+from ..storage.fsutil import atomic_write_text
+from . import fsdp, optim, resume, tracking
+from .agree import agreed, any_process, lost_peer, others_wait, timed_out
 from .ema import WeightEMA, swapped_in
-from .agree import agreed, any_process, broadcast_from_main, lost_peer, others_wait, timed_out
-from .checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
-from .config import PRECISIONS, LossConfig, OptimConfig, TrainConfig, to_dict
-from .data.sources import redact_values
-from .fsutil import atomic_write_text
-from .errors import (CheckpointError, ConfigError, DamagedCheckpointError, DataError, MmclError, RunStopped,
-                     TrainingError)
+from .optim import build_optimizer, lr_at
 from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
+from .resume import load_checkpoint, resume_from_newest
 from .runlock import RunLock
+from .step import apply_update, objective_from_config, train_step
 from .stepcheck import StepChecks, stop_requested_anywhere
-
-# Changing any of these makes a checkpoint unusable; other config differences only warn.
-ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context_length", "model.vision_cfg",
-             "model.text_cfg", "model.text")
+from .tracking import MetricsLog
 
 
 class TrainProgress:
@@ -62,152 +60,6 @@ class TrainProgress:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-# --------------------------------------------------------------------------------------------- optimiser
-def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-    """AdamW groups without per-tower or layer-wise scales: no decay on gains, biases, embeddings of scale/bias
-    (1-d params) and the logit scale/bias (`mmcl.optim.param_groups` with the given weight decay)."""
-    return optim.optimizer_groups(optim.param_groups(model, OptimConfig(weight_decay=weight_decay)))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None) -> torch.optim.Optimizer:
-    """AdamW over `groups` (`mmcl.optim.param_groups(model, cfg)` when not given)."""
-    groups = optim.optimizer_groups(groups if groups is not None else optim.param_groups(model, cfg))
-    if not any(g["params"] for g in groups):
-        raise ConfigError("no trainable parameters: both towers are locked")
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    try:
-        # The fused kernel updates all tensors in one pass: about 4x faster than the default per-tensor loop on
-        # CPU for the tiny model (BENCHMARKS.md, Training); same update rule.
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError, ValueError):  # a device or dtype without a fused kernel
-        return torch.optim.AdamW(groups, **kwargs)
-
-
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate for optimiser step `step` (0-based): linear warmup, then cosine/linear/constant decay."""
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    span = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    if cfg.schedule == "linear":
-        return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1.0 - progress)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-# ------------------------------------------------------------------------------------------- checkpoints
-def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None:
-    """An architecture change is an error; other config differences are reported by name."""
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict) and key not in ("model.vision_cfg", "model.text_cfg", "model.text"):
-                out.update(flat(v, key + "."))
-            else:
-                out[key] = v
-        return out
-
-    a, b = flat(saved), flat(current)
-    arch = [k for k in ARCH_KEYS if a.get(k) != b.get(k)]
-    if arch:
-        raise CheckpointError(
-            "cannot resume: the checkpoint's model differs in "
-            + ", ".join(f"{k} (saved {a.get(k)!r}, now {b.get(k)!r})" for k in arch))
-    changed = [k for k in sorted(set(a) | set(b))
-               if a.get(k) != b.get(k) and k not in ("train.steps", "train.samples")]
-    if changed:
-        log("config differs from the checkpoint's in: " + ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})"
-                                                                    for k in changed))
-
-
-def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]:
-    """Load the newest intact checkpoint with `load(path)` on every process; returns its path or None (none saved).
-
-    Checkpoints whose files do not match their COMPLETE marker are renamed aside (`checkpoints.set_aside`) and
-    named in a log line, then the next older one is tried. When checkpoints exist but none is intact, nothing is
-    renamed and CheckpointError is raised: a run never starts afresh over the user's checkpoints on its own.
-    """
-    main = accelerator.is_main_process
-    while True:
-        def choose():
-            if not main:
-                return None
-            damaged, usable = checkpoints.damaged_and_usable(ckpt_dir)
-            if damaged and usable is None:
-                raise CheckpointError(
-                    f"cannot resume: no checkpoint in {ckpt_dir} is intact ("
-                    + "; ".join(f"{d.name}: {why}" for d, why in damaged)
-                    + "); nothing was changed. Move the checkpoints directory aside to start afresh")
-            for d, why in damaged:
-                kept = checkpoints.set_aside(d)
-                log(f"warning: checkpoint {d.name} is damaged ({why}); kept as {kept}; resuming from {usable.name}")
-            return usable
-
-        resume = broadcast_from_main(accelerator, agreed(accelerator, choose))
-        if resume is None:
-            return None
-
-        def load_it():
-            try:
-                load(resume)
-            except MmclError:
-                raise
-            except Exception as err:  # noqa: BLE001 - reported as one line below
-                first_line = str(err).splitlines()[0] if str(err) else ""
-                what = f"cannot resume from {resume}: {type(err).__name__}: {first_line}"
-                if "files" in checkpoints.read_marker(resume):
-                    raise CheckpointError(what) from err  # intact files that do not load: not damage, a real error
-                raise DamagedCheckpointError(what) from err  # written before checksums: treat as damaged
-
-        try:
-            agreed(accelerator, load_it)
-            return resume
-        except DamagedCheckpointError as err:
-            if main:
-                kept = checkpoints.set_aside(resume)
-                log(f"warning: {err}; kept as {kept}")
-            if accelerator.num_processes > 1:
-                accelerator.wait_for_everyone()
-
-
-# ----------------------------------------------------------------------------------------------- logging
-class MetricsLog:
-    """metrics.jsonl (flushed each line, so it can be tailed) plus the ``train.log_with`` trackers through
-    accelerate (`mmcl.tracking`); main process only."""
-
-    def __init__(self, out_dir: Path, resume_step: int, enabled: bool, accelerator=None):
-        self.enabled = enabled
-        self.path = out_dir / "metrics.jsonl"
-        self.accelerator = accelerator
-        if not enabled:
-            return
-        try:
-            if self.path.exists():  # a resumed run continues the file without duplicated steps
-                kept = [ln for ln in self.path.read_text().splitlines()
-                        if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-                atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
-            self.file = open(self.path, "a")
-        except OSError as err:
-            raise checkpoints.storage_error(err, "metrics", out_dir) from None
-
-    def write(self, record: Dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        try:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-        except OSError as err:  # a full disk or quota while training: one line, the checkpoints are untouched
-            raise checkpoints.storage_error(err, "metrics", self.path.parent) from None
-        if self.accelerator is not None:
-            tracking.log(self.accelerator, record)
-
-    def close(self) -> None:
-        if self.enabled:
-            self.file.close()
-
-
 # ------------------------------------------------------------------------------------------------- steps
 def global_batch_size(cfg: TrainConfig, processes: int) -> int:
     """Samples per optimiser step over all processes and micro-batches."""
@@ -219,197 +71,6 @@ def total_steps(cfg: TrainConfig, processes: int) -> int:
     if cfg.train.samples is None:
         return cfg.train.steps
     return -(-cfg.train.samples // global_batch_size(cfg, processes))
-
-
-def _forward(model, images, texts):
-    out = model(images, texts)
-    return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias")
-
-
-def _moved(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device`; from pinned memory (batches on CUDA) the copy runs without blocking the host."""
-    return t.to(device, non_blocking=True)
-
-
-def _images(b, device, finish_images):
-    x = _moved(b["image"], device)
-    return x if finish_images is None else finish_images(x)
-
-
-def _leaf(value: torch.Tensor) -> torch.Tensor:
-    """A 0-dim float32 copy of a forward output that collects the loss's gradient (GradCache's first pass)."""
-    return value.detach().float().reshape(()).clone().requires_grad_(True)
-
-
-def _through(output: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor:
-    """A term whose backward gives `output` the gradient `grad` (zero-weighted when the loss did not use it, so
-    that the parameter stays in DDP's graph)."""
-    if grad is None:
-        return 0.0 * output.sum()
-    return (output.float().reshape(()) * grad).sum()
-
-
-def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
-    """The training objective from ``loss.*`` (validated by `config.validate`): term weights and parameters."""
-    m = cfg.mochi
-    weights = {name: getattr(cfg, name) for name in losses.TERMS if name != "mochi"}
-    weights["mochi"] = m.weight
-    return losses.ContrastiveObjective(
-        weights, chunk_size=cfg.chunk_size, tau_plus=cfg.tau_plus, hn_beta=cfg.hn_beta, align_alpha=cfg.align_alpha,
-        uniform_t=cfg.uniform_t, n_hard=m.n_hard, s=m.s, s_prime=m.s_prime, mix_max=m.mix_max,
-        queue_size=m.queue_size)
-
-
-def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True,
-          teacher=None):
-    """The objective on this process's features: the global batch is gathered here when several processes run
-    (`losses.gather_batch`, with the teacher's features for distillation), and a loss's complaint about its
-    inputs becomes a `DataError` (one line)."""
-    try:
-        gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher)
-        return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
-                         gathered=gathered, teacher=teacher)
-    except losses.LossInputError as err:
-        raise DataError(str(err)) from None
-
-
-def _stored_teacher(b, device) -> losses.TeacherFeatures:
-    """The teacher embeddings a batch read from reinforced shards (``distill.from_shards``), as float32 unit
-    vectors on the device (they are stored as float16)."""
-    image = torch.nn.functional.normalize(_moved(b["teacher_image_features"], device).float(), dim=1)
-    text = torch.nn.functional.normalize(_moved(b["teacher_text_features"], device).float(), dim=1)
-    return losses.TeacherFeatures(image, text, _moved(b["teacher_scale"][0], device).float())
-
-
-def _teacher_features(teacher, batches, device, autocast=contextlib.nullcontext):
-    """The teacher's features of the micro-batches, concatenated: computed by `teacher` (a
-    `mmcl.teacher.Teacher`, under `autocast`, the student's mixed precision), or read from the batches (stored in
-    the shards); None without distillation."""
-    if teacher is not None:
-        with autocast():
-            parts = [teacher.embed(b["teacher_image"], b["teacher_text"]) for b in batches]
-    elif "teacher_image_features" in batches[0]:
-        parts = [_stored_teacher(b, device) for b in batches]
-    else:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return losses.TeacherFeatures(torch.cat([p.image for p in parts]), torch.cat([p.text for p in parts]),
-                                  parts[0].scale)
-
-
-def device_rng(device: torch.device):
-    """The module holding `device`'s random generators (``torch.cuda``, ``torch.xpu``, ...), or None on the CPU,
-    whose generator ``torch.get_rng_state`` already covers."""
-    return None if device.type == "cpu" else torch.get_device_module(device.type)
-
-
-def rng_state(device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The CPU generator's state and `device`'s (None on the CPU): what draws dropout and drop-path masks."""
-    on_device = device_rng(device)
-    return torch.get_rng_state(), None if on_device is None else on_device.get_rng_state(device)
-
-
-@contextlib.contextmanager
-def replayed_rng(state: Tuple[torch.Tensor, Optional[torch.Tensor]], device: torch.device):
-    """Run the block from the generator states `state` (`rng_state`), then put back the states it found: the
-    block draws the same numbers as the pass that `state` was taken before, on the CPU and on the device."""
-    on_device = device_rng(device)
-    found = rng_state(device)
-    torch.set_rng_state(state[0])
-    if on_device is not None:
-        on_device.set_rng_state(state[1], device)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(found[0])
-        if on_device is not None:
-            on_device.set_rng_state(found[1], device)
-
-
-def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
-               teacher=None):
-    """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
-
-    With several micro-batches the features of all of them form one contrastive problem (GradCache, Gao et al.
-    2021): features are computed without autograd, the loss and its gradient w.r.t. the features are taken on the
-    concatenation, then each micro-batch is re-run with autograd and back-propagated with its slice of that
-    gradient. Loss and parameter gradients equal those of the single large batch. `finish_images` turns a
-    batch's images into model input on the device (`TrainStream.finish_images`: uint8 -> normalised float).
-    `with_metrics` is passed to the objective (its align/uniform metrics, needed only on logged steps).
-    `teacher` (a `mmcl.teacher.Teacher`, distillation) scores the micro-batches' teacher views without gradient;
-    with several micro-batches its features join the one contrastive problem like the student's.
-    """
-    device = accelerator.device
-    teacher_features = _teacher_features(teacher, batches, device, accelerator.autocast)
-    if len(batches) == 1:
-        b = batches[0]
-        with accelerator.autocast():
-            image_features, text_features, logit_scale, logit_bias = _forward(
-                model, _images(b, device, finish_images), _moved(b["text"], device))
-            loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
-                                None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics, teacher_features)
-        return loss, terms, lambda: accelerator.backward(loss)
-
-    feats = []
-    # Each micro-batch replays the same RNG states, the CPU's and the device's, on its second pass (dropout and
-    # drop-path masks identical).
-    rng_states = []
-    with torch.no_grad():
-        for b in batches:
-            rng_states.append(rng_state(device))
-            with accelerator.autocast():
-                image_features, text_features, logit_scale, logit_bias = _forward(
-                    model, _images(b, device, finish_images), _moved(b["text"], device))
-            feats.append((image_features.float(), text_features.float()))
-    all_image_features = torch.cat([f[0] for f in feats]).requires_grad_(True)
-    all_text_features = torch.cat([f[1] for f in feats]).requires_grad_(True)
-    # The scale and bias as the model's forward returns them (the same for every micro-batch), held like the
-    # features: the loss's gradient with respect to them reaches the parameters through the last re-run below.
-    logit_scale = _leaf(logit_scale)
-    logit_bias = None if logit_bias is None else _leaf(logit_bias)
-    # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
-    labels = torch.cat([_moved(b["label"], device) for b in batches])
-    loss, terms = score(objective, all_image_features, all_text_features, logit_scale, logit_bias, labels,
-                        with_metrics, teacher_features)
-
-    def backward():
-        accelerator.backward(loss)  # grads for the features, logit scale and bias
-        grad_image, grad_text = all_image_features.grad, all_text_features.grad
-        grad_scale = logit_scale.grad
-        grad_bias = None if logit_bias is None else logit_bias.grad
-        start = 0
-        for i, b in enumerate(batches):
-            n = b["image"].shape[0]
-            last = i == len(batches) - 1
-            cm = contextlib.nullcontext() if last else accelerator.no_sync(model)
-            with cm:
-                with replayed_rng(rng_states[i], device), accelerator.autocast():
-                    image_features, text_features, scale_out, bias_out = _forward(
-                        model, _images(b, device, finish_images), _moved(b["text"], device))
-                surrogate = ((image_features.float() * grad_image[start:start + n]).sum()
-                             + (text_features.float() * grad_text[start:start + n]).sum())
-                if last:  # once, inside the backward DDP averages across processes
-                    surrogate = surrogate + _through(scale_out, grad_scale)
-                    if bias_out is not None:
-                        surrogate = surrogate + _through(bias_out, grad_bias)
-                surrogate.backward()
-            start += n
-
-    return loss, terms, backward
-
-
-def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_logit_scale: float):
-    """After backward: clip the gradients (when `grad_clip`), step and clear the optimiser, and keep the learned
-    temperature of `raw_model` (the unwrapped `model`) within ``exp(t) <= max_logit_scale``
-    (`models.clamp_logit_scale`). Returns the gradient norm before clipping as a tensor (read it, a device sync,
-    only when it is logged), or None without clipping."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip else None
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    models.clamp_logit_scale(raw_model, max_logit_scale)
-    return grad_norm
 
 
 # ------------------------------------------------------------------------------------------------- train
@@ -487,24 +148,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
         loss, terms, backward = train_step(run.step_model, run.loss_fn, batches, run.accelerator,
                                            run.stream.finish_images, with_metrics, run.teacher)
-        if run.checks.on_device:  # no host sync on steps that are neither logged nor saved (mmcl/stepcheck.py)
-            last = device_checked_step(run, loss, terms, lr, backward, last)
-            continue
-        finite, stopping = agree_on_step(run, loss)
-        if not finite:
-            skip_step(run, loss)  # raises under train.nan_policy=stop
-        else:
-            backward()
-            grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, cfg.optim.grad_clip,
-                                     cfg.loss.max_logit_scale)
-            count_step(run)
-            if run.ema is not None:
-                run.ema.update(run.raw_model)
-            if run.logged_at(run.progress.step):
-                last = log_record(run, loss, terms, lr, grad_norm)
-            stopping = maybe_save(run) or stopping
-        if stopping and run.progress.step < run.total:  # on the last step the run simply finishes
-            stop_run(run)
+        last = finish_step(run, loss, terms, lr, backward, last)
     return finish_run(run, last)
 
 
@@ -529,7 +173,7 @@ class Run:
         self.bar = None  # the progress bar, from the first step on (main process, train.progress)
         self.metrics: Optional[MetricsLog] = None
         self.ema: Optional[WeightEMA] = None  # train.ema_decay
-        self.teacher = None  # distill.teacher: a frozen `mmcl.teacher.Teacher`, never saved
+        self.teacher = None  # distill.teacher: a frozen `mmcl.training.teacher.Teacher`, never saved
         # What a step calls: the prepared model and the objective, or their compiled forms (train.compile)
         self.step_model: Optional[torch.nn.Module] = None
         self.loss_fn = None
@@ -551,7 +195,7 @@ class Run:
 
     def marked_progress(self) -> Dict[str, int]:
         """The progress recorded in a checkpoint's COMPLETE marker, with the global batch (`elastic`)."""
-        return dict(self.progress.state_dict(), **{elastic.GLOBAL_BATCH: self.global_batch})
+        return dict(self.progress.state_dict(), **{resume.GLOBAL_BATCH: self.global_batch})
 
     def rank_state(self) -> Dict[str, Any]:
         """What each process saves beside accelerate's state, as tensors and plain containers (resume loads it
@@ -663,7 +307,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
                 run.log(warning)
 
     agreed(accelerator, take_directory)
-    cfg, resized = agreed(accelerator, lambda: elastic.keep_global_batch(cfg, accelerator.num_processes))
+    cfg, resized = agreed(accelerator, lambda: resume.keep_global_batch(cfg, accelerator.num_processes))
     if resized:  # a checkpoint written by another number of processes: the same global batch
         run.cfg = cfg
         run.log(resized)
@@ -672,7 +316,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     set_seed(cfg.train.seed)
     model, run.model_cfg, run.pp_cfg, _, _, run.tokenizer = models.build(cfg.model)
     if cfg.model.init_from:
-        from .weights import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
+        from ..storage.weights import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
 
         run.log(init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
@@ -722,70 +366,11 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     return run
 
 
-def load_checkpoint(run: Run, resume: Path) -> None:
-    """Load `resume` into the run on this process (weights, optimiser, RNG, progress, data position, objective)."""
-    accelerator = run.accelerator
-    saved_cfg_path = run.out_dir / "config.yaml"
-    if saved_cfg_path.is_file():
-        from omegaconf import OmegaConf
-
-        check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)),
-                        redact_values(to_dict(run.cfg)), run.log)  # config.yaml holds no credentials
-    saved_processes = int(checkpoints.read_marker(resume).get("world_size", accelerator.num_processes))
-    if saved_processes != accelerator.num_processes:
-        own, first = elastic.load_resized(run, resume, saved_processes)
-        return restore_progress(run, resume, own, first)
-    rank_file = checkpoints.rank_state_file(resume, accelerator.process_index)
-    if not rank_file.is_file():
-        if checkpoints.read_marker(resume).get("world_size", 0) != accelerator.num_processes:
-            raise CheckpointError(f"{resume} was written by a run with a different number of processes "
-                                  f"(no {rank_file.name}); resume with the same launch configuration")
-        raise DamagedCheckpointError(f"cannot resume from {resume}: {rank_file.name} is missing")
-    # Every file as plain data (`checkpoints.load_plain`), on the CPU: a CPU generator state must stay there,
-    # and load_state_dict copies the rest onto this process's device.
-    rank_state = checkpoints.load_plain(rank_file)
-    first = rank_state if accelerator.process_index == 0 or run.ema is None else checkpoints.load_plain(
-        checkpoints.rank_state_file(resume, 0))
-    restore_progress(run, resume, rank_state, first)
-    checkpoints.load_accelerate_state(accelerator, resume)
-    run.stream.load_state_dict(rank_state["data"])
-    check_objective_state(run.objective, rank_state["objective"], resume)
-    run.objective.load_state_dict(rank_state["objective"])
-
-
-def restore_progress(run: Run, resume: Path, own: Dict[str, Any], first: Dict[str, Any]) -> None:
-    """Set the run's progress from this process's rank state `own` and its EMA from rank 0's (`first`); a
-    checkpoint written when both were registered with accelerate has them in ``custom_checkpoint_<i>.pkl``
-    files instead, read as plain data (any such file present is read, so one that is not plain data is refused)."""
-    legacy = checkpoints.legacy_custom_states(resume)
-    progress = own.get("progress", legacy.get(checkpoints.LEGACY_PROGRESS))
-    if not isinstance(progress, dict):
-        raise CheckpointError(f"cannot resume from {resume}: it records no training progress")
-    run.progress.load_state_dict(progress)
-    if run.ema is not None:
-        ema = first.get("ema", legacy.get(checkpoints.LEGACY_EMA))
-        if not isinstance(ema, dict):
-            raise CheckpointError(f"cannot resume from {resume}: it holds no weight average (was train.ema_decay "
-                                  f"unset when it was written?); unset train.ema_decay or start a new run")
-        run.ema.load_state_dict(ema)
-
-
-def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> None:
-    """A checkpoint's MoCHi queues must fit the configured ``loss.mochi.queue_size``; CheckpointError if not."""
-    for name in ("image_queue", "text_queue"):
-        saved = state.get(f"{name}.features")
-        size = getattr(objective, name).size
-        if saved is not None and (saved.dim() != 2 or saved.shape[0] not in (0, size)):
-            raise CheckpointError(
-                f"cannot resume from {resume}: its MoCHi queue has shape {tuple(saved.shape)}, expected "
-                f"({size}, D) (loss.mochi.queue_size changed?)")
-
-
 def resume_or_start(run: Run) -> None:
     """Resume from the newest intact checkpoint if there is one; write config.yaml; open the metrics log."""
-    resume = resume_from_newest(run.accelerator, run.ckpt_dir, lambda path: load_checkpoint(run, path), run.log)
-    if resume is not None:
-        run.log(f"resuming from {resume} at step {run.progress.step}")
+    resumed = resume_from_newest(run.accelerator, run.ckpt_dir, lambda path: load_checkpoint(run, path), run.log)
+    if resumed is not None:
+        run.log(f"resuming from {resumed} at step {run.progress.step}")
 
     def write_config():
         if run.main:
@@ -886,33 +471,51 @@ def skip_step(run: Run, loss: torch.Tensor) -> None:
     run.progress.step += 1
 
 
-def device_checked_step(run: Run, loss: torch.Tensor, terms, lr: float, backward, last: Dict[str, Any]
-                        ) -> Dict[str, Any]:
-    """The rest of a step whose finite-loss decision stays on the device (`stepcheck.StepChecks`): backward and
-    an update that the optimiser itself skips when the loss is not finite on some process. The flags are read on
-    logged and saved steps (and the last one), where skipped steps are counted and reported; a stop signal is
-    agreed on there too (one process reads its own flag every step). Returns the last logged record."""
-    run.checks.arm(loss, run.progress.step + 1)
-    backward()
-    grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, run.cfg.optim.grad_clip,
-                             run.cfg.loss.max_logit_scale)
-    count_step(run)
-    if run.ema is not None:  # not moved on a step the optimiser skipped, decided on the device
-        run.ema.update(run.raw_model, skipped=run.checks.pending[-1][1])
+def finish_step(run: Run, loss: torch.Tensor, terms, lr: float, backward, last: Dict[str, Any]) -> Dict[str, Any]:
+    """The rest of a step after its forward: backward and the update, the progress, the weight average, then the
+    log record, the checkpoint and a stop, each where it falls. Returns the last logged record.
+
+    Whether a step whose loss is not finite on some process is applied is decided in one of two ways, and every
+    process decides alike:
+
+    * on the device (`stepcheck.StepChecks`, a fused optimiser that takes ``found_inf``): the update always runs
+      and the optimiser itself leaves everything as it was where the flag is set. The host reads the flags only
+      on logged and saved steps (and the last), where skipped steps are counted and reported; a stop signal is
+      agreed on there too (one process reads its own flag every step);
+    * on the host (`agree_on_step`, any other optimiser or a loss scaler): one all-reduce each step decides both
+      whether to skip the update and whether to stop.
+    """
+    on_device = run.checks.on_device
+    if on_device:
+        run.checks.arm(loss, run.progress.step + 1)
+        applied, stopping = True, None
+    else:
+        applied, stopping = agree_on_step(run, loss)
+    grad_norm = None
+    if applied:
+        backward()
+        grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, run.cfg.optim.grad_clip,
+                                 run.cfg.loss.max_logit_scale)
+        count_step(run)
+        if run.ema is not None:  # not moved on a step the optimiser skipped (the device's flag is not read)
+            run.ema.update(run.raw_model, skipped=run.checks.pending[-1][1] if on_device else None)
+    else:
+        skip_step(run, loss)  # raises under train.nan_policy=stop
     step, save_every = run.progress.step, run.cfg.train.save_every
     read = run.logged_at(step) or step == run.total or bool(save_every and step % save_every == 0)
-    stopping = (stop_requested_anywhere(run.accelerator, run.stop.requested)
-                if read or run.accelerator.num_processes == 1 else False)
-    skipped_now = False
-    if read or stopping:
+    if stopping is None:
+        stopping = (stop_requested_anywhere(run.accelerator, run.stop.requested)
+                    if read or run.accelerator.num_processes == 1 else False)
+    skipped_now = not applied
+    if on_device and (read or stopping):
         for bad_step, value in run.checks.resolve():
             non_finite_step(run, bad_step, value)  # raises under train.nan_policy=stop, before any save
             run.progress.skipped_steps += 1
             run.progress.samples -= run.global_batch
             run.window_samples -= run.global_batch
             skipped_now = skipped_now or bad_step == step
-        if run.logged_at(step) and not skipped_now:  # a skipped step is not logged
-            last = log_record(run, loss, terms, lr, grad_norm)
+    if run.logged_at(step) and not skipped_now:  # a skipped step is not logged
+        last = log_record(run, loss, terms, lr, grad_norm)
     stopping = maybe_save(run) or stopping
     if stopping and step < run.total:  # on the last step the run simply finishes
         stop_run(run)
@@ -987,7 +590,7 @@ def maybe_save(run: Run) -> bool:
     if not cfg.train.save_every or (step % cfg.train.save_every != 0 and step != run.total):
         return False
     save_checkpoint(run.accelerator, run.ckpt_dir, run.marked_progress(), run.rank_state(),
-                    cfg.train.keep_checkpoints, needed=run.ckpt_bytes)
+                    cfg.train.keep_checkpoints, agreed, needed=run.ckpt_bytes)
     run.saved_at = step
     return any_process(run.accelerator, run.stop.requested)
 
@@ -999,7 +602,7 @@ def stop_run(run: Run) -> None:
     saved = run.ckpt_dir / f"{CKPT_PREFIX}{progress.step:08d}"
     if run.saved_at != progress.step:
         saved = save_checkpoint(accelerator, run.ckpt_dir, run.marked_progress(), run.rank_state(),
-                                run.cfg.train.keep_checkpoints, needed=run.ckpt_bytes)
+                                run.cfg.train.keep_checkpoints, agreed, needed=run.ckpt_bytes)
     if run.bar is not None:
         run.bar.close()
     run.metrics.close()
@@ -1058,7 +661,7 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
         run.metrics.close()
         if run.main and cfg.train.plot:
             try:
-                from .plot import plot_run
+                from ..evaluation.plot import plot_run
 
                 for p in plot_run(out_dir):
                     run.log(f"plot written: {p}")
@@ -1091,7 +694,7 @@ def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator) -> Dict[st
     out: Dict[str, float] = {}
     if not accelerator.is_main_process or not _has_eval(cfg):
         return out
-    from . import evaluate
+    from ..evaluation import evaluate
 
     _, eval_tf = models.build_transforms(pp_cfg)
     keys = data_mod.sample_keys(cfg.data)  # the training data's image and caption members

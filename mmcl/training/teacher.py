@@ -17,9 +17,9 @@ from typing import Any, Callable, List
 import torch
 import torch.nn.functional as F
 
-from .data.transforms import ImageFinish, pil_to_uint8, split_transform
-from .errors import ConfigError, MmclError
-from .losses import TeacherFeatures
+from ..data.transforms import ImageFinish, pil_to_uint8, split_transform
+from ..errors import ConfigError, MmclError
+from ..losses import TeacherFeatures
 
 
 class TeacherView:
@@ -46,7 +46,7 @@ class Teacher:
     @classmethod
     def load(cls, path: str, device: Any = "cpu") -> "Teacher":
         """The teacher at `path`, on `device`. Anything unreadable is a `ConfigError` naming the path."""
-        from .weights import load
+        from ..storage.weights import load
 
         try:
             model, eval_tf, tokenizer = load(path)

@@ -15,7 +15,7 @@ for the all-reduce that makes them agree: a stall on every step. Here each step'
   or ends the run (``stop``) before any checkpoint is written.
 
 An optimiser without that mechanism (no fused kernel for the device or dtype, DeepSpeed's), or a loss scaler
-(fp16), which sets ``found_inf`` itself, leaves the decision to the host every step (`train.agree_on_step`).
+(fp16), which sets ``found_inf`` itself, leaves the decision to the host every step (`mmcl.training.loop.agree_on_step`).
 """
 
 from __future__ import annotations

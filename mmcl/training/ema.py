@@ -7,8 +7,9 @@ dtype. Locked parameters have no average (they do not change), and neither do bu
 timm's ``ModelEmaV3`` keeps a deep copy of the whole module (locked towers and buffers included) and swaps nothing
 in; mmcl follows its update rule (one fused ``lerp`` over all tensors) but keeps only the trainable tensors, by
 parameter name, so that a locked tower costs no memory and the state is a plain dict, saved in the main process's
-rank state of each checkpoint (loaded as plain data on resume). The in-loop evaluation, ``model/`` and exports see the average through `swapped_in`, which puts
-it into the model's own parameters and gives the trained weights back afterwards (bit for bit).
+rank state of each checkpoint (loaded as plain data on resume). The in-loop evaluation, ``model/`` and exports see
+the average through `swapped_in`, which puts it into the model's own parameters and gives the trained weights back
+afterwards (bit for bit).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ every file, so a truncated or altered file is found before loading, not halfway 
 fails this check is renamed ``damaged-step-NNNNNNNN`` (never deleted: it is evidence, and the new name keeps it
 out of ``keep_checkpoints`` rotation and out of the way of a new save of the same step).
 
-Imports no training code: `newest_run_weights` is what loading a run directory (``mmcl.weights``) uses, so the
+Imports no training code: `newest_run_weights` is what loading a run directory (``mmcl.storage.weights``) uses, so the
 layout and the COMPLETE check are known here only.
 
 Nothing in a checkpoint runs code when it is loaded: a run folder may come from someone else, and its COMPLETE
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .errors import CheckpointError, StorageError
+from ..errors import CheckpointError, StorageError
 from .fsutil import atomic_write_text
 
 CHECKPOINTS_DIR = "checkpoints"  # inside a run's output directory
@@ -315,13 +315,14 @@ def free_space_warning(out_dir: Path, needed: int) -> Optional[str]:
 
 
 def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_state: Dict[str, Any], keep: int,
-                    needed: int = 0, agreed: Optional[Callable] = None) -> Path:
+                    agreed: Callable, needed: int = 0) -> Path:
     """All processes call this. Writes ``.tmp-step-N``, records sizes and SHA-256 of its files in COMPLETE,
     renames it to ``step-N``, moves ``latest`` and removes checkpoints beyond the newest `keep` (0: keep all).
 
     A write failure on any process (full disk, read-only) removes the temporary directory, leaves the previous
-    checkpoints and ``latest`` as they were and raises `StorageError` on every process (through `agreed`,
-    ``agree.agreed`` in a multi-process run). `needed` is the expected size in bytes (for the message).
+    checkpoints and ``latest`` as they were and raises `StorageError` on every process (through `agreed`, the
+    training's ``agree.agreed(accelerator, fn)``: storage knows nothing of how processes agree). `needed` is the
+    expected size in bytes (for the message).
 
     Not `fsutil.atomic_dir`: the temporary directory is made by the main process, filled by every process and
     renamed by the main one in three agreed phases (one with-block cannot span them), a checkpoint directory
@@ -329,8 +330,6 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
     """
     import torch
 
-    if agreed is None:
-        from .agree import agreed
     main = accelerator.is_main_process
     name = f"{CKPT_PREFIX}{progress['step']:08d}"
     tmp = ckpt_dir / f".tmp-{name}"

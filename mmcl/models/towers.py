@@ -1,12 +1,13 @@
 """Image and text towers, built with open_clip from a plain model-config dict.
 
 A model config is open_clip's own dict (``embed_dim``, ``vision_cfg``, ``text_cfg``, ...). Named configs are
-data: ``mmcl/model_configs/*.json`` first, then any architecture open_clip ships (ViT, ResNet, timm ConvNeXt, ...).
+data: ``mmcl/models/model_configs/*.json`` first, then any architecture open_clip ships (ViT, ResNet, timm
+ConvNeXt, ...).
 A Hugging Face text tower (``model.text.hf``) is open_clip's adapter built with its width, pooler and projection given
 explicitly (`_hf_text_tower_class`), so no open_clip table is written.
 
 The names of a saved model directory's files are defined here; saving, loading and ``init_from`` live in
-`mmcl.weights`.
+`mmcl.storage.weights`.
 
 Locking follows LiT (Zhai et al. 2022): a locked tower's parameters get ``requires_grad=False`` (so no optimiser
 state), and a tower whose backbone is entirely locked runs that backbone under ``torch.no_grad`` in eval mode:
@@ -29,11 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .errors import ConfigError
-from .fsutil import is_local_dir
+from ..config import ModelConfig
+from ..errors import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
+
+
+def is_local_dir(name_or_path: str) -> bool:
+    """Whether `name_or_path` (``~`` expanded) is an existing local directory rather than a hub name."""
+    return os.path.isdir(os.path.expanduser(name_or_path))
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
 HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside the weights
@@ -420,8 +425,8 @@ def build(cfg: ModelConfig):
 
 def set_patch_dropout(model: nn.Module, prob: float, seed: int = 0, rank: int = 0, world_size: int = 1,
                       accum_steps: int = 1) -> List[nn.Module]:
-    """FLIP patch dropout in `model`'s image tower (training only; `mmcl.flip`). Returns the masking modules, for
-    `mmcl.flip.begin_step`. Raises ConfigError for an image tower without patch tokens (a ResNet, a timm trunk)."""
+    """FLIP patch dropout in `model`'s image tower (training only; `mmcl.models.flip`). Returns the masking modules, for
+    `mmcl.models.flip.begin_step`. Raises ConfigError for an image tower without patch tokens (a ResNet, a timm trunk)."""
     from .flip import SeededPatchDropout
 
     visual = getattr(model, "visual", None)

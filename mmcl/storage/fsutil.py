@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, Optional, Set
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def _owner_tag() -> str:
@@ -224,11 +224,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         except OSError:
             pass
         raise
-
-
-def is_local_dir(name_or_path: str) -> bool:
-    """Whether `name_or_path` (``~`` expanded) is an existing local directory rather than a hub name."""
-    return os.path.isdir(os.path.expanduser(name_or_path))
 
 
 def os_error_text(err: Exception) -> str:

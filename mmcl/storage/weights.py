@@ -6,8 +6,8 @@ also holds that tower's ``config.json`` and tokenizer files, so it loads after t
 config records the weights' size and SHA-256, checked on every load.
 
 Weights are read from files (.pt/.pth/.bin/.safetensors), open_clip local dirs, mmcl runs (their newest verified
-training checkpoint, through `mmcl.checkpoints`), mmcl exports and transformers CLIP directories (keys mapped by
-`mmcl.hf_clip`). Towers are built by `mmcl.models`; directories are written through `mmcl.fsutil.atomic_dir`.
+training checkpoint, through `mmcl.storage.checkpoints`), mmcl exports and transformers CLIP directories (keys mapped by
+`mmcl.storage.hf_clip`). Towers are built by `mmcl.models`; directories are written through `mmcl.storage.fsutil.atomic_dir`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from . import checkpoints, hf_clip
-from .errors import CheckpointError, ConfigError
-from .fsutil import atomic_dir, files_under, is_local_dir, os_error_text, output_dir
-from .models import (CONFIG_FILE, HF_CONFIG_FILE, WEIGHTS_FILE, build_tokenizer, build_transforms, create,
-                     hf_custom_code_error, preprocess_config)
+from ..errors import CheckpointError, ConfigError
+from .fsutil import atomic_dir, files_under, os_error_text, output_dir
+from ..models.towers import (CONFIG_FILE, HF_CONFIG_FILE, WEIGHTS_FILE, build_tokenizer, build_transforms, create,
+                             hf_custom_code_error, is_local_dir, preprocess_config)
 
 # Weight files of a local directory, most preferred first (open_clip's names, then transformers').
 DIR_WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",

@@ -18,7 +18,7 @@ Formats (``export(model_path, fmt, out_dir)``):
                  ``text_encoder.onnx`` (``text`` (B,L) int64 token ids -> ``text_embeds`` (B,D)), both with a
                  dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json``, ``preprocess.json`` (the
                  image preprocessing as data, `preprocess_spec`) and ``tokenizer.json``: open_clip's tokenizer for
-                 Hugging Face's ``tokenizers`` (`mmcl.clip_tokenizer_file`), or a Hugging Face text tower's own;
+                 Hugging Face's ``tokenizers`` (`mmcl.storage.clip_tokenizer_file`), or a Hugging Face text tower's own;
                  the README runs both encoders with onnxruntime and ``tokenizers`` alone, without torch.
 
 Every export is written to a temporary directory beside ``out_dir``, moved into place, and checked there against the
@@ -44,8 +44,9 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import hf_clip, models, weights
-from .errors import CheckpointError, ConfigError
+from . import hf_clip, weights
+from .. import models
+from ..errors import CheckpointError, ConfigError
 from .fsutil import atomic_dir, atomic_write_text, files_under, os_error_text, output_dir
 
 FORMATS = ("open_clip", "hf", "onnx", "safetensors")
@@ -294,7 +295,7 @@ def hf_clip_config(model_cfg: Dict[str, Any]):
 
 def hf_clip_state_dict(sd: Dict[str, torch.Tensor], n_vision_layers: int, n_text_layers: int
                        ) -> Dict[str, torch.Tensor]:
-    """An open_clip CLIP state dict in transformers ``CLIPModel``'s layout (the table of `mmcl.hf_clip`).
+    """An open_clip CLIP state dict in transformers ``CLIPModel``'s layout (the table of `mmcl.storage.hf_clip`).
 
     Raises `ConfigError` naming any open_clip parameter the table does not place (an unsupported feature).
     """
@@ -307,13 +308,13 @@ def hf_clip_state_dict(sd: Dict[str, torch.Tensor], n_vision_layers: int, n_text
 
 def write_hf_tokenizer(context_length: int, out: Path) -> None:
     """open_clip's tokenizer as transformers 4.x and 5.x load it (``AutoTokenizer``, ``CLIPProcessor``): the
-    ``tokenizer.json`` of `mmcl.clip_tokenizer_file` (the same pipeline as the ONNX export's), declared as a plain
+    ``tokenizer.json`` of `mmcl.storage.clip_tokenizer_file` (the same pipeline as the ONNX export's), declared as a plain
     fast tokenizer so that both generations run that file as it is (transformers 5's ``CLIPTokenizer`` rebuilds its
     own pipeline, which leaves ``&amp;`` undecoded), plus ``vocab.json`` and ``merges.txt``.
 
     The ids equal ``open_clip.get_tokenizer`` from the start token through the end token, truncation included, HTML
     entities and a literal ``<|endoftext|>`` (ordinary text) included, except for the few inputs that
-    `mmcl.clip_tokenizer_file` lists. Padding after the end token follows the transformers CLIP convention (the end
+    `mmcl.storage.clip_tokenizer_file` lists. Padding after the end token follows the transformers CLIP convention (the end
     token, 49407, with attention mask 0) where open_clip writes 0: id 0 is the vocabulary's "!", and registering it
     as the padding token would make transformers split every "!" of the text out as a special token. Neither model
     reads past the first end token (causal attention, pooling at that token), so the embeddings are the same.

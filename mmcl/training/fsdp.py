@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # accelerate's mixed_precision names and the compute dtype each gives the transformer blocks under FSDP2
 _COMPUTE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -92,7 +92,7 @@ def full_model(accelerator, model: nn.Module, model_cfg: Dict[str, Any]) -> Opti
     """The full, unsharded weights of an FSDP-prepared `model` in a plain float32 replica in the main process's
     CPU memory (None on the others). Every process must call it (the weights are gathered parameter by
     parameter, each moved to the CPU before the next: torch's full state dict with CPU offload)."""
-    from . import models
+    from .. import models
 
     state = accelerator.get_state_dict(model)  # full state dict, gathered to the main process's CPU memory
     if not accelerator.is_main_process:

@@ -31,10 +31,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import models, weights
-from .data import ShardEvalDataset
-from .errors import CheckpointError, DataError
-from .fsutil import atomic_dir, os_error_text, output_dir
+from .. import models
+from ..storage import weights
+from ..data import ShardEvalDataset
+from ..errors import CheckpointError, DataError
+from ..storage.fsutil import atomic_dir, os_error_text, output_dir
 
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.jsonl"
@@ -91,7 +92,7 @@ def _recorded_sha256(model_dir: Path) -> Optional[str]:
 def _local_url(url: str) -> str:
     """A shard URL as the index keeps it: local paths absolute (the index may move), other URLs with their
     credentials hidden (`mmcl.data.redact`: the index is a file others read)."""
-    from .data import has_scheme, redact
+    from ..data import has_scheme, redact
 
     return redact(url) if has_scheme(url) else os.path.abspath(url)
 
@@ -122,7 +123,7 @@ class SourcedShards(ShardEvalDataset):
 
 def _index_loader(data, preprocess, batch_size: int, workers: int):
     """(dataset, DataLoader) like `evaluate.eval_loader`'s, whose keys also say where each image came from."""
-    from . import data as data_mod
+    from .. import data as data_mod
 
     if batch_size <= 0:
         raise DataError(f"batch size must be > 0 (got {batch_size})")
@@ -266,7 +267,7 @@ def embed_query(model, preprocess, tokenizer, query: Optional[str] = None, image
                 ) -> np.ndarray:
     """A (1, D) float32 L2-normalised query embedding from a text or an image file."""
     if image is not None:
-        from .data import open_rgb
+        from ..data import open_rgb
 
         if not os.path.isfile(image):
             raise DataError(f"query image not found: {image}")

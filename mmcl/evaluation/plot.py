@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from .errors import DataError
+from ..errors import DataError
 
 METRICS_FILE = "metrics.jsonl"
 PLOTS_DIR = "plots"

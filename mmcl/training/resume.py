@@ -1,0 +1,246 @@
+"""Resuming a run: the newest intact checkpoint, the checks that it fits this run, and loading it, on the number of
+processes it was written with or on another.
+
+`resume_from_newest` picks the newest intact checkpoint (damaged ones are set aside and named) and loads it with
+`load_checkpoint`: the weights, optimiser, scheduler and RNG through accelerate, then this process's rank state
+(data position, the objective's state, the progress and the weight average), every file as plain data. A change of
+architecture (`ARCH_KEYS`) is an error; other config differences are named (`check_resumable`).
+
+On another number of processes: before the data stream is built, `keep_global_batch` sets ``data.batch_size`` (and, when it must, ``train.accum_steps``)
+so that the global batch stays what it was: the schedule, ``train.samples`` and the number of steps then stay as
+they were. `load_resized` loads the checkpoint on the new processes: the weights and optimiser state (the same
+on every process), the loss's state (its queues hold features gathered over all processes, so they are the same
+on every process) and the data positions of every saved process, from which the stream continues so that every
+sample of the epochs under way is read exactly once (`mmcl.data.pipeline.resized_positions`).
+
+The batches: without data workers (one slot per process, before and after) the rest of the epoch is batched
+as the saved run would have batched it, so the resumed run ends with the uninterrupted run's weights within
+float32 noise; each new process then reads the raw bytes of the whole rest of that epoch. With data workers the
+rest is dealt by shard or shared by sample: each sample once, other batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+from ..config import freeze, to_dict
+from ..data.sources import redact_values
+from ..errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError
+from ..storage import checkpoints
+from .agree import agreed, broadcast_from_main
+
+if TYPE_CHECKING:  # the run object is the loop's; resume only reads and fills it
+    from .loop import Run
+
+GLOBAL_BATCH = "global_batch"  # recorded in each checkpoint's COMPLETE marker
+
+
+def _saved_global_batch(out_dir: Path, marker: Dict[str, Any]) -> Optional[int]:
+    if marker.get(GLOBAL_BATCH):
+        return int(marker[GLOBAL_BATCH])
+    saved = out_dir / "config.yaml"  # checkpoints written before the marker recorded it
+    if not saved.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(OmegaConf.load(saved))
+    return int(c["data"]["batch_size"]) * int(marker["world_size"]) * int(c["train"].get("accum_steps", 1))
+
+
+def keep_global_batch(cfg, processes: int) -> Tuple[Any, Optional[str]]:
+    """When the newest checkpoint under ``cfg.train.output_dir`` was written by another number of processes:
+    (a copy of `cfg` whose per-process batch keeps the global batch, the one line that says what was adjusted);
+    else (`cfg`, None). ConfigError when no per-process batch gives that global batch."""
+    out_dir = Path(cfg.train.output_dir)
+    ckpt = checkpoints.latest_checkpoint(out_dir / checkpoints.CHECKPOINTS_DIR)
+    if ckpt is None:
+        return cfg, None
+    try:
+        marker = checkpoints.read_marker(ckpt)
+    except (ValueError, OSError):
+        return cfg, None  # resume sets it aside as damaged, or refuses, with its own line
+    saved = int(marker.get("world_size", processes))
+    if saved == processes:
+        return cfg, None
+    total = _saved_global_batch(out_dir, marker)
+    if total is None:
+        return cfg, None
+    accum = cfg.train.accum_steps
+    before = (cfg.data.batch_size, accum)
+    if total % (processes * accum) != 0:
+        accum = 1
+    if total % processes != 0:
+        raise ConfigError(f"cannot resume {ckpt} on {processes} processes: its global batch of {total} samples "
+                          f"does not divide among them (it was written by {saved}); use a number of processes "
+                          f"that divides {total}")
+    cfg = freeze(replace(cfg, data=replace(cfg.data, batch_size=total // (processes * accum)),
+                         train=replace(cfg.train, accum_steps=accum)))
+    what = f"data.batch_size {before[0]} -> {cfg.data.batch_size} per process"
+    if accum != before[1]:
+        what += f", train.accum_steps {before[1]} -> {accum}"
+    return cfg, (f"resuming on {processes} process(es) a checkpoint written by {saved}: {what}, keeping the global "
+            f"batch of {total}")
+
+
+def load_resized(run, resume: Path, saved_processes: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Load `resume`, written by `saved_processes` processes, into `run` on this process (another count).
+
+    Returns (the rank state this process continues from, rank 0's), for the progress and EMA they hold. Every
+    rank state is read as plain data onto the CPU (`checkpoints.load_plain`): they were written on other
+    processes' devices, which this process must not touch (or may not have)."""
+    accelerator = run.accelerator
+    files = [checkpoints.rank_state_file(resume, i) for i in range(saved_processes)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"cannot resume from {resume}: {', '.join(missing)} missing")
+    # Weights, optimiser and progress are the same on every process; the RNG states of processes beyond the
+    # saved ones do not exist and are left as seeded.
+    states = [checkpoints.load_plain(f, "cpu") for f in files]
+    checkpoints.load_accelerate_state(accelerator, resume)
+    why = run.stream.load_resized([st["data"] for st in states])
+    if why is not None:
+        run.log(f"warning: {why}; restarting the earliest saved epoch, each sample is not seen exactly once")
+    own = states[accelerator.process_index] if accelerator.process_index < saved_processes else states[0]
+    run.objective.load_state_dict(own["objective"])
+    return own, states[0]
+
+
+# Changing any of these makes a checkpoint unusable; other config differences only warn.
+ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context_length", "model.vision_cfg",
+             "model.text_cfg", "model.text")
+
+
+def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None:
+    """An architecture change is an error; other config differences are reported by name."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and key not in ("model.vision_cfg", "model.text_cfg", "model.text"):
+                out.update(flat(v, key + "."))
+            else:
+                out[key] = v
+        return out
+
+    a, b = flat(saved), flat(current)
+    arch = [k for k in ARCH_KEYS if a.get(k) != b.get(k)]
+    if arch:
+        raise CheckpointError(
+            "cannot resume: the checkpoint's model differs in "
+            + ", ".join(f"{k} (saved {a.get(k)!r}, now {b.get(k)!r})" for k in arch))
+    changed = [k for k in sorted(set(a) | set(b))
+               if a.get(k) != b.get(k) and k not in ("train.steps", "train.samples")]
+    if changed:
+        log("config differs from the checkpoint's in: " + ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})"
+                                                                    for k in changed))
+
+
+def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]:
+    """Load the newest intact checkpoint with `load(path)` on every process; returns its path or None (none saved).
+
+    Checkpoints whose files do not match their COMPLETE marker are renamed aside (`checkpoints.set_aside`) and
+    named in a log line, then the next older one is tried. When checkpoints exist but none is intact, nothing is
+    renamed and CheckpointError is raised: a run never starts afresh over the user's checkpoints on its own.
+    """
+    main = accelerator.is_main_process
+    while True:
+        def choose():
+            if not main:
+                return None
+            damaged, usable = checkpoints.damaged_and_usable(ckpt_dir)
+            if damaged and usable is None:
+                raise CheckpointError(
+                    f"cannot resume: no checkpoint in {ckpt_dir} is intact ("
+                    + "; ".join(f"{d.name}: {why}" for d, why in damaged)
+                    + "); nothing was changed. Move the checkpoints directory aside to start afresh")
+            for d, why in damaged:
+                kept = checkpoints.set_aside(d)
+                log(f"warning: checkpoint {d.name} is damaged ({why}); kept as {kept}; resuming from {usable.name}")
+            return usable
+
+        resume = broadcast_from_main(accelerator, agreed(accelerator, choose))
+        if resume is None:
+            return None
+
+        def load_it():
+            try:
+                load(resume)
+            except MmclError:
+                raise
+            except Exception as err:  # noqa: BLE001 - reported as one line below
+                first_line = str(err).splitlines()[0] if str(err) else ""
+                what = f"cannot resume from {resume}: {type(err).__name__}: {first_line}"
+                if "files" in checkpoints.read_marker(resume):
+                    raise CheckpointError(what) from err  # intact files that do not load: not damage, a real error
+                raise DamagedCheckpointError(what) from err  # written before checksums: treat as damaged
+
+        try:
+            agreed(accelerator, load_it)
+            return resume
+        except DamagedCheckpointError as err:
+            if main:
+                kept = checkpoints.set_aside(resume)
+                log(f"warning: {err}; kept as {kept}")
+            if accelerator.num_processes > 1:
+                accelerator.wait_for_everyone()
+
+
+def load_checkpoint(run: Run, resume: Path) -> None:
+    """Load `resume` into the run on this process (weights, optimiser, RNG, progress, data position, objective)."""
+    accelerator = run.accelerator
+    saved_cfg_path = run.out_dir / "config.yaml"
+    if saved_cfg_path.is_file():
+        from omegaconf import OmegaConf
+
+        check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)),
+                        redact_values(to_dict(run.cfg)), run.log)  # config.yaml holds no credentials
+    saved_processes = int(checkpoints.read_marker(resume).get("world_size", accelerator.num_processes))
+    if saved_processes != accelerator.num_processes:
+        own, first = load_resized(run, resume, saved_processes)
+        return restore_progress(run, resume, own, first)
+    rank_file = checkpoints.rank_state_file(resume, accelerator.process_index)
+    if not rank_file.is_file():
+        if checkpoints.read_marker(resume).get("world_size", 0) != accelerator.num_processes:
+            raise CheckpointError(f"{resume} was written by a run with a different number of processes "
+                                  f"(no {rank_file.name}); resume with the same launch configuration")
+        raise DamagedCheckpointError(f"cannot resume from {resume}: {rank_file.name} is missing")
+    # Every file as plain data (`checkpoints.load_plain`), on the CPU: a CPU generator state must stay there,
+    # and load_state_dict copies the rest onto this process's device.
+    rank_state = checkpoints.load_plain(rank_file)
+    first = rank_state if accelerator.process_index == 0 or run.ema is None else checkpoints.load_plain(
+        checkpoints.rank_state_file(resume, 0))
+    restore_progress(run, resume, rank_state, first)
+    checkpoints.load_accelerate_state(accelerator, resume)
+    run.stream.load_state_dict(rank_state["data"])
+    check_objective_state(run.objective, rank_state["objective"], resume)
+    run.objective.load_state_dict(rank_state["objective"])
+
+
+def restore_progress(run: Run, resume: Path, own: Dict[str, Any], first: Dict[str, Any]) -> None:
+    """Set the run's progress from this process's rank state `own` and its EMA from rank 0's (`first`); a
+    checkpoint written when both were registered with accelerate has them in ``custom_checkpoint_<i>.pkl``
+    files instead, read as plain data (any such file present is read, so one that is not plain data is refused)."""
+    legacy = checkpoints.legacy_custom_states(resume)
+    progress = own.get("progress", legacy.get(checkpoints.LEGACY_PROGRESS))
+    if not isinstance(progress, dict):
+        raise CheckpointError(f"cannot resume from {resume}: it records no training progress")
+    run.progress.load_state_dict(progress)
+    if run.ema is not None:
+        ema = first.get("ema", legacy.get(checkpoints.LEGACY_EMA))
+        if not isinstance(ema, dict):
+            raise CheckpointError(f"cannot resume from {resume}: it holds no weight average (was train.ema_decay "
+                                  f"unset when it was written?); unset train.ema_decay or start a new run")
+        run.ema.load_state_dict(ema)
+
+
+def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> None:
+    """A checkpoint's MoCHi queues must fit the configured ``loss.mochi.queue_size``; CheckpointError if not."""
+    for name in ("image_queue", "text_queue"):
+        saved = state.get(f"{name}.features")
+        size = getattr(objective, name).size
+        if saved is not None and (saved.dim() != 2 or saved.shape[0] not in (0, size)):
+            raise CheckpointError(
+                f"cannot resume from {resume}: its MoCHi queue has shape {tuple(saved.shape)}, expected "
+                f"({size}, D) (loss.mochi.queue_size changed?)")
