@@ -107,7 +107,8 @@ def cmd_demo_data(args) -> int:
 def cmd_shards(args) -> int:
     from .data import shards_from_input
 
-    shards_from_input(args.input, args.out, shard_size=args.shard_size, caption_template=args.caption_template)
+    shards_from_input(args.input, args.out, shard_size=args.shard_size, caption_template=args.caption_template,
+                      sep=args.sep, image_col=args.image_col, caption_col=args.caption_col)
     return 0
 
 
@@ -220,12 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo_data)
 
     s = sub.add_parser("shards", help="write WebDataset shards from images with caption files (img2dataset's "
-                                      "files layout), an ImageFolder, or a CSV, JSONL or parquet table")
+                                      "files layout), an ImageFolder, or a CSV, TSV, JSONL or parquet table")
     s.add_argument("--input", required=True,
-                   help="folder of KEY.jpg + KEY.txt [+ KEY.json], ImageFolder, or table with image|url,caption")
+                   help="folder of KEY.jpg + KEY.txt [+ KEY.json], ImageFolder, or table with image|url|filepath and "
+                        "caption|title columns (open_clip's CSV layout: tab-separated filepath, title)")
     s.add_argument("--out", required=True)
     s.add_argument("--shard-size", type=int, default=1000)
     s.add_argument("--caption-template", default="a photo of a {}.", help="ImageFolder captions")
+    s.add_argument("--sep", default=None,
+                   help="a table's field separator, \\t for a tab (open_clip's --csv-separator; default: a tab for "
+                        ".tsv, and for a .csv whose header holds one, else a comma)")
+    s.add_argument("--image-col", default=None,
+                   help="a table's image column (open_clip's --csv-img-key; default: image, url or filepath)")
+    s.add_argument("--caption-col", default=None,
+                   help="a table's caption column (open_clip's --csv-caption-key; default: caption or title)")
     s.set_defaults(func=cmd_shards)
 
     rf = sub.add_parser("reinforce", help="copy shards with a teacher's image and caption embeddings stored in "

@@ -114,6 +114,9 @@ class DataConfig(_Section):
     # A shard list file (data.train=shards.yaml) comes with the data: its pipe: entries are commands that run on
     # this machine, refused unless allowed here. pipe: commands typed in the config or an override always run.
     allow_pipe: bool = False
+    # A source of data.train with some of its shards missing (a LAION download with holes) is trained on the
+    # shards that exist, with one warning giving the count missing; true refuses such a run before its first step.
+    require_all_shards: bool = False
 
 
 @dataclass

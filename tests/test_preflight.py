@@ -30,7 +30,8 @@ def test_every_missing_input_is_named_with_its_resolved_path(tmp_path, monkeypat
         "::https://host/shard-{0..9}.tar::empty_dir",
         "eval.zeroshot=folder", "eval.retrieval=val/shard-000000.tar", "eval.classnames=names.txt",
         "eval.templates=my_templates.txt", "model.init_from=~/no-such-mmcl-run-here",
-        "model.text.hf=shards/minilm"])  # one slash, like a hub id, but ./shards is a directory here
+        "model.text.hf=shards/minilm",  # one slash, like a hub id, but ./shards is a directory here
+        "data.require_all_shards=true"])  # holes in a range are refused only with this key
     home = os.path.expanduser("~")
     assert input_problems(cfg) == [
         f"data.train: 2 of the 5 paths that 'shards/shard-{{000000..000004}}.tar' names are missing "

@@ -192,7 +192,8 @@ class SampleKeys:
     `image_key` is a member extension (``jpg``, ``png``, ...) or None for the first of jpg, jpeg, png, webp.
     `caption_keys` are one or more caption sources, each a member (``txt``) or a field of a JSON member
     (``json:caption``, ``json:meta.captions``) holding a string or a list of strings. `weights` (one per source,
-    optional) choose between the sources that a sample has, as open_clip's ``--json-text-key-probs``.
+    optional) choose between the sources that a sample has (a weight of 0 never chooses its source; without
+    weights the choice is uniform).
     """
 
     def __init__(self, image_key: Optional[str] = None, caption_keys: Any = "txt",

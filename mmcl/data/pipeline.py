@@ -520,7 +520,8 @@ class TrainStream:
                  stored_teacher: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
-        self.sources = expand_sources(cfg.train, allow_pipe=bool(cfg.allow_pipe))
+        self.sources = expand_sources(cfg.train, allow_pipe=bool(cfg.allow_pipe),
+                                      require_all=bool(cfg.require_all_shards))
         self.urls = [u for src in self.sources for u in src]
         if cfg.weights is not None:
             if not cfg.resampled:

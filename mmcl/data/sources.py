@@ -144,7 +144,14 @@ def _found(paths: List[str]) -> List[str]:
     return sorted(os.path.abspath(p) for p in paths)
 
 
-def _expand_one(source: str) -> List[str]:
+def _holes_are_fatal(missing: int, named: int, require_all: bool) -> bool:
+    """The one rule for a source naming shards that are not there (a LAION download with holes): train on those that
+    exist, with one warning giving the count missing; refuse only when none exists or with `require_all`
+    (``data.require_all_shards``). `missing_shards` (preflight) and `_expand_one` (the data layer) both ask it."""
+    return missing > 0 and (require_all or missing >= named)
+
+
+def _expand_one(source: str, require_all: bool = False) -> List[str]:
     if source.startswith("pipe:"):
         # Braces in a pipe command address shard names; expand them but never glob a shell command.
         return list(braceexpand.braceexpand(source))
@@ -168,18 +175,23 @@ def _expand_one(source: str) -> List[str]:
         else:
             missing.append(item)
     if missing and urls:
+        if _holes_are_fatal(len(missing), len(missing) + len(urls), require_all):
+            raise DataError(f"{len(missing)} of {len(missing) + len(urls)} shards of '{redact(source)}' do not "
+                            f"exist, e.g. {missing[0]} (data.require_all_shards=true)")
         warnings.warn(f"{len(missing)} of {len(missing) + len(urls)} shards of '{redact(source)}' do not exist, "
-                      f"e.g. {missing[0]}; using the {len(urls)} that do", stacklevel=3)
+                      f"e.g. {missing[0]}; using the {len(urls)} that do (data.require_all_shards=true refuses "
+                      f"the run instead)", stacklevel=3)
     return urls
 
 
-def missing_shards(spec: Any, allow_pipe: bool = False) -> List[str]:
+def missing_shards(spec: Any, allow_pipe: bool = False, require_all: bool = True) -> List[str]:
     """What a shard spec names that is not there, one description per source (empty when all is in place).
 
     Checks local paths only: a glob that matches nothing, a brace range or path naming files that do not exist,
     a directory without shards. URLs with a scheme (``pipe:``, ``http://``, ...) are not checked. Relative
     paths resolve against the current directory; the descriptions show them resolved. A shard list file that
-    runs a command without `allow_pipe` is a problem too.
+    runs a command without `allow_pipe` is a problem too. Without `require_all`, a source of which some paths
+    exist is no problem: the data layer trains on those and warns once with the count missing.
     """
     try:
         sources = _split_spec(spec, allow_pipe)
@@ -221,23 +233,27 @@ def missing_shards(spec: Any, allow_pipe: bool = False) -> List[str]:
                     missing.append(f"no {'/'.join(SHARD_SUFFIXES)} shards in the directory {os.path.abspath(item)}")
             elif found is None:
                 missing.append(os.path.abspath(item))
-        if named == 1 and missing:
+        if not _holes_are_fatal(len(missing), named, require_all):
+            continue
+        if named == 1:
             problems.append(missing[0] + (" does not exist" if os.path.isabs(missing[0]) else ""))
-        elif missing:
+        else:
             shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
             problems.append(f"{'all' if len(missing) == named else len(missing)} of the {named} paths that "
                             f"'{source}' names are missing ({shown})")
     return problems
 
 
-def expand_sources(spec: Any, allow_pipe: bool = False) -> List[List[str]]:
+def expand_sources(spec: Any, allow_pipe: bool = False, require_all: bool = False) -> List[List[str]]:
     """Expand a shard spec into one list of URLs per source.
 
     Sources are the '::'-separated parts of a string spec (or the items of a list). Each source may use
     brace expansion (``shard-{000000..000009}.tar``), a glob, a directory (its ``*.tar`` files), a local
     path, or a URL with a scheme (``pipe:``, ``http://``, ...). Files found by a glob or in a directory are
     given as absolute paths, whatever their names. Raises `DataError` naming the source when a source matches
-    nothing, and when a shard list file (``.yaml``) names a ``pipe:`` command without `allow_pipe`.
+    nothing, and when a shard list file (``.yaml``) names a ``pipe:`` command without `allow_pipe`. A source
+    with some of its shards missing gives those that exist and one warning with the count missing, or a
+    `DataError` with `require_all` (``data.require_all_shards``).
     """
     sources = _split_spec(spec, allow_pipe)
     if not sources:
@@ -245,7 +261,7 @@ def expand_sources(spec: Any, allow_pipe: bool = False) -> List[List[str]]:
                         f"'shards/shard-{{000000..000009}}.tar')")
     out = []
     for source in sources:
-        urls = _expand_one(source)
+        urls = _expand_one(source, require_all)
         if not urls:
             raise DataError(f"no shards match '{redact(source)}' (expected existing .tar files, a glob, a "
                             f"directory of shards or a pipe:/http URL)")

@@ -1,6 +1,6 @@
 """Writing WebDataset shards: `ShardWriter` / `write_shards` for samples in memory, and `shards_from_input` for
 `mmcl shards` (a folder of images with caption files such as img2dataset's ``files`` output, an ImageFolder, or a
-CSV / JSONL / parquet table of image paths and captions).
+CSV / TSV / JSONL / parquet table of image paths and captions, open_clip's CSV layout included).
 
 Shards are written under a temporary name and renamed when complete, with fixed member metadata, so equal
 samples give byte-identical shards and a crash never leaves a truncated shard under a final name.
@@ -177,14 +177,18 @@ def _load_for_shard(path: str) -> Tuple[bytes, str]:
 
 # img2dataset's bookkeeping beside its `files` output: NNNNN.parquet (the shard's metadata) and NNNNN_stats.json.
 _IMG2DATASET_SIDE_FILE = re.compile(r"^\d+(_stats\.json|\.parquet)$")
-_TABLE_EXTS = (".csv", ".jsonl", ".json", ".ndjson", ".parquet")
+_TABLE_EXTS = (".csv", ".tsv", ".jsonl", ".json", ".ndjson", ".parquet")
+# Column names tried when none is given, in order: mmcl's and img2dataset's, then open_clip's CSV layout
+# (open_clip_train's --csv-img-key filepath, --csv-caption-key title).
+_IMAGE_COLS = ("image", "url", "filepath")
+_CAPTION_COLS = ("caption", "title")
 
 
 def _img2dataset_command(path: str, url_col: str, caption_col: Optional[str] = "caption") -> str:
     """The img2dataset command line that downloads the URLs of table `path` into WebDataset shards with captions
     (img2dataset reads csv, tsv, parquet and JSON arrays; JSON lines go through parquet first)."""
     lower = path.lower()
-    prefix, url_list, fmt = "", path, "csv"
+    prefix, url_list, fmt = "", path, "tsv" if lower.endswith(".tsv") else "csv"
     if lower.endswith(".parquet"):
         fmt = "parquet"
     elif lower.endswith((".jsonl", ".ndjson", ".json")):
@@ -197,13 +201,32 @@ def _img2dataset_command(path: str, url_col: str, caption_col: Optional[str] = "
             f"(then train with data.train='shards/*.tar')")
 
 
-def _rows_from_table(path: str) -> Iterator[Tuple[int, Any]]:
-    """Yield (line or row number, row dict or an error string) from a CSV, JSONL or parquet file."""
+def _csv_separator(path: str, sep: Optional[str]) -> str:
+    """The field separator of a CSV / TSV file: `sep` if given (``\\t`` or ``tab`` for a tab, as typed for open_clip's
+    --csv-separator), else a tab for a .tsv; for a .csv, a tab when its header line holds one (open_clip's layout:
+    its --csv-separator defaults to a tab whatever the file's name), else a comma."""
+    if sep is not None:
+        sep = "\t" if sep in ("\\t", "tab", "TAB") else sep
+        if len(sep) != 1:
+            raise DataError(f"--sep must be one character, or \\t for a tab (got {sep!r})")
+        return sep
+    if path.lower().endswith(".tsv"):
+        return "\t"
+    with open(path, newline="", encoding="utf-8") as f:
+        header = f.readline()
+    return "\t" if "\t" in header else ","
+
+
+def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[str] = None,
+                     caption_col: Optional[str] = None) -> Iterator[Tuple[int, Any]]:
+    """Yield (line or row number, row dict or an error string) from a CSV, TSV, JSONL or parquet file."""
     lower = path.lower()
-    if lower.endswith(".csv"):
+    if lower.endswith((".csv", ".tsv")):
+        delimiter = _csv_separator(path, sep)
+        shown = "tab" if delimiter == "\t" else repr(delimiter)
         with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            _check_columns(path, reader.fieldnames or [])
+            reader = csv.DictReader(f, delimiter=delimiter)
+            _check_columns(path, reader.fieldnames or [], image_col, caption_col, f"{shown}-separated")
             for row in reader:
                 yield reader.line_num, row
         return
@@ -217,7 +240,7 @@ def _rows_from_table(path: str) -> Iterator[Tuple[int, Any]]:
             table = pq.read_table(path)
         except Exception as err:  # pyarrow raises its own error types for a damaged or foreign file
             raise DataError(f"cannot read {path} as parquet ({' '.join(str(err).split())[:200]})") from None
-        _check_columns(path, table.column_names)
+        _check_columns(path, table.column_names, image_col, caption_col)
         for i, row in enumerate(table.to_pylist(), 1):
             yield i, row
         return
@@ -233,17 +256,27 @@ def _rows_from_table(path: str) -> Iterator[Tuple[int, Any]]:
             yield line_no, row if isinstance(row, dict) else f"not a JSON object (got {type(row).__name__})"
 
 
-def _check_columns(path: str, fields: List[str]) -> None:
-    if ("image" in fields or "url" in fields) and "caption" in fields:
+def _check_columns(path: str, fields: List[str], image_col: Optional[str] = None, caption_col: Optional[str] = None,
+                   layout: str = "") -> None:
+    """Raise `DataError` unless the header `fields` hold an image column and a caption column (the given ones, or
+    one of `_IMAGE_COLS` and one of `_CAPTION_COLS`)."""
+    images = [image_col] if image_col else list(_IMAGE_COLS)
+    captions = [caption_col] if caption_col else list(_CAPTION_COLS)
+    if any(c in fields for c in images) and any(c in fields for c in captions):
         return
     hint = ""
     url_cols = [c for c in fields if c.lower() == "url"]
-    if url_cols:
-        caption_col = next((c for c in fields if c.lower() in ("caption", "text", "captions", "alt")), None)
+    if url_cols and not image_col:
+        found = next((c for c in fields if c.lower() in ("caption", "text", "captions", "alt")), None)
         hint = (f"; a table of image URLs is what img2dataset downloads into shards mmcl trains on: "
-                f"{_img2dataset_command(path, url_cols[0], caption_col)}")
-    raise DataError(f"{path} needs columns 'image' and 'caption' (or 'url' and 'caption', with local paths or "
-                    f"file:// URIs) (got {', '.join(fields) or 'none'}){hint}")
+                f"{_img2dataset_command(path, url_cols[0], found)}")
+    if image_col or caption_col:
+        wanted = f"columns {' and '.join(repr(c) for c in (image_col, caption_col) if c)}"
+    else:
+        wanted = ("columns 'image' and 'caption' (or 'url' and 'caption', with local paths or file:// URIs; or "
+                  "open_clip's 'filepath' and 'title'; other names with --image-col and --caption-col)")
+    read_as = f", read as {layout}; set another separator with --sep" if layout else ""
+    raise DataError(f"{path} needs {wanted} (got {', '.join(fields) or 'none'}{read_as}){hint}")
 
 
 def _local_image_path(value: Any, base: str, table: str, url_col: bool) -> str:
@@ -313,8 +346,10 @@ def _read_meta_file(path: str) -> Optional[Dict[str, Any]]:
 
 
 def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
-                      caption_template: str = "a photo of a {}.", progress: bool = True) -> Dict[str, Any]:
-    """Convert an image-caption folder, an ImageFolder, or a CSV / JSONL / parquet table into WebDataset shards.
+                      caption_template: str = "a photo of a {}.", progress: bool = True, sep: Optional[str] = None,
+                      image_col: Optional[str] = None, caption_col: Optional[str] = None) -> Dict[str, Any]:
+    """Convert an image-caption folder, an ImageFolder, or a CSV / TSV / JSONL / parquet table into WebDataset
+    shards.
 
     Caption folder (img2dataset's ``files`` output, or any folder of ``KEY.jpg`` + ``KEY.txt`` [+ ``KEY.json``]):
     the caption is ``KEY.txt``, ``KEY.json``'s fields (img2dataset's ``url``, ``caption``, ``status``, sizes)
@@ -325,8 +360,12 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
     (underscores as spaces), ``.cls`` is the sorted folder index, and ``classnames.txt`` is written next to the
     shards.
     Tables: rows carry ``image`` (a path relative to the file, or a ``file://`` URI) or ``url`` (the same, as
-    img2dataset's input names it), ``caption`` and optionally ``label``. Web URLs are a `DataError` naming the
-    img2dataset command that downloads them.
+    img2dataset's input names it) or ``filepath`` (open_clip's), ``caption`` or ``title`` (open_clip's), and
+    optionally ``label``; `image_col` / `caption_col` name other columns (open_clip's --csv-img-key /
+    --csv-caption-key). A .tsv is tab-separated, a .csv too when its header holds a tab (open_clip's layout), else
+    comma-separated; `sep` sets the separator (open_clip's --csv-separator). Relative image paths resolve against
+    the table's folder (open_clip resolves them against the current directory: give absolute paths to be read
+    alike by both). Web URLs are a `DataError` naming the img2dataset command that downloads them.
     Unreadable images and bad rows are skipped, counted per reason and reported; a summary line is printed.
 
     Returns:
@@ -335,7 +374,7 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
     """
     if not os.path.exists(input_path):
         raise DataError(f"input not found: {input_path} (expected a folder of images with captions, an ImageFolder "
-                        f"directory, a .csv, .jsonl or .parquet)")
+                        f"directory, a .csv, .tsv, .jsonl or .parquet)")
     # (image path, caption, label, where, metadata, key or None) per sample; problems as (where, reason)
     jobs: List[Tuple[str, str, Any, str, Optional[Dict[str, Any]], Optional[str]]] = []
     problems: List[Tuple[str, str]] = []
@@ -386,14 +425,21 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
                     problems.append((os.path.relpath(path, input_path), "not_image"))
     elif input_path.lower().endswith(_TABLE_EXTS):
         base = os.path.dirname(os.path.abspath(input_path))
-        for line_no, row in _rows_from_table(input_path):
+        if sep is not None and not input_path.lower().endswith((".csv", ".tsv")):
+            raise DataError(f"--sep is for a .csv or .tsv input (got {input_path})")
+        image_cols = [image_col] if image_col else list(_IMAGE_COLS)
+        caption_cols = [caption_col] if caption_col else list(_CAPTION_COLS)
+        for line_no, row in _rows_from_table(input_path, sep, image_col, caption_col):
             where = f"{os.path.basename(input_path)}:{line_no}"
             if isinstance(row, str):
                 problems.append((where, "bad_row"))
                 continue
-            url_col = not row.get("image") and bool(row.get("url"))
-            image = row.get("image") or row.get("url")
-            text, label = row.get("caption"), row.get("label")
+            # the first named column with a value: a row may give 'image' or 'url', as the default columns allow
+            found = next((c for c in image_cols if row.get(c)), None)
+            url_col = found == "url"
+            image = row.get(found) if found else None
+            text = next((row[c] for c in caption_cols if c in row and row[c] is not None), None)
+            label = row.get("label")
             if not image:
                 problems.append((where, "missing_image"))
                 continue
@@ -415,7 +461,7 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
             jobs.append((path, text.strip(), label, where, meta, None))
     else:
         raise DataError(f"unsupported input {input_path} (expected a folder of images with captions, an ImageFolder "
-                        f"directory, a .csv, .jsonl or .parquet)")
+                        f"directory, a .csv, .tsv, .jsonl or .parquet)")
     if "{}" not in caption_template and classnames is not None:
         raise DataError(f"caption_template needs a '{{}}' for the class name (got {caption_template!r})")
 

@@ -77,9 +77,10 @@ def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
     text_cfg = model_cfg.setdefault("text_cfg", {})
     if cfg.text.hf:
         # A Hugging Face text tower replaces open_clip's text transformer; open_clip's CustomTextCLIP runs it.
+        # The named config's tokenizer settings go too: they belong to the tokenizer being replaced.
         for key in ("width", "heads", "layers", "vocab_size", "mlp_ratio", "ls_init_value", "output_tokens",
                     "pool_type", "proj_type", "proj_bias", "embed_cls", "no_causal_mask", "pad_id", "eos_id",
-                    "hf_model_pretrained"):
+                    "hf_model_pretrained", "tokenizer_kwargs", "tokenizer_mode"):
             text_cfg.pop(key, None)
         # A local directory is stored absolute so a resumed run or a saved config works from any directory.
         source = os.path.abspath(os.path.expanduser(cfg.text.hf)) if is_local_dir(cfg.text.hf) else cfg.text.hf
@@ -356,24 +357,37 @@ def build_transforms(preprocess_cfg: Dict[str, Any]):
 def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None):
     """open_clip's tokenizer for the text tower: BPE SimpleTokenizer, or the Hugging Face tower's own.
 
-    The returned callable maps a list of B strings to a (B, context_length) long tensor.
+    Built as ``open_clip.get_tokenizer`` builds it for the same config: ``text_cfg.tokenizer_kwargs`` (SigLIP's
+    ``clean="canonicalize"``, BERT towers' ``strip_sep_token``) and ``text_cfg.tokenizer_mode`` reach the
+    tokenizer, so a published model's captions become the token ids it was trained on. The returned callable
+    maps a list of B strings to a (B, context_length) long tensor.
     """
-    from open_clip.tokenizer import HFTokenizer, SimpleTokenizer
+    from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH, HFTokenizer, SimpleTokenizer
 
     text_cfg = model_cfg.get("text_cfg", {})
-    context_length = text_cfg.get("context_length", 77)
+    context_length = text_cfg.get("context_length", DEFAULT_CONTEXT_LENGTH)
+    kwargs = dict(text_cfg.get("tokenizer_kwargs") or {})
     hf_name = text_cfg.get("hf_tokenizer_name")
-    if hf_name:
+    try:
+        if not hf_name:
+            return SimpleTokenizer(context_length=context_length, **kwargs)
         if source_dir and (Path(source_dir) / "tokenizer_config.json").is_file():
             hf_name = source_dir
-        try:
-            return HFTokenizer(hf_name, context_length=context_length, trust_remote_code=False)
-        except ValueError as err:
-            raise (hf_custom_code_error(err, hf_name) or err) from None
-        except OSError as err:
-            raise ConfigError(f"cannot load the tokenizer '{hf_name}' (not a local directory with tokenizer "
-                              f"files, nor in the local Hugging Face cache): {str(err).splitlines()[0]}") from None
-    return SimpleTokenizer(context_length=context_length)
+        # Remote code is never run, whatever the kwargs say.
+        kwargs["trust_remote_code"] = False
+        return HFTokenizer(hf_name, context_length=context_length, tokenizer_mode=text_cfg.get("tokenizer_mode"),
+                           **kwargs)
+    except (TypeError, AssertionError) as err:
+        # open_clip asserts on an unknown `clean`; an unknown key is a TypeError from a constructor.
+        if not text_cfg.get("tokenizer_kwargs"):
+            raise
+        raise ConfigError(f"model text_cfg.tokenizer_kwargs {text_cfg.get('tokenizer_kwargs')!r} are not accepted "
+                          f"by the tokenizer: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    except ValueError as err:
+        raise (hf_custom_code_error(err, hf_name) or err) from None
+    except OSError as err:
+        raise ConfigError(f"cannot load the tokenizer '{hf_name}' (not a local directory with tokenizer "
+                          f"files, nor in the local Hugging Face cache): {str(err).splitlines()[0]}") from None
 
 
 class TrimmedTokenizer:

@@ -1,7 +1,9 @@
 """Checks a training config's inputs before anything is built, so that a run fails in seconds, not at its end.
 
-Every local path the run will read is checked: the training shards (each source of ``data.train``), the
-evaluation sets (``eval.zeroshot``, ``eval.retrieval``, ``eval.classnames``, a templates file),
+Every local path the run will read is checked: the training shards (each source of ``data.train``: a source of
+which no shard exists, or, with ``data.require_all_shards``, any missing shard), the
+evaluation sets (``eval.zeroshot``, ``eval.retrieval``, ``eval.classnames``, a templates file; an ImageFolder's
+class names, one per class folder),
 ``model.init_from``, ``distill.teacher`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
 ``http://``) and hub model names are not checked. Relative paths resolve against the current directory, as
 everywhere in mmcl; the error shows them resolved, so a run started from another directory says where it looked.
@@ -14,8 +16,10 @@ from typing import List
 
 from ..config import TrainConfig
 from ..data import has_scheme, is_image_folder, missing_shards
+from ..data.eval_sets import class_folders, folder_classnames
 from ..data.sources import redact
 from ..errors import ConfigError, DataError
+from ..evaluation.evaluate import load_classnames
 
 _TEMPLATE_NAMES = ("auto", "openai_imagenet_template", "openai", "imagenet", "simple_imagenet_template", "simple")
 _SET_TRAIN = "set it with data.train=... (e.g. data.train='shards/shard-{000000..000009}.tar')"
@@ -68,11 +72,26 @@ def input_problems(cfg: TrainConfig) -> List[str]:
     if cfg.data.train is None or (isinstance(cfg.data.train, str) and not cfg.data.train.strip()):
         problems.append(f"data.train is not set: {_SET_TRAIN}")
     else:
-        problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train, cfg.data.allow_pipe)]
+        # Holes in a range (some shards missing) are trained around by the data layer, with one warning.
+        problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train, cfg.data.allow_pipe,
+                                                                 require_all=cfg.data.require_all_shards)]
         problems += _pipe_problems(cfg.data.train)
     zeroshot = cfg.eval.zeroshot
     if zeroshot and not is_image_folder(os.path.expanduser(zeroshot)):  # else a directory of shards or a spec
         problems += [f"eval.zeroshot: {p}" for p in missing_shards(zeroshot)]
+    elif zeroshot:  # class names without one per class folder would fail the final evaluation
+        folder = os.path.expanduser(zeroshot)
+        try:
+            if not cfg.eval.classnames:
+                folder_classnames(folder)
+            elif os.path.isfile(os.path.expanduser(cfg.eval.classnames)):
+                names = load_classnames(os.path.expanduser(cfg.eval.classnames))
+                if len(names) != len(class_folders(folder)):
+                    problems.append(f"eval.classnames: {cfg.eval.classnames} has {len(names)} class names but "
+                                    f"{zeroshot} has {len(class_folders(folder))} class folders (expected one name "
+                                    f"per folder, in sorted folder order)")
+        except DataError as err:
+            problems.append(f"eval.zeroshot: {err}")
     if cfg.eval.retrieval:
         problems += [f"eval.retrieval: {p}" for p in missing_shards(cfg.eval.retrieval)]
     if cfg.eval.classnames:
