@@ -9,6 +9,8 @@ walking helpers here (hidden names ignored, sorted class folders) also serve `mm
 from __future__ import annotations
 
 import os
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -48,6 +50,59 @@ def walk_files(folder: str) -> Iterator[str]:
         for name in sorted(names):
             if _visible(name):
                 yield os.path.join(dirpath, name)
+
+
+# A WordNet noun id, the way ImageNet names its class folders (n01440764 is "tench").
+_WNID = re.compile(r"n\d{8}")
+
+
+def imagenet_classnames(folders: List[str], where: str = "") -> Optional[List[str]]:
+    """Readable names for class folders named by ImageNet-1k WordNet ids: open_clip's ImageNet class names
+    (CLIP's curated list) for the ids, else None (folders not named by WordNet ids).
+
+    ImageNet-1k's class index is the position of the WordNet id in the sorted list of its 1000 ids (timm ships
+    that list, and open_clip depends on timm), so a folder holding any subset of the classes maps each folder
+    to its own name. Folders named by WordNet ids outside ImageNet-1k keep their ids, with one warning.
+    """
+    if not folders or not all(_WNID.fullmatch(f) for f in folders):
+        return None
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
+    from timm.data import ImageNetInfo
+
+    wnids = sorted(ImageNetInfo("imagenet-1k").label_names())
+    if len(wnids) != len(IMAGENET_CLASSNAMES):  # the two lists index the same 1000 classes
+        raise DataError(f"ImageNet-1k has {len(wnids)} WordNet ids but {len(IMAGENET_CLASSNAMES)} class names "
+                        f"(expected 1000 each from timm and open_clip)")
+    index = {wnid: i for i, wnid in enumerate(wnids)}
+    outside = [f for f in folders if f not in index]
+    if outside:
+        print(f"mmcl: warning: {len(outside)} class folders{' of ' + where if where else ''} are WordNet ids "
+              f"outside ImageNet-1k (first {outside[0]}): every class is scored by its folder name; give readable "
+              f"names in classnames.txt, one per folder in sorted order", file=sys.stderr, flush=True)
+        return None
+    return [IMAGENET_CLASSNAMES[index[f]] for f in folders]
+
+
+def folder_classnames(root: str, folders: Optional[List[str]] = None) -> Tuple[List[str], str]:
+    """The class names of an ImageFolder and where they come from: ``root/classnames.txt`` (one line per class
+    folder, in sorted folder order), ImageNet-1k's names for WordNet-id folders (`imagenet_classnames`), or the
+    folder names. Returns (names, source) with source ``"classnames.txt"``, ``"imagenet-1k"`` or ``"folders"``.
+
+    Raises `DataError` when classnames.txt does not hold one name per class folder: its names would pair with
+    the wrong folders.
+    """
+    folders = class_folders(root) if folders is None else folders
+    path = os.path.join(root, "classnames.txt")
+    names = _read_lines(path)
+    if names is not None:
+        if len(names) != len(folders):
+            raise DataError(f"{path} has {len(names)} class names but {root} has {len(folders)} class folders "
+                            f"(expected one name per folder, in sorted folder order)")
+        return names, "classnames.txt"
+    readable = imagenet_classnames(folders, root)
+    if readable is not None:
+        return readable, "imagenet-1k"
+    return list(folders), "folders"
 
 
 def is_image_folder(path: str) -> bool:
@@ -110,9 +165,10 @@ def open_rgb(path: str, max_pixels: int = DataConfig.max_image_pixels) -> Image.
 class ImageFolderDataset(torch.utils.data.Dataset):
     """An ImageFolder (``root/<class>/<image>``) for evaluation: items (image (3,H,W) float, label, "", key).
 
-    Labels are the index of the class folder in sorted order; ``classnames`` are the folder names, or
-    the lines of ``root/classnames.txt`` when it has one line per folder (human-readable names for folders
-    such as WordNet ids). ``templates`` are the lines of ``root/templates.txt`` when present, else None.
+    Labels are the index of the class folder in sorted order; ``classnames`` are the lines of
+    ``root/classnames.txt`` (one per folder, else a `DataError`), ImageNet-1k's readable names for folders named
+    by its WordNet ids, or else the folder names (`folder_classnames`; ``classnames_source`` says which).
+    ``templates`` are the lines of ``root/templates.txt`` when present, else None.
     Hidden folders and files (names starting with '.') are ignored. An image that cannot be decoded gives an
     `EvalSkip` item instead (`eval_collate` separates them), so evaluation counts it and goes on.
     """
@@ -127,8 +183,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
                     self.items.append((path, label))
         if not self.items:
             raise DataError(f"no images found in ImageFolder {root} (expected {root}/<class>/<image>.jpg|png|...)")
-        names = _read_lines(os.path.join(root, "classnames.txt"))
-        self.classnames = names if names is not None and len(names) == len(self.folders) else list(self.folders)
+        self.classnames, self.classnames_source = folder_classnames(root, self.folders)
         self.templates = _read_lines(os.path.join(root, "templates.txt"))
 
     def __len__(self) -> int:

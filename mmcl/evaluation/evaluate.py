@@ -66,12 +66,31 @@ def load_classnames(path: str) -> List[str]:
 def _data_dir(data) -> Path:
     """The folder a data spec lives in: the ImageFolder itself, or the folder of its (first) shard."""
     first = str(data).split("::")[0].strip()
-    first = re.split(r"[{*?\[]", first)[0]
+    prefix = re.split(r"[{*?\[]", first)[0]
+    if prefix != first:  # a glob or brace range: the folder its pattern starts in
+        return Path(prefix) if prefix.endswith(("/", os.sep)) else Path(prefix).parent
     path = Path(first)
     return path if path.is_dir() else path.parent
 
 
+# A shard file named by its number alone (0.tar, shard-000000.tar) names no dataset: its folder does.
+_SHARD_NUMBER = re.compile(r"(shard[-_.]?)?\d+", re.IGNORECASE)
+
+
 def _dataset_name(data) -> str:
+    """The name results go under: a single file's stem (``coco_val.tar`` -> ``coco_val``), else (a folder, a
+    glob or brace range, several files, or a file named by its shard number only) the data's folder, or the
+    folder above a split folder (``test/``, ``val/``, ... as in CLIP_benchmark's ``DIR/test/0.tar``)."""
+    specs = [str(s).strip() for s in (data if isinstance(data, (list, tuple)) else str(data).split("::"))]
+    specs = [s for s in specs if s]
+    if len(specs) == 1 and not re.search(r"[{*?\[]", specs[0]) and not os.path.isdir(specs[0]):
+        name = Path(specs[0].rstrip("/")).name
+        for suffix in data_mod.SHARD_SUFFIXES:
+            if name.endswith(suffix):
+                name = name[:-len(suffix)]
+                break
+        if name and not _SHARD_NUMBER.fullmatch(name):
+            return name
     folder = _data_dir(data).resolve()
     if folder.name in _SPLIT_DIRS and folder.parent.name:
         return folder.parent.name
@@ -270,6 +289,9 @@ def _resolve_classnames(data, ds, classnames) -> List[str]:
         raise DataError(f"no class names for {data} (expected classnames.txt next to the data, or "
                         f"--classnames FILE with one name per line in label order)")
     folders = list(getattr(ds, "folders", None) or [])
+    if classnames is not None and folders and len(names) != len(folders):
+        raise DataError(f"{len(names)} class names given for the {len(folders)} class folders of {data} (expected "
+                        f"one name per folder, in sorted folder order)")
     if classnames is not None and folders and names != folders and sorted(names) == sorted(folders):
         # Names given for an ImageFolder are its folder names in another order: labels follow the sorted
         # folders, so the given order would pair every image with the wrong name.
@@ -296,14 +318,17 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
         preprocess: PIL image -> (3, H, W) float tensor.
         tokenizer: list of str -> (B, L) int64 token ids.
         data: ImageFolder directory or shard spec whose samples carry ``.cls`` labels.
-        classnames: list, file, or None for the dataset's own names (or ``classnames.txt`` beside the data).
+        classnames: list, file, or None for the dataset's own names (an ImageFolder's ``classnames.txt``, or
+            ImageNet-1k's names for WordNet-id folders, or its folder names; ``classnames.txt`` beside shards).
+            Names given for an ImageFolder must be one per class folder.
         templates: list, file, open_clip set name, or None / ``"auto"``: the dataset's own (``templates.txt`` or
             CLIP_benchmark's ``zeroshot_classification_templates.txt`` beside the data or one folder up), else
             ``openai_imagenet_template``.
     Returns:
         ``{"dataset", "model", "task": "zeroshot_classification", "metrics": {acc1, [acc5], mean_per_class_recall},
-        "n_samples", "n_classes", "n_skipped", "skipped": {reason: count}}`` (unreadable images are skipped and
-        counted, see `encode_images`).
+        "n_samples", "n_classes", "classnames", "templates", "n_skipped", "skipped": {reason: count}}``: the
+        class names and templates (as text, ``{}`` for the name) that were scored; unreadable images are skipped
+        and counted, see `encode_images`.
     """
     import open_clip
 
@@ -321,7 +346,12 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     logits = feats @ classifier.float().cpu()  # (N, C)
     return {"dataset": _dataset_name(data), "model": model_name, "task": "zeroshot_classification",
             "metrics": classification_metrics(logits, labels), "n_samples": int(labels.numel()),
-            "n_classes": len(names), **skips}
+            "n_classes": len(names), "classnames": names, "templates": template_texts(template_list), **skips}
+
+
+def template_texts(templates: Sequence) -> List[str]:
+    """Templates as text with ``{}`` for the class name (open_clip's sets are callables)."""
+    return [t("{}") if callable(t) else str(t) for t in templates]
 
 
 def retrieval_metrics(similarity: torch.Tensor, text_to_image: torch.Tensor, ks: Sequence[int] = (1, 5, 10)

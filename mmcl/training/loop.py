@@ -187,8 +187,15 @@ class Run:
             print(f"mmcl: {msg}", flush=True)
 
     def logged_at(self, step: int) -> bool:
-        """Whether the metrics of optimiser step `step` (1-based) are written."""
-        return step % self.cfg.train.log_every == 0 or step == self.total
+        """Whether the metrics of optimiser step `step` (1-based) are written: every ``train.log_every`` steps, the
+        last step, and every evaluation step (``eval.every`` counts on its own, its results go in that record)."""
+        return step % self.cfg.train.log_every == 0 or step == self.total or self.evaluated_at(step)
+
+    def evaluated_at(self, step: int) -> bool:
+        """Whether the periodic evaluation (``eval.every``) runs after optimiser step `step`; the last step has the
+        final evaluation instead."""
+        every = self.cfg.eval.every
+        return bool(every) and step % every == 0 and step < self.total and _has_eval(self.cfg)
 
     def start_window(self) -> None:
         self.window_start, self.window_samples, self.data_time = time.perf_counter(), 0, 0.0
@@ -557,7 +564,7 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
         record["logit_bias"] = float(fsdp.full(raw_model.logit_bias.detach()))
     if grad_norm is not None:
         record["grad_norm"] = float(fsdp.full(grad_norm))
-    if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < run.total and _has_eval(cfg):
+    if run.evaluated_at(progress.step):
         eval_model = raw_model
         if fsdp.in_effect(accelerator):  # every process joins the gathering of the weights
             eval_model = fsdp.full_model(accelerator, run.model, run.model_cfg)
