@@ -7,8 +7,11 @@ else
 BIN := $(VENV)/bin
 endif
 PY := $(BIN)/python
-DEMO_DATA ?= runs/demo-data
-RUN ?= runs/tiny
+# Everything the demo writes is under DEMO_DIR (never configs/tiny.yaml's default runs/tiny, a user's folder):
+# a re-run finds its run finished and evaluates and exports it again; `make clean` deletes DEMO_DIR only.
+DEMO_DIR ?= runs/demo
+DEMO_DATA ?= $(DEMO_DIR)/data
+RUN ?= $(DEMO_DIR)/tiny
 LAUNCH ?= launch/cpu-2proc.yaml
 STAMP := $(BIN)/.mmcl-installed
 
@@ -27,22 +30,21 @@ demo-data: install
 	$(BIN)/mmcl demo-data --out $(DEMO_DATA)
 
 train-demo: demo-data
-	rm -rf $(RUN)
 	$(BIN)/accelerate launch --config_file $(LAUNCH) -m mmcl train --config configs/tiny.yaml \
 		data.batch_size=32 train.output_dir=$(RUN) \
 		'data.train=$(DEMO_DATA)/train/shard-*.tar' eval.zeroshot=$(DEMO_DATA)/zeroshot/colour
 
 eval-demo:
-	$(BIN)/mmcl zeroshot --model $(RUN) --data $(DEMO_DATA)/zeroshot/colour --out $(RUN)/zeroshot-colour.json
-	$(BIN)/mmcl zeroshot --model $(RUN) --data $(DEMO_DATA)/zeroshot/shape --out $(RUN)/zeroshot-shape.json
+	$(BIN)/mmcl zeroshot --model $(RUN) --data $(DEMO_DATA)/zeroshot/colour --out $(DEMO_DIR)/zeroshot-colour.json
+	$(BIN)/mmcl zeroshot --model $(RUN) --data $(DEMO_DATA)/zeroshot/shape --out $(DEMO_DIR)/zeroshot-shape.json
 
 export-demo:
-	$(BIN)/mmcl export --model $(RUN) --format open_clip --out $(RUN)/export/open_clip
-	$(BIN)/mmcl export --model $(RUN) --format safetensors --out $(RUN)/export/safetensors
+	$(BIN)/mmcl export --model $(RUN) --format open_clip --out $(DEMO_DIR)/export/open_clip
+	$(BIN)/mmcl export --model $(RUN) --format safetensors --out $(DEMO_DIR)/export/safetensors
 
 demo: train-demo
 	$(MAKE) --no-print-directory eval-demo export-demo
-	@$(PY) -c "import json; r=json.load(open('$(RUN)/zeroshot-colour.json')); s=json.load(open('$(RUN)/zeroshot-shape.json')); print(f\"demo done: zero-shot top-1 colour {100*r['metrics']['acc1']:.1f}%, shape {100*s['metrics']['acc1']:.1f}% (run: $(RUN))\")"
+	@$(PY) -c "import json; r=json.load(open('$(DEMO_DIR)/zeroshot-colour.json')); s=json.load(open('$(DEMO_DIR)/zeroshot-shape.json')); print(f\"demo done: zero-shot top-1 colour {100*r['metrics']['acc1']:.1f}%, shape {100*s['metrics']['acc1']:.1f}% (run: $(RUN))\")"
 
 test: install
 	$(PY) -m pytest -q
@@ -57,4 +59,4 @@ bench: install
 	$(PY) bench/bench_train.py
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf $(DEMO_DIR) .pytest_cache

@@ -84,14 +84,52 @@ def _device(name: Optional[str]):
 
 
 def cmd_train(args) -> int:
-    from .config import load_config
-    from .training.loop import train
+    from .config import load_config, to_yaml
 
     config, overrides = args.config, list(args.overrides)
     if config is None and overrides and "=" not in overrides[0]:
         config, overrides = overrides[0], overrides[1:]  # `mmcl train CONFIG key=value ...`
     cfg = load_config(config, overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from .training.loop import train
+
     train(cfg)
+    return 0
+
+
+# The configs and launch files shipped in the package (links to the checkout's configs/ and launch/ in an editable
+# install, copies in a wheel).
+_STARTER = Path(_PACKAGE_DIR) / "training" / "starter"
+
+
+def cmd_init(args) -> int:
+    """Copy the shipped configs/ and launch/ into DIR. Only new folders are written: no file of the user's is
+    overwritten."""
+    import shutil
+
+    from .errors import StorageError
+
+    out = Path(args.dir)
+    targets = [(_STARTER / name, out / name) for name in ("configs", "launch")]
+    taken = [str(dst) for _, dst in targets if os.path.lexists(dst)]
+    if taken:
+        raise StorageError(f"{' and '.join(taken)} already {'exist' if len(taken) > 1 else 'exists'}: mmcl init "
+                           f"writes only new folders (choose another DIR, or move them away)")
+    missing = [str(src) for src, _ in targets if not src.is_dir()]
+    if missing:
+        raise StorageError(f"this mmcl installation lacks its shipped files ({', '.join(missing)}); reinstall it")
+    try:
+        for src, dst in targets:
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+            for script in dst.glob("*.sh"):
+                script.chmod(script.stat().st_mode | 0o111)  # a wheel may not keep the executable bit
+    except OSError as err:
+        raise StorageError(f"cannot write {out}: {err.strerror or err}") from None
+    print(f"mmcl: wrote {out / 'configs'} and {out / 'launch'}; next:\n"
+          f"  mmcl demo-data --out runs/demo-data\n"
+          f"  mmcl train --config {out / 'configs' / 'tiny.yaml'} 'data.train=runs/demo-data/train/shard-*.tar'")
     return 0
 
 
@@ -203,20 +241,69 @@ def cmd_plot(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default (unless the text already names it, or there is none to show);
+    descriptions and epilogs keep their line breaks."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in text:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose epilog may be made only when help is shown (`epilog_fn`): the config keys'
+    table reads config.py's source, which other commands never need."""
+
+    def __init__(self, *args, epilog_fn=None, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.epilog_fn = epilog_fn
+
+    def format_help(self) -> str:
+        if self.epilog_fn is not None:
+            self.epilog = self.epilog_fn()
+        return super().format_help()
+
+
+_DEVICE_HELP = "torch device, e.g. cuda:1 or cpu (default: cuda if available, else cpu)"
+
+
+def _config_keys_help() -> str:
+    import shutil
+
+    from .config import keys_help
+
+    return keys_help(width=shutil.get_terminal_size().columns - 2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmcl", description="CLIP-style multimodal contrastive pretraining")
+    from . import __version__
+
+    p = _Parser(prog="mmcl", description="CLIP-style multimodal contrastive pretraining")
+    p.add_argument("--version", action="version", version=f"mmcl {__version__}", help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    t = sub.add_parser("train", help="train (single process, or several under `accelerate launch`)")
-    t.add_argument("--config", "-c", help="YAML config file")
+    train_help = "train (single process, or several under `accelerate launch`)"
+    t = sub.add_parser("train", help=train_help, description=train_help, epilog_fn=_config_keys_help)
+    t.add_argument("--config", "-c", help="YAML config file (default: the built-in defaults listed below)")
     t.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides, e.g. data.batch_size=32 (a first argument without '=' is the config)")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (file, then overrides) as YAML and exit without training")
     t.set_defaults(func=cmd_train)
 
+    n = sub.add_parser("init", help="copy the shipped configs/ and launch/ folders into DIR")
+    n.add_argument("dir", metavar="DIR", nargs="?", default=".", help="where configs/ and launch/ are written")
+    n.set_defaults(func=cmd_init)
+
     d = sub.add_parser("demo-data", help="write the embedded synthetic dataset as WebDataset shards")
-    d.add_argument("--out", required=True)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", required=True, help="a new or empty output folder, or one this command wrote before")
+    d.add_argument("--seed", type=int, default=0, help="seed of the generated images and captions")
     d.add_argument("--n-train", type=int, default=None, help="training pairs (default: the demo's size)")
     d.set_defaults(func=cmd_demo_data)
 
@@ -225,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--input", required=True,
                    help="folder of KEY.jpg + KEY.txt [+ KEY.json], ImageFolder, or table with image|url|filepath and "
                         "caption|title columns (open_clip's CSV layout: tab-separated filepath, title)")
-    s.add_argument("--out", required=True)
-    s.add_argument("--shard-size", type=int, default=1000)
+    s.add_argument("--out", required=True, help="a new or empty output folder, or one this command wrote before")
+    s.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     s.add_argument("--caption-template", default="a photo of a {}.", help="ImageFolder captions")
     s.add_argument("--sep", default=None,
                    help="a table's field separator, \\t for a tab (open_clip's --csv-separator; default: a tab for "
@@ -242,21 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--teacher", required=True, help="run dir, its model/, an export, or a Hugging Face CLIP dir")
     rf.add_argument("--data", required=True, help="input shards (brace-expanded spec, a directory or a list)")
     rf.add_argument("--out", required=True, help="output directory (one shard per input shard, same names)")
-    rf.add_argument("--batch-size", type=int, default=64)
-    rf.add_argument("--device", default=None)
+    rf.add_argument("--batch-size", type=int, default=64, help="samples per teacher batch")
+    rf.add_argument("--device", default=None, help=_DEVICE_HELP)
     rf.add_argument("--image-key", default=None, help="image member (default: first of jpg, jpeg, png, webp)")
     rf.add_argument("--caption-key", nargs="+", default=None,
                     help="caption member(s), as data.caption_key: every caption is embedded")
-    rf.add_argument("--no-progress", action="store_true")
+    rf.add_argument("--no-progress", action="store_true", help="no progress bar")
     rf.set_defaults(func=cmd_reinforce)
 
     def eval_args(x, data_help):
         x.add_argument("--model", required=True, help="run dir, its model/, or an export")
         x.add_argument("--data", required=True, help=data_help)
-        x.add_argument("--out", help="results JSON")
-        x.add_argument("--batch-size", type=int, default=128)
-        x.add_argument("--workers", type=int, default=0)
-        x.add_argument("--device", default=None)
+        x.add_argument("--out", help="results JSON (default: printed only)")
+        x.add_argument("--batch-size", type=int, default=128, help="images per batch")
+        x.add_argument("--workers", type=int, default=0, help="data-loading worker processes (0: in this process)")
+        x.add_argument("--device", default=None, help=_DEVICE_HELP)
         x.add_argument("--image-key", default=None, help="image member of shards (default: first of jpg, jpeg, png, "
                                                           "webp), as data.image_key")
         x.add_argument("--caption-key", nargs="+", default=None,
@@ -268,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--classnames", default=None, help="file, one class name per line in label order")
     z.add_argument("--templates", default="auto",
                    help="file with '{}' templates, or openai_imagenet_template | simple_imagenet_template "
-                        "(default: templates.txt next to the data, else openai_imagenet_template)")
+                        "(default: auto, templates.txt next to the data, else openai_imagenet_template)")
     z.set_defaults(func=cmd_zeroshot)
 
     r = sub.add_parser("retrieval", help="image<->text retrieval recall@1/5/10")
@@ -276,41 +363,42 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_retrieval)
 
     lp = sub.add_parser("linear-probe", help="logistic regression on frozen image features")
-    lp.add_argument("--model", required=True)
-    lp.add_argument("--train", required=True)
-    lp.add_argument("--test", required=True)
-    lp.add_argument("--out")
-    lp.add_argument("--batch-size", type=int, default=128)
-    lp.add_argument("--workers", type=int, default=0)
-    lp.add_argument("--device", default=None)
+    lp.add_argument("--model", required=True, help="run dir, its model/, or an export")
+    lp.add_argument("--train", required=True, help="labelled training set: ImageFolder or shards with .cls")
+    lp.add_argument("--test", required=True, help="labelled test set: ImageFolder or shards with .cls")
+    lp.add_argument("--out", help="results JSON (default: printed only)")
+    lp.add_argument("--batch-size", type=int, default=128, help="images per feature batch")
+    lp.add_argument("--workers", type=int, default=0, help="data-loading worker processes (0: in this process)")
+    lp.add_argument("--device", default=None, help=_DEVICE_HELP)
     lp.set_defaults(func=cmd_linear_probe)
 
     e = sub.add_parser("export", help="export the encoders")
-    e.add_argument("--model", required=True)
-    e.add_argument("--format", required=True, choices=["open_clip", "hf", "onnx", "safetensors"])
-    e.add_argument("--out", required=True)
+    e.add_argument("--model", required=True, help="run dir, its model/, or an export")
+    e.add_argument("--format", required=True, choices=["open_clip", "hf", "onnx", "safetensors"],
+                   help="open_clip local-dir, Hugging Face CLIPModel directory, ONNX encoders, or safetensors weights")
+    e.add_argument("--out", required=True, help="output folder")
     e.set_defaults(func=cmd_export)
 
     i = sub.add_parser("index", help="build an image embedding index")
-    i.add_argument("--model", required=True)
-    i.add_argument("--data", required=True)
-    i.add_argument("--out", required=True)
-    i.add_argument("--batch-size", type=int, default=128)
-    i.add_argument("--workers", type=int, default=0)
-    i.add_argument("--device", default=None)
+    i.add_argument("--model", required=True, help="run dir, its model/, or an export")
+    i.add_argument("--data", required=True, help="shards whose images are indexed")
+    i.add_argument("--out", required=True, help="index folder (for mmcl search --index)")
+    i.add_argument("--batch-size", type=int, default=128, help="images per batch")
+    i.add_argument("--workers", type=int, default=0, help="data-loading worker processes (0: in this process)")
+    i.add_argument("--device", default=None, help=_DEVICE_HELP)
     i.set_defaults(func=cmd_index)
 
     q = sub.add_parser("search", help="query an index with text or an image")
-    q.add_argument("--index", required=True)
-    q.add_argument("query", nargs="?", default=None)
-    q.add_argument("--image", default=None)
-    q.add_argument("-k", type=int, default=10)
+    q.add_argument("--index", required=True, help="folder written by mmcl index")
+    q.add_argument("query", nargs="?", default=None, help="text query")
+    q.add_argument("--image", default=None, help="an image file as the query, instead of a text")
+    q.add_argument("-k", type=int, default=10, help="number of hits")
     q.add_argument("--json", action="store_true",
                    help="print the hits as one JSON array (rank, score, key, caption, __url__, url, label)")
     q.set_defaults(func=cmd_search)
 
     pl = sub.add_parser("plot", help="plot a run: loss curves, lr/logit scale, alignment-uniformity plane")
-    pl.add_argument("run_dir")
+    pl.add_argument("run_dir", help="a run folder (train.output_dir)")
     pl.set_defaults(func=cmd_plot)
     return p
 

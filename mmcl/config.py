@@ -11,15 +11,24 @@ A config returned by `load_config` or `from_dict` is read-only: assigning to any
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
+import io
+import json
 import math
 import os
+import re
+import textwrap
+import tokenize
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, get_type_hints
 
+import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .errors import ConfigError
 
@@ -49,30 +58,35 @@ def freeze(cfg: _Section) -> _Section:
 class TextTowerConfig(_Section):
     """Text tower choice. ``hf`` set means a Hugging Face transformers model (name or local path)."""
 
-    hf: Optional[str] = None
-    pooling: str = "mean"  # mean | cls | max  (Hugging Face towers)
-    projection: str = "mlp"  # mlp | linear | none  (Hugging Face towers)
+    hf: Optional[str] = None  # a Hugging Face model name or local path as the text tower; null: open_clip's
+    pooling: str = "mean"  # how a Hugging Face text tower pools its tokens: mean | cls | max
+    projection: str = "mlp"  # a Hugging Face text tower's projection to the embedding: mlp | linear | none
 
 
 @dataclass
 class ModelConfig(_Section):
     name: str = "tiny"  # an mmcl model config (mmcl/models/model_configs/*.json) or any open_clip architecture
-    embed_dim: Optional[int] = None
-    image_size: Optional[int] = None
-    context_length: Optional[int] = None
+    embed_dim: Optional[int] = None  # width of the shared embedding; null: the model config's
+    image_size: Optional[int] = None  # input resolution of the image tower; null: the model config's
+    context_length: Optional[int] = None  # tokens per caption; null: the model config's
     vision_cfg: Dict[str, Any] = field(default_factory=dict)  # raw overrides of open_clip's vision_cfg
     text_cfg: Dict[str, Any] = field(default_factory=dict)  # raw overrides of open_clip's text_cfg
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
-    init_logit_scale: float = math.log(1 / 0.07)  # CLIP (Radford et al. 2021)
+    # The logit scale's initial logarithm: log(1/0.07), as CLIP (Radford et al. 2021)
+    init_logit_scale: float = math.log(1 / 0.07)
     init_logit_bias: Optional[float] = None  # set for SigLIP; -10 there (Zhai et al. 2023)
     init_from: Optional[str] = None  # open_clip .pt/.safetensors/local-dir, an mmcl run or export, HF CLIP dir
-    lock_image: bool = False
-    lock_image_unlocked_groups: int = 0
-    lock_image_freeze_bn_stats: bool = False
-    lock_text: bool = False
-    lock_text_unlocked_layers: int = 0
-    lock_text_freeze_layer_norm: bool = False
-    grad_checkpointing: bool = False
+    # Published weights by name, as open_clip's --pretrained: an open_clip tag of model.name (openai,
+    # laion2b_s34b_b79k), hf-hub:ORG/NAME, or a local file/directory (an open_clip_train run included); downloaded
+    # into the Hugging Face cache. A source with its own config brings its architecture; not with init_from.
+    pretrained: Optional[str] = None
+    lock_image: bool = False  # freeze the image tower (LiT; open_clip's --lock-image)
+    lock_image_unlocked_groups: int = 0  # last layer groups of a locked image tower left trainable
+    lock_image_freeze_bn_stats: bool = False  # also freeze a locked image tower's BatchNorm statistics
+    lock_text: bool = False  # freeze the text tower (open_clip's --lock-text)
+    lock_text_unlocked_layers: int = 0  # last layers of a locked text tower left trainable
+    lock_text_freeze_layer_norm: bool = False  # also freeze a locked text tower's LayerNorms
+    grad_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more compute
     # FLIP (Li et al. 2023): fraction of image patches dropped in training (ViT towers; evaluation is unmasked)
     patch_dropout: float = 0.0
 
@@ -81,10 +95,10 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     train: Any = None  # brace-expanded spec, '::'-separated specs, a glob, or a list of those
     weights: Optional[List[float]] = None  # per-source sampling weights (resampled mode)
-    batch_size: int = 64  # per process
+    batch_size: int = 64  # samples per batch on each process
     workers: int = 2  # dataloader workers per process
-    shuffle_buffer: int = 1000
-    resampled: bool = False
+    shuffle_buffer: int = 1000  # samples per shuffled block (a seeded permutation within each)
+    resampled: bool = False  # draw shards with replacement for ever (open_clip's --dataset-resampled)
     max_image_pixels: int = 89_478_485  # pillow's decompression-bomb limit
     fast_decode: bool = True  # JPEG draft-mode decoding at reduced size
     # Images travel from the workers as uint8 and are scaled/normalised on the training device (exact, 4x less
@@ -97,13 +111,13 @@ class DataConfig(_Section):
     # member (txt) or a JSON field (json:caption, json:captions holding a list); with several captions one is drawn
     # per epoch from the seed, the sample's key and the epoch. Weights (one per source) choose between sources.
     image_key: Optional[str] = None
-    caption_key: Any = "txt"
-    caption_key_weights: Optional[List[float]] = None
+    caption_key: Any = "txt"  # the caption source(s): a member (txt), a JSON field (json:caption), or a list
+    caption_key_weights: Optional[List[float]] = None  # one weight per caption source; null: equal
     # A remote shard (http(s), pipe:, ...) that cannot be opened or breaks off mid-stream is opened again this
     # many times, after retry_delay seconds doubling each time (1 + 2 + 4 s by default), and read on from the
     # sample that broke; only then is it skipped and counted.
     retries: int = 3
-    retry_delay: float = 1.0
+    retry_delay: float = 1.0  # seconds before the first retry of a remote shard (doubling after each)
     # A pipe shard (pipe: command, http(s) through curl) that sends nothing for this many seconds while it is read
     # is killed with its children and treated as broken off (then retried); 0 waits for ever.
     read_timeout: float = 300.0
@@ -117,11 +131,14 @@ class DataConfig(_Section):
     # A source of data.train with some of its shards missing (a LAION download with holes) is trained on the
     # shards that exist, with one warning giving the count missing; true refuses such a run before its first step.
     require_all_shards: bool = False
+    # Samples in one pass over data.train (open_clip's --train-num-samples), for train.epochs; null: read from the
+    # counts beside the shards (sizes.json, img2dataset's _stats.json, __len__; mmcl/data/sizes.py).
+    train_num_samples: Optional[int] = None
 
 
 @dataclass
 class MochiConfig(_Section):
-    weight: float = 0.0
+    weight: float = 0.0  # weight of MoCHi (Kalantidis et al. 2020): InfoNCE with synthesised hard negatives
     n_hard: int = 64  # N: hardest negatives considered per query
     s: int = 32  # synthetic negatives mixed from two hard negatives
     s_prime: int = 16  # harder negatives mixed from the query and a hard negative
@@ -131,59 +148,77 @@ class MochiConfig(_Section):
 
 @dataclass
 class LossConfig(_Section):
-    clip: float = 1.0
-    supcon: float = 0.0
-    siglip: float = 0.0
-    align: float = 0.0
-    uniform: float = 0.0
-    debiased: float = 0.0
+    clip: float = 1.0  # weight of InfoNCE, CLIP's symmetric cross-entropy
+    supcon: float = 0.0  # weight of supervised contrastive (Khosla et al. 2020; pairs sharing a label or caption)
+    siglip: float = 0.0  # weight of SigLIP's sigmoid loss (Zhai et al. 2023; needs model.init_logit_bias)
+    align: float = 0.0  # weight of alignment (Wang & Isola 2020); always reported as a metric
+    uniform: float = 0.0  # weight of uniformity (Wang & Isola 2020); always reported as a metric
+    debiased: float = 0.0  # weight of debiased InfoNCE (Chuang et al. 2020)
     tau_plus: float = 0.1  # class prior of Chuang et al. 2020
-    hard_negative: float = 0.0
+    hard_negative: float = 0.0  # weight of hard-negative reweighted InfoNCE (Robinson et al. 2021)
     hn_beta: float = 1.0  # concentration of Robinson et al. 2021
-    align_alpha: float = 2.0
-    uniform_t: float = 2.0
+    align_alpha: float = 2.0  # exponent of the distance in the alignment term
+    uniform_t: float = 2.0  # temperature of the uniformity term's Gaussian kernel
     chunk_size: Optional[int] = None  # tiled (memory-linear) softmax and sigmoid losses when set
-    max_logit_scale: float = 100.0
+    max_logit_scale: float = 100.0  # the learned logit scale is clamped to at most this (CLIP: 100)
     mochi: MochiConfig = field(default_factory=MochiConfig)
     distill: float = 0.0  # KL from a teacher's contrastive distributions (distill.teacher or distill.from_shards)
 
 
 @dataclass
 class OptimConfig(_Section):
-    lr: float = 5e-4
-    weight_decay: float = 0.2
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-6
-    warmup_steps: int = 10
-    schedule: str = "cosine"  # cosine | constant | linear
-    min_lr: float = 0.0
-    grad_clip: Optional[float] = 1.0
+    lr: float = 5e-4  # peak learning rate (AdamW)
+    weight_decay: float = 0.2  # AdamW's decoupled weight decay (not on gains, biases and the logit scale)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.98  # AdamW's second-moment decay
+    eps: float = 1e-6  # AdamW's epsilon
+    warmup_steps: int = 10  # steps of linear warm-up from 0 to optim.lr
+    # cosine | linear | constant | const-cooldown | wsd. const-cooldown (open_clip's) and wsd (warmup-stable-decay, as
+    # transformers' get_wsd_schedule) are one schedule: warmup, the peak rate, then a decay to min_lr over the last
+    # cooldown_steps steps (or cooldown_fraction of the run).
+    schedule: str = "cosine"
+    min_lr: float = 0.0  # where cosine/linear and the cooldown end (open_clip's --lr-cooldown-end)
+    cooldown_steps: Optional[int] = None  # steps of the final decay (const-cooldown, wsd); null: cooldown_fraction
+    cooldown_fraction: float = 0.1  # the cooldown's share of the run when cooldown_steps is null
+    # The cooldown's shape over its progress p in [0, 1]: linear (1 - p) ** cooldown_power (open_clip's
+    # --lr-cooldown-power; 1 is linear), 1-sqrt (1 - sqrt(p), Hägele et al. 2024), cosine (0.5 (1 + cos(pi p)))
+    cooldown_shape: str = "linear"
+    cooldown_power: float = 1.0  # exponent of the linear cooldown shape (1: linear)
+    # Parameters whose names match this regular expression (re.search) are not decayed, in addition to gains,
+    # biases and the logit scale/bias; e.g. 'positional_embedding|class_embedding|token_embedding'
+    no_decay_pattern: Optional[str] = None
+    grad_clip: Optional[float] = 1.0  # clip the global gradient norm to this; null: no clipping
     # Learning-rate multiplier of each tower, and layer-wise decay within it (1.0: off); see mmcl/optim.py
     image_lr_mult: float = 1.0
-    text_lr_mult: float = 1.0
-    image_layer_decay: float = 1.0
-    text_layer_decay: float = 1.0
+    text_lr_mult: float = 1.0  # learning-rate multiplier of the text tower
+    image_layer_decay: float = 1.0  # layer-wise learning-rate decay within the image tower
+    text_layer_decay: float = 1.0  # layer-wise learning-rate decay within the text tower
 
 
 @dataclass
 class TrainSection(_Section):
-    steps: int = 150
-    samples: Optional[int] = None  # a budget in samples (all processes); when set it gives the number of steps
-    output_dir: str = "runs/tiny"
-    seed: int = 0
-    log_every: int = 10
-    save_every: int = 50
-    keep_checkpoints: int = 2
+    steps: int = 150  # optimiser steps of the run
+    # The run's length: train.steps, unless train.samples (a budget in samples, all processes) or train.epochs (passes
+    # over the data, open_clip's --epochs; data.train_num_samples or the shards' counts) is set; not both of these.
+    samples: Optional[int] = None
+    epochs: Optional[float] = None  # the run's length in passes over data.train (open_clip's --epochs)
+    output_dir: str = "runs/tiny"  # the run folder: config.yaml, metrics.jsonl, checkpoints/, model/
+    # auto: a new or empty output_dir starts a run, the same run resumes, another run is refused (README, "Run
+    # directory"); force: resume the run there despite config differences (config.yaml then records this config)
+    resume: str = "auto"
+    seed: int = 0  # seeds the model's initialisation, the data order and the dropout
+    log_every: int = 10  # steps between lines of metrics.jsonl (and the trackers)
+    save_every: int = 50  # steps between resumable checkpoints, and one at the end (0: none)
+    keep_checkpoints: int = 2  # the newest checkpoints kept; older ones are deleted
     # auto | fp32 | bf16 | fp16; auto: the launcher's mixed precision (`accelerate launch`'s mixed_precision, passed
     # as ACCELERATE_MIXED_PRECISION), fp32 without one. A set value that a launcher contradicts is an error.
     precision: str = "auto"
     tf32: bool = True  # TF32 tensor cores for float32 matmuls and convolutions on CUDA (as open_clip); no-op elsewhere
     accum_steps: int = 1  # micro-batches forming one contrastive batch
-    compile: bool = False
+    compile: bool = False  # torch.compile the model
     nan_policy: str = "stop"  # stop | skip
-    plot: bool = True
-    progress: bool = True
+    plot: bool = True  # write the run's plots (mmcl plot) at the end
+    progress: bool = True  # show a progress bar
     # Exponential moving average of the trainable weights, used by evaluation, model/ and exports (e.g. 0.999)
     ema_decay: Optional[float] = None
     # Trackers through accelerate (tensorboard | wandb | mlflow | aim); metrics.jsonl is always written
@@ -199,10 +234,10 @@ class TrainSection(_Section):
 class EvalConfig(_Section):
     every: int = 0  # steps between evaluations during training; 0 evaluates only at the end if data is set
     zeroshot: Optional[str] = None  # ImageFolder or shards with .cls
-    classnames: Optional[str] = None
+    classnames: Optional[str] = None  # file with one class name per line in label order; null: beside the data
     templates: str = "auto"  # templates.txt beside the data, else open_clip's openai_imagenet_template
     retrieval: Optional[str] = None  # shards
-    batch_size: int = 128
+    batch_size: int = 128  # images (or captions) per evaluation batch
     # Seconds the other processes wait for the main process's evaluation (and, at the end, model/ and plots)
     timeout_s: float = 14400.0
 
@@ -226,26 +261,37 @@ class TrainConfig(_Section):
 
 # train.precision's values and the name accelerate (``mixed_precision``, ACCELERATE_MIXED_PRECISION) gives each.
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+# train.log_with's values: accelerate's tracker names, each also the name of the package it needs.
+TRACKERS = ("tensorboard", "wandb", "mlflow", "aim")
 
 _CHOICES = {
     "model.text.pooling": ("mean", "cls", "max"),
     "model.text.projection": ("mlp", "linear", "none"),
-    "optim.schedule": ("cosine", "constant", "linear"),
+    "optim.schedule": ("cosine", "constant", "linear", "const-cooldown", "wsd"),
+    "optim.cooldown_shape": ("linear", "1-sqrt", "cosine"),
     "train.precision": ("auto", *PRECISIONS),
     "train.nan_policy": ("stop", "skip"),
+    "train.resume": ("auto", "force"),
 }
 _POSITIVE = (
     "data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size",
-    "train.dist_timeout_s", "eval.timeout_s", "data.max_member_bytes",
+    "train.dist_timeout_s", "eval.timeout_s", "data.max_member_bytes", "train.epochs", "data.train_num_samples",
+    "optim.cooldown_power",
 )
 _NON_NEGATIVE = (
     "data.workers", "data.shuffle_buffer", "data.retries", "data.retry_delay", "data.read_timeout",
     "train.save_every",
     "train.keep_checkpoints", "optim.warmup_steps",
-    "optim.lr", "optim.weight_decay", "loss.clip", "loss.supcon", "loss.siglip", "loss.align", "loss.uniform",
-    "loss.debiased", "loss.hard_negative", "loss.mochi.weight", "loss.mochi.queue_size", "loss.distill", "eval.every",
-    "optim.image_lr_mult", "optim.text_lr_mult", "train.unmasked_steps",
+    "optim.lr", "optim.weight_decay", "loss.mochi.queue_size", "eval.every",  # and every term's weight (`term_keys`)
+    "optim.image_lr_mult", "optim.text_lr_mult", "train.unmasked_steps", "optim.min_lr",
 )
+
+
+@functools.lru_cache(maxsize=None)
+def _subsections(schema) -> Dict[str, type]:
+    """Field name -> section class for the fields of `schema` that are sections. The annotations are text here
+    (``from __future__ import annotations``); typing resolves them, so the tree is read from the dataclasses."""
+    return {name: hint for name, hint in get_type_hints(schema).items() if dataclasses.is_dataclass(hint)}
 
 
 def valid_keys(schema=TrainConfig, prefix: str = "") -> List[str]:
@@ -254,16 +300,103 @@ def valid_keys(schema=TrainConfig, prefix: str = "") -> List[str]:
     for f in dataclasses.fields(schema):
         key = prefix + f.name
         keys.append(key)
-        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type in _SUBTREES):
-            keys += valid_keys(_SUBTREES[f.type] if isinstance(f.type, str) else f.type, key + ".")
+        if f.name in _subsections(schema):
+            keys += valid_keys(_subsections(schema)[f.name], key + ".")
     return keys
 
 
-_SUBTREES = {
-    "TextTowerConfig": TextTowerConfig, "ModelConfig": ModelConfig, "DataConfig": DataConfig,
-    "MochiConfig": MochiConfig, "LossConfig": LossConfig, "OptimConfig": OptimConfig,
-    "TrainSection": TrainSection, "EvalConfig": EvalConfig, "DistillConfig": DistillConfig,
-}
+@dataclass(frozen=True)
+class KeyInfo:
+    """One config key as ``mmcl train --help`` lists it."""
+
+    key: str  # dotted, e.g. data.batch_size
+    type: str  # as a user writes it: int, float, str, bool, 'int or null', 'list of float', mapping, any
+    default: str  # as YAML would spell it
+    description: str  # the field's comment in this file (the line(s) above it and the one after it, joined)
+
+
+def _type_name(node: ast.expr) -> str:
+    text = ast.unparse(node)
+    if isinstance(node, ast.Subscript):
+        outer, inner = ast.unparse(node.value), node.slice
+        if outer == "Optional":
+            return f"{_type_name(inner)} or null"
+        if outer == "List":
+            return f"list of {_type_name(inner)}"
+        if outer == "Dict":
+            return "mapping"
+    return {"Any": "any"}.get(text, text)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _comments_by_field() -> Dict[tuple, tuple]:
+    """(class name, field) -> (type, description), read from this file's source: a field's description is its
+    comment, so the code and ``--help`` cannot drift apart."""
+    source = Path(__file__).read_text(encoding="utf-8")
+    comments, alone = {}, set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+            if not tok.line[:tok.start[1]].strip():
+                alone.add(tok.start[0])
+    out = {}
+    for cls in ast.parse(source).body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for node in cls.body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            above, line = [], node.lineno - 1
+            while line in alone:
+                above.insert(0, comments[line])
+                line -= 1
+            after = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+            out[(cls.name, node.target.id)] = (_type_name(node.annotation), " ".join(above + after))
+    return out
+
+
+def describe_keys(schema=TrainConfig, prefix: str = "") -> List[KeyInfo]:
+    """Every leaf key of the schema with its type, default and description, in the schema's order."""
+    infos = []
+    comments = _comments_by_field()
+    for f in dataclasses.fields(schema):
+        sub = _subsections(schema).get(f.name)
+        if sub is not None:
+            infos += describe_keys(sub, prefix + f.name + ".")
+            continue
+        type_name, text = comments.get((schema.__name__, f.name), ("any", ""))
+        infos.append(KeyInfo(prefix + f.name, type_name, _default_text(f), text))
+    return infos
+
+
+@functools.lru_cache(maxsize=None)
+def _fields() -> Dict[str, KeyInfo]:
+    return {info.key: info for info in describe_keys()}
+
+
+def _section_keys() -> List[str]:
+    return [k for k in valid_keys() if k not in _fields()]
+
+
+def keys_help(width: int = 100) -> str:
+    """The config keys as ``mmcl train --help`` prints them: key (type, default), then the description."""
+    lines = ["config keys (in the --config file, or as key=value after it; --print-config shows the resolved "
+             "values):"]
+    section = None
+    for info in describe_keys():
+        top = info.key.split(".")[0]
+        if top != section:
+            section = top
+            lines.append("")
+        lines.append(f"  {info.key} ({info.type}, default: {info.default})")
+        lines += textwrap.wrap(info.description, width=max(width, 40), initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    return "\n".join(lines)
 
 
 def _nearest(key: str) -> str:
@@ -275,14 +408,20 @@ def _nearest(key: str) -> str:
     return ("; did you mean " + " or ".join(close) + "?") if close else ""
 
 
-def _describe(err: OmegaConfBaseException) -> str:
-    key = getattr(err, "full_key", None) or ""
-    if isinstance(err, ConfigKeyError) or "not in" in str(err):
-        return f"unknown config key '{key}'{_nearest(key)}"
-    if isinstance(err, ValidationError):
-        msg = str(err).splitlines()[0]
-        return f"bad value for '{key}': {msg}"
-    return f"'{key}': {str(err).splitlines()[0]}"
+def _describe(err: OmegaConfBaseException, key: str, value: Any) -> str:
+    """One line for a failed merge of ``key=value``, in the schema's words (OmegaConf's own text names its
+    internals, e.g. "Merge error: int is not a subclass of OptimConfig")."""
+    fields = _fields()
+    if key in _section_keys():
+        leaves = [k for k in fields if k.startswith(key + ".")]
+        return (f"'{key}' is a section, not a value: set its keys, e.g. {leaves[0]}=... "
+                f"(`mmcl train --help` lists them)")
+    if key in fields:
+        return f"bad value for '{key}': expected {fields[key].type}, got {value!r}"
+    full = getattr(err, "full_key", None) or key
+    if isinstance(err, ConfigKeyError) or "not in" in str(err) or full not in fields:
+        return f"unknown config key '{full}'{_nearest(full)}"
+    return f"bad value for '{full}': expected {fields[full].type}, got {value!r}"
 
 
 def _merge_checked(base, other, errors: List[str], source: str):
@@ -292,7 +431,7 @@ def _merge_checked(base, other, errors: List[str], source: str):
         try:
             base.merge_with(_nested(key, value))
         except OmegaConfBaseException as err:
-            errors.append(f"{source}: {_describe(err)}")
+            errors.append(f"{source}: {_describe(err, key, value)}")
     return base
 
 
@@ -325,7 +464,11 @@ def parse_overrides(overrides: List[str]) -> List[tuple]:
             raise ConfigError(f"override '{item}' is not key=value (e.g. data.batch_size=32)")
         key, raw = item.split("=", 1)
         # YAML parsing gives ints, floats, bools, null and lists; the schema then converts by field type.
-        value = OmegaConf.from_dotlist([f"v={raw}"]).v
+        try:
+            value = OmegaConf.from_dotlist([f"v={raw}"]).v
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({problem})") from None
         pairs.append((key.strip(), value))
     return pairs
 
@@ -343,22 +486,46 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
             raise ConfigError(f"config file not found: {path}")
         try:
             raw = OmegaConf.load(path)
-        except Exception as err:  # YAML syntax errors come in many types
+        except yaml.MarkedYAMLError as err:  # file:line:column, as compilers and YAML linters print it
+            mark = err.problem_mark or err.context_mark
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+            raise ConfigError(f"{where}: YAML syntax error: {err.problem or err.context}") from None
+        except Exception as err:  # other YAML errors (e.g. a bad encoding) carry no position
             raise ConfigError(f"cannot parse {path}: {str(err).splitlines()[0]}") from None
         if not isinstance(raw, type(OmegaConf.create({}))):
             raise ConfigError(f"{path} must hold a mapping of config sections, got a list")
         _merge_checked(cfg, raw, errors, path)
-    for key, value in parse_overrides(overrides or []):
+    for item in overrides or []:
+        try:
+            [(key, value)] = parse_overrides([item])
+        except ConfigError as err:
+            errors.append(str(err))
+            continue
         try:
             cfg.merge_with(_nested(key, value))
         except OmegaConfBaseException as err:
-            errors.append(f"override {key}: {_describe(err)}")
-    if not errors:
+            errors.append(f"override {key}: {_describe(err, key, value)}")
+    # A failed merge leaves its key at the value before it, so the values that did merge are still checked: bad
+    # values are reported together with unknown keys.
+    try:
         obj: TrainConfig = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        obj = None
+        errors += [] if errors else [f"invalid config: {str(err).splitlines()[0]}"]
+    if obj is not None:
         errors += validate(obj)
     if errors:
-        raise ConfigError("; ".join(errors) if len(errors) > 1 else errors[0])
+        raise ConfigError(f"{len(errors)} problems: " + "; ".join(errors) if len(errors) > 1 else errors[0])
     return freeze(obj)
+
+
+def term_keys() -> Dict[str, str]:
+    """Each loss term of `mmcl.losses.TERMS` -> the key of its weight: ``loss.<term>``, or ``loss.<term>.weight``
+    for a term with its own section of parameters (``loss.mochi``)."""
+    from .losses import TERMS  # here, not above: the losses bring torch, which a model directory's config does not
+
+    sections = _subsections(LossConfig)
+    return {name: f"loss.{name}.weight" if name in sections else f"loss.{name}" for name in TERMS}
 
 
 def get(cfg, key: str):
@@ -378,13 +545,13 @@ def validate(cfg: TrainConfig) -> List[str]:
     for key in _POSITIVE:
         if get(cfg, key) is not None and get(cfg, key) <= 0:
             problems.append(f"{key} must be > 0 (got {get(cfg, key)})")
-    for key in _NON_NEGATIVE:
+    weight_keys = list(term_keys().values())
+    for key in (*_NON_NEGATIVE, *weight_keys):
         if get(cfg, key) < 0:
             problems.append(f"{key} must be >= 0 (got {get(cfg, key)})")
     if cfg.loss.chunk_size is not None and cfg.loss.chunk_size <= 0:
         problems.append(f"loss.chunk_size must be a positive integer or null (got {cfg.loss.chunk_size})")
-    terms = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "distill")
-    if not any(getattr(cfg.loss, t) > 0 for t in terms) and cfg.loss.mochi.weight <= 0:
+    if not any(get(cfg, key) > 0 for key in weight_keys):
         problems.append("no loss term is active: set at least one of loss.clip, loss.supcon, loss.siglip, ... > 0")
     loss = cfg.loss
     if (loss.debiased > 0 or loss.hard_negative > 0) and not 0 <= loss.tau_plus < 1:
@@ -406,17 +573,46 @@ def validate(cfg: TrainConfig) -> List[str]:
         if not 0.0 < get(cfg, key) <= 1.0:
             problems.append(f"{key} must be in (0, 1] (got {get(cfg, key)})")
     problems += _sample_key_problems(cfg.data)
-    unknown = [t for t in cfg.train.log_with if t not in ("tensorboard", "wandb", "mlflow", "aim")]
+    problems += _length_problems(cfg)
+    unknown = [t for t in cfg.train.log_with if t not in TRACKERS]
     if unknown:
         problems.append(f"train.log_with: unknown tracker(s) {', '.join(map(repr, unknown))} (choose from "
-                        f"tensorboard, wandb, mlflow, aim)")
+                        f"{', '.join(TRACKERS)})")
     if not 0.0 <= cfg.model.patch_dropout < 1.0:
         problems.append(f"model.patch_dropout must be in [0, 1) (got {cfg.model.patch_dropout})")
     if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:
         problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     problems += _distill_problems(cfg)
+    if cfg.model.pretrained and cfg.model.init_from:
+        problems.append("model.pretrained and model.init_from are both set: model.pretrained names a model (its "
+                        "weights, and its architecture where it has one), model.init_from loads weights into "
+                        "model.name; set one")
     if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):
         problems.append("data.weights must be non-negative")
+    return problems
+
+
+def _length_problems(cfg: TrainConfig) -> List[str]:
+    """The run's length and the schedule's keys (the step counts themselves are checked at the start of a run,
+    where the number of processes is known: `mmcl.training.loop.run_length`)."""
+    problems, o = [], cfg.optim
+    if cfg.train.samples is not None and cfg.train.epochs is not None:
+        problems.append(f"train.samples ({cfg.train.samples}) and train.epochs ({cfg.train.epochs}) both set the "
+                        f"run's length: set one of them (or neither, and train.steps)")
+    if cfg.data.train_num_samples is not None and cfg.train.epochs is None:
+        problems.append("data.train_num_samples is set but train.epochs is not: it gives an epoch's size for "
+                        "train.epochs (set train.epochs, or train.samples for a budget in samples)")
+    if o.cooldown_steps is not None and o.cooldown_steps < 0:
+        problems.append(f"optim.cooldown_steps must be >= 0 or null (got {o.cooldown_steps})")
+    if not 0.0 <= o.cooldown_fraction <= 1.0:
+        problems.append(f"optim.cooldown_fraction must be in [0, 1] (got {o.cooldown_fraction})")
+    if o.min_lr > o.lr:
+        problems.append(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
+    if o.no_decay_pattern is not None:
+        try:
+            re.compile(o.no_decay_pattern)
+        except re.error as err:
+            problems.append(f"optim.no_decay_pattern is not a regular expression ({err}): {o.no_decay_pattern!r}")
     return problems
 
 

@@ -327,5 +327,5 @@ def test_make_demo_passes_its_own_data_paths():
                        cwd=CONFIG_DIR.parent, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     launch = " ".join(p.stdout.replace("\\\n", " ").split())
-    assert ("-m mmcl train --config configs/tiny.yaml data.batch_size=32 train.output_dir=runs/tiny "
+    assert ("-m mmcl train --config configs/tiny.yaml data.batch_size=32 train.output_dir=runs/demo/tiny "
             "'data.train=/somewhere/demo/train/shard-*.tar' eval.zeroshot=/somewhere/demo/zeroshot/colour") in launch

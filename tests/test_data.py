@@ -615,7 +615,7 @@ BELOW_DATA = ("config", "errors", "storage.fsutil", "storage.manifest")
 def test_data_modules_import_only_the_modules_before_them():
     import ast
 
-    order = ["sources", "reading", "decode", "transforms", "pipeline", "eval_sets", "writer", "demo"]
+    order = ["sources", "sizes", "reading", "decode", "transforms", "pipeline", "eval_sets", "writer", "demo"]
     folder = os.path.dirname(data.__file__)
     assert sorted(order + ["__init__"]) == sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py"))
     for i, name in enumerate(order):

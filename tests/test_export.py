@@ -79,8 +79,8 @@ def test_safetensors_export_loads_without_training_code(model_dir, reference, tm
     out = export_mod.export(model_dir, "safetensors", tmp_path / "st")
     from safetensors import safe_open
 
-    with safe_open(str(out / models.WEIGHTS_FILE), "pt") as f:
-        assert json.loads(f.metadata()["mmcl_model_cfg"]) == json.loads((model_dir / models.CONFIG_FILE).read_text())[
+    with safe_open(str(out / weights.WEIGHTS_FILE), "pt") as f:
+        assert json.loads(f.metadata()["mmcl_model_cfg"]) == json.loads((model_dir / weights.CONFIG_FILE).read_text())[
             "model_cfg"]
     script = (
         "import sys, json, torch, mmcl\n"
@@ -337,7 +337,7 @@ def test_onnx_tokenizer_json_documented_differences(onnx_dir):
 
 def test_onnx_preprocess_json_describes_the_eval_transform(onnx_dir, model_dir):
     pre = json.loads((onnx_dir / "preprocess.json").read_text())
-    pp = models.preprocess_config(json.loads((model_dir / models.CONFIG_FILE).read_text())["model_cfg"])
+    pp = models.preprocess_config(json.loads((model_dir / weights.CONFIG_FILE).read_text())["model_cfg"])
     assert pre["crop_size"] == [pp["size"], pp["size"]] and pre["resize_mode"] == pp["resize_mode"]
     assert pre["mean"] == pytest.approx(list(pp["mean"])) and pre["std"] == pytest.approx(list(pp["std"]))
     assert pre["interpolation"] == pp["interpolation"] and pre["rescale_factor"] == pytest.approx(1 / 255)

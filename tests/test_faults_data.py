@@ -20,6 +20,7 @@ from PIL import Image
 from mmcl import data, models
 from mmcl.evaluation import evaluate
 from mmcl.storage import fsutil, weights
+from mmcl.storage.weights import CONFIG_FILE, WEIGHTS_FILE
 from mmcl.storage import export as export_mod
 from mmcl.errors import CheckpointError, ConfigError, DataError
 
@@ -493,11 +494,11 @@ def _one_error_line(stderr: str) -> str:
 def test_saved_model_records_weights_size_and_sha256(tiny_model):
     import hashlib
 
-    meta = json.loads((tiny_model / models.CONFIG_FILE).read_text())
-    weights = tiny_model / models.WEIGHTS_FILE
-    assert meta["mmcl"]["weights"] == {"file": models.WEIGHTS_FILE, "size": weights.stat().st_size,
+    meta = json.loads((tiny_model / CONFIG_FILE).read_text())
+    weights = tiny_model / WEIGHTS_FILE
+    assert meta["mmcl"]["weights"] == {"file": WEIGHTS_FILE, "size": weights.stat().st_size,
                                        "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
-    assert meta["mmcl"]["files"] == sorted([models.CONFIG_FILE, models.WEIGHTS_FILE])
+    assert meta["mmcl"]["files"] == sorted([CONFIG_FILE, WEIGHTS_FILE])
 
 
 @pytest.mark.parametrize("damage, match", [
@@ -518,7 +519,7 @@ def test_damaged_model_files_are_checkpoint_errors(tiny_model, tmp_path, damage,
     from safetensors.torch import load_file, save_file
 
     d = _copy_model(tiny_model, tmp_path / "m")
-    weights_file, config = d / models.WEIGHTS_FILE, d / models.CONFIG_FILE
+    weights_file, config = d / WEIGHTS_FILE, d / CONFIG_FILE
     meta = json.loads(config.read_text())
     if damage.startswith("truncate_weights"):
         weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
@@ -562,12 +563,12 @@ def test_damaged_model_files_are_checkpoint_errors(tiny_model, tmp_path, damage,
 def test_cli_damaged_model_is_one_line(tiny_model, tmp_path):
     folder = _colour_folder(tmp_path / "colours", bad=False, hidden=False)
     d = _copy_model(tiny_model, tmp_path / "m")
-    (d / models.WEIGHTS_FILE).write_bytes((d / models.WEIGHTS_FILE).read_bytes()[:5000])
+    (d / WEIGHTS_FILE).write_bytes((d / WEIGHTS_FILE).read_bytes()[:5000])
     p = subprocess.run([sys.executable, "-m", "mmcl", "zeroshot", "--model", str(d), "--data", str(folder)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "truncated" in _one_error_line(p.stderr)
     c = _copy_model(tiny_model, tmp_path / "c")
-    (c / models.CONFIG_FILE).write_text((c / models.CONFIG_FILE).read_text()[:-30])
+    (c / CONFIG_FILE).write_text((c / CONFIG_FILE).read_text()[:-30])
     p = subprocess.run([sys.executable, "-m", "mmcl", "export", "--model", str(c), "--format", "safetensors",
                         "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "not valid JSON" in _one_error_line(p.stderr)

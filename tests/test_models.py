@@ -218,7 +218,7 @@ def test_saved_lit_model_is_self_contained(tmp_path, minilm_dir):
     oc_tok = open_clip.get_tokenizer(f"local-dir:{out}")
     with torch.no_grad():
         assert torch.equal(oc_model.encode_text(oc_tok(SENTENCES)), model.encode_text(tokens))
-    assert json.loads((out / models.CONFIG_FILE).read_text())["mmcl"]["text_source"] == str(source)
+    assert json.loads((out / weights.CONFIG_FILE).read_text())["mmcl"]["text_source"] == str(source)
 
 
 # ---------------------------------------------------------------------------------------------------- locking

@@ -9,7 +9,7 @@ One concern per module, imported in this order (each uses only those above it)::
                    http) through webdataset's ``gopen``; `redact` hides credentials in commands and URLs
     reading.py     tar streams -> raw samples with their positions (`TarReader`, `read_raw_samples`)
     decode.py      raw sample -> image bytes, caption, label (`parse_sample`); bytes -> RGB (`decode_image`,
-                   `to_rgb`); the skip reasons
+                   `to_rgb`); the skip reasons; a training sample through its seeded transform (`decode_sample`)
     transforms.py  decoded image -> tensor: the training transform built from a model's image numbers
                    (`ImageSpec`, `train_image_stages`), seeded per-sample transforms, the uint8 hand-off
                    (`ImageFinish`; `split_transform` for a caller's own transform), the cheaper random crop
@@ -22,8 +22,9 @@ One concern per module, imported in this order (each uses only those above it)::
 The names below are the package's public interface; import them from ``mmcl.data``.
 """
 
-from .decode import (IMAGE_EXTS, SKIP_REASONS, SampleKeys, SkipSample, caption_draw, decode_image, image_bytes,
-                     parse_caption, parse_label, parse_sample, sample_keys, to_rgb, zero_skips)
+from .decode import (IMAGE_EXTS, SKIP_REASONS, SampleKeys, SkipSample, TransformOutputError, caption_draw,
+                     decode_image, decode_sample, image_bytes, parse_caption, parse_label, parse_sample, pil_to_uint8,
+                     sample_keys, to_rgb, zero_skips)
 from .eval_sets import (EvalFailure, EvalSkip, ImageFolderDataset, ShardEvalDataset, build_eval_dataset,
                         eval_collate, is_image_folder, open_rgb)
 from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, collate, epoch_shard_plan,
@@ -31,9 +32,9 @@ from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, col
 from .reading import RawSample, TarFormatError, TarReader, read_raw_samples
 from .sources import (SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard,
                       redact)
-from .transforms import (TRAIN_CROP_SCALE, ImageFinish, ImageSpec, PyRandomResizedCrop, TransformOutputError,
-                         decode_sample, draft_size_of, pil_to_uint8, random_crop_box, split_transform,
-                         train_draft_size, train_image_stages, training_sample_transform)
+from .transforms import (TRAIN_CROP_SCALE, ImageFinish, ImageSpec, PyRandomResizedCrop, draft_size_of,
+                         random_crop_box, split_transform, train_draft_size, train_image_stages,
+                         training_sample_transform)
 from .writer import ShardWriter, shards_from_input, write_shards
 
 __all__ = [

@@ -3,17 +3,23 @@
 Every image mmcl reads, in training shards, evaluation shards and folders and `mmcl shards` input, goes through
 `decode_image` and its one pixel conversion `to_rgb`; every sample's files are read by `parse_sample`. A bad
 sample raises `SkipSample` with one of `SKIP_REASONS`, which the callers count.
+
+`decode_sample` runs one training sample through `parse_sample`, `decode_image` and the image transform, with
+augmentation drawn from a per-sample seed so a replayed sample is augmented the same way after a resume;
+`pil_to_uint8` gives the uint8 pixels a data worker ships when the transform's float tail runs on the device.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import random
 import warnings
 import zlib
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -367,3 +373,62 @@ def stored_teacher_features(files: Dict[str, bytes], caption: str, keys: Optiona
     if image.ndim != 1 or text.ndim != 2 or text.shape[1] != image.shape[0] or row >= text.shape[0]:
         raise SkipSample("no_teacher_features", f"teacher members of shapes {image.shape} and {text.shape}")
     return image.astype(np.float32), text[row].astype(np.float32), scale
+
+
+class TransformOutputError(Exception):
+    """The PIL stage of a split transform returned something other than an RGB PIL image."""
+
+
+def pil_to_uint8(img: Any) -> torch.Tensor:
+    """RGB PIL image -> uint8 tensor (3, H, W), the pixels `ToTensor` would scale by 1/255."""
+    if not isinstance(img, Image.Image) or img.mode != "RGB":
+        what = f"a PIL image of mode {img.mode}" if isinstance(img, Image.Image) else type(img).__name__
+        raise TransformOutputError(
+            f"the image transform before ToTensor gave {what}, not an RGB PIL image, so images cannot travel as "
+            f"uint8; set data.uint8_transfer=false")
+    return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
+
+
+def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
+                  draft_size: Optional[Tuple[int, int]] = None,
+                  aug_seed: Optional[int] = None, as_uint8: bool = False, keys=None,
+                  caption_draw: int = 0, teacher_view=None, stored_teacher: bool = False):
+    """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
+
+    Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
+    `aug_seed` is given, random transforms in `preprocess` draw from torch's RNG seeded with it, so a sample
+    gets the same augmentation when it is replayed after a resume; outside a DataLoader worker the caller's RNG
+    state is restored (a worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a
+    split transform (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad
+    samples and `TransformOutputError` when the PIL stage gives no RGB image. `keys` (a `SampleKeys`) and
+    `caption_draw` choose the members and the caption (`parse_sample`). With `teacher_view` (a
+    `mmcl.training.teacher.TeacherView`) a fourth element is the teacher's uint8 view of the same decoded image, before any
+    augmentation. With `stored_teacher` (``distill.from_shards``) it is the sample's stored teacher embeddings
+    (image, drawn caption, scale), or `SkipSample` ``no_teacher_features``.
+    """
+    data, caption, label = parse_sample(files, keys=keys, draw=caption_draw)  # keys: data.image_key/caption_key
+    stored = stored_teacher_features(files, caption, keys) if stored_teacher else None
+    img = decode_image(data, max_pixels, draft_size)
+    if aug_seed is None:
+        out = preprocess(img)
+    elif torch.utils.data.get_worker_info() is not None:
+        torch.default_generator.manual_seed(aug_seed)
+        random.seed(aug_seed)
+        out = preprocess(img)
+    else:
+        # Only the CPU generator and Python's `random` (used by some open_clip transforms) are reseeded, and
+        # both are restored, so the caller's RNG streams (including CUDA's) are untouched.
+        py_state, torch_state = random.getstate(), torch.get_rng_state()
+        try:
+            torch.default_generator.manual_seed(aug_seed)
+            random.seed(aug_seed)
+            out = preprocess(img)
+        finally:
+            random.setstate(py_state)
+            torch.set_rng_state(torch_state)
+    image = pil_to_uint8(out) if as_uint8 else out
+    if teacher_view is not None:
+        return image, caption, label, teacher_view.image(img)
+    if stored is not None:
+        return image, caption, label, stored
+    return image, caption, label

@@ -6,7 +6,7 @@ One stage per function, chained by `role_batches` (see `TrainStream`)::
     epoch_shard_plan      (seed, epoch, slot) -> this slot's shards, in this epoch's order
     read_raw_samples      shards -> raw samples (bytes per extension), position after each   (reading.py)
     shuffle_block         blocks of `shuffle_buffer` raw samples -> a permutation from a seeded RNG
-    decode_sample         raw sample -> (image tensor, caption, label) or a skip reason      (transforms.py)
+    decode_sample         raw sample -> (image tensor, caption, label) or a skip reason      (decode.py)
     collate               samples -> batch dict, captions tokenized
 
 A *slot* is one (rank, worker) pair: ``slot = rank * workers + worker``. Each slot reads a disjoint set
@@ -40,11 +40,12 @@ import torch
 
 from ..config import DataConfig
 from ..errors import ConfigError, DataError
-from .decode import SkipSample, caption_draw, needed_members, sample_keys, zero_skips
+from .decode import (SkipSample, TransformOutputError, caption_draw, decode_sample, needed_members, sample_keys,
+                     zero_skips)
 from .reading import RawSample, read_raw_samples
 from .sources import expand_sources, has_scheme
-from .transforms import (ImageSpec, TransformOutputError, decode_sample, draft_size_of, split_transform,
-                         train_draft_size, train_image_stages, training_sample_transform)
+from .transforms import (ImageSpec, draft_size_of, split_transform, train_draft_size, train_image_stages,
+                         training_sample_transform)
 
 _STATE_VERSION = 1
 
@@ -93,9 +94,23 @@ def epoch_shard_plan(sources: List[List[str]], epoch: int, seed: int, slot: int,
     return ([(urls[i], None) for i in order[:n_whole][slot::n_slots]]
             + [(urls[i], (slot, n_slots)) for i in order[n_whole:]])
 
+def _shard_split(n_shards: int, n_slots: int, resampled: bool) -> str:
+    """How `epoch_shard_plan` deals `n_shards` among `n_slots`, as a saved state records it: "balanced" where the
+    shards that do not divide evenly among the slots are split by sample index (states saved before that rule,
+    which dealt them whole, lack the key), "whole" where both rules give the same plan."""
+    return "whole" if resampled or n_shards < n_slots or n_shards % n_slots == 0 else "balanced"
+
 def _fresh_position() -> Dict[str, Any]:
     return {"epoch": 0, "shard": 0, "sample": 0, "emitted": 0, "skipped": zero_skips(),
             "skipped_before_epoch": zero_skips()}
+
+def _summed_skips(positions: Iterable[Dict[str, Any]]) -> Dict[str, int]:
+    """The skip counts of `positions` summed per reason (every reason present, zero where none)."""
+    totals = zero_skips()
+    for p in positions:
+        for reason, n in p["skipped"].items():
+            totals[reason] = totals.get(reason, 0) + n
+    return totals
 
 def _copy_position(p: Dict[str, Any]) -> Dict[str, Any]:
     before = p.get("skipped_before_epoch", p["skipped"])
@@ -207,13 +222,13 @@ class _Filling:
         return batch
 
 
-def _decoded(s: Dict[str, Any], item: RawSample, slot: int, epoch: int, skipped: Dict[str, int]):
-    """`_decode` of `item`, or None when it is unreadable or skipped (counted in `skipped`)."""
+def _decode_or_count_skip(s: Dict[str, Any], item: RawSample, slot: int, epoch: int, skipped: Dict[str, int]):
+    """`_decode_seeded` of `item`, or None when it is unreadable or skipped (counted in `skipped`)."""
     if item.error is not None:
         skipped[item.error] += 1
         return None
     try:
-        return _decode(s, item, slot, epoch)
+        return _decode_seeded(s, item, slot, epoch)
     except SkipSample as skip:
         skipped[skip.reason] += 1
         return None
@@ -251,7 +266,7 @@ def _role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterat
         for item, origin in _leftover_items(s, task):
             if not _in_parts(item, task["parts"]):
                 continue
-            decoded = _decoded(s, item, origin["slot"], origin["epoch"], skipped)
+            decoded = _decode_or_count_skip(s, item, origin["slot"], origin["epoch"], skipped)
             if decoded is not None and filling.add(item.key, decoded):
                 yield filling.take(state(leftover=copy.deepcopy(tasks)))
         tasks.pop(0)
@@ -265,7 +280,7 @@ def _role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterat
                 item = block[perm[j]]
                 emitted = j + 1
                 raw_seen += item.error is None or bool(item.key)  # a sample skipped as too large was read
-                decoded = _decoded(s, item, slot, epoch, skipped)
+                decoded = _decode_or_count_skip(s, item, slot, epoch, skipped)
                 if decoded is None:
                     continue
                 good_seen += 1
@@ -313,7 +328,7 @@ def _shuffled_blocks(s: Dict[str, Any], plan, slot: int, epoch: int,
         start = block[-1].pos
 
 
-def _decode(s: Dict[str, Any], item: RawSample, slot: int, epoch: int):
+def _decode_seeded(s: Dict[str, Any], item: RawSample, slot: int, epoch: int):
     """`decode_sample` of a raw item drawn by `slot` in `epoch` (its augmentation and caption draw follow from
     them and the item's place, whichever process reads it)."""
     return decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
@@ -406,10 +421,7 @@ def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int, n_roles: i
              and len({(pos["epoch"], started(pos)) for _, _, pos in saved}) == 1
              and all(st["layout"]["batch_size"] == old_batch for st in states)
              and old_batch * len(saved) == batch_size * n_slots and tasks)
-    totals = zero_skips()
-    for _, _, pos in saved:
-        for k, v in pos["skipped"].items():
-            totals[k] = totals.get(k, 0) + v
+    totals = _summed_skips(pos for _, _, pos in saved)
     out = []
     for _ in range(n_slots):
         p = _fresh_position()
@@ -608,10 +620,7 @@ class TrainStream:
     @property
     def skipped(self) -> Dict[str, int]:
         """Running totals of skipped samples of this process: ``total`` and one count per reason."""
-        out = zero_skips()
-        for pos in self._positions:
-            for reason, n in pos["skipped"].items():
-                out[reason] = out.get(reason, 0) + n
+        out = _summed_skips(self._positions)
         out["total"] = sum(out.values())
         return out
 
@@ -624,14 +633,8 @@ class TrainStream:
         return {"rank": self.rank, "world_size": self.world_size, "workers": self.n_roles, "seed": self.seed,
                 "n_shards": len(self.urls), "batch_size": int(self.cfg.batch_size),
                 "shuffle_buffer": int(self.cfg.shuffle_buffer), "resampled": bool(self.cfg.resampled),
-                "shard_split": self._shard_split()}
-
-    def _shard_split(self) -> str:
-        """How `epoch_shard_plan` deals shards here: "balanced" where the shards that do not divide evenly among
-        the slots are split by sample index (states saved before that rule, which dealt them whole, lack the
-        key), "whole" where both rules give the same plan."""
-        n, slots = len(self.urls), self.world_size * self.n_roles
-        return "whole" if self.cfg.resampled or n < slots or n % slots == 0 else "balanced"
+                "shard_split": _shard_split(len(self.urls), self.world_size * self.n_roles,
+                                           bool(self.cfg.resampled))}
 
     def state_dict(self) -> Dict[str, Any]:
         """The position after the last consumed batch (per worker: epoch, shard, sample, skips); plain types."""
@@ -654,10 +657,7 @@ class TrainStream:
                 f"{k}: {saved.get(k)} -> {layout[k]}" for k in changed) +
                 "); restarting the earliest saved epoch, exact data order is not preserved")
             epoch = min(p["epoch"] for p in state["positions"])
-            totals = zero_skips()
-            for p in state["positions"]:
-                for k, v in p["skipped"].items():
-                    totals[k] = totals.get(k, 0) + v
+            totals = _summed_skips(state["positions"])
             self._positions = [_fresh_position() for _ in range(self.n_roles)]
             for p in self._positions:
                 p["epoch"] = epoch
@@ -682,8 +682,10 @@ class TrainStream:
         fixed = ("seed", "n_shards", "shuffle_buffer", "resampled")
         layout = self._layout()
         changed = [k for k in fixed if states[0]["layout"].get(k) != layout[k]]
-        if changed or states[0]["layout"].get("shard_split", "whole") != self._shard_split_for(states[0]):
-            # Not the same shard plan: exact continuation is impossible; restart the earliest epoch as before.
+        saved_slots = states[0]["layout"]["world_size"] * states[0]["layout"]["workers"]
+        if changed or (states[0]["layout"].get("shard_split", "whole")
+                       != _shard_split(len(self.urls), saved_slots, bool(self.cfg.resampled))):
+            # Not the same shard plan: exact continuation is impossible; restart the earliest saved epoch.
             self.load_state_dict(dict(states[0], layout=dict(states[0]["layout"], **{
                 k: None for k in changed or ["world_size"]})))
             return "data differ from the checkpoint's (" + ", ".join(changed or ["shard split"]) + ")"
@@ -692,10 +694,6 @@ class TrainStream:
         self._next_role = 0
         self.batches = 0
         return None
-
-    def _shard_split_for(self, state: Dict[str, Any]) -> str:
-        n, slots = len(self.urls), state["layout"]["world_size"] * state["layout"]["workers"]
-        return "whole" if self.cfg.resampled or n < slots or n % slots == 0 else "balanced"
 
 
 def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,

@@ -1,12 +1,11 @@
 """Sample transforms: from a decoded image to the tensor a batch holds.
 
-- `decode_sample` runs one raw sample through `parse_sample`, `decode_image` and the image transform, with
-  augmentation drawn from a per-sample seed so a replayed sample is augmented the same way after a resume.
 - `training_sample_transform` makes a torchvision ``Compose`` cheaper without changing its output distribution
   (`PyRandomResizedCrop` draws its `random_crop_box` from Python's RNG; an RGB conversion of an RGB image is
   skipped).
 - `split_transform` cuts a transform ending in ToTensor [+ Normalize] into a PIL stage for the data workers
-  (`pil_to_uint8` then ships uint8 pixels) and `ImageFinish`, the float tail run on the batch where the model is.
+  (`mmcl.data.decode.pil_to_uint8` then ships uint8 pixels) and `ImageFinish`, the float tail run on the batch
+  where the model is.
 - `draft_size_of` reads from a transform how small a JPEG may be draft-decoded.
 - `ImageSpec` holds the numbers of a model's image input (size, mean, std, ...), read once from its preprocess
   config; `train_image_stages` builds the training transform from them as a PIL stage for the workers and the
@@ -20,11 +19,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 from PIL import Image
 
-from .decode import decode_image, parse_sample, stored_teacher_features
 
 
 def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
@@ -52,65 +49,6 @@ def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
                 side = max(size)  # aspect-keeping resizes fit one side; the larger bound is the safe one
                 return int(side), int(side)
     return None
-
-
-def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
-                  draft_size: Optional[Tuple[int, int]] = None,
-                  aug_seed: Optional[int] = None, as_uint8: bool = False, keys=None,
-                  caption_draw: int = 0, teacher_view=None, stored_teacher: bool = False):
-    """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
-
-    Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
-    `aug_seed` is given, random transforms in `preprocess` draw from torch's RNG seeded with it, so a sample
-    gets the same augmentation when it is replayed after a resume; outside a DataLoader worker the caller's RNG
-    state is restored (a worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a
-    split transform (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad
-    samples and `TransformOutputError` when the PIL stage gives no RGB image. `keys` (a `SampleKeys`) and
-    `caption_draw` choose the members and the caption (`parse_sample`). With `teacher_view` (a
-    `mmcl.training.teacher.TeacherView`) a fourth element is the teacher's uint8 view of the same decoded image, before any
-    augmentation. With `stored_teacher` (``distill.from_shards``) it is the sample's stored teacher embeddings
-    (image, drawn caption, scale), or `SkipSample` ``no_teacher_features``.
-    """
-    data, caption, label = parse_sample(files, keys=keys, draw=caption_draw)  # keys: data.image_key/caption_key
-    stored = stored_teacher_features(files, caption, keys) if stored_teacher else None
-    img = decode_image(data, max_pixels, draft_size)
-    if aug_seed is None:
-        out = preprocess(img)
-    elif torch.utils.data.get_worker_info() is not None:
-        torch.default_generator.manual_seed(aug_seed)
-        random.seed(aug_seed)
-        out = preprocess(img)
-    else:
-        # Only the CPU generator and Python's `random` (used by some open_clip transforms) are reseeded, and
-        # both are restored, so the caller's RNG streams (including CUDA's) are untouched.
-        py_state, torch_state = random.getstate(), torch.get_rng_state()
-        try:
-            torch.default_generator.manual_seed(aug_seed)
-            random.seed(aug_seed)
-            out = preprocess(img)
-        finally:
-            random.setstate(py_state)
-            torch.set_rng_state(torch_state)
-    image = pil_to_uint8(out) if as_uint8 else out
-    if teacher_view is not None:
-        return image, caption, label, teacher_view.image(img)
-    if stored is not None:
-        return image, caption, label, stored
-    return image, caption, label
-
-
-class TransformOutputError(Exception):
-    """The PIL stage of a split transform returned something other than an RGB PIL image."""
-
-
-def pil_to_uint8(img: Any) -> torch.Tensor:
-    """RGB PIL image -> uint8 tensor (3, H, W), the pixels `ToTensor` would scale by 1/255."""
-    if not isinstance(img, Image.Image) or img.mode != "RGB":
-        what = f"a PIL image of mode {img.mode}" if isinstance(img, Image.Image) else type(img).__name__
-        raise TransformOutputError(
-            f"the image transform before ToTensor gave {what}, not an RGB PIL image, so images cannot travel as "
-            f"uint8; set data.uint8_transfer=false")
-    return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
 
 
 class ImageFinish:

@@ -24,6 +24,7 @@ from ..errors import DataError
 from ..storage.manifest import OutputManifest
 from .decode import IMAGE_EXTS, SkipSample, decode_image
 from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, walk_files
+from .sizes import SIZES_FILE
 from .sources import SHARD_SUFFIXES
 
 
@@ -50,6 +51,15 @@ def _encode_image(image: Any, ext: Optional[str], image_format: str, quality: in
     raise DataError(f"sample image must be a PIL.Image or encoded bytes (got {type(image).__name__})")
 
 
+def add_tar_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """Add `data` to a shard as member `name` with fixed metadata (mtime 0, uid 0, mode 644), so that equal
+    samples give byte-identical shards whoever writes them and whenever."""
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = 0, 0o644, 0, 0, "", ""
+    tar.addfile(info, io.BytesIO(data))
+
+
 class ShardWriter:
     """Write samples into numbered tar shards ``<out_dir>/<prefix>-000000.tar``, ... atomically.
 
@@ -70,16 +80,34 @@ class ShardWriter:
         self.image_format, self.quality = image_format, quality
         self.manifest = manifest
         self.shards: List[str] = []
+        self.counts: List[int] = []  # samples per shard, written to sizes.json
         self.n_samples = 0
         self._tar: Optional[tarfile.TarFile] = None
         self._tmp = ""
         self._in_shard = 0
+        self._sizes_written = False
+
+    def _write_sizes(self) -> None:
+        path = os.path.join(self.out_dir, SIZES_FILE)
+        if self.manifest is not None:
+            self.manifest.will_write([os.path.relpath(path, self.manifest.folder)])
+        sizes: Dict[str, int] = {}
+        try:
+            with open(path) as f:
+                kept = json.load(f)
+            if isinstance(kept, dict):
+                sizes.update({k: v for k, v in kept.items() if isinstance(v, int)})
+        except (OSError, ValueError):
+            pass
+        sizes.update({os.path.basename(p): n for p, n in zip(self.shards, self.counts)})
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(sorted(sizes.items())), f, indent=1)
+        os.replace(tmp, path)
+        self._sizes_written = True
 
     def _add(self, name: str, data: bytes) -> None:
-        info = tarfile.TarInfo(name)
-        info.size = len(data)
-        info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = 0, 0o644, 0, 0, "", ""
-        self._tar.addfile(info, io.BytesIO(data))
+        add_tar_member(self._tar, name, data)
 
     def _open_next(self) -> None:
         path = os.path.join(self.out_dir, f"{self.prefix}-{len(self.shards):06d}.tar")
@@ -88,6 +116,7 @@ class ShardWriter:
             self.manifest.will_write([os.path.relpath(p, self.manifest.folder) for p in (path, self._tmp)])
         self._tar = tarfile.open(self._tmp, "w", format=tarfile.GNU_FORMAT)
         self.shards.append(path)
+        self.counts.append(0)
         self._in_shard = 0
 
     def _close_current(self) -> None:
@@ -115,11 +144,16 @@ class ShardWriter:
         if sample.get("json") is not None:
             self._add(f"{key}.json", json.dumps(sample["json"], sort_keys=True).encode())
         self._in_shard += 1
+        self.counts[-1] += 1
         self.n_samples += 1
 
     def close(self) -> Dict[str, Any]:
-        """Finish the last shard; return the summary {out_dir, shards, n_shards, n_samples}."""
+        """Finish the last shard and record every shard's sample count in ``sizes.json`` beside them (open_clip's
+        layout, which ``train.epochs`` reads: `mmcl.data.sizes`; entries of other shards already listed there are
+        kept); return the summary {out_dir, shards, n_shards, n_samples}."""
         self._close_current()
+        if self.shards and not self._sizes_written:
+            self._write_sizes()
         return {"out_dir": self.out_dir, "shards": list(self.shards), "n_shards": len(self.shards),
                 "n_samples": self.n_samples}
 
@@ -131,6 +165,7 @@ class ShardWriter:
             self._tar.close()
             os.remove(self._tmp)
             self.shards.pop()
+            self.counts.pop()
             self._tar = None
         self.close()
 

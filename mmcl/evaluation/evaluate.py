@@ -20,7 +20,12 @@ import torch
 from .. import data as data_mod
 from ..errors import DataError, MmclError
 
-TEMPLATE_SETS = ("openai_imagenet_template", "simple_imagenet_template")
+# open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.
+TEMPLATE_SETS = {"openai_imagenet_template": "OPENAI_IMAGENET_TEMPLATES",
+                 "simple_imagenet_template": "SIMPLE_IMAGENET_TEMPLATES"}
+TEMPLATE_ALIASES = {"openai": "openai_imagenet_template", "imagenet": "openai_imagenet_template",
+                    "simple": "simple_imagenet_template"}
+AUTO_TEMPLATES = "auto"  # the dataset's own templates file, else openai_imagenet_template
 # Files looked for next to the data (and one level up, for CLIP_benchmark's DIR/test/*.tar layout).
 TEMPLATE_FILES = ("templates.txt", "zeroshot_classification_templates.txt")
 CLASSNAME_FILES = ("classnames.txt",)
@@ -35,12 +40,11 @@ def load_templates(templates) -> List:
     """
     import open_clip
 
+    set_name = TEMPLATE_ALIASES.get(templates, templates) if isinstance(templates, str) else None
     if isinstance(templates, (list, tuple)):
         out = [t.strip().replace("{c}", "{}") if isinstance(t, str) else t for t in templates]
-    elif templates in ("openai_imagenet_template", "openai", "imagenet"):
-        out = list(open_clip.OPENAI_IMAGENET_TEMPLATES)
-    elif templates in ("simple_imagenet_template", "simple"):
-        out = list(open_clip.SIMPLE_IMAGENET_TEMPLATES)
+    elif set_name in TEMPLATE_SETS:
+        out = list(getattr(open_clip, TEMPLATE_SETS[set_name]))
     elif isinstance(templates, str) and os.path.isfile(templates):
         out = [ln.strip().replace("{c}", "{}") for ln in Path(templates).read_text().splitlines() if ln.strip()]
     else:
@@ -51,6 +55,11 @@ def load_templates(templates) -> List:
     if bad:
         raise DataError(f"templates {templates}: every template needs '{{}}' for the class name (got {bad[0]!r})")
     return out
+
+
+def is_template_name(templates: str) -> bool:
+    """Whether ``templates`` is a name (`AUTO_TEMPLATES`, a set of `TEMPLATE_SETS` or an alias), not a file."""
+    return templates == AUTO_TEMPLATES or templates in TEMPLATE_SETS or templates in TEMPLATE_ALIASES
 
 
 def load_classnames(path: str) -> List[str]:
@@ -334,7 +343,7 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
 
     ds, loader = eval_loader(data, preprocess, batch_size, workers, keys, reading)
     names = _resolve_classnames(data, ds, classnames)
-    if templates is None or templates == "auto":
+    if templates is None or templates == AUTO_TEMPLATES:
         templates = (getattr(ds, "templates", None) or _find_beside(data, TEMPLATE_FILES)
                      or "openai_imagenet_template")
     template_list = load_templates(templates)

@@ -31,7 +31,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .. import models
 from ..storage import weights
 from ..data import ShardEvalDataset
 from ..errors import CheckpointError, DataError
@@ -75,18 +74,19 @@ def make_index(features: np.ndarray, exact_max: int = EXACT_MAX, nlist: Optional
 
 
 def _weights_stamp(model_dir: Path) -> Dict[str, Any]:
-    weights = model_dir / models.WEIGHTS_FILE
-    st = weights.stat()
+    st = (model_dir / weights.WEIGHTS_FILE).stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _recorded_sha256(model_dir: Path) -> Optional[str]:
-    """The weights' SHA-256 that the model's config records (written with the weights), or None."""
+    """The weights' SHA-256 that the model's config records (written with the weights), or None (no record, or a
+    config that cannot be read: loading the model reports that)."""
     try:
-        cfg = json.loads((model_dir / models.CONFIG_FILE).read_text())
-        return cfg["mmcl"]["weights"]["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
+        meta = weights.read_json_file(model_dir / weights.CONFIG_FILE)
+    except CheckpointError:
         return None
+    record = weights.recorded_weights(meta)
+    return record.get("sha256") if record else None
 
 
 def _local_url(url: str) -> str:
@@ -240,7 +240,7 @@ def find_query_model(meta: Dict[str, Any], index_dir) -> Path:
         tried.append(Path(index_dir).resolve() / meta["model_relative"])
     tried.append(Path(meta["model"]))
     for model_dir in tried:
-        if (model_dir / models.CONFIG_FILE).is_file():
+        if (model_dir / weights.CONFIG_FILE).is_file():
             return model_dir
     shown = " nor ".join(str(p) for p in tried)
     raise CheckpointError(f"the model that built {index_dir} is gone (got {shown}, expected the model directory "

@@ -6,7 +6,7 @@ ConvNeXt, ...).
 A Hugging Face text tower (``model.text.hf``) is open_clip's adapter built with its width, pooler and projection given
 explicitly (`_hf_text_tower_class`), so no open_clip table is written.
 
-The names of a saved model directory's files are defined here; saving, loading and ``init_from`` live in
+Saving and loading model directories (and the names of their files) and ``init_from`` live in
 `mmcl.storage.weights`.
 
 Locking follows LiT (Zhai et al. 2022): a locked tower's parameters get ``requires_grad=False`` (so no optimiser
@@ -39,9 +39,8 @@ CONFIG_DIR = Path(__file__).parent / "model_configs"
 def is_local_dir(name_or_path: str) -> bool:
     """Whether `name_or_path` (``~`` expanded) is an existing local directory rather than a hub name."""
     return os.path.isdir(os.path.expanduser(name_or_path))
-CONFIG_FILE = "open_clip_config.json"
-WEIGHTS_FILE = "open_clip_model.safetensors"
-HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside the weights
+
+
 # 'cls' is the [CLS] token's last hidden state; open_clip's 'cls_pooler' would instead use BERT's pooler head
 # (dense + tanh trained for next-sentence prediction), an extra layer that many sentence encoders never trained.
 _HF_POOLERS = {"mean": "mean_pooler", "cls": "cls_last_hidden_state_pooler", "max": "max_pooler"}

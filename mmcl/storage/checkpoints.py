@@ -21,7 +21,6 @@ hold, and `legacy_custom_states` reads them as plain data instead.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError, StorageError
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, file_sha256
 
 CHECKPOINTS_DIR = "checkpoints"  # inside a run's output directory
 MODEL_WEIGHTS = "model.safetensors"  # accelerate's name for the model's weights in its saved state
@@ -153,14 +152,6 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
     return complete[-1] if complete else None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _files_of(ckpt: Path) -> List[Path]:
     return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE)
 
@@ -193,7 +184,7 @@ def verify_checkpoint(ckpt: Path, only: Optional[Tuple[str, ...]] = None) -> Opt
             size = path.stat().st_size
             if size != want["size"]:
                 return f"{rel} has {size} bytes, {want['size']} were written"
-            if _sha256(path) != want["sha256"]:
+            if file_sha256(path) != want["sha256"]:
                 return f"{rel} differs from what was written (SHA-256 mismatch)"
         except FileNotFoundError:
             return f"{rel} is missing"
@@ -359,7 +350,8 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
         if not main:
             return
         try:
-            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files_of(tmp)}
+            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
+                     for p in _files_of(tmp)}
             marker = {**progress, "world_size": accelerator.num_processes, "files": files}
             with open(tmp / COMPLETE, "w") as f:
                 f.write(json.dumps(marker))

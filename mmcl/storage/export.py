@@ -35,7 +35,6 @@ import copy
 import dataclasses
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -54,7 +53,7 @@ MARKER_FILE = "mmcl_export.json"
 ONNX_IMAGE_FILE = "image_encoder.onnx"
 ONNX_TEXT_FILE = "text_encoder.onnx"
 ONNX_CONFIG_FILE = "onnx_config.json"
-ONNX_TOKENIZER_FILE = "tokenizer.json"  # open_clip's tokenizer for `tokenizers` (mmcl/clip_tokenizer_file.py)
+ONNX_TOKENIZER_FILE = "tokenizer.json"  # open_clip's tokenizer for `tokenizers` (`mmcl.storage.clip_tokenizer_file`)
 ONNX_PREPROCESS_FILE = "preprocess.json"  # the image preprocessing as data (`preprocess_spec`)
 ONNX_OPSET = 17  # first opset with a LayerNormalization op; onnxruntime >= 1.14 runs it
 
@@ -62,8 +61,6 @@ ONNX_OPSET = 17  # first opset with a LayerNormalization op; onnxruntime >= 1.14
 # re-implementations of the same math (transformers, open_clip) differ by accumulation order only (~1e-6);
 # ONNX Runtime fuses attention/LayerNorm kernels, which moves results by ~1e-4 at most.
 MIN_COSINE = {"open_clip": 0.9999, "safetensors": 0.9999, "hf": 0.9999, "onnx": 0.999}
-
-_TOKENIZER_FILE_PREFIXES = weights.TOKENIZER_FILE_PREFIXES
 
 
 def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
@@ -160,28 +157,14 @@ def _portable_model_cfg(model_cfg: Dict[str, Any], final: Path) -> Dict[str, Any
 
 def _write_text_tower_files(model, model_cfg: Dict[str, Any], src_dir: Path, out: Path,
                             config: bool = True) -> None:
-    """A Hugging Face text tower's ``config.json`` (from the live model) and tokenizer files, into `out`."""
+    """A Hugging Face text tower's files (`weights.write_text_tower_files`): its tokenizer files are copied from
+    the source model directory, else from the tower's own local folder, else saved from the Hugging Face cache."""
     text_cfg = model_cfg.get("text_cfg", {})
     if not text_cfg.get("hf_model_name"):
         return
-    if config:
-        model.text.config.to_json_file(str(out / "config.json"))
     hf_name = text_cfg.get("hf_tokenizer_name") or text_cfg["hf_model_name"]
-    for folder in [src_dir] + ([Path(hf_name)] if os.path.isdir(hf_name) else []):
-        names = [n for n in os.listdir(folder) if n.startswith(_TOKENIZER_FILE_PREFIXES)]
-        if names:
-            for name in names:
-                shutil.copy2(folder / name, out / name)
-            return
-    from transformers import AutoTokenizer
-
-    try:  # a hub id already in the local cache
-        AutoTokenizer.from_pretrained(hf_name, trust_remote_code=False).save_pretrained(str(out))
-    except ValueError as err:
-        raise (models.hf_custom_code_error(err, hf_name) or err) from None
-    except OSError as err:
-        raise CheckpointError(f"cannot find the text tower's tokenizer files (got '{hf_name}', not in {src_dir} "
-                              f"nor in the local Hugging Face cache: {str(err).splitlines()[0]})") from None
+    folders = [src_dir] + ([Path(hf_name)] if os.path.isdir(hf_name) else [])
+    weights.write_text_tower_files(model, text_cfg, out, copy_from=folders, config=config)
 
 
 def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Optional[Dict[str, str]] = None
@@ -189,8 +172,8 @@ def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Opt
     """The weights, then the config with their size and SHA-256 and the list of files (written last)."""
     from safetensors.torch import save_file
 
-    state = weights._state_dict_for_saving(model)
-    save_file(state, str(out / models.WEIGHTS_FILE), metadata=metadata)
+    state = weights.state_dict_for_safetensors(model)
+    save_file(state, str(out / weights.WEIGHTS_FILE), metadata=metadata)
     weights.write_config_with_record(out, {"model_cfg": model_cfg, "preprocess_cfg": pp_cfg})
 
 

@@ -14,6 +14,7 @@ came between the two renames.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import shutil
@@ -168,13 +169,6 @@ def roll_back(out_dir: Path, old: Optional[Path]) -> None:
         os.replace(old, out_dir)
 
 
-def replace_dir(tmp: Path, out_dir: Path, ours: Iterable[str] = ()) -> None:
-    """`swap_in`, then delete the old version (the user's files live on in the new one)."""
-    old = swap_in(tmp, out_dir, ours)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 @contextmanager
 def atomic_dir(out_dir, ours: Iterable[str] = (), check: Optional[Callable[[Path], None]] = None) -> Iterator[Path]:
     """Write a whole output directory or nothing: ``with atomic_dir(out_dir, ours) as tmp:`` yields an empty
@@ -224,6 +218,15 @@ def atomic_write_text(path: Path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file, read in 4 MiB blocks (weights and checkpoint files are gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def os_error_text(err: Exception) -> str:

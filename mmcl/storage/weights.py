@@ -1,4 +1,5 @@
-"""Weights apart from building: saving and loading model directories, reading checkpoints, ``init_from``.
+"""Weights apart from building: saving and loading model directories, reading checkpoints, ``init_from`` and
+``model.pretrained`` (published weights by open_clip tag, hub name, local path or open_clip_train run).
 
 A saved model directory is open_clip's local-dir layout (``open_clip_config.json`` + ``open_clip_model.safetensors``),
 so open_clip, CLIP_benchmark and `mmcl.load` all read the same files. With a Hugging Face text tower the directory
@@ -13,28 +14,36 @@ training checkpoint, through `mmcl.storage.checkpoints`), mmcl exports and trans
 from __future__ import annotations
 
 import copy
-import hashlib
+import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from . import checkpoints, hf_clip
+from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
-from .fsutil import atomic_dir, files_under, os_error_text, output_dir
-from ..models.towers import (CONFIG_FILE, HF_CONFIG_FILE, WEIGHTS_FILE, build_tokenizer, build_transforms, create,
-                             hf_custom_code_error, is_local_dir, preprocess_config)
+from .fsutil import atomic_dir, file_sha256, files_under, os_error_text, output_dir
+from ..models.towers import (build_tokenizer, build_transforms, create, hf_custom_code_error, is_local_dir,
+                             preprocess_config)
+
+# The model directory's files (open_clip's local-dir layout), read by open_clip, CLIP_benchmark and `mmcl.load`.
+CONFIG_FILE = "open_clip_config.json"
+WEIGHTS_FILE = "open_clip_model.safetensors"
+HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside the weights
 
 # Weight files of a local directory, most preferred first (open_clip's names, then transformers').
-DIR_WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
+DIR_WEIGHT_FILES = (WEIGHTS_FILE, "open_clip_pytorch_model.safetensors",
                     "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth",
                     "model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 
-def _state_dict_for_saving(model: nn.Module) -> Dict[str, torch.Tensor]:
-    # safetensors refuses tensors that share storage (tied embeddings of some Hugging Face towers): clone them.
+def state_dict_for_safetensors(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's state on the CPU, contiguous, each tensor in storage of its own: safetensors refuses tensors
+    that share storage (the tied embeddings of some Hugging Face towers), so the repeats are cloned."""
     seen, out = {}, {}
     for key, tensor in model.state_dict().items():
         tensor = tensor.detach().cpu()
@@ -44,27 +53,42 @@ def _state_dict_for_saving(model: nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _save_hf_text_files(model: nn.Module, text_cfg: Dict[str, Any], dest: Path) -> None:
-    """The Hugging Face tower's config.json (from the live model) and its tokenizer files, written into `dest`."""
+# Names of the files a saved model or an export may hold besides the config and weights: a Hugging Face text
+# tower's config and tokenizer files. Used to tell mmcl's files from the user's in a directory written before
+# mmcl recorded the list of its files, and to copy a tower's tokenizer files from one directory to another.
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "special_tokens", "merges", "spiece", "sentencepiece",
+                           "added_tokens")
+
+
+def write_text_tower_files(model: nn.Module, text_cfg: Dict[str, Any], dest: Path, copy_from: Sequence[Path] = (),
+                           config: bool = True) -> None:
+    """A Hugging Face text tower's ``config.json`` (from the live model, unless `config` is False) and tokenizer
+    files, written into `dest`: the tokenizer files of the first folder of `copy_from` that holds any are copied
+    as they are (a saved model or an export being exported again), else the tokenizer that ``hf_tokenizer_name``
+    (or ``hf_model_name``) names is loaded with transformers (a local folder or the Hugging Face cache) and saved."""
     from transformers import AutoTokenizer
 
-    model.text.config.to_json_file(str(dest / HF_CONFIG_FILE))
+    if config:
+        model.text.config.to_json_file(str(dest / HF_CONFIG_FILE))
+    for folder in copy_from:
+        names = [n for n in os.listdir(folder) if n.startswith(TOKENIZER_FILE_PREFIXES)]
+        if names:
+            for name in names:
+                shutil.copy2(folder / name, dest / name)
+            return
     source = text_cfg.get("hf_tokenizer_name") or text_cfg["hf_model_name"]
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except ValueError as err:
         raise (hf_custom_code_error(err, source) or err) from None
     except OSError as err:
-        raise CheckpointError(f"cannot save the text tower's tokenizer: '{source}' is not readable "
-                              f"({str(err).splitlines()[0]})") from None
+        detail = str(err).splitlines()[0]
+        if copy_from:
+            raise CheckpointError(f"cannot find the text tower's tokenizer files (got '{source}', not in "
+                                  f"{copy_from[0]} nor in the local Hugging Face cache: {detail})") from None
+        raise CheckpointError(f"cannot save the text tower's tokenizer: '{source}' is not readable ({detail})"
+                              ) from None
     tokenizer.save_pretrained(str(dest))
-
-
-# Names of the files a saved model or an export may hold besides the config and weights: a Hugging Face text
-# tower's config and tokenizer files. Used to tell mmcl's files from the user's in a directory written before
-# mmcl recorded the list of its files.
-TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "special_tokens", "merges", "spiece", "sentencepiece",
-                           "added_tokens")
 
 
 def is_model_file_name(name: str) -> bool:
@@ -120,9 +144,9 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     meta_extra = dict(extra or {})
     try:
         with atomic_dir(out_dir, previous_files(out_dir, CONFIG_FILE, is_model_file_name)) as tmp:
-            save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS_FILE))
+            save_file(state_dict_for_safetensors(model), str(tmp / WEIGHTS_FILE))
             if text_cfg.get("hf_model_name"):
-                _save_hf_text_files(model, text_cfg, tmp)
+                write_text_tower_files(model, text_cfg, tmp)
                 text_cfg.pop("hf_model_pretrained", None)
                 meta_extra.setdefault("text_source", text_cfg["hf_model_name"])
                 if is_local_dir(text_cfg["hf_model_name"]):
@@ -141,6 +165,9 @@ def find_model_dir(path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"model path not found: {path}")
+    train_ckpt = open_clip_train_checkpoint(path)
+    if train_ckpt is not None:  # open_clip_train's checkpoints/ folder holds the weights
+        return train_ckpt[0].parent
     for candidate in (path, path / "model", path / "open_clip"):
         if (candidate / CONFIG_FILE).is_file():
             return candidate
@@ -150,11 +177,15 @@ def find_model_dir(path) -> Path:
 
 def weights_record(weights: Path) -> Dict[str, Any]:
     """Size and SHA-256 of a weights file, kept in the config file beside it so that damage is found at load."""
-    digest = hashlib.sha256()
-    with open(weights, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return {"file": weights.name, "size": weights.stat().st_size, "sha256": digest.hexdigest()}
+    return {"file": weights.name, "size": weights.stat().st_size, "sha256": file_sha256(weights)}
+
+
+def recorded_weights(meta: Any) -> Optional[Dict[str, Any]]:
+    """The weights record (``file``, ``size``, ``sha256``; `weights_record`) that a parsed model config holds in
+    its ``mmcl`` section, or None for a config written without one."""
+    mmcl_meta = meta.get("mmcl") if isinstance(meta, dict) else None
+    record = mmcl_meta.get("weights") if isinstance(mmcl_meta, dict) else None
+    return record if isinstance(record, dict) else None
 
 
 def _damaged(path: Path, what: str) -> CheckpointError:
@@ -197,9 +228,8 @@ def _read_model_meta(model_dir: Path) -> Dict[str, Any]:
 def _check_weights_record(weights: Path, meta: Dict[str, Any]) -> None:
     """Compare the weights file with the size and SHA-256 recorded when it was written (models saved without a
     record are loaded unchecked)."""
-    mmcl_meta = meta.get("mmcl")
-    record = mmcl_meta.get("weights") if isinstance(mmcl_meta, dict) else None
-    if not isinstance(record, dict) or record.get("file") != weights.name:
+    record = recorded_weights(meta)
+    if record is None or record.get("file") != weights.name:
         return
     size = weights.stat().st_size
     if record.get("size") is not None and size != record["size"]:
@@ -237,6 +267,9 @@ def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     A missing, truncated or altered file (config, weights; checked against the size and SHA-256 recorded when
     mmcl wrote them) and weights that do not fit the config are `CheckpointError` naming the file and the cause.
     """
+    train_ckpt = open_clip_train_checkpoint(path) if Path(path).exists() else None
+    if train_ckpt is not None:
+        return _load_open_clip_train(*train_ckpt)
     model_dir = find_model_dir(path)
     config = model_dir / CONFIG_FILE
     meta = _read_model_meta(model_dir)
@@ -262,6 +295,26 @@ def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(f"cannot build the model {config} describes: {detail}") from None
     _fit_state(model, _read_weight_file(weights), weights, config)
+    model.eval()
+    return model, model_cfg, pp
+
+
+def _load_open_clip_train(ckpt: Path, params: Path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
+    """An open_clip_train checkpoint as a model: the architecture its ``params.txt`` names (``--model``), the
+    preprocessing of the tag it started from (``--pretrained``), the weights of ``state_dict`` loaded strictly."""
+    from ..models.towers import resolve_model_config
+
+    arch, tag_pp = _open_clip_train_arch(params)
+    try:
+        model_cfg = resolve_model_config(ModelConfig(name=arch))
+        model = create(model_cfg)
+    except (ConfigError, TypeError, ValueError, KeyError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"cannot build the model {params} names ({arch}): {detail}") from None
+    pp = {**preprocess_config(model_cfg), **{k: list(v) if isinstance(v, tuple) else v for k, v in tag_pp.items()}}
+    state, _ = read_checkpoint(ckpt)
+    state, _ = _adapt_to_model(state, model)
+    _fit_state(model, state, ckpt, params)
     model.eval()
     return model, model_cfg, pp
 
@@ -393,15 +446,16 @@ def _preview(keys: List[str], n: int = 6) -> str:
     return ", ".join(keys[:n]) + (f", ... (+{len(keys) - n})" if len(keys) > n else "")
 
 
-def init_from(model: nn.Module, path) -> str:
+def init_from(model: nn.Module, path, label: Optional[str] = None) -> str:
     """Load pretrained weights into `model` in place; returns a one-paragraph report.
 
     `path`: an open_clip checkpoint (.pt/.pth/.bin/.safetensors, or an open_clip_train ``epoch_N.pt``), an open_clip
     local-dir, an mmcl run directory or export, or a transformers CLIP directory. Keys the model lacks are
     reported as unexpected, model keys the checkpoint lacks keep their current values and are reported as
     missing. A tensor whose shape differs from the model's raises `CheckpointError` (position grids are resized
-    as open_clip does).
+    as open_clip does). `label` names the source in the report and errors (default ``init_from PATH``).
     """
+    label = label or f"init_from {path}"
     state, what = read_checkpoint(path)
     state, notes = _adapt_to_model(state, model)
     own = model.state_dict()
@@ -409,17 +463,17 @@ def init_from(model: nn.Module, path) -> str:
     if mismatched:
         k = mismatched[0]
         more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
-        raise CheckpointError(f"init_from {path}: {k} has shape {tuple(state[k].shape)} in the checkpoint, "
+        raise CheckpointError(f"{label}: {k} has shape {tuple(state[k].shape)} in the checkpoint, "
                               f"expected {tuple(own[k].shape)} by the model{more}; check model.name and the "
                               f"model.* overrides")
     matched = {k: v for k, v in state.items() if k in own}
     if not matched:
-        raise CheckpointError(f"init_from {path}: none of its {len(state)} tensors matches a model key "
+        raise CheckpointError(f"{label}: none of its {len(state)} tensors matches a model key "
                               f"(got e.g. {_preview(sorted(state), 3)}; expected e.g. {_preview(sorted(own), 3)})")
     model.load_state_dict(matched, strict=False)
     missing = sorted(k for k in own if k not in state)
     unexpected = sorted(k for k in state if k not in own)
-    parts = [f"init_from {path} ({what}): loaded {len(matched)}/{len(own)} tensors"]
+    parts = [f"{label} ({what}): loaded {len(matched)}/{len(own)} tensors"]
     parts.append(f"missing {len(missing)}" + (f": {_preview(missing)}" if missing else ""))
     parts.append(f"unexpected {len(unexpected)}" + (f": {_preview(unexpected)}" if unexpected else ""))
     parts += notes
@@ -427,3 +481,237 @@ def init_from(model: nn.Module, path) -> str:
     if note:
         parts.append(note)
     return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------- pretrained
+# `model.pretrained` is the name-based front door: it resolves to files on this machine (downloading them through
+# open_clip and huggingface_hub into the usual caches when allowed), which then go through the same loader as
+# `model.init_from`. A source that carries its architecture (hf-hub:, a model directory, an open_clip_train run)
+# builds that architecture; an open_clip tag and a bare weights file build model.name's.
+HUB_PREFIX = "hf-hub:"
+_TAG_PREPROCESS = ("mean", "std", "interpolation", "resize_mode")  # what an open_clip tag says about its images
+_WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """`model.pretrained` resolved: the weights to load, the architecture and preprocessing they come with."""
+
+    weights: Path  # a file or directory that `read_checkpoint` reads
+    arch: Optional[str]  # the model name to build (``local-dir:DIR`` for a directory's config); None: model.name
+    preprocess: Dict[str, Any]  # preprocessing the weights were trained with, over the architecture's defaults
+    what: str  # where the architecture and weights came from, for the run's log
+    quick_gelu: Optional[bool] = None  # an open_clip tag's activation (its weights were trained with QuickGELU)
+
+
+def _hf_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _hf_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_cached(repo: str, filenames: Tuple[str, ...]) -> Optional[str]:
+    """The cached path of the first of `filenames` in `repo` that is in the Hugging Face cache, else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in filenames:
+        found = try_to_load_from_cache(repo, name)
+        if isinstance(found, str):
+            return found
+    return None
+
+
+def _weight_alternatives(filename: Optional[str]) -> Tuple[str, ...]:
+    """The files open_clip's ``download_pretrained_from_hf`` tries for `filename`, in its order (safetensors first)."""
+    from open_clip.constants import HF_WEIGHTS_NAME
+    from open_clip.pretrained import _get_safe_alternatives  # the order open_clip's download follows
+
+    filename = filename or HF_WEIGHTS_NAME
+    return tuple(_get_safe_alternatives(filename)) + (filename,)
+
+
+def _tag_repo(arch: str, tag: str) -> Tuple[str, Optional[str]]:
+    """(hub repo, weights file or None for open_clip's default) of an open_clip tag; ('', None) for a tag
+    published by URL only (open_clip downloads those into ~/.cache/clip)."""
+    from open_clip.pretrained import get_pretrained_cfg
+
+    repo, filename = os.path.split(get_pretrained_cfg(arch, tag).get("hf_hub") or "")
+    return repo, filename or None
+
+
+def _not_cached(what: str, repo: str, files: Tuple[str, ...]) -> str:
+    return (f"{what}: {' or '.join(files)} of {repo} is not in the Hugging Face cache {_hf_cache_dir()} and "
+            f"HF_HUB_OFFLINE=1 forbids downloading it (run once with network access, or point HF_HUB_CACHE at a "
+            f"cache that holds it)")
+
+
+def _looks_like_path(name: str) -> bool:
+    return (name.startswith(("/", "./", "../", "~", "local-dir:")) or os.sep in name or "/" in name
+            or name.endswith(_WEIGHT_SUFFIXES))
+
+
+def _newest_open_clip_train(ckpt_dir: Path) -> Optional[Path]:
+    """The newest ``epoch_N.pt`` (else ``epoch_latest.pt``) of an open_clip_train ``checkpoints/`` folder."""
+    numbered = []
+    for f in ckpt_dir.glob("epoch_*.pt"):
+        stem = f.stem[len("epoch_"):]
+        if stem.isdigit():
+            numbered.append((int(stem), f))
+    if numbered:
+        return max(numbered)[1]
+    latest = ckpt_dir / "epoch_latest.pt"
+    return latest if latest.is_file() else None
+
+
+def open_clip_train_checkpoint(path) -> Optional[Tuple[Path, Path]]:
+    """(checkpoint file, params.txt) when `path` is an open_clip_train checkpoint (``logs/NAME/checkpoints/epoch_N.pt``),
+    its ``checkpoints/`` folder or its run folder ``logs/NAME`` (the newest checkpoint); else None."""
+    path = Path(path).expanduser()
+    if path.is_dir() and (path / "params.txt").is_file() and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if path.is_dir() and (path.parent / "params.txt").is_file():
+        path = _newest_open_clip_train(path) or path
+    if path.is_file() and path.suffix == ".pt" and (path.parent.parent / "params.txt").is_file():
+        return path, path.parent.parent / "params.txt"
+    return None
+
+
+def read_params_txt(params: Path) -> Dict[str, str]:
+    """open_clip_train's ``params.txt`` (one ``name: value`` line per argument) as a dict of strings."""
+    try:
+        lines = params.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {params} ({os_error_text(err)})") from None
+    return dict((k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines) if k.strip())
+
+
+def _open_clip_train_arch(params: Path) -> Tuple[str, Dict[str, Any]]:
+    """The architecture (``--model``) of an open_clip_train run and the preprocessing of the tag it started from."""
+    from open_clip.pretrained import get_pretrained_cfg
+
+    args = read_params_txt(params)
+    arch = args.get("model", "")
+    if not arch or arch == "None":
+        raise CheckpointError(f"{params} names no model (expected a 'model: NAME' line, as open_clip_train writes)")
+    tag_cfg = get_pretrained_cfg(arch, args.get("pretrained", "")) if args.get("pretrained") else {}
+    return arch, {k: tag_cfg[k] for k in _TAG_PREPROCESS if k in tag_cfg}
+
+
+def pretrained_problem(name: str, arch: str) -> Optional[str]:
+    """Why `model.pretrained=name` (for architecture `arch`) cannot be resolved on this machine, without
+    downloading anything; None when it can (or may be downloaded)."""
+    from open_clip.pretrained import is_pretrained_cfg, list_pretrained_models_by_tag, list_pretrained_tags_by_model
+
+    if name.startswith(HUB_PREFIX):
+        repo = name[len(HUB_PREFIX):]
+        if repo.count("/") != 1 or not all(repo.split("/")):
+            return f"{name} is not a hub name (expected hf-hub:ORG/NAME, e.g. hf-hub:timm/ViT-B-16-SigLIP)"
+        if _hf_offline() and _hub_cached(repo, (CONFIG_FILE,)) is None:
+            return _not_cached(name, repo, (CONFIG_FILE,))
+        if _hf_offline() and _hub_cached(repo, _weight_alternatives(None)) is None:
+            return _not_cached(name, repo, _weight_alternatives(None))
+        return None
+    local = Path(name[len("local-dir:"):] if name.startswith("local-dir:") else name).expanduser()
+    if local.exists():
+        return None
+    if _looks_like_path(name):
+        return f"{os.path.abspath(local)} does not exist (expected an open_clip tag, hf-hub:ORG/NAME, or a file or " \
+               f"directory of weights)"
+    arch = arch.replace("/", "-")  # as open_clip names architectures
+    if not is_pretrained_cfg(arch, name):
+        tags = list_pretrained_tags_by_model(arch)
+        if tags:
+            return f"'{name}' is not a published tag of {arch}; open_clip knows: {', '.join(tags)}"
+        others = list_pretrained_models_by_tag(name)
+        hint = f" ('{name}' is published for {_preview(others, 6)})" if others else ""
+        return (f"open_clip publishes no weights for model.name={arch}{hint}; set model.name to one that has "
+                f"them, or give hf-hub:ORG/NAME, a file or a directory")
+    repo, filename = _tag_repo(arch, name)
+    if repo and _hf_offline() and _hub_cached(repo, _weight_alternatives(filename)) is None:
+        return _not_cached(f"{arch} '{name}'", repo, _weight_alternatives(filename))
+    return None
+
+
+def _download(what: str, repo: str, fetch: Callable[[], str]) -> Path:
+    """`fetch()` (open_clip's download into the Hugging Face cache); a failure is one line naming what and where."""
+    try:
+        return Path(fetch())
+    except Exception as err:  # noqa: BLE001 - huggingface_hub and open_clip raise many types
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"model.pretrained: cannot get {what} of {repo} into the Hugging Face cache "
+                              f"{_hf_cache_dir()} ({detail[:300]})") from None
+
+
+def resolve_pretrained(name: str, arch: str) -> Pretrained:
+    """Resolve `model.pretrained` to local files, downloading them through open_clip's own functions (into the
+    Hugging Face cache; with HF_HUB_OFFLINE=1 only the cache is read). Raises `CheckpointError` in one line."""
+    from open_clip.pretrained import download_pretrained, download_pretrained_from_hf, get_pretrained_cfg
+
+    problem = pretrained_problem(name, arch)
+    if problem:
+        raise CheckpointError(f"model.pretrained: {problem}")
+    if name.startswith(HUB_PREFIX):
+        repo = name[len(HUB_PREFIX):]
+        config = _download(CONFIG_FILE, repo, lambda: download_pretrained_from_hf(repo, filename=CONFIG_FILE))
+        file = _download("the weights", repo, lambda: download_pretrained_from_hf(repo))
+        meta = read_json_file(config)
+        pp = meta.get("preprocess_cfg") if isinstance(meta, dict) else None
+        return Pretrained(file, f"local-dir:{config.parent}", dict(pp or {}),
+                          f"{name}: architecture and preprocessing from its {CONFIG_FILE}, weights {file}")
+    local = Path(name[len("local-dir:"):] if name.startswith("local-dir:") else name).expanduser()
+    if local.exists():
+        train_ckpt = open_clip_train_checkpoint(local)
+        if train_ckpt is not None:
+            model_name, pp = _open_clip_train_arch(train_ckpt[1])
+            return Pretrained(train_ckpt[0], model_name, pp,
+                              f"{local}: open_clip_train checkpoint {train_ckpt[0].name}, architecture {model_name} "
+                              f"from {train_ckpt[1]}")
+        if local.is_dir():
+            for candidate in (local, local / "model", local / "open_clip"):
+                if (candidate / CONFIG_FILE).is_file():
+                    meta = _read_model_meta(candidate)
+                    return Pretrained(candidate, f"local-dir:{candidate.resolve()}",
+                                      dict(meta.get("preprocess_cfg") or {}),
+                                      f"{local}: architecture and preprocessing from its {CONFIG_FILE}")
+        return Pretrained(local, None, {}, f"{local}: weights for model.name={arch}")
+    arch = arch.replace("/", "-")
+    tag_cfg = get_pretrained_cfg(arch, name)
+    repo = _tag_repo(arch, name)[0] or tag_cfg.get("url", "")
+    file = _download(f"the weights of {arch} '{name}'", repo, lambda: download_pretrained(tag_cfg))
+    return Pretrained(file, None, {k: tag_cfg[k] for k in _TAG_PREPROCESS if k in tag_cfg},
+                      f"open_clip tag {arch} '{name}' ({repo}: {file}), preprocessing of the tag",
+                      quick_gelu=bool(tag_cfg.get("quick_gelu")))
+
+
+def build_pretrained(cfg: ModelConfig):
+    """The model `cfg.pretrained` names, with its weights loaded: ``(model, model_cfg, preprocess_cfg, tokenizer,
+    report)``. The architecture is the source's own (hf-hub:, a model directory, an open_clip_train run) or
+    model.name's (a tag, a bare weights file); model.* overrides apply on top, as without pretrained."""
+    from open_clip.transformer import QuickGELU
+
+    from .. import models
+
+    source = resolve_pretrained(cfg.pretrained, cfg.name)
+    section = cfg
+    if source.arch:
+        section = dataclasses.replace(cfg, name=source.arch)
+        if models.resolve_model_config(section)["text_cfg"].get("hf_model_name"):
+            # The source holds the Hugging Face text tower's weights too: build it from its config alone, as
+            # open_clip does for pretrained weights, rather than downloading weights that are then replaced.
+            section = dataclasses.replace(section, text_cfg={**section.text_cfg, "hf_model_pretrained": False})
+    model, model_cfg, pp, _, _, tokenizer = models.build(section)
+    # The image size stays the model's (model.image_size may change it); the rest is what the weights saw.
+    pp = {**pp, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in source.preprocess.items() if k != "size"}}
+    report = f"{init_from(model, source.weights, label=f'model.pretrained={cfg.pretrained}')}; {source.what}"
+    has_quick = any(isinstance(m, QuickGELU) for m in model.modules())
+    if source.quick_gelu is not None and source.quick_gelu != has_quick:
+        want = f"{cfg.name}-quickgelu" if source.quick_gelu else cfg.name.replace("-quickgelu", "")
+        report += (f"; WARNING: these weights were trained {'with' if source.quick_gelu else 'without'} QuickGELU "
+                   f"and the model {'lacks' if source.quick_gelu else 'has'} it (use model.name={want})")
+    return model, model_cfg, pp, tokenizer, report

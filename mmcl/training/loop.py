@@ -15,6 +15,7 @@ processes, with the same global batch and every sample of the epoch once (`mmcl.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..models import flip
 from ..storage import checkpoints, weights
 from ..storage.checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from ..storage.fsutil import atomic_write_text
-from . import fsdp, optim, resume, tracking
+from . import fsdp, optim, resume, runfolder, tracking
 from .agree import agreed, any_process, lost_peer, others_wait, timed_out
 from .ema import WeightEMA, swapped_in
 from .optim import build_optimizer, lr_at
@@ -66,11 +67,34 @@ def global_batch_size(cfg: TrainConfig, processes: int) -> int:
     return cfg.data.batch_size * processes * cfg.train.accum_steps
 
 
+def run_length(cfg: TrainConfig, processes: int) -> Tuple[int, str]:
+    """(the run's optimiser steps, the line that says how they were found). One key decides (`config` refuses
+    train.samples with train.epochs): ``train.epochs`` (passes over the data, open_clip's ``--epochs``: the
+    steps of one pass, rounded up, times the epochs, rounded up), else ``train.samples`` (the steps that see at
+    least that many samples), else ``train.steps``."""
+    batch = global_batch_size(cfg, processes)
+    if cfg.train.epochs is not None:
+        if cfg.data.train_num_samples is not None:
+            per_epoch, source = cfg.data.train_num_samples, "data.train_num_samples"
+        else:
+            from ..data.sizes import shard_samples
+
+            per_epoch, source = shard_samples(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards)
+        if per_epoch <= 0:
+            raise ConfigError(f"train.epochs: the data holds no samples ({source})")
+        epoch_steps = -(-per_epoch // batch)
+        steps = max(1, math.ceil(cfg.train.epochs * epoch_steps))
+        return steps, (f"train.epochs={cfg.train.epochs:g} of {per_epoch:,} samples ({source}): {steps} steps of "
+                       f"{batch} samples ({epoch_steps} per epoch)")
+    if cfg.train.samples is not None:
+        steps = -(-cfg.train.samples // batch)
+        return steps, f"train.samples={cfg.train.samples}: {steps} steps of {batch} samples"
+    return cfg.train.steps, f"train.steps={cfg.train.steps}: {cfg.train.steps} steps of {batch} samples"
+
+
 def total_steps(cfg: TrainConfig, processes: int) -> int:
-    """``train.steps``, or, when ``train.samples`` is set, the steps that see at least that many samples."""
-    if cfg.train.samples is None:
-        return cfg.train.steps
-    return -(-cfg.train.samples // global_batch_size(cfg, processes))
+    """The run's optimiser steps (`run_length`)."""
+    return run_length(cfg, processes)[0]
 
 
 # ------------------------------------------------------------------------------------------------- train
@@ -128,9 +152,21 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     """The run from start to end: check the inputs, build, prepare, resume, loop (step, log, save), finish."""
     from .preflight import check_inputs
 
+    main = int(os.environ.get("RANK", "0") or 0) == 0
+    folder = decide_folder(cfg)  # the run folder's rule, before anything is read or written
+    if folder.action == "finished":
+        if main:
+            print(f"mmcl: {folder.line}", flush=True)
+        return folder.last
+    console = runfolder.ConsoleLog()
+    if main:  # out.log: what this process prints, from here on
+        held.push(console.start().stop)
+        print(f"mmcl: {folder.line}", flush=True)
     check_inputs(cfg)  # every missing path in one error, before the model, the data workers or any step
     run = build_run(cfg, held)
-    resume_or_start(run)
+    if main:
+        console.attach(run.out_dir / runfolder.OUT_LOG)
+    resume_or_start(run, folder)
     describe_setup(run)
     data_iter = iter(run.stream)
     # Closed when the run ends by any path, so the data workers are shut down before the interpreter exits
@@ -166,8 +202,9 @@ class Run:
         self.main = accelerator.is_main_process
         self.out_dir = Path(cfg.train.output_dir)
         self.ckpt_dir = self.out_dir / checkpoints.CHECKPOINTS_DIR
-        self.total = total_steps(cfg, accelerator.num_processes)
+        self.total, self.length_line = run_length(cfg, accelerator.num_processes)
         self.global_batch = global_batch_size(cfg, accelerator.num_processes)
+        optim.check_schedule(cfg.optim, self.total)
         self.progress = TrainProgress()
         self.saved_at = -1  # the step of the last checkpoint this run saved
         self.bar = None  # the progress bar, from the first step on (main process, train.progress)
@@ -180,6 +217,7 @@ class Run:
         self.patch_dropout: List[torch.nn.Module] = []  # model.patch_dropout's masking modules
         self.param_groups: List[Dict[str, Any]] = []  # the optimiser's groups as param_groups.json describes them
         self.ckpt_bytes = 0
+        self.started = (time.perf_counter(), 0)  # when this invocation's training began, and the samples then
         self.window_start, self.window_samples, self.data_time = 0.0, 0, 0.0
 
     def log(self, msg: str) -> None:
@@ -318,10 +356,15 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     if resized:  # a checkpoint written by another number of processes: the same global batch
         run.cfg = cfg
         run.log(resized)
-        run.total, run.global_batch = (total_steps(cfg, accelerator.num_processes),
-                                       global_batch_size(cfg, accelerator.num_processes))
+        (run.total, run.length_line), run.global_batch = (run_length(cfg, accelerator.num_processes),
+                                                          global_batch_size(cfg, accelerator.num_processes))
     set_seed(cfg.train.seed)
-    model, run.model_cfg, run.pp_cfg, _, _, run.tokenizer = models.build(cfg.model)
+    if cfg.model.pretrained:  # by name: architecture (where the source has one), preprocessing and weights
+        model, run.model_cfg, run.pp_cfg, run.tokenizer, report = agreed(
+            accelerator, lambda: weights.build_pretrained(cfg.model))
+        run.log(report)
+    else:
+        model, run.model_cfg, run.pp_cfg, _, _, run.tokenizer = models.build(cfg.model)
     if cfg.model.init_from:
         from ..storage.weights import init_from  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
 
@@ -340,7 +383,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     run.objective = objective_from_config(cfg.loss)
     run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     groups = optim.param_groups(model, cfg.optim)
-    optimizer = build_optimizer(model, cfg.optim, groups)
+    optimizer = build_optimizer(model, cfg.optim, groups, device=accelerator.device)
     if run.main:
         run.param_groups = optim.describe(model, groups, cfg.optim)  # printed once; param_groups.json at the start
         optim.log_groups(run.param_groups, run.log)
@@ -366,6 +409,9 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         run.step_model = torch.compile(run.model)
         run.loss_fn = torch.compile(run.objective)
     run.checks = StepChecks(accelerator, run.optimizer)
+    if not run.checks.on_device:  # one line: what the run does instead, and why
+        run.log(optim.host_check_line(run.optimizer, getattr(accelerator, "scaler", None))
+                or "a step with a non-finite loss is detected on the host (one device sync per step)")
     run.objective.to(accelerator.device)
     # The progress and the EMA are saved in the rank states (`Run.rank_state`), not registered with accelerate.
     if cfg.train.ema_decay:  # after the locks: locked parameters get no average
@@ -373,23 +419,39 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     return run
 
 
-def resume_or_start(run: Run) -> None:
-    """Resume from the newest intact checkpoint if there is one; write config.yaml; open the metrics log."""
+def decide_folder(cfg: TrainConfig) -> runfolder.Decision:
+    """`runfolder.decide` for this launch (every process alike; rank 0 alone says a refusal)."""
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        sized, _ = resume.keep_global_batch(cfg, processes)  # the steps as the resumed run will count them
+        return runfolder.decide(cfg, processes, lambda: total_steps(sized, processes))
+    except MmclError as err:
+        err.quiet = int(os.environ.get("RANK", "0") or 0) != 0
+        raise
+
+
+def resume_or_start(run: Run, folder: runfolder.Decision) -> None:
+    """Resume from the newest intact checkpoint if there is one; write config.yaml and the run's record when the
+    run starts (or is forced on: `runfolder`), never on a plain resume; open the metrics log."""
     resumed = resume_from_newest(run.accelerator, run.ckpt_dir, lambda path: load_checkpoint(run, path), run.log)
     if resumed is not None:
         run.log(f"resuming from {resumed} at step {run.progress.step}")
 
     def write_config():
-        if run.main:
-            try:
+        if not run.main:
+            return
+        try:
+            if folder.write_config or runfolder.read_record(run.out_dir) is None:  # the folder is this run's
+                runfolder.write_record(run.out_dir, run.accelerator.num_processes, run.global_batch)
+            if folder.write_config:
                 # Credentials in a pipe: command or URL never reach the run folder (a colleague's copy of it).
                 from omegaconf import OmegaConf
 
                 atomic_write_text(run.out_dir / "config.yaml",
                                   OmegaConf.to_yaml(OmegaConf.create(redact_values(to_dict(run.cfg)))))
                 optim.write_groups(run.param_groups, run.out_dir)
-            except OSError as err:
-                raise (checkpoints.storage_error(err, "config.yaml", run.out_dir) or err) from None
+        except OSError as err:
+            raise (checkpoints.storage_error(err, "config.yaml", run.out_dir) or err) from None
 
     agreed(run.accelerator, write_config)
     run.ckpt_bytes = checkpoints.state_bytes(run.raw_model)
@@ -398,6 +460,7 @@ def resume_or_start(run: Run) -> None:
         if warning:
             run.log(warning)
     run.metrics = agreed(run.accelerator, lambda: MetricsLog(run.out_dir, run.progress.step, run.main, run.accelerator))
+    run.started = (time.perf_counter(), run.progress.samples)
 
     def start_trackers():
         try:
@@ -420,8 +483,7 @@ def describe_setup(run: Run) -> None:
         if os.environ.get(var, "").lower() in ("1", "true") and dist_type != mode:
             run.log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
                     f"the model is replicated on every process")
-    if cfg.train.samples is not None:
-        run.log(f"train.samples={cfg.train.samples}: {run.total} steps of {run.global_batch} samples")
+    run.log(run.length_line)
 
 
 def set_learning_rate(run: Run) -> float:
@@ -674,6 +736,11 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
                     run.log(f"plot written: {p}")
             except ImportError as err:  # matplotlib is optional
                 run.log(f"plots skipped: {err}")
+    if run.main:  # the summary, also the end of out.log
+        for line in runfolder.summary_lines(progress.step, progress.samples, time.perf_counter() - run.started[0],
+                                            progress.samples - run.started[1], int(last.get("data/skipped", 0)),
+                                            progress.skipped_steps, last, out_dir / "model"):
+            run.log(line)
     accelerator.end_training()
     if eval_failure is not None:
         raise TrainingError(eval_failure)

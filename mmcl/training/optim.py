@@ -62,9 +62,11 @@ def layer_id(name: str, depth: int) -> int:
     return 0 if _EMBEDDING.search(local) else depth + 1
 
 
-def no_weight_decay(name: str, p: torch.Tensor) -> bool:
-    """Gains, biases, other 1-d parameters and the logit scale/bias are not decayed."""
-    return p.ndim < 2 or "logit_scale" in name or "logit_bias" in name or name.endswith(".bias")
+def no_weight_decay(name: str, p: torch.Tensor, pattern: Optional[str] = None) -> bool:
+    """Gains, biases, other 1-d parameters and the logit scale/bias are not decayed, nor parameters whose names
+    match `pattern` (``optim.no_decay_pattern``, searched anywhere in the name)."""
+    return (p.ndim < 2 or "logit_scale" in name or "logit_bias" in name or name.endswith(".bias")
+            or (pattern is not None and re.search(pattern, name) is not None))
 
 
 def lr_scales(model: nn.Module, cfg) -> Dict[str, Tuple[float, Optional[str], int]]:
@@ -97,7 +99,7 @@ def param_groups(model: nn.Module, cfg) -> List[Dict[str, Any]]:
         scale = scales[name][0]
         if scale not in order:
             order.append(scale)
-        plain = no_weight_decay(name, p)
+        plain = no_weight_decay(name, p, cfg.no_decay_pattern)
         g = groups.setdefault((scale, plain), {"params": [], "names": [], "lr_scale": scale,
                                                "weight_decay": 0.0 if plain else cfg.weight_decay})
         g["params"].append(p)
@@ -157,26 +159,120 @@ def _ranges(ids: List[int]) -> str:
     return "layers " + ",".join(map(str, ids))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None) -> torch.optim.Optimizer:
-    """AdamW over `groups` (`mmcl.param_groups(model, cfg)` when not given)."""
+def _fused_problem(groups: List[Dict[str, Any]], device: Optional[torch.device]) -> Optional[str]:
+    """Why the fused AdamW cannot update these parameters on `device` (where they will train: accelerate moves
+    them there after the optimiser is built), or None. torch checks this only at the first step, where it would
+    end the run."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        supported = _get_fused_kernels_supported_devices()
+    except ImportError:  # an older torch, which checks when the optimiser is built (below)
+        return None
+    params = [p for g in groups for p in g["params"]]
+    kind = torch.device(device).type if device is not None else params[0].device.type
+    if kind not in supported:
+        return f"no fused kernel for {kind} (only {', '.join(d for d in supported if d)})"
+    odd = sorted({str(p.dtype) for p in params if not torch.is_floating_point(p)})
+    if odd:
+        return f"parameters of dtype {', '.join(odd)}"
+    return None
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None,
+                    device: Optional[torch.device] = None) -> torch.optim.Optimizer:
+    """AdamW over `groups` (`mmcl.param_groups(model, cfg)` when not given), for parameters that will train on
+    `device` (default: where they are now).
+
+    The fused kernel is the default; where the device or dtype has none, the per-tensor AdamW runs instead, with
+    the reason kept as its ``fused_unavailable`` for the one line `host_check_line` gives at the start: that
+    optimiser cannot take ``found_inf``, so the finite-loss decision moves to the host (`mmcl.training.stepcheck`).
+    """
     groups = optimizer_groups(groups if groups is not None else param_groups(model, cfg))
     if not any(g["params"] for g in groups):
         raise ConfigError("no trainable parameters: both towers are locked")
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    try:
-        # The fused kernel updates all tensors in one pass: about 4x faster than the default per-tensor loop on
-        # CPU for the tiny model (BENCHMARKS.md, Training); same update rule.
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError, ValueError):  # a device or dtype without a fused kernel
-        return torch.optim.AdamW(groups, **kwargs)
+    problem = _fused_problem(groups, device)
+    if problem is None:
+        try:
+            # The fused kernel updates all tensors in one pass: about 4x faster than the default per-tensor loop on
+            # CPU for the tiny model (BENCHMARKS.md, Training); same update rule.
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        except (RuntimeError, TypeError, ValueError) as err:  # a torch that checks the device here
+            problem = (str(err).splitlines() or [type(err).__name__])[0]
+    optimizer = torch.optim.AdamW(groups, **kwargs)
+    optimizer.fused_unavailable = problem
+    return optimizer
+
+
+def host_check_line(optimizer, scaler) -> Optional[str]:
+    """The one line saying that the finite-loss decision of each step runs on the host, and why; None where it
+    stays on the device (`mmcl.training.stepcheck.StepChecks.on_device`: a fused optimiser that takes
+    ``found_inf``, accelerate's wrapper unwrapped, and no loss scaler, which sets ``found_inf`` itself)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    name = type(inner).__name__
+    if scaler is not None:
+        why = "fp16's loss scaler sets found_inf itself"
+    elif getattr(inner, "fused_unavailable", None):
+        why = f"the fused AdamW is not available here ({inner.fused_unavailable}), the per-tensor one runs"
+    elif not getattr(inner, "defaults", {}).get("fused") or not getattr(inner, "_step_supports_amp_scaling", False):
+        why = f"the optimiser ({name}) cannot take found_inf"
+    else:
+        return None
+    return f"a step with a non-finite loss is detected on the host (one device sync per step): {why}"
+
+
+def cooldown_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """The length of the final decay of ``const-cooldown`` / ``wsd``: ``optim.cooldown_steps``, or
+    ``optim.cooldown_fraction`` of the run (rounded)."""
+    if cfg.cooldown_steps is not None:
+        return cfg.cooldown_steps
+    return int(round(cfg.cooldown_fraction * total_steps))
+
+
+def check_schedule(cfg: OptimConfig, total_steps: int) -> None:
+    """Raise `ConfigError` where the warmup and the cooldown do not fit in the run's `total_steps` (known only at
+    the start of a run: it depends on the processes and, for train.epochs, on the data)."""
+    if cfg.schedule in ("const-cooldown", "wsd"):
+        cool = cooldown_steps(cfg, total_steps)
+        if cool < 1:
+            raise ConfigError(f"optim.schedule={cfg.schedule} needs a cooldown: set optim.cooldown_steps >= 1 or "
+                              f"optim.cooldown_fraction > 0 (got {cool} steps of {total_steps})")
+        if cfg.warmup_steps + cool > total_steps:
+            raise ConfigError(f"optim.warmup_steps ({cfg.warmup_steps}) + the cooldown ({cool} steps) exceed the "
+                              f"run's {total_steps} steps: shorten them or lengthen the run")
+
+
+def cooldown_factor(progress: float, shape: str, power: float = 1.0) -> float:
+    """The share of the peak rate left at `progress` in [0, 1] of the cooldown (1 at its start, 0 at its end)."""
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(progress)
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return (1.0 - progress) ** power
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate for optimiser step `step` (0-based): linear warmup, then cosine/linear/constant decay."""
+    """Learning rate for optimiser step `step` (0-based): linear warmup (open_clip's, reaching the peak on the
+    warmup's last step), then the schedule:
+
+    * ``cosine`` / ``linear``: from the peak to ``min_lr`` over the rest of the run;
+    * ``constant``: the peak;
+    * ``const-cooldown`` / ``wsd``: the peak, then over the last `cooldown_steps` steps down to ``min_lr`` as
+      ``optim.cooldown_shape`` (open_clip's const_lr_cooldown; transformers' get_wsd_schedule past its warmup).
+    """
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
+    if cfg.schedule in ("const-cooldown", "wsd"):
+        cool = cooldown_steps(cfg, total_steps)
+        start = total_steps - cool
+        if step < start or cool <= 0:
+            return cfg.lr
+        progress = min(1.0, (step - start) / cool)
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * cooldown_factor(progress, cfg.cooldown_shape,
+                                                                    cfg.cooldown_power)
     span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     if cfg.schedule == "linear":

@@ -4,7 +4,8 @@ Every local path the run will read is checked: the training shards (each source 
 which no shard exists, or, with ``data.require_all_shards``, any missing shard), the
 evaluation sets (``eval.zeroshot``, ``eval.retrieval``, ``eval.classnames``, a templates file; an ImageFolder's
 class names, one per class folder),
-``model.init_from``, ``distill.teacher`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
+``model.init_from``, ``model.pretrained`` (an open_clip tag known for ``model.name``; with HF_HUB_OFFLINE=1, a
+hub name in the cache), ``distill.teacher`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
 ``http://``) and hub model names are not checked. Relative paths resolve against the current directory, as
 everywhere in mmcl; the error shows them resolved, so a run started from another directory says where it looked.
 """
@@ -19,9 +20,8 @@ from ..data import has_scheme, is_image_folder, missing_shards
 from ..data.eval_sets import class_folders, folder_classnames
 from ..data.sources import redact
 from ..errors import ConfigError, DataError
-from ..evaluation.evaluate import load_classnames
+from ..evaluation.evaluate import load_classnames, is_template_name
 
-_TEMPLATE_NAMES = ("auto", "openai_imagenet_template", "openai", "imagenet", "simple_imagenet_template", "simple")
 _SET_TRAIN = "set it with data.train=... (e.g. data.train='shards/shard-{000000..000009}.tar')"
 
 
@@ -96,10 +96,15 @@ def input_problems(cfg: TrainConfig) -> List[str]:
         problems += [f"eval.retrieval: {p}" for p in missing_shards(cfg.eval.retrieval)]
     if cfg.eval.classnames:
         problems += _path_problem("eval.classnames", cfg.eval.classnames)
-    if cfg.eval.templates not in _TEMPLATE_NAMES and cfg.eval.zeroshot:
+    if not is_template_name(cfg.eval.templates) and cfg.eval.zeroshot:
         problems += _path_problem("eval.templates", cfg.eval.templates)
     if cfg.model.init_from:
         problems += _path_problem("model.init_from", cfg.model.init_from)
+    if cfg.model.pretrained:  # a tag of model.name, a hub name cached when offline, or a local path
+        from ..storage.weights import pretrained_problem
+
+        problem = pretrained_problem(cfg.model.pretrained, cfg.model.name)
+        problems += [f"model.pretrained: {problem}"] if problem else []
     if cfg.distill.teacher:
         problems += _path_problem("distill.teacher", cfg.distill.teacher)
     hf = cfg.model.text.hf

@@ -32,6 +32,7 @@ from ..data.decode import (TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys
                            decode_image)
 from ..data.reading import read_raw_samples
 from ..data.sources import expand_urls, has_scheme
+from ..data.writer import add_tar_member
 from ..errors import DataError
 from ..storage.fsutil import os_error_text
 from ..storage.manifest import OutputManifest
@@ -45,13 +46,6 @@ def _npy(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
     return buf.getvalue()
-
-
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = 0, 0o644, 0, 0, "", ""
-    tar.addfile(info, io.BytesIO(data))
 
 
 def _claim(out_dir: Path, teacher_id: str, scale: float) -> OutputManifest:
@@ -125,12 +119,12 @@ def _reinforce_shard(url: str, dest: Path, embedder: _Embedder, window: int) -> 
             def flush():
                 for item, members in zip(pending, embedder.embed(pending)):
                     for ext, data in item.files.items():
-                        _add(tar, f"{item.key}.{ext}", data)
+                        add_tar_member(tar, f"{item.key}.{ext}", data)
                     if members is None:
                         counts["without_teacher"] += 1
                     else:
                         for ext, data in members.items():
-                            _add(tar, f"{item.key}.{ext}", data)
+                            add_tar_member(tar, f"{item.key}.{ext}", data)
                     counts["samples"] += 1
                 pending.clear()
 

@@ -4,7 +4,8 @@ processes it was written with or on another.
 `resume_from_newest` picks the newest intact checkpoint (damaged ones are set aside and named) and loads it with
 `load_checkpoint`: the weights, optimiser, scheduler and RNG through accelerate, then this process's rank state
 (data position, the objective's state, the progress and the weight average), every file as plain data. A change of
-architecture (`ARCH_KEYS`) is an error; other config differences are named (`check_resumable`).
+architecture (`ARCH_KEYS`) is an error (`check_resumable`); whether the folder holds this run at all is the run
+folder's rule (`mmcl.training.runfolder`), applied before anything is built.
 
 On another number of processes: before the data stream is built, `keep_global_batch` sets ``data.batch_size`` (and, when it must, ``train.accum_steps``)
 so that the global batch stays what it was: the schedule, ``train.samples`` and the number of steps then stay as
@@ -29,30 +30,21 @@ from ..config import freeze, to_dict
 from ..data.sources import redact_values
 from ..errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError
 from ..storage import checkpoints
+from . import runfolder
 from .agree import agreed, broadcast_from_main
 
 if TYPE_CHECKING:  # the run object is the loop's; resume only reads and fills it
     from .loop import Run
 
-GLOBAL_BATCH = "global_batch"  # recorded in each checkpoint's COMPLETE marker
-
-
-def _saved_global_batch(out_dir: Path, marker: Dict[str, Any]) -> Optional[int]:
-    if marker.get(GLOBAL_BATCH):
-        return int(marker[GLOBAL_BATCH])
-    saved = out_dir / "config.yaml"  # checkpoints written before the marker recorded it
-    if not saved.is_file():
-        return None
-    from omegaconf import OmegaConf
-
-    c = OmegaConf.to_container(OmegaConf.load(saved))
-    return int(c["data"]["batch_size"]) * int(marker["world_size"]) * int(c["train"].get("accum_steps", 1))
+GLOBAL_BATCH = runfolder.GLOBAL_BATCH  # recorded in each checkpoint's COMPLETE marker and the run's record
 
 
 def keep_global_batch(cfg, processes: int) -> Tuple[Any, Optional[str]]:
-    """When the newest checkpoint under ``cfg.train.output_dir`` was written by another number of processes:
-    (a copy of `cfg` whose per-process batch keeps the global batch, the one line that says what was adjusted);
-    else (`cfg`, None). ConfigError when no per-process batch gives that global batch."""
+    """When the run under ``cfg.train.output_dir`` is resumed with the per-process values it started with
+    (``data.batch_size``, ``train.accum_steps`` as in its config.yaml) on another number of processes: (a copy of
+    `cfg` whose per-process batch keeps the run's global batch, the one line that says what was adjusted); else
+    (`cfg`, None). Other per-process values are the run folder's rule's to judge (`runfolder.decide`). ConfigError
+    when no per-process batch gives that global batch."""
     out_dir = Path(cfg.train.output_dir)
     ckpt = checkpoints.latest_checkpoint(out_dir / checkpoints.CHECKPOINTS_DIR)
     if ckpt is None:
@@ -62,11 +54,14 @@ def keep_global_batch(cfg, processes: int) -> Tuple[Any, Optional[str]]:
     except (ValueError, OSError):
         return cfg, None  # resume sets it aside as damaged, or refuses, with its own line
     saved = int(marker.get("world_size", processes))
-    if saved == processes:
+    run_cfg = runfolder.saved_config(out_dir)
+    total = runfolder.saved_global_batch(out_dir, run_cfg, runfolder.read_record(out_dir))
+    if total is None or total == cfg.data.batch_size * processes * cfg.train.accum_steps:
         return cfg, None
-    total = _saved_global_batch(out_dir, marker)
-    if total is None:
-        return cfg, None
+    if run_cfg is not None:
+        started = (run_cfg.get("data", {}).get("batch_size"), run_cfg.get("train", {}).get("accum_steps", 1))
+        if started != (cfg.data.batch_size, cfg.train.accum_steps):
+            return cfg, None  # asked for another batch: refused by the rule, or kept under train.resume=force
     accum = cfg.train.accum_steps
     before = (cfg.data.batch_size, accum)
     if total % (processes * accum) != 0:
@@ -113,28 +108,15 @@ ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context
 
 
 def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None:
-    """An architecture change is an error; other config differences are reported by name."""
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict) and key not in ("model.vision_cfg", "model.text_cfg", "model.text"):
-                out.update(flat(v, key + "."))
-            else:
-                out[key] = v
-        return out
-
-    a, b = flat(saved), flat(current)
+    """An architecture change is an error, whatever ``train.resume`` says: the weights would not load. (Other
+    differences were judged, and said, by the run folder's rule before anything was built: `runfolder.decide`.)"""
+    a, b = runfolder.flat(saved), runfolder.flat(current)
     arch = [k for k in ARCH_KEYS if a.get(k) != b.get(k)]
     if arch:
         raise CheckpointError(
             "cannot resume: the checkpoint's model differs in "
-            + ", ".join(f"{k} (saved {a.get(k)!r}, now {b.get(k)!r})" for k in arch))
-    changed = [k for k in sorted(set(a) | set(b))
-               if a.get(k) != b.get(k) and k not in ("train.steps", "train.samples")]
-    if changed:
-        log("config differs from the checkpoint's in: " + ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})"
-                                                                    for k in changed))
+            + ", ".join(f"{k} (saved {a.get(k)!r}, now {b.get(k)!r})" for k in arch)
+            + "; choose another train.output_dir for a new run")
 
 
 def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]:

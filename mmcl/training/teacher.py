@@ -17,7 +17,8 @@ from typing import Any, Callable, List
 import torch
 import torch.nn.functional as F
 
-from ..data.transforms import ImageFinish, pil_to_uint8, split_transform
+from ..data.decode import pil_to_uint8
+from ..data.transforms import ImageFinish, split_transform
 from ..errors import ConfigError, MmclError
 from ..losses import TeacherFeatures
 

@@ -3,7 +3,7 @@
 accelerate's tracking API does the work: the Accelerator is created with ``log_with`` and the run directory as its
 project directory, `start` calls ``init_trackers`` with the resolved config as hyperparameters, and `log` sends
 each metrics record's scalars to every tracker (main process only; accelerate decorates its calls so). mmcl's own
-record stays metrics.jsonl, written as before.
+record is metrics.jsonl (`MetricsLog`), written whichever trackers are on.
 
 - tensorboard: event files in ``<output_dir>/tensorboard`` (a resumed run purges the events after its step);
 - wandb: project ``mmcl``, run named after the output directory, files under ``<output_dir>/wandb``
@@ -27,19 +27,14 @@ from ..errors import ConfigError
 from ..storage import checkpoints
 from ..storage.fsutil import atomic_write_text
 
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "aim": "aim"}  # name -> module
 PROJECT = "mmcl"
 
 
 def check(names: List[str]) -> List[str]:
-    """Problems with ``train.log_with`` (unknown names, trackers whose package is not installed)."""
-    problems = []
-    for name in names:
-        if name not in TRACKERS:
-            problems.append(f"train.log_with: unknown tracker {name!r} (choose from {', '.join(TRACKERS)})")
-        elif importlib.util.find_spec(TRACKERS[name]) is None:
-            problems.append(f"train.log_with: {name} is not installed (pip install {name})")
-    return problems
+    """The ``train.log_with`` trackers whose package is not installed (the names themselves are
+    `mmcl.config.TRACKERS`, checked by `mmcl.config.validate`; each is also its package's name)."""
+    return [f"train.log_with: {name} is not installed (pip install {name})"
+            for name in names if importlib.util.find_spec(name) is None]
 
 
 def accelerator_kwargs(names: List[str], out_dir: Path) -> Dict[str, Any]:

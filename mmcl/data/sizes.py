@@ -1,0 +1,109 @@
+"""How many samples one pass over the training shards holds, from the counts that come with the shards.
+
+A tar stream has no index: counting its samples means reading it. Shards come with their counts instead, in the
+files open_clip and img2dataset leave beside them, looked up in this order for each shard:
+
+* ``sizes.json`` in the shard's folder: ``{"shard-000000.tar": 10000, ...}`` (open_clip's ``get_dataset_size``);
+* ``NNNNN_stats.json`` beside ``NNNNN.tar``: img2dataset's per-shard statistics, whose ``successes`` is the
+  number of samples written into the shard;
+* ``__len__`` in the folder: the folder's total (open_clip reads it for the whole spec; here it counts only for a
+  source that uses every shard of its folder, since it cannot be split between shards).
+
+Only local shards have such files to read; URLs and ``pipe:`` commands need ``data.train_num_samples`` (open_clip's
+``--train-num-samples``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import DataError
+from .sources import SHARD_SUFFIXES, expand_sources, has_scheme
+
+SIZES_FILE = "sizes.json"  # each shard's sample count, beside the shards (open_clip's layout; `mmcl shards` writes it)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise DataError(f"cannot read the shard sizes in {path}: {err}") from None
+
+
+def _folder_total(folder: str) -> Optional[int]:
+    path = os.path.join(folder, "__len__")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            value = ast.literal_eval(f.read().strip())  # a number, never code
+    except (OSError, ValueError, SyntaxError) as err:
+        raise DataError(f"cannot read the sample count in {path}: {err}") from None
+    if not isinstance(value, int) or value < 0:
+        raise DataError(f"{path} must hold a sample count, got {value!r}")
+    return value
+
+
+def _shard_count(url: str, sizes: Dict[str, Dict[str, Any]]) -> Optional[int]:
+    """The sample count of the local shard `url` from sizes.json or img2dataset's stats file; None when unknown."""
+    folder, name = os.path.split(os.path.abspath(url))
+    if folder not in sizes:
+        path = os.path.join(folder, SIZES_FILE)
+        table = _read_json(path) if os.path.isfile(path) else {}
+        if not isinstance(table, dict):
+            raise DataError(f"{path} must map shard names to sample counts")
+        sizes[folder] = table
+    if name in sizes[folder]:
+        return int(sizes[folder][name])
+    stem = name
+    for suffix in SHARD_SUFFIXES:
+        if stem.endswith(suffix):
+            stem = stem[:-len(suffix)]
+            break
+    stats = os.path.join(folder, f"{stem}_stats.json")
+    if os.path.isfile(stats):
+        record = _read_json(stats)
+        if isinstance(record, dict) and isinstance(record.get("successes"), int):
+            return record["successes"]
+    return None
+
+
+def shard_samples(spec: Any, allow_pipe: bool = False, require_all: bool = False) -> Tuple[int, str]:
+    """(samples in one pass over the shards of `spec`, where the counts came from).
+
+    Raises `DataError` naming a shard whose count is unknown and the way on (``data.train_num_samples``).
+    """
+    total, used = 0, set()
+    sizes: Dict[str, Dict[str, Any]] = {}
+    with warnings.catch_warnings():  # a source with holes: the data layer gives its one warning when it reads them
+        warnings.simplefilter("ignore")
+        sources = expand_sources(spec, allow_pipe, require_all)
+    for urls in sources:
+        remote = next((u for u in urls if has_scheme(u) and not u.startswith("file://")), None)
+        if remote is not None:
+            raise DataError(f"the number of samples in {remote} is unknown (a URL or pipe: command has no sizes "
+                            f"file to read): set data.train_num_samples to the samples in one epoch")
+        counts: List[Optional[int]] = [_shard_count(u, sizes) for u in urls]
+        if all(c is not None for c in counts):
+            total += sum(counts)  # type: ignore[arg-type]
+            used.add("img2dataset stats" if any(os.path.basename(u) not in sizes[os.path.dirname(os.path.abspath(u))]
+                                                for u in urls) else "sizes.json")
+            continue
+        folders = {os.path.dirname(os.path.abspath(u)) for u in urls}
+        folder = folders.pop() if len(folders) == 1 else None
+        every = folder is not None and sorted(os.path.abspath(u) for u in urls) == sorted(
+            os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(SHARD_SUFFIXES))
+        count = _folder_total(folder) if every else None
+        if count is None:
+            unknown = urls[counts.index(None)]
+            raise DataError(f"the number of samples in {unknown} is unknown (no sizes.json listing it, no "
+                            f"img2dataset _stats.json beside it): add sizes.json ({{shard name: samples}}) beside "
+                            f"the shards or set data.train_num_samples to the samples in one epoch")
+        total += count
+        used.add("__len__")
+    return total, " and ".join(sorted(used))
