@@ -318,23 +318,23 @@ def test_recipes_train_end_to_end(demo, tmp_path, monkeypatch):
 
     monkeypatch.setattr(flip.SeededPatchDropout, "forward", watch)
     out = tmp_path / "run"
-    args = run_args(demo, out, "train.steps=60", "data.batch_size=32", "train.log_every=5", "optim.lr=2e-3",
+    args = run_args(demo, out, "train.steps=100", "data.batch_size=32", "train.log_every=5", "optim.lr=2e-3",
                     "optim.warmup_steps=5", f"eval.zeroshot={demo['zeroshot_colour']}", "train.save_every=0",
                     "eval.every=30", "model.patch_dropout=0.5", "train.unmasked_steps=10", "train.ema_decay=0.9",
                     "optim.image_layer_decay=0.95", "optim.text_lr_mult=0.9")
     assert main(["train", *args]) == 0
-    assert masked_at == {s: s < 50 for s in range(60)}
+    assert masked_at == {s: s < 90 for s in range(100)}
     rows = metrics(out)
     # ln(32) = 3.47 is chance; half the patches and a lower rate for most layers learn more slowly than the plain
     # run of test_train, so the loss is averaged over the first and the last two logged steps.
     first = (rows[0]["loss"] + rows[1]["loss"]) / 2
     last = (rows[-2]["loss"] + rows[-1]["loss"]) / 2
     acc = rows[-1]["eval/zeroshot_classification/colour/acc1"]
-    # The drop depends on the masks drawn: measured over train.seed 0, 1, 2 with the device-side masks 3.63 -> 3.41,
-    # 3.62 -> 3.45, 3.49 -> 2.89 (and with the earlier host-generator masks, seeds 0, 1: 3.62 -> 2.95, 3.72 -> 3.47).
-    assert first > 3.0 and last < first - 0.15, (first, last, acc)
+    # The drop depends on the seed (masks, draws): over 100 steps, train.seed 0-3 measured 3.63 -> 2.50, 3.62 -> 3.03,
+    # 3.49 -> 2.55, 3.50 -> 3.41 (this seed learns late); the test runs seed 0.
+    assert first > 3.0 and last < first - 0.3, (first, last, acc)
     assert "eval/zeroshot_classification/colour/acc1" in rows[5]  # the in-loop evaluation (EMA weights)
-    assert acc > 0.125, acc  # above chance (8 colours, 8 images; measured 0.25)
+    assert acc > 0.125, acc  # above chance (8 colours; measured 0.41)
     groups = json.loads((out / "param_groups.json").read_text())
     scale = {n: g["lr_scale"] for g in groups for n in g["names"]}
     assert scale["visual.conv1.weight"] == pytest.approx(0.95 ** 3) and scale["token_embedding.weight"] == 0.9
