@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import webdataset as wds
-from PIL import Image
 from torch import nn
 from torchvision.transforms.functional import to_tensor
 
 from mmcl.data import build_eval_dataset
 from mmcl.errors import DataError
 from mmcl.evaluation import evaluate
+from test_evaluate import write_folder, write_shard  # the same image and shard builders
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
@@ -52,32 +51,6 @@ class RecordingTokenizer:
             for j, word in enumerate(COLOURS):
                 out[i, j] = float(word in text.lower())
         return out
-
-
-def solid(rgb, size=8):
-    return Image.new("RGB", (size, size), rgb)
-
-
-def write_folder(root: Path, layout):
-    for cls, colours in layout.items():
-        (root / cls).mkdir(parents=True, exist_ok=True)
-        for i, rgb in enumerate(colours):
-            solid(rgb).save(root / cls / f"{i}.png")
-    return root
-
-
-def write_shard(path: Path, samples):
-    """samples: (key, rgb, caption or None, label or None)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with wds.TarWriter(str(path)) as sink:
-        for key, rgb, caption, label in samples:
-            sample = {"__key__": key, "png": solid(rgb)}
-            if caption is not None:
-                sample["txt"] = caption
-            if label is not None:
-                sample["cls"] = label
-            sink.write(sample)
-    return path
 
 
 # ---------------------------------------------------------------------------------------------------------
