@@ -587,8 +587,27 @@ def validate(cfg: TrainConfig) -> List[str]:
         problems.append("model.pretrained and model.init_from are both set: model.pretrained names a model (its "
                         "weights, and its architecture where it has one), model.init_from loads weights into "
                         "model.name; set one")
-    if cfg.data.weights is not None and any(w < 0 for w in cfg.data.weights):
-        problems.append("data.weights must be non-negative")
+    problems += data_weight_problems(cfg.data)
+    return problems
+
+
+def data_weight_problems(data: DataConfig, n_sources: Optional[int] = None) -> List[str]:
+    """The rule for ``data.weights``, in one place: `validate` checks what the config alone decides; the data
+    stream calls it again with the number of sources ``data.train`` expanded to (a shard list file counts as its
+    entries, so the count needs the files)."""
+    w = data.weights
+    if w is None:
+        return []
+    problems = []
+    if not data.resampled:
+        problems.append("data.weights needs data.resampled=true (got weights with resampled=false)")
+    if any(x < 0 for x in w):
+        problems.append(f"data.weights must be non-negative (got {list(w)})")
+    elif sum(w) <= 0:
+        problems.append(f"data.weights must not all be zero (got {list(w)})")
+    if n_sources is not None and len(w) != n_sources:
+        problems.append(f"data.weights needs one weight per '::'-separated source (got {len(w)} weights for "
+                        f"{n_sources} sources)")
     return problems
 
 

@@ -88,3 +88,23 @@ def test_loaded_config_is_read_only():
     copy = dataclasses.replace(cfg.data, workers=0)  # a changed copy is the way to vary a loaded config
     assert copy.workers == 0 and cfg.data.workers == 2 and copy.batch_size == 3
     assert TrainConfig().train.steps == 150  # a config built in code stays assignable until frozen
+
+
+def test_data_weights_rule_is_checked_with_the_config_and_again_with_the_sources(tmp_path):
+    """data.weights has one rule (`config.data_weight_problems`): what the config alone decides is reported by
+    load_config with every other problem, before any data is opened; the count of sources by the data stream."""
+    from mmcl.data.pipeline import TrainStream
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.weights=[1,-1]", "data.resampled=false", "optim.lr=-1"])
+    msg = str(err.value)
+    assert "data.weights needs data.resampled=true" in msg and "data.weights must be non-negative" in msg
+    assert "optim.lr" in msg
+    with pytest.raises(ConfigError, match="must not all be zero"):
+        load_config(None, ["data.weights=[0,0]", "data.resampled=true"])
+    for name in ("a.tar", "b.tar"):
+        (tmp_path / name).write_bytes(b"")
+    cfg = load_config(None, [f"data.train={tmp_path / 'a.tar'}::{tmp_path / 'b.tar'}", "data.weights=[1,2,3]",
+                             "data.resampled=true"])
+    with pytest.raises(ConfigError, match=r"one weight per '::'-separated source \(got 3 weights for 2 sources\)"):
+        TrainStream(cfg.data, preprocess=lambda x: x, tokenizer=lambda x: x, seed=0)

@@ -442,15 +442,25 @@ def test_accelerate_launch_runs_two_cooperating_processes(demo, tmp_path):
     assert sorted(f.name for f in ckpt.glob("rank_state_*.pt")) == ["rank_state_0.pt", "rank_state_1.pt"]
 
 
-def test_bf16_autocast_and_gradient_checkpointing(demo, tmp_path):
-    """bf16 autocast trains with finite losses; gradient checkpointing leaves the gradients unchanged."""
+def test_bf16_autocast_and_gradient_checkpointing(demo, tmp_path, fresh_accelerate_state):
+    """bf16 autocast trains: its losses are finite, within 2 % of the same run in fp32, and not equal to them (a
+    silent fall-back to fp32 would give the fp32 losses bit for bit); gradient checkpointing leaves the gradients
+    unchanged."""
     from accelerate import Accelerator
 
-    out = tmp_path / "run"
-    cfg = load_config(None, run_args(demo, out, "train.steps=2", "train.log_every=1", "data.batch_size=8",
-                                     "data.workers=0", "train.precision=bf16", "train.save_every=0")[2:])
-    train(cfg)
-    assert all(math.isfinite(r["loss"]) for r in metrics(out))
+    losses = {}
+    for precision in ("bf16", "fp32"):
+        fresh_accelerate_state()  # accelerate holds one precision per process
+        out = tmp_path / precision
+        cfg = load_config(None, run_args(demo, out, "train.steps=2", "train.log_every=1", "data.batch_size=8",
+                                         "data.workers=0", f"train.precision={precision}", "train.save_every=0")[2:])
+        train(cfg)
+        losses[precision] = [r["loss"] for r in metrics(out) if "loss" in r]
+    assert len(losses["bf16"]) == len(losses["fp32"]) == 2
+    assert all(math.isfinite(x) for x in losses["bf16"])
+    assert losses["bf16"] != losses["fp32"]
+    for low, full in zip(losses["bf16"], losses["fp32"]):
+        assert abs(low - full) <= 0.02 * abs(full), (low, full)
 
     acc = Accelerator(cpu=True)
     batch = fake_batch(6, seed=3)

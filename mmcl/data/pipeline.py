@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import numpy as np
 import torch
 
-from ..config import DataConfig
+from ..config import DataConfig, data_weight_problems
 from ..errors import ConfigError, DataError
 from .decode import (SkipSample, TransformOutputError, caption_draw, decode_sample, needed_members, sample_keys,
                      zero_skips)
@@ -535,14 +535,9 @@ class TrainStream:
         self.sources = expand_sources(cfg.train, allow_pipe=bool(cfg.allow_pipe),
                                       require_all=bool(cfg.require_all_shards))
         self.urls = [u for src in self.sources for u in src]
-        if cfg.weights is not None:
-            if not cfg.resampled:
-                raise ConfigError("data.weights needs data.resampled=true (got weights with resampled=false)")
-            if len(cfg.weights) != len(self.sources):
-                raise ConfigError(f"data.weights needs one weight per '::'-separated source (got "
-                                  f"{len(cfg.weights)} weights for {len(self.sources)} sources)")
-            if sum(cfg.weights) <= 0:
-                raise ConfigError(f"data.weights must not all be zero (got {list(cfg.weights)})")
+        weight_problems = data_weight_problems(cfg, len(self.sources))
+        if weight_problems:
+            raise ConfigError("; ".join(weight_problems))
         self.cfg, self.preprocess, self.tokenizer = cfg, preprocess, tokenizer
         self.keys = sample_keys(cfg)  # None for the default (first image extension, txt)
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
