@@ -302,22 +302,21 @@ def count_ops(kind: str, n: int, world: int, chunk: int, tile: int, full_size: b
         return F.normalize(torch.randn(k, d, generator=g), dim=1).requires_grad_(True)
 
     q_img, q_txt = feats(rows), feats(rows)
-    cols_kw = {}
+    gathered = None
     if world > 1:
-        k_img, k_txt = feats(cols), feats(cols)
-        cols_kw = dict(all_image_features=k_img, all_text_features=k_txt, offset=cols - rows)
+        gathered = losses.Gathered(feats(cols), feats(cols), offset=cols - rows)
     scale = torch.full((), 14.3, device=device).requires_grad_(True)
     bias = torch.full((), -5.0, device=device).requires_grad_(True)
     with SyncWatch() as watch:
         if kind == "clip":
-            loss = losses.clip_loss(q_img, q_txt, scale, c, **cols_kw)
+            loss = losses.clip_loss(q_img, q_txt, scale, c, gathered=gathered)
         elif kind == "supcon":
             labels = torch.arange(cols, device=device) % max(2, cols // 3)
-            extra = {"all_labels": labels} if world > 1 else {}
-            loss = losses.supcon_loss(q_img, q_txt, labels[cols - rows:], scale, c, **cols_kw, **extra)
+            if gathered is not None:
+                gathered = gathered._replace(all_labels=labels)
+            loss = losses.supcon_loss(q_img, q_txt, labels[cols - rows:], scale, c, gathered=gathered)
         elif kind == "siglip":
-            extra = dict(all_text_features=cols_kw["all_text_features"], offset=cols - rows) if world > 1 else {}
-            loss = losses.siglip_loss(q_img, q_txt, scale, bias, chunk_size=c, **extra)
+            loss = losses.siglip_loss(q_img, q_txt, scale, bias, chunk_size=c, gathered=gathered)
         else:
             raise SystemExit(f"--op-count measures clip, supcon or siglip (got {kind})")
         loss.backward()

@@ -448,7 +448,7 @@ def pure_step_child(args) -> None:
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        models.clamp_logit_scale(model, cfg.loss.max_logit_scale)
+        models.clamp_logit_scale(model, cfg.model.max_logit_scale)
 
     # mmcl's own step on the same batches: the training loop's code path (Accelerator-prepared model and
     # optimiser, train_step with the uint8 -> float finish, finiteness check, accelerate's clipping), no data
@@ -467,7 +467,7 @@ def pure_step_child(args) -> None:
         if not torch.isfinite(loss.detach()):
             raise SystemExit("non-finite loss in the step benchmark")
         backward()
-        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip, cfg.loss.max_logit_scale)
+        apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip, cfg.model.max_logit_scale)
 
     for _ in range(3):  # allocator and kernel warm-up
         full_step()

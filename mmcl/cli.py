@@ -160,6 +160,21 @@ def cmd_reinforce(args) -> int:
     return 0
 
 
+def cmd_curate(args) -> int:
+    from .curation import Rules, curate
+
+    rules = Rules(clip_score_min=args.clip_score_min, clip_score_top=args.clip_score_top, dedup=args.dedup,
+                  decontaminate=args.decontaminate, decontaminate_threshold=args.decontaminate_threshold,
+                  min_caption_len=args.min_caption_len, max_caption_len=args.max_caption_len,
+                  language=tuple(args.language) if args.language else None)
+    keys = _sample_keys(args) if (args.image_key or args.caption_key) else None
+    summary = curate(args.model, args.data, args.out, rules, batch_size=args.batch_size, device=args.device,
+                     keys=keys, progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _load(args):
     from .storage.weights import load
 
@@ -201,6 +216,19 @@ def cmd_linear_probe(args) -> int:
     res = linear_probe(model, preprocess, args.train, args.test, batch_size=args.batch_size, workers=args.workers,
                        device=_device(args.device), model_name=str(args.model))
     _write_json(res, args.out)
+    return 0
+
+
+def cmd_interpolate(args) -> int:
+    from .training.wise_ft import RESULTS_FILE, wise_ft
+
+    res = wise_ft(args.init, args.finetuned, args.alpha, args.out, data=args.data, classnames=args.classnames,
+                  templates=args.templates, batch_size=args.batch_size, workers=args.workers,
+                  device=_device(args.device))
+    for entry in res["results"]:
+        acc = f" zero-shot acc1 {entry['metrics']['acc1']:.4f}" if "metrics" in entry else ""
+        print(f"mmcl: alpha {entry['alpha']:g}: {entry['model']}{acc}")
+    print(f"mmcl: results in {Path(args.out) / RESULTS_FILE}")
     return 0
 
 
@@ -337,6 +365,32 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--no-progress", action="store_true", help="no progress bar")
     rf.set_defaults(func=cmd_reinforce)
 
+    cu = sub.add_parser("curate", help="filter, deduplicate and decontaminate shards with a CLIP model "
+                                       "(filtered shards, report.json/.png, dropped.jsonl)")
+    cu.add_argument("--model", required=True, help="run dir, its model/, an export, or a Hugging Face CLIP dir")
+    cu.add_argument("--data", required=True, help="input shards (brace-expanded spec, a directory or a list); "
+                                                  "never changed")
+    cu.add_argument("--out", required=True, help="output directory (one shard per input shard, same names)")
+    cu.add_argument("--clip-score-min", type=float, default=None, help="keep image-caption cosine >= VALUE")
+    cu.add_argument("--clip-score-top", type=float, default=None,
+                    help="keep exactly this fraction of the samples, those of highest cosine")
+    cu.add_argument("--dedup", type=float, default=None,
+                    help="drop a sample whose image cosine with an earlier kept one is >= THRESHOLD")
+    cu.add_argument("--decontaminate", default=None,
+                    help="evaluation set (ImageFolder or shards): drop samples whose image matches one of its images")
+    cu.add_argument("--decontaminate-threshold", type=float, default=0.95, help="image cosine (default 0.95)")
+    cu.add_argument("--min-caption-len", type=int, default=None, help="fewest caption characters kept")
+    cu.add_argument("--max-caption-len", type=int, default=None, help="most caption characters kept")
+    cu.add_argument("--language", nargs="+", default=None, metavar="CODE",
+                    help="keep captions in these languages (ISO 639-1, e.g. en de; needs py3langid)")
+    cu.add_argument("--batch-size", type=int, default=64, help="samples per model batch")
+    cu.add_argument("--device", default=None, help=_DEVICE_HELP)
+    cu.add_argument("--image-key", default=None, help="image member (default: first of jpg, jpeg, png, webp)")
+    cu.add_argument("--caption-key", nargs="+", default=None,
+                    help="caption member(s), as data.caption_key: the first caption is scored")
+    cu.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cu.set_defaults(func=cmd_curate)
+
     def eval_args(x, data_help):
         x.add_argument("--model", required=True, help="run dir, its model/, or an export")
         x.add_argument("--data", required=True, help=data_help)
@@ -371,6 +425,23 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--workers", type=int, default=0, help="data-loading worker processes (0: in this process)")
     lp.add_argument("--device", default=None, help=_DEVICE_HELP)
     lp.set_defaults(func=cmd_linear_probe)
+
+    w = sub.add_parser("interpolate", help="WiSE-FT: weights (1-a)*FROM + a*TO for each alpha a, each written as "
+                                           "a model (and evaluated zero-shot with --data)")
+    w.add_argument("--from", dest="init", default=None,
+                   help="the initial model (run dir, its model/, an export); default: the weights the run --to "
+                        "started from (its config.yaml's model.pretrained or model.init_from)")
+    w.add_argument("--to", dest="finetuned", required=True, help="the fine-tuned model (a run dir, its model/, an "
+                                                                 "export), of the same architecture")
+    w.add_argument("--alpha", type=float, nargs="+", required=True, help="one or more alphas in [0, 1]")
+    w.add_argument("--out", required=True, help="output folder: alpha_<a>/ per alpha and wise_ft.json")
+    w.add_argument("--data", default=None, help="ImageFolder or labelled shards to evaluate each alpha zero-shot")
+    w.add_argument("--classnames", default=None, help="file, one class name per line in label order")
+    w.add_argument("--templates", default="auto", help="as mmcl zeroshot --templates")
+    w.add_argument("--batch-size", type=int, default=128, help="images per batch")
+    w.add_argument("--workers", type=int, default=0, help="data-loading worker processes (0: in this process)")
+    w.add_argument("--device", default=None, help=_DEVICE_HELP)
+    w.set_defaults(func=cmd_interpolate)
 
     e = sub.add_parser("export", help="export the encoders")
     e.add_argument("--model", required=True, help="run dir, its model/, or an export")

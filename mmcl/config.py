@@ -50,6 +50,10 @@ def freeze(cfg: _Section) -> _Section:
         value = getattr(cfg, f.name)
         if isinstance(value, _Section):
             freeze(value)
+        elif isinstance(value, list):  # a list of sections (train.phases)
+            for item in value:
+                if isinstance(item, _Section):
+                    freeze(item)
     object.__setattr__(cfg, "_frozen", True)
     return cfg
 
@@ -65,7 +69,9 @@ class TextTowerConfig(_Section):
 
 @dataclass
 class ModelConfig(_Section):
-    name: str = "tiny"  # an mmcl model config (mmcl/models/model_configs/*.json) or any open_clip architecture
+    # an mmcl model config (mmcl/models/model_configs/*.json), any open_clip architecture, or a .json file in
+    # open_clip's model-config format (embed_dim, vision_cfg, text_cfg; optionally preprocess_cfg)
+    name: str = "tiny"
     embed_dim: Optional[int] = None  # width of the shared embedding; null: the model config's
     image_size: Optional[int] = None  # input resolution of the image tower; null: the model config's
     context_length: Optional[int] = None  # tokens per caption; null: the model config's
@@ -75,6 +81,7 @@ class ModelConfig(_Section):
     # The logit scale's initial logarithm: log(1/0.07), as CLIP (Radford et al. 2021)
     init_logit_scale: float = math.log(1 / 0.07)
     init_logit_bias: Optional[float] = None  # set for SigLIP; -10 there (Zhai et al. 2023)
+    max_logit_scale: float = 100.0  # the learned logit scale is clamped to at most this after each step (CLIP: 100)
     init_from: Optional[str] = None  # open_clip .pt/.safetensors/local-dir, an mmcl run or export, HF CLIP dir
     # Published weights by name, as open_clip's --pretrained: an open_clip tag of model.name (openai,
     # laion2b_s34b_b79k), hf-hub:ORG/NAME, or a local file/directory (an open_clip_train run included); downloaded
@@ -89,6 +96,23 @@ class ModelConfig(_Section):
     grad_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more compute
     # FLIP (Li et al. 2023): fraction of image patches dropped in training (ViT towers; evaluation is unmasked)
     patch_dropout: float = 0.0
+
+
+@dataclass
+class AugConfig(_Section):
+    """Training augmentation, open_clip's ``AugmentationCfg`` key for key (its ``--aug-cfg``); evaluation never
+    augments. ``ratio``, ``re_prob`` and ``re_count`` act only through timm's transform (``use_timm``)."""
+
+    scale: List[float] = field(default_factory=lambda: [0.9, 1.0])  # random resized crop's area fraction range
+    ratio: Optional[List[float]] = None  # the crop's aspect-ratio range (timm only); null: (3/4, 4/3)
+    # Colour jitter strength: brightness, contrast, saturation, hue (4 values, applied with color_jitter_prob),
+    # or with use_timm one value or 3-4 values as timm takes them
+    color_jitter: Optional[List[float]] = None
+    color_jitter_prob: Optional[float] = None  # probability of the jitter (SimCLR style; needs 4 color_jitter values)
+    gray_scale_prob: Optional[float] = None  # probability of converting to grayscale (3 channels kept)
+    re_prob: Optional[float] = None  # random erasing probability (timm only)
+    re_count: Optional[int] = None  # random erasing count (timm only)
+    use_timm: bool = False  # build the train transform with timm's create_transform, as open_clip does
 
 
 @dataclass
@@ -134,6 +158,7 @@ class DataConfig(_Section):
     # Samples in one pass over data.train (open_clip's --train-num-samples), for train.epochs; null: read from the
     # counts beside the shards (sizes.json, img2dataset's _stats.json, __len__; mmcl/data/sizes.py).
     train_num_samples: Optional[int] = None
+    aug: AugConfig = field(default_factory=AugConfig)  # training augmentation: open_clip's AugmentationCfg
 
 
 @dataclass
@@ -144,6 +169,22 @@ class MochiConfig(_Section):
     s_prime: int = 16  # harder negatives mixed from the query and a hard negative
     mix_max: float = 0.5  # coefficient for query mixing is drawn from (0, mix_max)
     queue_size: int = 0  # past features of the other modality kept as extra negatives
+
+
+@dataclass
+class GlobalContrastiveConfig(_Section):
+    # weight of the global contrastive loss (SogCLR, Yuan et al. 2022; FastCLIP, Wei et al. 2024): InfoNCE whose
+    # softmax normalisers are per-sample moving estimates over many batches, for small batches
+    weight: float = 0.0
+    gamma: float = 0.9  # inner rate of the moving estimates, in (0, 1]; 1 uses the batch's own (= loss.clip)
+    gamma_schedule: str = "constant"  # constant | cosine (FastCLIP: from 1 down to gamma over gamma_decay_steps)
+    gamma_decay_steps: int = 0  # optimiser steps of the cosine decay of gamma
+    # constant inside log(eps + u); null: 1 / (global batch - 1), InfoNCE's weight of the positive;
+    # 1 / (samples - 1) approaches the whole data set's InfoNCE
+    eps: Optional[float] = None
+    # slots of the per-sample estimates, 8 bytes each (saved in every process's checkpoint state); samples are
+    # hashed into them, so a few times the data set's samples keeps shared slots rare
+    table_size: int = 2 ** 20
 
 
 @dataclass
@@ -160,8 +201,8 @@ class LossConfig(_Section):
     align_alpha: float = 2.0  # exponent of the distance in the alignment term
     uniform_t: float = 2.0  # temperature of the uniformity term's Gaussian kernel
     chunk_size: Optional[int] = None  # tiled (memory-linear) softmax and sigmoid losses when set
-    max_logit_scale: float = 100.0  # the learned logit scale is clamped to at most this (CLIP: 100)
     mochi: MochiConfig = field(default_factory=MochiConfig)
+    global_contrastive: GlobalContrastiveConfig = field(default_factory=GlobalContrastiveConfig)
     distill: float = 0.0  # KL from a teacher's contrastive distributions (distill.teacher or distill.from_shards)
 
 
@@ -193,6 +234,16 @@ class OptimConfig(_Section):
     text_lr_mult: float = 1.0  # learning-rate multiplier of the text tower
     image_layer_decay: float = 1.0  # layer-wise learning-rate decay within the image tower
     text_layer_decay: float = 1.0  # layer-wise learning-rate decay within the text tower
+
+
+@dataclass
+class PhaseConfig(_Section):
+    """One phase of ``train.phases``: its length in steps, and the sizes its steps train at (None: the model's)."""
+
+    steps: int = 1
+    image_size: Optional[int] = None
+    context_length: Optional[int] = None
+    patch_dropout: Optional[float] = None
 
 
 @dataclass
@@ -228,18 +279,117 @@ class TrainSection(_Section):
     # answer"; null: torch's default (10 min for NCCL, 30 min for gloo). Evaluations and the final save do not
     # count against it (eval.timeout_s).
     dist_timeout_s: Optional[float] = None
+    # WiSE-FT (Wortsman et al. 2022): after training, the weights (1 - a) * initial + a * final for each alpha a,
+    # each written as a model under output_dir/wise_ft/alpha_<a>/ and evaluated as the final model is (mmcl interpolate)
+    wise_ft: Optional[List[float]] = None
+    # Token-reduction phases (CLIPA, Li et al. 2023), in order: a list of {steps, image_size, context_length,
+    # patch_dropout}; a key left out keeps the model's own value; the steps add up to train.steps. Empty: every
+    # step at the model's own size (mmcl/training/phases.py)
+    phases: List[PhaseConfig] = field(default_factory=list)
 
 
 @dataclass
 class EvalConfig(_Section):
     every: int = 0  # steps between evaluations during training; 0 evaluates only at the end if data is set
-    zeroshot: Optional[str] = None  # ImageFolder or shards with .cls
+    # Zero-shot classification sets: an ImageFolder or shards with .cls, or a list of named sets, each a path (named
+    # after it) or {name, data, every, classnames, templates} (every, classnames, templates default to eval.*);
+    # results go under eval/zeroshot_classification/<name>/<metric>
+    zeroshot: Any = None
     classnames: Optional[str] = None  # file with one class name per line in label order; null: beside the data
     templates: str = "auto"  # templates.txt beside the data, else open_clip's openai_imagenet_template
-    retrieval: Optional[str] = None  # shards
+    # Retrieval sets: shards with captions, or a list of named sets, each a path or {name, data, every}
+    retrieval: Any = None
+    # Held-out shards scored with the run's own loss terms (open_clip's --val-data), without gradient, in batches
+    # of the run's global batch; logged as val/loss and val/<term>
+    val_loss: Any = None
+    val_loss_every: Optional[int] = None  # steps between validation losses; null: eval.every
     batch_size: int = 128  # images (or captions) per evaluation batch
     # Seconds the other processes wait for the main process's evaluation (and, at the end, model/ and plots)
     timeout_s: float = 14400.0
+
+
+# The keys of one named set in an eval.zeroshot / eval.retrieval list
+EVAL_SET_KEYS = {"zeroshot": ("name", "data", "every", "classnames", "templates"),
+                 "retrieval": ("name", "data", "every")}
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """One evaluation set of ``eval.zeroshot`` or ``eval.retrieval``, as `eval_sets` reads it from the config."""
+
+    task: str  # zeroshot | retrieval
+    name: Optional[str]  # None: named after its data by the evaluation (a file's stem, else its folder)
+    data: Any  # an ImageFolder, a shard spec, or a list of shard specs
+    every: int  # steps between its evaluations during training; 0: at the end only
+    classnames: Optional[str] = None
+    templates: str = "auto"
+    where: str = ""  # the config key it came from: eval.zeroshot, or eval.zeroshot[1] in a list
+
+
+def _is_spec(value: Any) -> bool:
+    """A path or shard spec, or a non-empty list of them."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v.strip() for v in value)
+
+
+def eval_sets(ev: "EvalConfig") -> tuple:
+    """The evaluation sets of ``eval.zeroshot`` then ``eval.retrieval``, in the order given, and the problems of
+    their entries (one line each, keyed ``eval.<task>[i]``).
+
+    A single path is one set with ``eval.every``, ``eval.classnames`` and ``eval.templates``, as is a bare path in a
+    list; a mapping names its set and may give its own ``every`` (and, for zero-shot, ``classnames`` and
+    ``templates``), as big_vision's evaluators each have their own frequency. Explicit names are unique per task
+    and hold no '/' (they are a path component of the metric keys); the evaluation checks the names it derives.
+    Returns (list of `EvalSet`, list of problems).
+    """
+    sets, problems = [], []
+    for task, keys in EVAL_SET_KEYS.items():
+        value = getattr(ev, task)
+        if value is None or value == "" or value == []:
+            continue
+        entries = value if isinstance(value, list) else [value]
+        for i, entry in enumerate(entries):
+            where = f"eval.{task}[{i}]" if isinstance(value, list) else f"eval.{task}"
+            if _is_spec(entry):
+                entry = {"data": entry}
+            if not isinstance(entry, dict):
+                problems.append(f"{where} must be a path or a mapping of {', '.join(keys)} (got {entry!r})")
+                continue
+            unknown = sorted(str(k) for k in entry if k not in keys)
+            if unknown:
+                problems.append(f"{where}: unknown key(s) {', '.join(unknown)} (a {task} set has "
+                                f"{', '.join(keys)})")
+                continue
+            name, every = entry.get("name"), entry.get("every", ev.every)
+            if not _is_spec(entry.get("data")):
+                problems.append(f"{where}: data is not set (expected an ImageFolder or shards, e.g. "
+                                f"{{name: val, data: /data/val}})")
+            elif name is not None and (not isinstance(name, str) or not name.strip() or "/" in name):
+                problems.append(f"{where}: name must be a non-empty word without '/' (got {name!r})")
+            elif not isinstance(every, int) or isinstance(every, bool) or every < 0:
+                problems.append(f"{where}: every must be an integer >= 0 (got {every!r})")
+            else:
+                zeroshot = task == "zeroshot"  # class names and templates are a zero-shot set's only
+                sets.append(EvalSet(task, name, entry["data"], every,
+                                    entry.get("classnames", ev.classnames) if zeroshot else None,
+                                    entry.get("templates", ev.templates) if zeroshot else "auto", where))
+    problems += duplicate_set_names([s for s in sets if s.name is not None])
+    return sets, problems
+
+
+def duplicate_set_names(sets: List[EvalSet]) -> List[str]:
+    """One problem per name given to two sets of the same task (their results would share the metric keys)."""
+    seen, problems = {}, []
+    for s in sets:
+        key = (s.task, s.name)
+        if key in seen and seen[key] != s.data:
+            problems.append(f"eval.{s.task}: two sets are named {s.name!r} ({seen[key]} and {s.data}); give each a "
+                            f"different name: [{{name: a, data: ...}}, {{name: b, data: ...}}]")
+        elif key in seen:
+            problems.append(f"eval.{s.task}: the set {s.name!r} ({s.data}) is listed twice")
+        seen.setdefault(key, s.data)
+    return problems
 
 
 @dataclass
@@ -268,6 +418,7 @@ _CHOICES = {
     "model.text.pooling": ("mean", "cls", "max"),
     "model.text.projection": ("mlp", "linear", "none"),
     "optim.schedule": ("cosine", "constant", "linear", "const-cooldown", "wsd"),
+    "loss.global_contrastive.gamma_schedule": ("constant", "cosine"),
     "optim.cooldown_shape": ("linear", "1-sqrt", "cosine"),
     "train.precision": ("auto", *PRECISIONS),
     "train.nan_policy": ("stop", "skip"),
@@ -408,9 +559,15 @@ def _nearest(key: str) -> str:
     return ("; did you mean " + " or ".join(close) + "?") if close else ""
 
 
+# Keys that moved to where they act: the old key is an error naming the new one.
+MOVED_KEYS = {"loss.max_logit_scale": "model.max_logit_scale"}
+
+
 def _describe(err: OmegaConfBaseException, key: str, value: Any) -> str:
     """One line for a failed merge of ``key=value``, in the schema's words (OmegaConf's own text names its
     internals, e.g. "Merge error: int is not a subclass of OptimConfig")."""
+    if key in MOVED_KEYS:
+        return f"'{key}' is now '{MOVED_KEYS[key]}': rename the key ({MOVED_KEYS[key]}={value})"
     fields = _fields()
     if key in _section_keys():
         leaves = [k for k in fields if k.startswith(key + ".")]
@@ -562,8 +719,19 @@ def validate(cfg: TrainConfig) -> List[str]:
     if m.weight > 0 and (m.n_hard < 1 or m.s < 0 or m.s_prime < 0 or not 0 < m.mix_max <= 1):
         problems.append(f"loss.mochi needs n_hard >= 1, s >= 0, s_prime >= 0, 0 < mix_max <= 1 (got n_hard={m.n_hard}, "
                         f"s={m.s}, s_prime={m.s_prime}, mix_max={m.mix_max})")
-    if not loss.max_logit_scale >= 1:  # the scale's parameter is clamped into [0, log(max_logit_scale)]
-        problems.append(f"loss.max_logit_scale must be >= 1 (got {loss.max_logit_scale})")
+    gc = loss.global_contrastive
+    if gc.weight > 0:
+        if not 0 < gc.gamma <= 1:
+            problems.append(f"loss.global_contrastive.gamma must be in (0, 1] (got {gc.gamma})")
+        if gc.gamma_schedule == "cosine" and gc.gamma_decay_steps <= 0:
+            problems.append("loss.global_contrastive.gamma_schedule=cosine needs gamma_decay_steps > 0 (got "
+                            f"{gc.gamma_decay_steps}; e.g. half of train.steps)")
+        if gc.table_size < 1:
+            problems.append(f"loss.global_contrastive.table_size must be >= 1 (got {gc.table_size})")
+        if gc.eps is not None and not gc.eps >= 0:
+            problems.append(f"loss.global_contrastive.eps must be >= 0 or null (got {gc.eps})")
+    if not cfg.model.max_logit_scale >= 1:  # the scale's parameter is clamped into [0, log(max_logit_scale)]
+        problems.append(f"model.max_logit_scale must be >= 1 (got {cfg.model.max_logit_scale})")
     if loss.siglip > 0 and cfg.model.init_logit_bias is None:
         problems.append("loss.siglip > 0 needs a model with a logit bias (got none; set model.init_logit_bias, "
                         "e.g. -10)")
@@ -574,6 +742,7 @@ def validate(cfg: TrainConfig) -> List[str]:
             problems.append(f"{key} must be in (0, 1] (got {get(cfg, key)})")
     problems += _sample_key_problems(cfg.data)
     problems += _length_problems(cfg)
+    problems += _phase_problems(cfg)
     unknown = [t for t in cfg.train.log_with if t not in TRACKERS]
     if unknown:
         problems.append(f"train.log_with: unknown tracker(s) {', '.join(map(repr, unknown))} (choose from "
@@ -583,11 +752,44 @@ def validate(cfg: TrainConfig) -> List[str]:
     if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:
         problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     problems += _distill_problems(cfg)
+    problems += _eval_problems(cfg)
     if cfg.model.pretrained and cfg.model.init_from:
         problems.append("model.pretrained and model.init_from are both set: model.pretrained names a model (its "
                         "weights, and its architecture where it has one), model.init_from loads weights into "
                         "model.name; set one")
     problems += data_weight_problems(cfg.data)
+    problems += aug_problems(cfg.data.aug)
+    if cfg.train.wise_ft is not None and (not cfg.train.wise_ft or any(not 0 <= a <= 1 for a in cfg.train.wise_ft)):
+        problems.append(f"train.wise_ft must be a list of alphas in [0, 1] (got {list(cfg.train.wise_ft)})")
+    return problems
+
+
+def aug_problems(aug: AugConfig) -> List[str]:
+    """What open_clip's train transform would assert on, or silently ignore, in ``data.aug``: each is an error here."""
+    problems = []
+    scale = list(aug.scale)
+    if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+        problems.append(f"data.aug.scale must be two area fractions 0 < lo <= hi <= 1 (got {scale})")
+    for key in ("color_jitter_prob", "gray_scale_prob", "re_prob"):
+        value = getattr(aug, key)
+        if value is not None and not 0 <= value <= 1:
+            problems.append(f"data.aug.{key} must be a probability in [0, 1] (got {value})")
+    if aug.use_timm:
+        for key in ("color_jitter_prob", "gray_scale_prob"):
+            if getattr(aug, key):  # timm's transform has neither: open_clip drops them without a word
+                problems.append(f"data.aug.{key} is not used by timm's transform (data.aug.use_timm=true); unset it")
+        return problems
+    for key in ("ratio", "re_prob", "re_count"):
+        if getattr(aug, key) is not None:  # open_clip's own train transform ignores them with a warning
+            problems.append(f"data.aug.{key} needs data.aug.use_timm=true (open_clip's own train transform has no "
+                            f"{key}; timm's has)")
+    if aug.color_jitter is not None and (len(aug.color_jitter) != 4 or not aug.color_jitter_prob):
+        problems.append(f"data.aug.color_jitter needs 4 values (brightness, contrast, saturation, hue) and "
+                        f"data.aug.color_jitter_prob > 0 (got {list(aug.color_jitter)} with prob "
+                        f"{aug.color_jitter_prob}), or data.aug.use_timm=true")
+    elif aug.color_jitter_prob and aug.color_jitter is None:
+        problems.append("data.aug.color_jitter_prob needs data.aug.color_jitter (4 values: brightness, contrast, "
+                        "saturation, hue)")
     return problems
 
 
@@ -608,6 +810,30 @@ def data_weight_problems(data: DataConfig, n_sources: Optional[int] = None) -> L
     if n_sources is not None and len(w) != n_sources:
         problems.append(f"data.weights needs one weight per '::'-separated source (got {len(w)} weights for "
                         f"{n_sources} sources)")
+    return problems
+
+
+def _phase_problems(cfg: TrainConfig) -> List[str]:
+    """``train.phases``: positive steps adding up to train.steps, sizes that can be trained at (the model's own
+    limits are checked where it is built: `mmcl.training.phases.check_phases`)."""
+    phases, problems = cfg.train.phases, []
+    if not phases:
+        return problems
+    if cfg.train.samples is not None or cfg.train.epochs is not None:
+        problems.append("train.phases needs the run's length in train.steps (got train.samples or train.epochs)")
+    for i, p in enumerate(phases):
+        if p.steps < 1:
+            problems.append(f"train.phases[{i}].steps must be >= 1 (got {p.steps})")
+        if p.image_size is not None and p.image_size < 1:
+            problems.append(f"train.phases[{i}].image_size must be >= 1 or left out (got {p.image_size})")
+        if p.context_length is not None and p.context_length < 2:
+            problems.append(f"train.phases[{i}].context_length must be >= 2 or left out (got {p.context_length})")
+        if p.patch_dropout is not None and not 0.0 <= p.patch_dropout < 1.0:
+            problems.append(f"train.phases[{i}].patch_dropout must be in [0, 1) or left out (got {p.patch_dropout})")
+    total = sum(p.steps for p in phases)
+    if total != cfg.train.steps and cfg.train.samples is None and cfg.train.epochs is None:
+        problems.append(f"train.phases' steps add up to {total} (" + " + ".join(str(p.steps) for p in phases)
+                        + f"), not train.steps={cfg.train.steps}")
     return problems
 
 
@@ -632,6 +858,20 @@ def _length_problems(cfg: TrainConfig) -> List[str]:
             re.compile(o.no_decay_pattern)
         except re.error as err:
             problems.append(f"optim.no_decay_pattern is not a regular expression ({err}): {o.no_decay_pattern!r}")
+    return problems
+
+
+def _eval_problems(cfg: TrainConfig) -> List[str]:
+    """The evaluation sets' entries (`eval_sets`) and the validation loss's keys."""
+    ev = cfg.eval
+    problems = eval_sets(ev)[1]
+    if ev.val_loss is not None and not _is_spec(ev.val_loss):
+        problems.append(f"eval.val_loss must be held-out shards: a shard spec or a list of them (got {ev.val_loss!r})")
+    if ev.val_loss_every is not None and ev.val_loss_every < 0:
+        problems.append(f"eval.val_loss_every must be >= 0 or null (got {ev.val_loss_every})")
+    if ev.val_loss is not None and (cfg.loss.distill > 0 or cfg.distill.teacher or cfg.distill.from_shards):
+        problems.append("eval.val_loss does not score the distillation term (its teacher views are made for training "
+                        "batches only); unset eval.val_loss or train without loss.distill")
     return problems
 
 

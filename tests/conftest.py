@@ -1,3 +1,7 @@
+"""Fixtures for every test file: offline model hubs, a fresh accelerate state per test, and the shared datasets
+(`demo`, `corpus`), built once per module that asks for them. Plain builders are in helpers.py. The fixtures
+import mmcl and the builders when they run, so that collecting a test file costs only its own imports."""
+
 import pytest
 
 
@@ -30,3 +34,57 @@ def fresh_accelerate_state_per_module():
     """The same for a module's own fixtures, which are set up before the per-test reset (a module fixture that
     trains in fp32 after a test that trained in bf16)."""
     _reset_accelerate_state()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The embedded demo dataset as shards, small enough for a run of a few dozen steps (`helpers.run_args`)."""
+    from mmcl.data.demo import make_demo_data
+
+    root = tmp_path_factory.mktemp("demo")
+    return make_demo_data(str(root), n_train=768, n_val=32, n_zeroshot=8, shard_size=96, progress=False)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Six shards of 10 good samples with the bad samples spread over them, a truncated tar and a non-tar.
+
+    Returns (spec, good keys, expected skip counts per reason).
+    """
+    import tarfile
+
+    from helpers import N_SHARDS, PER_SHARD, TRUNC_KEEP, bad_samples, encode, good_members, image_for, write_tar
+    from mmcl import data
+
+    root = tmp_path_factory.mktemp("corpus")
+    bad = list(bad_samples().items())
+    good, expected = [], {r: 0 for r in data.SKIP_REASONS}
+    for s in range(N_SHARDS):
+        members = []
+        for j in range(PER_SHARD):
+            key = f"s{s}_{j:02d}"
+            # One large JPEG (under MAX_PIXELS) goes through the draft-decoding path and must be kept.
+            if (s, j) == (0, 3):
+                members += [(f"{key}.jpg", encode(image_for(7, 96), "JPEG")), (f"{key}.txt", b"a big one")]
+            else:
+                members += good_members(key, s * PER_SHARD + j)
+            good.append(key)
+            if j % 3 == 1 and bad:
+                name, (bad_members, reason) = bad.pop()
+                members += bad_members
+                expected[reason] += 1
+        write_tar(root / f"part-{s:02d}.tar", members)
+    assert not bad
+    # A tar cut inside the image of its 7th sample: 6 samples survive, the 7th is lost.
+    members = [m for j in range(10) for m in good_members(f"t_{j:02d}", 100 + j)]
+    path = root / "part-98.tar"
+    write_tar(path, members)
+    with tarfile.open(path) as tar:
+        cut = [m for m in tar.getmembers() if m.name == f"t_{TRUNC_KEEP:02d}.png"][0].offset_data + 20
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+    good += [f"t_{j:02d}" for j in range(TRUNC_KEEP)]
+    expected["truncated_tar"] += 1
+    (root / "part-99.tar").write_bytes(b"\x00garbage, not a tar file" * 50)
+    expected["shard_open"] += 1
+    return str(root / "part-*.tar"), good, expected

@@ -46,10 +46,10 @@ def _slow_evaluation(seconds: float) -> None:
 
     real_run_eval = mmcl.training.loop.run_eval
 
-    def run_eval(cfg, model, tokenizer, pp_cfg, accelerator):
+    def run_eval(cfg, model, tokenizer, pp_cfg, accelerator, *rest):
         if accelerator.is_main_process:
             time.sleep(seconds)
-        return real_run_eval(cfg, model, tokenizer, pp_cfg, accelerator)
+        return real_run_eval(cfg, model, tokenizer, pp_cfg, accelerator, *rest)
 
     mmcl.training.loop.run_eval = run_eval
 

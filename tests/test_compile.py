@@ -14,7 +14,7 @@ from mmcl import models
 from mmcl.config import LossConfig, load_config
 from mmcl.training.step import objective_from_config, train_step
 
-from test_train import demo, fake_batch, micro_model, run_args  # noqa: F401 - demo is a fixture
+from helpers import fake_batch, micro_model, run_args
 
 EOT = 49407  # open_clip's end-of-text token, the highest id: where the text tower pools
 

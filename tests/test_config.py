@@ -27,6 +27,20 @@ def test_unknown_key_names_the_nearest_valid_key(tmp_path):
         load_config(write(tmp_path, "optim:\n  warmup: 5\n"))
 
 
+def test_moved_key_is_one_error_line_naming_its_new_key(tmp_path):
+    """The logit-scale clamp acts in the model (after each optimiser step), so its key is model.max_logit_scale;
+    the old loss.max_logit_scale, in a file or an override, is one line naming the new key, not a fuzzy guess."""
+    cfg = load_config(None, ["model.max_logit_scale=50"])
+    assert cfg.model.max_logit_scale == 50.0 and not hasattr(cfg.loss, "max_logit_scale")
+    for args in ((None, ["loss.max_logit_scale=50"]), (write(tmp_path, "loss:\n  max_logit_scale: 50.0\n"), None)):
+        with pytest.raises(ConfigError) as err:
+            load_config(*args)
+        msg = str(err.value)
+        assert "\n" not in msg and "'loss.max_logit_scale' is now 'model.max_logit_scale'" in msg, msg
+    with pytest.raises(ConfigError, match=r"model\.max_logit_scale must be >= 1 \(got 0\.5\)"):
+        load_config(None, ["model.max_logit_scale=0.5"])
+
+
 def test_bad_value_type_is_reported_with_the_key():
     with pytest.raises(ConfigError, match=r"data\.batch_size.*abc"):
         load_config(None, ["data.batch_size=abc"])

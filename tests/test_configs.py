@@ -118,6 +118,20 @@ def test_vit_b_32_is_open_clip_laion_recipe():
     assert model_cfg["embed_dim"] == 512 and model_cfg["vision_cfg"]["patch_size"] == 32
 
 
+def test_clipa_config_trains_most_steps_on_few_tokens_then_briefly_at_full_size():
+    """configs/clipa.yaml is CLIPA's recipe: at least 80 % of the steps at a quarter of the patches or fewer, on
+    short captions, with patch dropout; then a last phase at the model's own size, unmasked."""
+    cfg = _config(CONFIG_DIR / "clipa.yaml")
+    model_cfg = models.resolve_model_config(cfg.model)
+    size, length = model_cfg["vision_cfg"]["image_size"], model_cfg["text_cfg"]["context_length"]
+    first, last = cfg.train.phases[0], cfg.train.phases[-1]
+    assert sum(p.steps for p in cfg.train.phases) == cfg.train.steps
+    assert first.steps >= 0.8 * cfg.train.steps
+    assert (first.image_size / size) ** 2 <= 0.25 and first.context_length <= length // 2 and first.patch_dropout > 0
+    assert last.image_size in (None, size) and last.context_length in (None, length)
+    assert not last.patch_dropout and not cfg.model.patch_dropout and cfg.train.unmasked_steps == 0
+
+
 def test_siglip_config_initialises_bias_and_scale():
     cfg = load_config(str(CONFIG_DIR / "siglip.yaml"))
     model = models.build(cfg.model)[0]
@@ -206,6 +220,10 @@ def _overrides(path: Path) -> list:
         extra.append(f"model.text.hf={_minilm_dir()}")
     if cfg.train.samples is not None:
         extra.append("train.samples=null")
+    if cfg.train.phases:  # the config's phases over the 3 steps: 2 in the first phase, 1 in the last
+        sizes = [{k: v for k, v in vars(p).items() if k != "steps" and not k.startswith("_") and v is not None}
+                 for p in (cfg.train.phases[0], cfg.train.phases[-1])]
+        extra.append("train.phases=" + json.dumps([dict(sizes[0], steps=2), dict(sizes[1], steps=1)]))
     return extra
 
 
@@ -291,7 +309,8 @@ def test_missing_eval_set_fails_in_seconds_before_any_step(user_dir):
         f"mmcl: error: missing input (relative paths resolve against the current directory, {cwd}): "
         f"eval.zeroshot: {cwd}/runs/demo-data/zeroshot/colour does not exist"], p.stderr
     assert not (user_dir / "runs" / "no-eval-set").exists()  # no checkpoints/, no config: nothing started
-    # Python's start and mmcl's imports take about 3 s here; the check itself milliseconds. 30 s: a busy machine.
+    # Python's start and mmcl's imports take seconds; the check itself milliseconds. 30 s leaves room for a loaded
+    # machine.
     assert seconds < 30, seconds
 
 

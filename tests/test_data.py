@@ -16,117 +16,10 @@ from torchvision import transforms as T
 from mmcl import data
 from mmcl.config import DataConfig
 from mmcl.errors import ConfigError, DataError
+from helpers import (PREPROCESS, SIDE, bad_samples, cfg_for, encode, good_members, image_for, tokenizer,
+                     write_tar)
 
-SIDE = 8
-MAX_PIXELS = 10_000  # small, so a 120x120 PNG is a decompression bomb for the stream
-
-
-PREPROCESS = T.Compose([T.Resize(SIDE), T.CenterCrop(SIDE), T.ToTensor()])
 AUGMENT = T.Compose([T.RandomResizedCrop(SIDE, scale=(0.3, 1.0)), T.ToTensor()])
-
-
-def tokenizer(texts):
-    """Bytes of the caption, padded to 24: deterministic and picklable, like a real tokenizer's output."""
-    out = torch.zeros(len(texts), 24, dtype=torch.long)
-    for i, text in enumerate(texts):
-        raw = text.encode()[:24]
-        out[i, : len(raw)] = torch.tensor(list(raw))
-    return out
-
-
-def encode(img, fmt):
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def image_for(i, size=12):
-    rng = np.random.default_rng(i)
-    return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
-
-
-def write_tar(path, members):
-    """Write (name, bytes) members into a tar, in order."""
-    with tarfile.open(path, "w") as tar:
-        for name, payload in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(payload)
-            tar.addfile(info, io.BytesIO(payload))
-
-
-def good_members(key, i, fmt="PNG", ext="png"):
-    return [(f"{key}.{ext}", encode(image_for(i), fmt)), (f"{key}.txt", f"caption {key}".encode()),
-            (f"{key}.cls", str(i % 5).encode())]
-
-
-# Each bad sample: (members, reason it is skipped for).
-def bad_samples():
-    jpeg = encode(image_for(99, 32), "JPEG")
-    return {
-        "bad_trunc": ([("bad_trunc.jpg", jpeg[: len(jpeg) // 2]), ("bad_trunc.txt", b"cut")], "decode"),
-        "bad_notimg": ([("bad_notimg.jpg", b"this is not an image"), ("bad_notimg.txt", b"x")], "decode"),
-        "bad_nocap": ([("bad_nocap.png", encode(image_for(1), "PNG"))], "missing_caption"),
-        "bad_noimg": ([("bad_noimg.txt", b"no image"), ("bad_noimg.cls", b"1")], "missing_image"),
-        "bad_empty": ([("bad_empty.png", encode(image_for(2), "PNG")), ("bad_empty.txt", b"  \n")], "bad_caption"),
-        "bad_utf8": ([("bad_utf8.png", encode(image_for(3), "PNG")), ("bad_utf8.txt", b"caf\xe9 \xff")],
-                     "bad_caption"),
-        "bad_label": ([("bad_label.png", encode(image_for(4), "PNG")), ("bad_label.txt", b"ok"),
-                       ("bad_label.cls", b"three")], "bad_label"),
-        "bad_bomb": ([("bad_bomb.png", encode(Image.new("RGB", (120, 120), (9, 9, 9)), "PNG")),
-                      ("bad_bomb.txt", b"big")], "too_large"),
-        # A float image holding NaN has no faithful 8-bit form (a TIFF under a .png name: Pillow goes by content).
-        "bad_nan": ([("bad_nan.png", encode(Image.fromarray(np.full((8, 8), np.nan, np.float32)), "TIFF")),
-                     ("bad_nan.txt", b"a scan with no data")], "unsupported_mode"),
-    }
-
-
-N_SHARDS, PER_SHARD, TRUNC_KEEP = 6, 10, 6
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Six shards of 10 good samples with the bad samples spread over them, a truncated tar and a non-tar.
-
-    Returns (spec, good keys, expected skip counts per reason).
-    """
-    root = tmp_path_factory.mktemp("corpus")
-    bad = list(bad_samples().items())
-    good, expected = [], {r: 0 for r in data.SKIP_REASONS}
-    for s in range(N_SHARDS):
-        members = []
-        for j in range(PER_SHARD):
-            key = f"s{s}_{j:02d}"
-            # One large JPEG (under MAX_PIXELS) goes through the draft-decoding path and must be kept.
-            if (s, j) == (0, 3):
-                members += [(f"{key}.jpg", encode(image_for(7, 96), "JPEG")), (f"{key}.txt", b"a big one")]
-            else:
-                members += good_members(key, s * PER_SHARD + j)
-            good.append(key)
-            if j % 3 == 1 and bad:
-                name, (bad_members, reason) = bad.pop()
-                members += bad_members
-                expected[reason] += 1
-        write_tar(root / f"part-{s:02d}.tar", members)
-    assert not bad
-    # A tar cut inside the image of its 7th sample: 6 samples survive, the 7th is lost.
-    members = [m for j in range(10) for m in good_members(f"t_{j:02d}", 100 + j)]
-    path = root / "part-98.tar"
-    write_tar(path, members)
-    with tarfile.open(path) as tar:
-        cut = [m for m in tar.getmembers() if m.name == f"t_{TRUNC_KEEP:02d}.png"][0].offset_data + 20
-    with open(path, "r+b") as f:
-        f.truncate(cut)
-    good += [f"t_{j:02d}" for j in range(TRUNC_KEEP)]
-    expected["truncated_tar"] += 1
-    (root / "part-99.tar").write_bytes(b"\x00garbage, not a tar file" * 50)
-    expected["shard_open"] += 1
-    return str(root / "part-*.tar"), good, expected
-
-
-def cfg_for(spec, **kw):
-    base = dict(train=spec, batch_size=1, workers=2, shuffle_buffer=5, max_image_pixels=MAX_PIXELS)
-    base.update(kw)
-    return DataConfig(**base)
 
 
 def one_epoch(stream):
@@ -189,8 +82,8 @@ def test_slots_get_equal_shares_when_shards_do_not_divide_evenly(tmp_path):
         it.close()
         assert per_role == {0: 20, 1: 20}
         assert sorted(seen) == [f"k{i:02d}" for i in range(40)]  # 40 batches of 1: the whole epoch, once
-    # A position saved before shards were split this way (no "shard_split" in its layout) is not resumed into
-    # the new plan as if it were exact; where both rules give the same plan (1 worker) it resumes as before.
+    # A position whose layout names no shard-split rule (no "shard_split") is not resumed into the plan as if it
+    # were exact (a warning says so); where every rule gives the same plan (1 worker) it resumes without one.
     for workers, warns in ((2, True), (1, False)):
         stream = data.build_train_stream(cfg_for(spec, workers=workers, batch_size=1), PREPROCESS, tokenizer, seed=0)
         state = stream.state_dict()
@@ -393,7 +286,7 @@ def test_uint8_transfer_with_a_transform_that_drops_rgb_is_one_clear_error(corpu
         stream = data.build_train_stream(cfg_for(spec, batch_size=4, workers=0), gray, tokenizer, seed=0)
         with pytest.raises(DataError, match="uint8_transfer=false"):
             next(iter(stream))
-        # Without the uint8 path the transform's own output is used as before.
+        # Without the uint8 path the transform's own output (one channel) is what the batch holds.
         stream = data.build_train_stream(cfg_for(spec, batch_size=4, workers=0, uint8_transfer=False), gray,
                                          tokenizer, seed=0)
         assert next(iter(stream))["image"].shape == (4, 1, SIDE, SIDE)

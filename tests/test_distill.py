@@ -17,10 +17,9 @@ from mmcl.config import LossConfig, load_config
 from mmcl.losses import ContrastiveObjective, TeacherFeatures, distill_loss
 from mmcl.training.step import objective_from_config, train_step
 
+from helpers import fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from preempt import sigterm_during_step
-from spawned import end_worker
-from test_train import (_free_port, demo, fake_batch, final_weights, grads_of, metrics,  # noqa: F401
-                        micro_model, run_args)
+from spawned import end_worker, free_port as _free_port
 
 
 def reference(img, txt, scale, t_img, t_txt, t_scale):

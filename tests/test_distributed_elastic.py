@@ -7,8 +7,7 @@ import pytest
 
 from mmcl import data
 
-from test_data import PREPROCESS, cfg_for, corpus, tokenizer  # noqa: F401 - corpus is a fixture
-from test_train import demo  # noqa: F401 - a fixture
+from helpers import PREPROCESS, cfg_for, tokenizer
 
 
 def streams(spec, world, states=None):
@@ -100,7 +99,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from test_train import ROOT, _free_port, metrics, run_args  # noqa: E402
+from helpers import ROOT, final_weights, metrics, run_args  # noqa: E402
+from spawned import free_port as _free_port  # noqa: E402
 
 # Each process appends the keys of the samples of every step it trains on to keys-<rank>.jsonl.
 LOG_KEYS = """\
@@ -162,8 +162,6 @@ def test_a_run_resumed_on_another_number_of_processes_ends_with_the_uninterrupte
     the global batch of 12, steps and samples go on, no sample of the epoch (360 of its 768) is trained on twice,
     and the weights are those of the uninterrupted run on `before` processes (float32 reduction noise: 4e-7 to
     7e-7 measured)."""
-    from test_train import final_weights
-
     script = tmp_path / "log_keys.py"
     script.write_text(LOG_KEYS)
     out, ref, keys_dir, ref_keys = tmp_path / "run", tmp_path / "ref", tmp_path / "keys", tmp_path / "ref-keys"

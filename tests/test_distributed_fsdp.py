@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from test_train import ROOT, demo, final_weights, metrics, run_args  # noqa: F401 - demo is a fixture
+from helpers import ROOT, final_weights, metrics, run_args
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 SHIM = str(Path(__file__).resolve().with_name("fsdp_cpu_shim.py"))

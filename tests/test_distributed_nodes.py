@@ -10,7 +10,8 @@ import pytest
 
 from mmcl.storage.checkpoints import latest_checkpoint
 
-from test_train import ROOT, _free_port, final_weights, metrics, run_args, demo  # noqa: F401 - demo is a fixture
+from helpers import ROOT, final_weights, metrics, run_args
+from spawned import free_port as _free_port
 
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 COMMON = ["train.steps=4", "train.log_every=1", "data.batch_size=4", "data.workers=0", "train.save_every=2"]

@@ -10,7 +10,7 @@ from mmcl.config import load_config
 from mmcl.training.optim import build_optimizer
 from mmcl.training.loop import train
 
-from test_train import fake_batch, metrics, micro_model, run_args, demo  # noqa: F401 - demo is a fixture
+from helpers import fake_batch, metrics, micro_model, run_args
 
 # Every read in the training process counts, the model's forward and the objective's included; the data loader's
 # worker process (which cuts the token batches, `models.TrimmedTokenizer`) is another process and is not seen.

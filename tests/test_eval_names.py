@@ -145,7 +145,9 @@ def test_preflight_refuses_a_wrong_classnames_file_before_training(tmp_path):
     names.write_text("blue\ngreen\nred\nyellow\n")
     cfg = load_config(None, [f"data.train={shard}", f"eval.zeroshot={root}", f"eval.classnames={names}"])
     problems = input_problems(cfg)
-    assert any(p.startswith("eval.classnames: ") and "has 4 class names" in p for p in problems), problems
+    # The words `mmcl zeroshot --classnames` uses for the same mistake (one loader, one message).
+    assert any(p.startswith("eval.classnames: ") and "4 class names given for the 3 class folders" in p
+               for p in problems), problems
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -416,8 +416,8 @@ def test_worker_tracebacks_are_cut_to_the_original_message():
     assert err.value.__context__ is None and err.value.__cause__ is None  # no worker traceback chained
     del err
     gc.collect()
-    # The workers are stopped when the error is raised; collected later, torch joins each with a 5 s timeout
-    # (10 s here), which is what a failed evaluation's exit used to wait.
+    # The workers are stopped when the error is raised. Left to the garbage collector, torch would join each with
+    # a 5 s timeout (10 s here) before a failed evaluation could exit.
     assert time.perf_counter() - start < 5
 
 

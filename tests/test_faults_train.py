@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import ROOT, demo, final_weights, metrics, run_args  # noqa: F401 - `demo` is a fixture
+from helpers import ROOT, final_weights, metrics, run_args
 
 from mmcl.storage import checkpoints
 from mmcl.cli import main

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import ROOT, demo, final_weights, metrics, run_args  # noqa: F401 - demo is a fixture
+from helpers import ROOT, final_weights, metrics, run_args
 
 pytestmark = pytest.mark.gpu_path
 

@@ -21,6 +21,7 @@ from mmcl import losses
 from mmcl.losses import (
     ContrastiveObjective,
     FeatureQueue,
+    Gathered,
     TeacherFeatures,
     align_loss,
     clip_loss,
@@ -79,21 +80,20 @@ def _cases(n: int, chunk, extra: Dict) -> Dict[str, Callable]:
 
     cases = {
         "clip": lambda i, t, s, b: clip_loss(i, t, s, chunk),
-        "clip_gathered": lambda i, t, s, b: clip_loss(i[half:], t[half:], s, chunk, all_image_features=i,
-                                                      all_text_features=t, offset=half),
+        "clip_gathered": lambda i, t, s, b: clip_loss(i[half:], t[half:], s, chunk,
+                                                      gathered=Gathered(i, t, offset=half)),
         "infonce_rows": lambda i, t, s, b: infonce_rows(i[:half], t, s, 0, chunk).mean(),
         "logsumexp_rows": lambda i, t, s, b: sum(x.mean() for x in logsumexp_rows(i, t, s, chunk, with_cols=True)),
         "supcon": lambda i, t, s, b: supcon_loss(i, t, labels, s, chunk),
         "supcon_gathered": lambda i, t, s, b: supcon_loss(i[:half], t[:half], labels[:half], s, chunk,
-                                                          all_image_features=i, all_text_features=t,
-                                                          all_labels=labels),
+                                                          gathered=Gathered(i, t, all_labels=labels)),
         "siglip": lambda i, t, s, b: siglip_loss(i, t, s, b, chunk_size=chunk),
-        "siglip_gathered": lambda i, t, s, b: siglip_loss(i[half:], t[half:], s, b, all_text_features=t,
-                                                          offset=half, chunk_size=chunk),
+        "siglip_gathered": lambda i, t, s, b: siglip_loss(i[half:], t[half:], s, b,
+                                                          gathered=Gathered(None, t, offset=half), chunk_size=chunk),
         "debiased": lambda i, t, s, b: debiased_clip_loss(i, t, s, 0.1, chunk),
         "hard_negative": lambda i, t, s, b: hard_negative_clip_loss(i, t, s, 0.1, 1.0, chunk),
         "hard_negative_gathered": lambda i, t, s, b: hard_negative_clip_loss(
-            i[:half], t[:half], s, 0.1, 1.0, chunk, all_image_features=i, all_text_features=t),
+            i[:half], t[:half], s, 0.1, 1.0, chunk, gathered=Gathered(i, t)),
         "mochi": lambda i, t, s, b: mochi_loss(i, t, s, 8, 4, 3, 0.5, gen(), chunk_size=chunk),
         "mochi_queue": lambda i, t, s, b: mochi_loss(i, t, s, 8, 4, 3, 0.5, gen(), q_img, q_txt, chunk_size=chunk),
         "distill": lambda i, t, s, b: distill_loss(i, t, s, t_img, t_txt, torch.tensor(30.0), chunk),
@@ -104,20 +104,22 @@ def _cases(n: int, chunk, extra: Dict) -> Dict[str, Callable]:
     def term(name):
         def run(i, t, s, b):
             obj = ContrastiveObjective({name: 1.0}, chunk_size=chunk, n_hard=8, s=4, s_prime=3,
-                                       queue_size=2 * n if name == "mochi" else 0)
+                                       queue_size=2 * n if name == "mochi" else 0, table_size=4 * n)
             if name == "mochi":  # a queue already holding past features
                 obj.image_queue.enqueue(q_img)
                 obj.text_queue.enqueue(q_txt)
             teacher = TeacherFeatures(t_img, t_txt, torch.tensor(30.0))
-            total, logged = obj(i, t, s, b, labels=labels, teacher=teacher, with_metrics=False)
+            total, logged = obj(i, t, s, b, labels=labels, teacher=teacher, with_metrics=False,
+                                sample_ids=torch.arange(n))
             return total
         return run
 
     for name in losses.TERMS:
         cases[f"objective_{name}"] = term(name)
     cases["objective_all_with_metrics"] = lambda i, t, s, b: ContrastiveObjective(
-        {name: 1.0 for name in losses.TERMS}, chunk_size=chunk, n_hard=8, s=4, s_prime=3, queue_size=2 * n)(
-        i, t, s, b, labels=labels, teacher=TeacherFeatures(t_img, t_txt, torch.tensor(30.0)))[0]
+        {name: 1.0 for name in losses.TERMS}, chunk_size=chunk, n_hard=8, s=4, s_prime=3, queue_size=2 * n,
+        table_size=4 * n)(i, t, s, b, labels=labels, teacher=TeacherFeatures(t_img, t_txt, torch.tensor(30.0)),
+                          sample_ids=torch.arange(n))[0]
     return cases
 
 
@@ -280,6 +282,6 @@ def test_ops_per_tiled_step_at_32k_per_gpu_on_8_gpus_with_the_gpu_tile(monkeypat
     k = [torch.empty(n * world, d, device="meta", requires_grad=True) for _ in range(2)]
     s = torch.empty((), device="meta", requires_grad=True)
     with SyncWatch() as w:
-        clip_loss(q[0], q[1], s, 1024, all_image_features=k[0], all_text_features=k[1], offset=3 * n).backward()
+        clip_loss(q[0], q[1], s, 1024, gathered=Gathered(k[0], k[1], offset=3 * n)).backward()
     assert w.count == 0, w.summary()
     assert w.op_count <= 5000, w.op_count  # 4,361 measured

@@ -31,7 +31,7 @@ from mmcl.training.loop import make_accelerator, train
 from mmcl.training.step import objective_from_config, train_step
 
 from spawned import free_port
-from test_train import MICRO, ROOT, demo, fake_batch, grads_of, metrics, micro_model, run_args  # noqa: F401
+from helpers import MICRO, ROOT, fake_batch, grads_of, metrics, micro_model, run_args
 
 pytestmark = pytest.mark.gpu_path
 

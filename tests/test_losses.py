@@ -1,5 +1,6 @@
 """Loss math against open_clip and float64 transcriptions of each paper's formula."""
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from mmcl import losses
 from mmcl.config import MochiConfig
 from mmcl.losses import (
     FeatureQueue,
+    Gathered,
     LossInputError,
     TiledLogSumExp,
     align_loss,
@@ -280,7 +282,7 @@ def test_local_rows_split_reproduces_global_batch(chunk, tiles):
     per = n // w
     parts = [
         clip_loss(b[0][r * per:(r + 1) * per], b[1][r * per:(r + 1) * per], b[2], chunk,
-                  all_image_features=b[0], all_text_features=b[1], offset=r * per)
+                  gathered=Gathered(b[0], b[1], offset=r * per))
         for r in range(w)
     ]
     split = torch.stack(parts).mean()
@@ -360,15 +362,16 @@ def test_objective_without_metrics_skips_them_and_keeps_the_loss():
 
 def test_objective_tiled_matches_dense_and_uses_the_scale_as_given():
     """The objective applies no limit of its own to the scale (the model's parameter is clamped after each
-    optimiser step, `models.clamp_logit_scale`): a scale of 80 is used as 80, whatever ``max_logit_scale`` says."""
+    optimiser step, `models.clamp_logit_scale`, by ``model.max_logit_scale``, 100): a scale of 150 is used as 150."""
+    assert "max_logit_scale" not in {f.name for f in dataclasses.fields(LossConfig)}  # the model's key, not a loss's
     img, txt = _features(40, 8, torch.float32, seed=9)
-    dense = objective_from_config(LossConfig(chunk_size=None, max_logit_scale=50.0))
-    tiled = objective_from_config(LossConfig(chunk_size=16, max_logit_scale=50.0))
-    s = torch.tensor(80.0)
+    dense = objective_from_config(LossConfig(chunk_size=None))
+    tiled = objective_from_config(LossConfig(chunk_size=16))
+    s = torch.tensor(150.0)
     ld, _ = dense(img, txt, s)
     lt, _ = tiled(img, txt, s)
-    torch.testing.assert_close(ld, clip_loss(img, txt, torch.tensor(80.0)), rtol=0, atol=0)
-    assert ld.item() != clip_loss(img, txt, torch.tensor(50.0)).item()
+    torch.testing.assert_close(ld, clip_loss(img, txt, torch.tensor(150.0)), rtol=0, atol=0)
+    assert ld.item() != clip_loss(img, txt, torch.tensor(100.0)).item()
     torch.testing.assert_close(lt, ld, rtol=1e-5, atol=0)  # float32 tiled vs dense
 
 
@@ -386,7 +389,27 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(LossInputError, match="chunk_size"):
         clip_loss(img, txt, torch.tensor(1.0), chunk_size=0)
     with pytest.raises(LossInputError, match="offset"):
-        clip_loss(img[:2], txt[:2], torch.tensor(1.0), all_image_features=img, all_text_features=txt, offset=3)
+        clip_loss(img[:2], txt[:2], torch.tensor(1.0), gathered=Gathered(img, txt, offset=3))
+    with pytest.raises(LossInputError, match="need both all_image_features and all_text_features"):
+        clip_loss(img[:2], txt[:2], torch.tensor(1.0), gathered=Gathered(None, txt))
+    with pytest.raises(LossInputError, match=r"gathered features must be \(M, 3\)"):
+        clip_loss(img[:2], txt[:2], torch.tensor(1.0), gathered=Gathered(img, txt[:, :2]))
+
+
+def test_losses_take_the_gathered_batch_as_one_object():
+    """Every loss with a distributed layout takes the global batch's columns, their labels, the teacher's columns
+    and this rank's offset as one `Gathered` (keyword ``gathered``), not as separate arguments."""
+    import inspect
+
+    from mmcl.losses import distill_loss
+
+    separate = {"all_image_features", "all_text_features", "all_labels", "offset", "all_teacher_image",
+                "all_teacher_text"}
+    for fn in (clip_loss, supcon_loss, siglip_loss, debiased_clip_loss, hard_negative_clip_loss, mochi_loss,
+               distill_loss):
+        params = inspect.signature(fn).parameters
+        assert params["gathered"].kind is inspect.Parameter.KEYWORD_ONLY, fn.__name__
+        assert not separate & set(params), fn.__name__
 
 
 # ---------------------------------------------------------------------- supervised contrastive
@@ -451,7 +474,7 @@ def test_supcon_local_rows_split_reproduces_global_batch(chunk):
     ref = supcon_loss(a[0], a[1], _LABELS, a[2])
     parts = [
         supcon_loss(b[0][r * 5:(r + 1) * 5], b[1][r * 5:(r + 1) * 5], _LABELS[r * 5:(r + 1) * 5], b[2], chunk,
-                    all_image_features=b[0], all_text_features=b[1], all_labels=_LABELS, offset=r * 5)
+                    gathered=Gathered(b[0], b[1], all_labels=_LABELS, offset=r * 5))
         for r in range(4)
     ]
     split = torch.stack(parts).mean()
@@ -495,7 +518,8 @@ def test_siglip_local_rows_split_reproduces_global_batch():
     a, b = _leaves(img, txt, s, bias), _leaves(img, txt, s, bias)
     ref = siglip_loss(*a)
     split = torch.stack([
-        siglip_loss(b[0][r * 4:(r + 1) * 4], b[1][r * 4:(r + 1) * 4], b[2], b[3], all_text_features=b[1], offset=r * 4)
+        siglip_loss(b[0][r * 4:(r + 1) * 4], b[1][r * 4:(r + 1) * 4], b[2], b[3],
+                    gathered=Gathered(None, b[1], offset=r * 4))
         for r in range(3)
     ]).mean()
     torch.testing.assert_close(split, ref, rtol=1e-12, atol=1e-12)  # float64, summation order only
@@ -517,8 +541,8 @@ def test_tiled_siglip_equals_dense_in_value_and_gradients(chunk, scale, bias_val
     # Local rows against gathered columns: each row's positive may fall in any column tile.
     for r, (lo, hi) in enumerate(((0, 5), (5, 9), (9, 13))):
         a, b = _leaves(img[lo:hi], txt, s, bias), _leaves(img[lo:hi], txt, s, bias)
-        dense = siglip_loss(a[0], a[1][lo:hi], a[2], a[3], all_text_features=a[1], offset=lo)
-        tiled = siglip_loss(b[0], b[1][lo:hi], b[2], b[3], all_text_features=b[1], offset=lo, chunk_size=chunk)
+        dense = siglip_loss(a[0], a[1][lo:hi], a[2], a[3], gathered=Gathered(None, a[1], offset=lo))
+        tiled = siglip_loss(b[0], b[1][lo:hi], b[2], b[3], gathered=Gathered(None, b[1], offset=lo), chunk_size=chunk)
         torch.testing.assert_close(tiled, dense, rtol=1e-12, atol=1e-12)
         for gt, gd in zip(_grads(tiled, b), _grads(dense, a)):
             torch.testing.assert_close(gt, gd, rtol=1e-10, atol=1e-12)
@@ -625,7 +649,7 @@ def test_hard_negative_local_rows_split_reproduces_global_batch():
     ref = hard_negative_clip_loss(*a, tau_plus=0.1, beta=0.5)
     split = torch.stack([
         hard_negative_clip_loss(b[0][r * 6:(r + 1) * 6], b[1][r * 6:(r + 1) * 6], b[2], 0.1, 0.5, 4,
-                                all_image_features=b[0], all_text_features=b[1], offset=r * 6)
+                                gathered=Gathered(b[0], b[1], offset=r * 6))
         for r in range(2)
     ]).mean()
     torch.testing.assert_close(split, ref, rtol=1e-10, atol=1e-12)  # float64
@@ -695,7 +719,7 @@ def test_chunked_mochi_equals_dense(chunk, with_queue, synth, tiles):
     # Local rows against gathered columns (the distributed layout), chunked, still equal the global batch.
     c = _leaves(img, txt, s)
     parts = [mochi_loss(c[0][sl], c[1][sl], c[2], 5, *synth, 0.5, torch.Generator().manual_seed(3), iq, tq,
-                        all_image_features=c[0], all_text_features=c[1], offset=sl.start, chunk_size=chunk)
+                        gathered=Gathered(c[0], c[1], offset=sl.start), chunk_size=chunk)
              for sl in (slice(0, 5), slice(5, 10))]
     torch.testing.assert_close(torch.stack(parts).mean(), dense, rtol=1e-12, atol=1e-12)
 
@@ -748,7 +772,7 @@ def test_mochi_local_rows_split_reproduces_global_batch():
     for r in range(3):  # every rank seeds its generator identically
         sl = slice(r * 4, (r + 1) * 4)
         parts.append(mochi_loss(b[0][sl], b[1][sl], b[2], 4, 3, 2, 0.5, torch.Generator().manual_seed(5), iq, tq,
-                                all_image_features=b[0], all_text_features=b[1], offset=r * 4))
+                                gathered=Gathered(b[0], b[1], offset=r * 4)))
     split = torch.stack(parts).mean()
     torch.testing.assert_close(split, ref, rtol=1e-12, atol=1e-12)  # float64
     for ga, gb in zip(_grads(ref, a), _grads(split, b)):
@@ -826,6 +850,21 @@ def test_objective_all_terms():
         assert terms[f"loss/{name}"] == pytest.approx(value.item(), rel=1e-10), name  # float64, tiled vs dense
     torch.testing.assert_close(total, sum(weights[k] * v for k, v in expected.items()), rtol=1e-10, atol=0)
     assert terms["loss"] == pytest.approx(total.item(), rel=1e-12)
+
+
+def test_objective_terms_are_one_table_read_through_the_config_keys():
+    """The objective's terms are one table (a row per term: name, needed inputs, computation), the one home of the
+    term list; training reads each weight through its config key and a term's own section (``loss.mochi``) as the
+    objective's keywords."""
+    from mmcl.config import term_keys
+    from mmcl.losses.objective import _TABLE
+
+    assert tuple(row.name for row in _TABLE) == losses.TERMS == tuple(term_keys())
+    assert term_keys()["mochi"] == "loss.mochi.weight"
+    obj = objective_from_config(LossConfig(clip=0.0, mochi=MochiConfig(weight=0.5, n_hard=7, s=3, s_prime=2,
+                                                                       mix_max=0.25, queue_size=12)))
+    assert obj.weights["mochi"] == 0.5 and obj.active_terms() == ["mochi"]
+    assert (obj.n_hard, obj.s, obj.s_prime, obj.mix_max, obj.image_queue.size) == (7, 3, 2, 0.25, 12)
 
 
 def test_objective_input_errors_and_config_checks():

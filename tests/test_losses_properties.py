@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from mmcl import losses
 from mmcl.losses import (
+    Gathered,
     align_loss,
     clip_loss,
     hard_negative_clip_loss,
@@ -187,8 +188,7 @@ def test_tiled_logsumexp_and_clip_equal_dense(p, cols, split):
         r = max(1, (p["n"] - o) // 2)
 
         def local(chunk):
-            return lambda a, b, s: clip_loss(a[o:o + r], b[o:o + r], s, chunk, all_image_features=a,
-                                             all_text_features=b, offset=o)
+            return lambda a, b, s: clip_loss(a[o:o + r], b[o:o + r], s, chunk, gathered=Gathered(a, b, offset=o))
 
         fns = [lambda chunk: (lambda a, b, s: clip_loss(a, b, s, chunk))] + ([local] if not cols else [])
         for make in fns:

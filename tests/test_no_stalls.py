@@ -21,7 +21,7 @@ from mmcl.training.loop import train
 
 from spawned import end_worker, free_port
 from syncwatch import SyncWatch
-from test_train import demo, run_args  # noqa: F401 - demo is a fixture
+from helpers import run_args
 
 STEPS, LOG_EVERY = 7, 3  # logged steps 3, 6, 7; steps 2, 4, 5 are ordinary (1 is the first)
 ORDINARY = {2, 4, 5}

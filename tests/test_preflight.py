@@ -62,7 +62,8 @@ def test_every_missing_input_is_named_with_its_resolved_path(tmp_path, monkeypat
 def test_an_eval_directory_without_images_or_shards_is_missing_data(tmp_path):
     (tmp_path / "eval").mkdir()
     cfg = load_config(None, [f"data.train={_touch(tmp_path / 'a.tar')}", f"eval.zeroshot={tmp_path / 'eval'}"])
-    assert input_problems(cfg) == [f"eval.zeroshot: no .tar/.tar.gz/.tgz shards in the directory {tmp_path}/eval"]
+    assert input_problems(cfg) == [f"eval.zeroshot: no images or shards in {tmp_path}/eval (expected an ImageFolder "
+                                   f"{tmp_path}/eval/<class>/<image>.jpg|png|... or .tar shards)"]
 
 
 @pytest.mark.parametrize("name", ["tiny", "siglip", "supcon", "mochi", "lit-minilm", "vit-b-32"])

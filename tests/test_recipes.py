@@ -12,9 +12,9 @@ from mmcl.training.step import objective_from_config as build_objective
 from mmcl.training.step import apply_update, train_step
 from mmcl.training.optim import build_optimizer
 
+from helpers import MICRO, fake_batch, metrics, run_args
 from preempt import sigterm_during_step
-from spawned import end_worker
-from test_train import MICRO, _free_port, demo, fake_batch, metrics, run_args  # noqa: F401 (demo: a fixture)
+from spawned import end_worker, free_port as _free_port
 
 
 def micro_model(seed=0, *extra):

@@ -162,7 +162,7 @@ def test_the_summary_and_out_log(finished):
     lines = [ln for ln in said.splitlines() if ln.startswith("mmcl: ")]
     summary = next(i for i, ln in enumerate(lines) if ln.startswith("mmcl: run finished: "))
     assert re.fullmatch(r"mmcl: run finished: 2 steps, 16 samples \(16 in [\d.]+ s, [\d.]+ samples/s\); "
-                        r"skipped: 0 samples, 0 steps", lines[summary]), lines[summary]
+                        r"skipped: 0 samples, 0 shards, 0 steps", lines[summary]), lines[summary]
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     acc1 = record["eval/zeroshot_classification/colour/acc1"]
     assert lines[summary + 1].startswith(

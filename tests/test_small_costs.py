@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mmcl.training.ema import WeightEMA
 
 from syncwatch import SyncWatch
-from test_train import fake_batch, micro_model
+from helpers import fake_batch, micro_model
 
 
 def test_ema_update_with_a_device_flag_is_a_few_kernels_for_all_tensors():

@@ -1,7 +1,6 @@
 """Training runtime: learning, exact resume after SIGKILL, atomic checkpoints, accumulation, NaN handling,
 multi-process equality."""
 
-import json
 import math
 import os
 import re
@@ -14,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmcl import models
 from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.errors import TrainingError
 from mmcl.storage.checkpoints import latest_checkpoint, list_checkpoints
@@ -22,30 +20,8 @@ from mmcl.training.optim import lr_at
 from mmcl.training.step import objective_from_config, train_step
 from mmcl.training import optim
 from mmcl.training.loop import train
+from helpers import ROOT, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from spawned import end_worker, free_port as _free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-# A smaller tower than configs/tiny.yaml so each step takes milliseconds on a busy 2-core machine.
-MICRO = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
-         "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
-
-
-def micro_model(seed=0):
-    torch.manual_seed(seed)
-    cfg = load_config(None, MICRO).model
-    model, *_ = models.build(cfg)
-    return model
-
-
-def fake_batch(n, seed, image_size=64, context=32):
-    g = torch.Generator().manual_seed(seed)
-    return {"image": torch.randn(n, 3, image_size, image_size, generator=g),
-            "text": torch.randint(1, 1000, (n, context), generator=g),
-            "label": torch.full((n,), -1, dtype=torch.long)}
-
-
-def grads_of(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 # ----------------------------------------------------------------------------------------- unit pieces
@@ -200,30 +176,6 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, micro_b
 
 
 # ------------------------------------------------------------------------------------------ end to end
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
-
-    root = tmp_path_factory.mktemp("demo")
-    return make_demo_data(str(root), n_train=768, n_val=32, n_zeroshot=8, shard_size=96, progress=False)
-
-
-def run_args(demo, out, *extra):
-    return ["--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}", f"train.output_dir={out}",
-            "eval.zeroshot=null", "train.progress=false", "train.plot=false", "data.shuffle_buffer=64", *MICRO,
-            *extra]
-
-
-def final_weights(run_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(run_dir) / "model" / "open_clip_model.safetensors"))
-
-
-def metrics(run_dir):
-    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_training_learns_on_demo_data(demo, tmp_path):
     from mmcl.cli import main
 
@@ -235,7 +187,7 @@ def test_training_learns_on_demo_data(demo, tmp_path):
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(5, 61, 5))
     for key in ("samples", "loss", "loss/clip", "lr", "logit_scale", "samples_per_s", "align", "uniform_image",
-                "uniform_text", "data/skipped"):
+                "uniform_text", "data/skipped_samples", "data/skipped_shards"):
         assert key in rows[0], key
     first, last = rows[0]["loss"], rows[-1]["loss"]
     # ln(32) = 3.47 is the loss of a model that has learned nothing; a learning model goes well below it.
@@ -486,16 +438,19 @@ def test_final_evaluation_failure_keeps_the_model(demo, tmp_path, capsys):
     from mmcl.cli import main
     from mmcl.data import write_shards
 
-    # Shards without .cls labels or classnames.txt: present (the pre-flight check passes), but no zero-shot set.
+    # Shards with class names but without .cls labels: the pre-flight check passes (it reads no sample), but they
+    # are no zero-shot set.
     unlabelled = tmp_path / "unlabelled"
     write_shards([{"key": f"u{i}", "image": Image.new("RGB", (20, 30), (40 * i, 0, 0)), "caption": f"thing {i}"}
                   for i in range(4)], str(unlabelled))
+    (unlabelled / "classnames.txt").write_text("dark\nbright\n")
     out = tmp_path / "run"
     code = main(["train", *run_args(demo, out, "train.steps=3", "data.batch_size=8", "data.workers=1",
                                     f"eval.zeroshot={unlabelled}", "train.log_every=1")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"mmcl: error: final evaluation failed: no class names for {unlabelled}"), err
+    assert err[0].startswith(f"mmcl: error: final evaluation failed: 4 of 4 samples in {unlabelled} have no "
+                             f"label"), err
     assert err[0].endswith(f"; the trained model is saved in {out / 'model'} (evaluate it with mmcl "
                            f"zeroshot/retrieval --model {out})"), err
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]  # the last step's record is kept, without eval keys
@@ -564,7 +519,7 @@ def test_a_bad_shard_read_by_two_workers_warns_in_one_line_once(demo, tmp_path):
     assert p.stderr.splitlines() == [
         f"mmcl: warning: cannot open shard {shards}/shard-000001.tar: TarFormatError: not a tar file; skipping it"]
     # Counted by the one worker that owns the split shard's problems; the empty archive counts nothing.
-    assert metrics(out)[-1]["data/skipped"] >= 1
+    assert metrics(out)[-1]["data/skipped_shards"] >= 1
 
 
 @pytest.mark.slow

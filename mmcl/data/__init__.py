@@ -32,8 +32,8 @@ from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, col
 from .reading import RawSample, TarFormatError, TarReader, read_raw_samples
 from .sources import (SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard,
                       redact)
-from .transforms import (TRAIN_CROP_SCALE, ImageFinish, ImageSpec, PyRandomResizedCrop, draft_size_of,
-                         random_crop_box, split_transform, train_draft_size, train_image_stages,
+from .transforms import (TRAIN_CROP_SCALE, ImageFinish, ImageSpec, PyRandomResizedCrop, aug_dict, draft_size_of,
+                         random_crop_box, split_transform, train_draft_size, train_image_input, train_image_stages,
                          training_sample_transform)
 from .writer import ShardWriter, shards_from_input, write_shards
 
@@ -48,6 +48,7 @@ __all__ = [
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
     "SampleKeys", "caption_draw", "sample_keys",
     "pil_to_uint8", "random_crop_box", "read_raw_samples", "redact", "role_batches", "shards_from_input", "shuffle_block",
-    "split_transform", "to_rgb", "train_draft_size", "train_image_stages", "training_sample_transform",
+    "split_transform", "to_rgb", "train_draft_size", "train_image_input", "train_image_stages",
+    "aug_dict", "training_sample_transform",
     "write_shards", "zero_skips",
 ]

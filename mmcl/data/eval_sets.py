@@ -105,6 +105,49 @@ def folder_classnames(root: str, folders: Optional[List[str]] = None) -> Tuple[L
     return list(folders), "folders"
 
 
+def _preview(names: List[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def scan_image_folder(root: str) -> Tuple[List[str], List[Tuple[str, int]]]:
+    """The class folders of an ImageFolder (sorted: their order gives the labels) and its (image path, label) items.
+
+    Raises `DataError` when a class folder holds no image, as torchvision's ImageFolder does: its class would be
+    scored as a candidate that no image can confirm, and dropping it would shift every later label. Images are the
+    visible files with an image extension (`FOLDER_IMAGE_EXTS`), in subfolders of a class folder too.
+    """
+    folders = class_folders(root)
+    items: List[Tuple[str, int]] = []
+    empty = []
+    for label, folder in enumerate(folders):
+        found = [path for path in walk_files(os.path.join(root, folder)) if path.lower().endswith(FOLDER_IMAGE_EXTS)]
+        if not found:
+            empty.append(folder)
+        items += [(path, label) for path in found]
+    if not items:
+        raise DataError(f"no images found in ImageFolder {root} (expected {root}/<class>/<image>.jpg|png|...)")
+    if empty:
+        raise DataError(f"ImageFolder {root}: {len(empty)} of {len(folders)} class folders hold no images "
+                        f"({_preview(empty)}); every class folder needs at least one "
+                        f"{'|'.join(e.lstrip('.') for e in FOLDER_IMAGE_EXTS[:4])}|... image, as in torchvision's "
+                        f"ImageFolder (add images, or move the folder out)")
+    return folders, items
+
+
+def folder_problem(path: str) -> Optional[str]:
+    """Why a directory is neither an ImageFolder nor a folder of shards, or None when it may be one of them: a
+    flat folder of images (no class folders, so no labels) or a folder with no images or shards at all."""
+    names = [n for n in os.listdir(path) if _visible(n)]
+    if any(n.endswith(SHARD_SUFFIXES) for n in names) or class_folders(path):
+        return None
+    images = [n for n in names if n.lower().endswith(FOLDER_IMAGE_EXTS)]
+    if images:
+        return (f"{path} holds {len(images)} images but no class folders: an evaluation folder is an ImageFolder, "
+                f"{path}/<class>/<image>, one folder per class (or .tar shards with .cls labels)")
+    return (f"no images or shards in {path} (expected an ImageFolder {path}/<class>/<image>.jpg|png|... or .tar "
+            f"shards)")
+
+
 def is_image_folder(path: str) -> bool:
     """Whether `path` is a directory of class folders (and holds no shards)."""
     if not os.path.isdir(path):
@@ -169,20 +212,14 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     ``root/classnames.txt`` (one per folder, else a `DataError`), ImageNet-1k's readable names for folders named
     by its WordNet ids, or else the folder names (`folder_classnames`; ``classnames_source`` says which).
     ``templates`` are the lines of ``root/templates.txt`` when present, else None.
-    Hidden folders and files (names starting with '.') are ignored. An image that cannot be decoded gives an
-    `EvalSkip` item instead (`eval_collate` separates them), so evaluation counts it and goes on.
+    Hidden folders and files (names starting with '.') are ignored. A class folder without images is a `DataError`
+    (`scan_image_folder`). An image that cannot be decoded gives an `EvalSkip` item instead (`eval_collate`
+    separates them), so evaluation counts it and goes on. `preprocess` may be None to open and check the folder only.
     """
 
-    def __init__(self, root: str, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels):
+    def __init__(self, root: str, preprocess: Optional[Callable], max_pixels: int = DataConfig.max_image_pixels):
         self.root, self.preprocess, self.max_pixels = root, preprocess, max_pixels
-        self.folders = class_folders(root)
-        self.items: List[Tuple[str, int]] = []
-        for label, folder in enumerate(self.folders):
-            for path in walk_files(os.path.join(root, folder)):
-                if path.lower().endswith(FOLDER_IMAGE_EXTS):
-                    self.items.append((path, label))
-        if not self.items:
-            raise DataError(f"no images found in ImageFolder {root} (expected {root}/<class>/<image>.jpg|png|...)")
+        self.folders, self.items = scan_image_folder(root)
         self.classnames, self.classnames_source = folder_classnames(root, self.folders)
         self.templates = _read_lines(os.path.join(root, "templates.txt"))
 
@@ -295,7 +332,16 @@ def build_eval_dataset(path: Any, preprocess: Callable, keys: Optional[SampleKey
     ``classnames`` (list or None) and ``templates`` (list or None). Finite: each sample exactly once. `keys`
     chooses the image and caption members of shards (all captions of a sample, one per line); `max_member_bytes`
     and `allow_pipe` are ``data.max_member_bytes`` and ``data.allow_pipe`` (see `ShardEvalDataset`).
+
+    Raises `DataError` for a directory that is neither (`folder_problem`) and for an ImageFolder with a class folder
+    without images (`scan_image_folder`): the same words from ``mmcl zeroshot`` and from a training run's check
+    before step 1.
     """
-    if isinstance(path, str) and is_image_folder(path):
-        return ImageFolderDataset(path, preprocess)
+    folder = os.path.expanduser(path) if isinstance(path, str) else None
+    if folder is not None and os.path.isdir(folder):
+        problem = folder_problem(folder)
+        if problem is not None:
+            raise DataError(problem)
+        if is_image_folder(folder):
+            return ImageFolderDataset(folder, preprocess)
     return ShardEvalDataset(path, preprocess, keys=keys, max_member_bytes=max_member_bytes, allow_pipe=allow_pipe)

@@ -27,6 +27,8 @@ warnings to the training process with their batches, which shows each once.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import itertools
 import math
 import os
@@ -48,6 +50,70 @@ from .transforms import (ImageSpec, draft_size_of, split_transform, train_draft_
                          training_sample_transform)
 
 _STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPhase:
+    """How the batches from process batch `start` on are made, until the next phase starts (`train.phases`): the
+    image transform of the phase's size (and the JPEG draft size it allows), and the caption length in tokens."""
+
+    start: int  # the first process batch of the phase (its first step times train.accum_steps)
+    preprocess: Callable  # PIL image -> what the batch stacks
+    draft_size: Optional[Tuple[int, int]]
+    context_length: Optional[int] = None  # captions cut to this many tokens (end-of-text kept); None: as tokenized
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """Everything a worker needs to make its batches; built once per iteration by `TrainStream` and copied into
+    each data worker (plain values and picklable callables)."""
+
+    sources: List[List[str]]
+    seed: int
+    rank: int
+    world_size: int
+    n_roles: int  # workers, or 1 without workers
+    resampled: bool
+    weights: Optional[List[float]]
+    shuffle_buffer: int
+    batch_size: int
+    max_pixels: int
+    draft_size: Optional[Tuple[int, int]]  # of `preprocess`
+    preprocess: Callable  # the model's own training transform (phases may replace it, `phase_at`)
+    as_uint8: bool
+    tokenizer: Callable
+    worker_nice: int
+    keys: Any  # `sample_keys`: None for the default members
+    teacher_view: Any
+    stored_teacher: bool
+    retries: int
+    retry_delay: float
+    read_timeout: float
+    members: Any  # `needed_members`
+    max_member_bytes: int
+    phases: Tuple[StreamPhase, ...] = ()  # by start; none: every batch at the model's own size
+
+    def phase_at(self, batch: int) -> StreamPhase:
+        """The phase of process batch `batch` (0-based, counted from the start of the run)."""
+        current = StreamPhase(0, self.preprocess, self.draft_size)
+        for phase in self.phases:
+            if phase.start > batch:
+                break
+            current = phase
+        return current
+
+
+def cut_tokens(tokens: torch.Tensor, context_length: Optional[int]) -> torch.Tensor:
+    """`tokens` (B, L) cut to `context_length` columns, as open_clip's tokenizers truncate: a caption that did not
+    fit ends with its end-of-text token (its last non-padding token, padding being 0) in the last column."""
+    if context_length is None or tokens.shape[1] <= context_length:
+        return tokens
+    out = tokens[:, :context_length].clone()
+    longer = (tokens[:, context_length:] != 0).any(dim=1)
+    if bool(longer.any()):
+        last = (tokens != 0).long().cumsum(dim=1).argmax(dim=1)  # the first column at the final count: the last token
+        out[longer, -1] = tokens[longer, last[longer]]
+    return out
 
 
 def _mix(*values: int) -> int:
@@ -104,6 +170,19 @@ def _fresh_position() -> Dict[str, Any]:
     return {"epoch": 0, "shard": 0, "sample": 0, "emitted": 0, "skipped": zero_skips(),
             "skipped_before_epoch": zero_skips()}
 
+# Skip reasons that lose a shard (or the rest of one) rather than one sample; their count is of shards.
+SHARD_SKIPS = ("shard_open", "truncated_tar")
+
+
+def skip_units(skipped: Dict[str, int]) -> Dict[str, int]:
+    """Skip counts per reason (``TrainStream.skipped``) as ``{"samples": n, "shards": m}``: a shard that cannot be
+    opened, or breaks off, counts once as a shard (however many samples it held); every other reason is one
+    sample. metrics.jsonl's ``data/skipped_samples`` and ``data/skipped_shards``."""
+    shards = sum(int(skipped.get(r, 0)) for r in SHARD_SKIPS)
+    samples = sum(int(n) for r, n in skipped.items() if r not in SHARD_SKIPS and r != "total")
+    return {"samples": samples, "shards": shards}
+
+
 def _summed_skips(positions: Iterable[Dict[str, Any]]) -> Dict[str, int]:
     """The skip counts of `positions` summed per reason (every reason present, zero where none)."""
     totals = zero_skips()
@@ -141,13 +220,18 @@ class _SlotStreams(torch.utils.data.IterableDataset):
         self.s = stream._spec()
         self.starts = starts
         self.role_offset = role_offset
+        self.first_batch = stream.batches  # the process batch the loader delivers first (phases follow it)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker = 0 if info is None else info.id
-        role = (worker + self.role_offset) % self.s["n_roles"]
-        if info is not None and self.s["worker_nice"]:
-            os.nice(self.s["worker_nice"])
+        n_roles = self.s.n_roles
+        role = (worker + self.role_offset) % n_roles
+        # The loader takes one batch from each worker in turn, worker 0 first: this role's batches are the
+        # process's batches first, first + n_roles, ...
+        first = self.first_batch + (role - self.role_offset) % n_roles
+        if info is not None and self.s.worker_nice:
+            os.nice(self.s.worker_nice)
         if info is not None:
             # A scheduler's stop signal often goes to the whole process group (SLURM at a time limit, `kill --
             # -PGID`): the training process stops at a step boundary and saves; its workers must not die first.
@@ -155,14 +239,14 @@ class _SlotStreams(torch.utils.data.IterableDataset):
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, _worker_stop_signal)
         if info is None:
-            yield from role_batches(self.s, role, self.starts[role])
+            yield from role_batches(self.s, role, self.starts[role], first, n_roles)
             return
         # A worker's warnings travel with its next batch to the training process, which shows them there once
         # (`TrainStream.__iter__`): printed here, every worker would repeat them, in its own format.
         sent = set()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # the training process's filters decide what is shown
-            for batch in role_batches(self.s, role, self.starts[role]):
+            for batch in role_batches(self.s, role, self.starts[role], first, n_roles):
                 new = [w for w in caught if (str(w.message), w.category) not in sent]
                 del caught[:]
                 if new:
@@ -190,10 +274,12 @@ def shuffle_block(n: int, seed: int, slot: int, epoch: int, start: Tuple[int, in
     return np.random.default_rng([seed & 0xFFFFFFFF, slot, epoch, start[0], start[1], 2]).permutation(n)
 
 class _Filling:
-    """The decoded samples of the batch being filled."""
+    """The decoded samples of the batch being filled: process batch `batch`; the role's next one is `stride`
+    batches later."""
 
-    def __init__(self, s: Dict[str, Any]):
-        self.s = s
+    def __init__(self, s: StreamSpec, batch: int = 0, stride: int = 1):
+        self.s, self.batch, self.stride = s, batch, stride
+        self.phase = s.phase_at(batch)
         self.clear()
 
     def clear(self) -> None:
@@ -201,34 +287,40 @@ class _Filling:
         self.captions: List[str] = []
         self.labels: List[int] = []
         self.keys: List[str] = []
+        self.ids: List[int] = []  # `sample_id` of each sample
         self.teacher: List[Any] = []  # the teacher's view, or its stored embeddings, of each image; else empty
 
-    def add(self, key: str, decoded) -> bool:
-        """Add one `decode_sample` result; whether the batch is full."""
+    def add(self, key: str, decoded, url: str = "") -> bool:
+        """Add one `decode_sample` result of the sample `key` of shard `url`; whether the batch is full."""
         tensor, caption, label, *teacher = decoded
         self.images.append(tensor)
         self.captions.append(caption)
         self.labels.append(label)
         self.keys.append(key)
+        self.ids.append(sample_id(url, key))
         self.teacher += teacher
-        return len(self.images) == self.s["batch_size"]
+        return len(self.images) == self.s.batch_size
 
     def take(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """The full batch, carrying `state` (the position just after it) as ``__state__``; empties the filling."""
-        batch = collate(self.images, self.captions, self.labels, self.keys, self.s["tokenizer"],
-                        self.s["teacher_view"], self.teacher)
+        batch = collate(self.images, self.captions, self.labels, self.keys, self.s.tokenizer,
+                        self.s.teacher_view, self.teacher, context_length=self.phase.context_length)
+        batch["sample_id"] = torch.tensor(self.ids, dtype=torch.long)
         batch["__state__"] = state
         self.clear()
+        self.batch += self.stride
+        self.phase = self.s.phase_at(self.batch)
         return batch
 
 
-def _decode_or_count_skip(s: Dict[str, Any], item: RawSample, slot: int, epoch: int, skipped: Dict[str, int]):
+def _decode_or_count_skip(s: StreamSpec, item: RawSample, slot: int, epoch: int, skipped: Dict[str, int],
+                          phase: StreamPhase):
     """`_decode_seeded` of `item`, or None when it is unreadable or skipped (counted in `skipped`)."""
     if item.error is not None:
         skipped[item.error] += 1
         return None
     try:
-        return _decode_seeded(s, item, slot, epoch)
+        return _decode_seeded(s, item, slot, epoch, phase)
     except SkipSample as skip:
         skipped[skip.reason] += 1
         return None
@@ -237,22 +329,26 @@ def _decode_or_count_skip(s: Dict[str, Any], item: RawSample, slot: int, epoch: 
         return None
 
 
-def role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
-    """Infinite batches of one worker role, starting at position `start`; each carries ``__state__``. A transform
-    whose output cannot be batched ends the stream with one ``{"__error__": message}``."""
+def role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: int = 0,
+                 stride: int = 1) -> Iterator[Dict[str, Any]]:
+    """Infinite batches of one worker role, starting at position `start`; each carries ``__state__``. The role's
+    batches are the process's batches `first_batch`, `first_batch + stride`, ... (which decides each one's phase,
+    `StreamSpec.phase_at`). A transform whose output cannot be batched ends the stream with one
+    ``{"__error__": message}``."""
     try:
-        yield from _role_batches(s, role, start)
+        yield from _role_batches(s, role, start, first_batch, stride)
     except TransformOutputError as err:
         yield {"__error__": str(err)}
 
 
-def _role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
-    rank, n_roles = s["rank"], s["n_roles"]
-    slot, n_slots = rank * n_roles + role, s["world_size"] * n_roles
+def _role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: int,
+                  stride: int) -> Iterator[Dict[str, Any]]:
+    rank, n_roles = s.rank, s.n_roles
+    slot, n_slots = rank * n_roles + role, s.world_size * n_roles
     epoch, shard, sample, emitted = start["epoch"], start["shard"], start["sample"], start["emitted"]
     skipped = dict(zero_skips(), **start["skipped"])
     skipped_before_epoch = dict(zero_skips(), **start.get("skipped_before_epoch", start["skipped"]))
-    filling = _Filling(s)
+    filling = _Filling(s, first_batch, stride)
 
     def state(**extra) -> Dict[str, Any]:
         return {"role": role, "epoch": epoch, "shard": shard, "sample": sample, "emitted": emitted,
@@ -266,13 +362,13 @@ def _role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterat
         for item, origin in _leftover_items(s, task):
             if not _in_parts(item, task["parts"]):
                 continue
-            decoded = _decode_or_count_skip(s, item, origin["slot"], origin["epoch"], skipped)
-            if decoded is not None and filling.add(item.key, decoded):
+            decoded = _decode_or_count_skip(s, item, origin["slot"], origin["epoch"], skipped, filling.phase)
+            if decoded is not None and filling.add(item.key, decoded, item.url):
                 yield filling.take(state(leftover=copy.deepcopy(tasks)))
         tasks.pop(0)
     empty_epochs = 0
     while True:
-        plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
+        plan = epoch_shard_plan(s.sources, epoch, s.seed, slot, n_slots, s.resampled, s.weights)
         full_epoch = (shard, sample, emitted) == (0, 0, 0)
         raw_seen, good_seen = 0, 0
         for block, perm, (shard, sample) in _shuffled_blocks(s, plan, slot, epoch, (shard, sample)):
@@ -280,11 +376,11 @@ def _role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterat
                 item = block[perm[j]]
                 emitted = j + 1
                 raw_seen += item.error is None or bool(item.key)  # a sample skipped as too large was read
-                decoded = _decode_or_count_skip(s, item, slot, epoch, skipped)
+                decoded = _decode_or_count_skip(s, item, slot, epoch, skipped, filling.phase)
                 if decoded is None:
                     continue
                 good_seen += 1
-                if filling.add(item.key, decoded):
+                if filling.add(item.key, decoded, item.url):
                     yield filling.take(state())
             emitted = 0
         if full_epoch and good_seen == 0:
@@ -299,12 +395,12 @@ def _role_batches(s: Dict[str, Any], role: int, start: Dict[str, Any]) -> Iterat
         skipped_before_epoch = dict(skipped)
 
 
-def _task_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Tuple[int, int, int]]]:
+def _task_items(s: StreamSpec, task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Tuple[int, int, int]]]:
     """The raw items a saved slot (``task["slot"]`` of ``task["n_slots"]``) emits in ``task["epoch"]`` from its
     saved position to the end of that epoch, in its order (same plan, same block shuffle), each with the
     position (block start shard, block start sample, emitted) just after it."""
     slot, n_slots, epoch = task["slot"], task["n_slots"], task["epoch"]
-    plan = epoch_shard_plan(s["sources"], epoch, s["seed"], slot, n_slots, s["resampled"], s["weights"])
+    plan = epoch_shard_plan(s.sources, epoch, s.seed, slot, n_slots, s.resampled, s.weights)
     emitted = task["emitted"]
     for block, perm, (shard, sample) in _shuffled_blocks(s, plan, slot, epoch, (task["shard"], task["sample"])):
         for j in range(emitted, len(block)):
@@ -312,33 +408,33 @@ def _task_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSa
         emitted = 0
 
 
-def _shuffled_blocks(s: Dict[str, Any], plan, slot: int, epoch: int,
+def _shuffled_blocks(s: StreamSpec, plan, slot: int, epoch: int,
                      start: Tuple[int, int]) -> Iterator[Tuple[List[RawSample], np.ndarray, Tuple[int, int]]]:
     """The raw items of `plan` from position `start`, in blocks of ``shuffle_buffer`` items: each block with the
     order it is emitted in (`shuffle_block`) and the position it starts at (which a saved state records)."""
-    reader = read_raw_samples(plan, start, retries=s["retries"], retry_delay=s["retry_delay"],
-                              read_timeout=s["read_timeout"], members=s["members"],
-                              max_member_bytes=s["max_member_bytes"])
-    block_size = max(1, s["shuffle_buffer"])
+    reader = read_raw_samples(plan, start, retries=s.retries, retry_delay=s.retry_delay,
+                              read_timeout=s.read_timeout, members=s.members,
+                              max_member_bytes=s.max_member_bytes)
+    block_size = max(1, s.shuffle_buffer)
     while True:
         block = list(itertools.islice(reader, block_size))
         if not block:
             return
-        yield block, shuffle_block(len(block), s["seed"], slot, epoch, start), start
+        yield block, shuffle_block(len(block), s.seed, slot, epoch, start), start
         start = block[-1].pos
 
 
-def _decode_seeded(s: Dict[str, Any], item: RawSample, slot: int, epoch: int):
-    """`decode_sample` of a raw item drawn by `slot` in `epoch` (its augmentation and caption draw follow from
-    them and the item's place, whichever process reads it)."""
-    return decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
-                         aug_seed=_mix(s["seed"], slot, epoch, item.shard, item.index), as_uint8=s["as_uint8"],
-                         keys=s["keys"],
-                         caption_draw=caption_draw(s["seed"], epoch, item.key) if s["keys"] is not None else 0,
-                         teacher_view=s["teacher_view"], stored_teacher=s["stored_teacher"])
+def _decode_seeded(s: StreamSpec, item: RawSample, slot: int, epoch: int, phase: StreamPhase):
+    """`decode_sample` of a raw item drawn by `slot` in `epoch`, at `phase`'s size (its augmentation and caption
+    draw follow from them and the item's place, whichever process reads it)."""
+    return decode_sample(item.files, phase.preprocess, s.max_pixels, phase.draft_size,
+                         aug_seed=_mix(s.seed, slot, epoch, item.shard, item.index), as_uint8=s.as_uint8,
+                         keys=s.keys,
+                         caption_draw=caption_draw(s.seed, epoch, item.key) if s.keys is not None else 0,
+                         teacher_view=s.teacher_view, stored_teacher=s.stored_teacher)
 
 
-def _leftover_items(s: Dict[str, Any], task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Dict[str, Any]]]:
+def _leftover_items(s: StreamSpec, task: Dict[str, Any]) -> Iterator[Tuple[RawSample, Dict[str, Any]]]:
     """The raw items of a leftover task with the saved slot each comes from; `task` is kept up to date (its
     position after the item), so that a copy of it taken at a batch resumes right after that batch.
 
@@ -449,22 +545,22 @@ def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int, n_roles: i
 
 _MAX_EMPTY_EPOCHS = 50  # a slot that drew only bad shards this often, while good ones exist, stops the run
 
-def _first_valid_sample(s: Dict[str, Any]) -> Optional[str]:
+def _first_valid_sample(s: StreamSpec) -> Optional[str]:
     """The key of the first sample that decodes, over all shards in order; None when no shard has one."""
-    urls = [(u, None) for src in s["sources"] for u in src]
+    urls = [(u, None) for src in s.sources for u in src]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the slots' own reading already warned about these shards
-        for item in read_raw_samples(urls, members=s["members"], max_member_bytes=s["max_member_bytes"]):
+        for item in read_raw_samples(urls, members=s.members, max_member_bytes=s.max_member_bytes):
             if item.error is None:
                 try:
-                    decode_sample(item.files, s["preprocess"], s["max_pixels"], s["draft_size"],
-                                  as_uint8=s["as_uint8"])
+                    decode_sample(item.files, s.preprocess, s.max_pixels, s.draft_size,
+                                  as_uint8=s.as_uint8)
                     return item.key
                 except SkipSample:
                     continue
     return None
 
-def _empty_epoch_problem(s: Dict[str, Any], rank: int, role: int, n_slots: int, raw_seen: int,
+def _empty_epoch_problem(s: StreamSpec, rank: int, role: int, n_slots: int, raw_seen: int,
                          skipped: Dict[str, int], plan: Sequence, empty_epochs: int) -> Optional[str]:
     """Why a slot's epoch without a valid sample must stop the stream, or None to go on to the next epoch.
 
@@ -472,7 +568,7 @@ def _empty_epoch_problem(s: Dict[str, Any], rank: int, role: int, n_slots: int, 
     stopping is right when no shard holds one, or when the split gives this slot the same samples every
     epoch (fewer shards than slots), since it would otherwise spin forever without a batch.
     """
-    n_urls = sum(len(src) for src in s["sources"])
+    n_urls = sum(len(src) for src in s.sources)
     counts = ", ".join(f"{k}={v}" for k, v in skipped.items() if v) or "none"
     if _first_valid_sample(s) is None:
         return f"no valid sample in any of the {n_urls} shards (skipped so far: {counts})"
@@ -488,9 +584,19 @@ def _empty_epoch_problem(s: Dict[str, Any], rank: int, role: int, n_slots: int, 
                 f"shards (skipped so far: {counts}); most shards are unreadable")
     return None
 
+def sample_id(url: str, key: str) -> int:
+    """A sample's stable id: 63 bits of a BLAKE2b hash of its shard's URL (as ``data.train`` names it) and its key.
+
+    The same sample gets the same id in every epoch, on any number of processes and workers, and after a resume;
+    the global contrastive term keys its per-sample estimates by it (`mmcl.losses.GlobalEstimates`)."""
+    digest = hashlib.blake2b(f"{url}\0{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2 ** 63 - 1)
+
+
 def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], keys: List[str],
             tokenizer: Callable[[List[str]], torch.Tensor], teacher_view=None,
-            teacher_images: Optional[List[torch.Tensor]] = None) -> Dict[str, Any]:
+            teacher_images: Optional[List[torch.Tensor]] = None, context_length: Optional[int] = None
+            ) -> Dict[str, Any]:
     """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list;
     with `teacher_view` (distillation) also teacher_image (B,3,Ht,Wt) uint8 and teacher_text (B,Lt) long, the
     same captions in the teacher's tokens; with stored teacher embeddings in `teacher_images` (no view),
@@ -498,6 +604,7 @@ def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], 
     text = tokenizer(captions)
     if not isinstance(text, torch.Tensor):
         text = torch.as_tensor(text)
+    text = cut_tokens(text, context_length)
     out = None
     if torch.utils.data.get_worker_info() is not None:
         # Stacking straight into shared memory saves the copy the DataLoader's queue would make to send it.
@@ -520,16 +627,16 @@ class TrainStream:
     """An infinite stream of training batches for one process (see `build_train_stream`).
 
     Iterating yields dicts ``image`` (B,3,H,W), ``text`` LongTensor (B,L), ``label`` LongTensor (B,) (-1 where
-    a sample has no ``.cls``) and ``key`` (list of B sample keys). ``image`` is what the transform gives, or,
-    with ``data.uint8_transfer`` and a transform ending in ToTensor [+ Normalize], uint8 pixels:
-    `finish_images` turns either into the float model input (call it where the model runs). Each new
-    iteration continues after the last batch consumed. `skipped`, `epoch` and `state_dict` describe the
-    batches consumed so far, not those prefetched by workers.
+    a sample has no ``.cls``), ``key`` (list of B sample keys) and ``sample_id`` LongTensor (B,) (`sample_id`).
+    ``image`` is what the transform gives, or, with ``data.uint8_transfer`` and a transform ending in ToTensor
+    [+ Normalize], uint8 pixels: `finish_images` turns either into the float model input (call it where the
+    model runs). Each new iteration continues after the last batch consumed. `skipped`, `epoch` and `state_dict`
+    describe the batches consumed so far, not those prefetched by workers.
     """
 
     def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False, teacher_view=None,
-                 stored_teacher: bool = False):
+                 stored_teacher: bool = False, phases: Sequence[Tuple[int, Optional[int], Optional[int]]] = ()):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.sources = expand_sources(cfg.train, allow_pipe=bool(cfg.allow_pipe),
@@ -545,26 +652,20 @@ class TrainStream:
         self.n_roles = max(1, self.workers)
         self.pin_memory = pin_memory
         self.worker_nice = int(cfg.worker_nice)
+        self.teacher_view, self.stored_teacher = teacher_view, bool(stored_teacher)
         if isinstance(preprocess, ImageSpec):  # built here from the model's numbers
-            self.draft_size = train_draft_size(preprocess) if cfg.fast_decode else None
-            self.sample_transform, finish = train_image_stages(preprocess)
-            if not cfg.uint8_transfer:
-                from torchvision import transforms as T
-
-                self.sample_transform = T.Compose([*self.sample_transform.transforms, T.ToTensor(),
-                                                   T.Normalize(preprocess.mean, preprocess.std)])
-                finish = None
+            self.sample_transform, finish, self.draft_size = self._stages(preprocess)
         else:  # a transform of the caller's: split where its shape allows
             self.draft_size = draft_size_of(preprocess) if cfg.fast_decode else None
             sample_transform = training_sample_transform(preprocess)
             self.sample_transform, finish = (split_transform(sample_transform) if cfg.uint8_transfer
                                              else (sample_transform, None))
-        self.teacher_view, self.stored_teacher = teacher_view, bool(stored_teacher)
         if teacher_view is not None:
             # The teacher's view comes from the same decoded image, at its own size: no reduced JPEG draft.
             self.draft_size = None
         self.uint8 = finish is not None
         self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
+        self.phases = tuple(self._phase(start, size, length) for start, size, length in phases)
         self._positions = [_fresh_position() for _ in range(self.n_roles)]
         self._next_role = 0
         self.batches = 0
@@ -577,23 +678,46 @@ class TrainStream:
                           f"slots and are read by every slot (each keeping 1/{slots} of their samples); with "
                           f"remote shards use a multiple of {slots} shards or data.resampled=true")
 
-    def _spec(self) -> Dict[str, Any]:
-        return {"sources": self.sources, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-                "n_roles": self.n_roles, "resampled": bool(self.cfg.resampled),
-                "weights": None if self.cfg.weights is None else list(self.cfg.weights),
-                "shuffle_buffer": int(self.cfg.shuffle_buffer), "batch_size": int(self.cfg.batch_size),
-                "max_pixels": int(self.cfg.max_image_pixels), "draft_size": self.draft_size,
-                "preprocess": self.sample_transform, "as_uint8": self.uint8, "tokenizer": self.tokenizer,
-                "worker_nice": self.worker_nice, "keys": self.keys, "teacher_view": self.teacher_view,
-                "stored_teacher": self.stored_teacher, "retries": int(self.cfg.retries),
-                "retry_delay": float(self.cfg.retry_delay), "read_timeout": float(self.cfg.read_timeout),
-                "members": needed_members(self.keys, self.stored_teacher),
-                "max_member_bytes": int(self.cfg.max_member_bytes)}
+    def _stages(self, spec: ImageSpec) -> Tuple[Callable, Optional[Callable], Optional[Tuple[int, int]]]:
+        """The training transform of image input `spec`: (the workers' part, the part run where the model runs
+        or None, the JPEG draft size)."""
+        draft = train_draft_size(spec) if self.cfg.fast_decode and self.teacher_view is None else None
+        sample_transform, finish = train_image_stages(spec)
+        if not self.cfg.uint8_transfer:
+            from torchvision import transforms as T
+
+            sample_transform = T.Compose([*sample_transform.transforms, T.ToTensor(), T.Normalize(spec.mean,
+                                                                                                  spec.std)])
+            finish = None
+        return sample_transform, finish, draft
+
+    def _phase(self, start: int, image_size: Optional[int], context_length: Optional[int]) -> StreamPhase:
+        """The `StreamPhase` from process batch `start` on: images at `image_size` (None: the model's own) and
+        captions cut to `context_length` tokens (None: as the tokenizer gives them)."""
+        if image_size is None:
+            return StreamPhase(start, self.sample_transform, self.draft_size, context_length)
+        if not isinstance(self.preprocess, ImageSpec):
+            raise ConfigError("train.phases with an image_size needs the stream to build the training transform "
+                              "from the model's image numbers (an ImageSpec), not a transform of its own")
+        sample_transform, _, draft = self._stages(dataclasses.replace(self.preprocess, size=int(image_size)))
+        return StreamPhase(start, sample_transform, draft, context_length)
+
+    def _spec(self) -> StreamSpec:
+        return StreamSpec(
+            sources=self.sources, seed=self.seed, rank=self.rank, world_size=self.world_size, n_roles=self.n_roles,
+            resampled=bool(self.cfg.resampled), weights=None if self.cfg.weights is None else list(self.cfg.weights),
+            shuffle_buffer=int(self.cfg.shuffle_buffer), batch_size=int(self.cfg.batch_size),
+            max_pixels=int(self.cfg.max_image_pixels), draft_size=self.draft_size, preprocess=self.sample_transform,
+            as_uint8=self.uint8, tokenizer=self.tokenizer, worker_nice=self.worker_nice, keys=self.keys,
+            teacher_view=self.teacher_view, stored_teacher=self.stored_teacher, retries=int(self.cfg.retries),
+            retry_delay=float(self.cfg.retry_delay), read_timeout=float(self.cfg.read_timeout),
+            members=needed_members(self.keys, self.stored_teacher), max_member_bytes=int(self.cfg.max_member_bytes),
+            phases=self.phases)
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [_copy_position(p) for p in self._positions]
         if self.workers == 0:
-            source: Iterable = role_batches(self._spec(), 0, starts[0])
+            source: Iterable = role_batches(self._spec(), 0, starts[0], self.batches, 1)
         else:
             # Workers deliver batches round-robin starting at worker 0; shifting roles by the next expected
             # role makes a new loader continue the exact batch order of the previous one.
@@ -618,6 +742,11 @@ class TrainStream:
         out = _summed_skips(self._positions)
         out["total"] = sum(out.values())
         return out
+
+    @property
+    def skipped_units(self) -> Dict[str, int]:
+        """This process's skips by unit (`skip_units`): ``samples`` and ``shards``."""
+        return skip_units(self.skipped)
 
     @property
     def epoch(self) -> int:
@@ -693,7 +822,8 @@ class TrainStream:
 
 def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                        rank: int = 0, world_size: int = 1, pin_memory: bool = False,
-                       teacher_view=None, stored_teacher: bool = False) -> TrainStream:
+                       teacher_view=None, stored_teacher: bool = False,
+                       phases: Sequence[Tuple[int, Optional[int], Optional[int]]] = ()) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
@@ -712,8 +842,12 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
         stored_teacher: batches carry the teacher embeddings `mmcl reinforce` stored in the shards
             (``teacher_image_features``, ``teacher_text_features``, ``teacher_scale``); samples without them
             are skipped and counted (``no_teacher_features``).
+        phases: token-reduction phases (``train.phases``), as (first process batch, image size or None,
+            context length or None) in order: the batches from each start on are made at that size in the workers,
+            captions cut to that many tokens (`StreamPhase`). The process batch of a step is step * accum_steps.
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
-                       pin_memory=pin_memory, teacher_view=teacher_view, stored_teacher=stored_teacher)
+                       pin_memory=pin_memory, teacher_view=teacher_view, stored_teacher=stored_teacher,
+                       phases=phases)

@@ -15,6 +15,7 @@ a 4 GiB member of zeros), and a sample with a larger member, or one whose readin
 
 from __future__ import annotations
 
+import inspect
 import lzma
 import os
 import tarfile
@@ -32,6 +33,17 @@ from .sources import has_scheme, open_shard, redact
 _MAX_HEADER_BYTES = 2 ** 20
 _LONG_HEADER_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
                       tarfile.GNUTYPE_LONGLINK)
+# A `TarFile` lists every member it has read, for random access a stream never makes. `TarFile(stream=True)`
+# (Python 3.13+) keeps none; before it, `_forget_members` empties that list after each member, so that a reader's
+# memory stays flat over any number of members (tests/test_data.py measures it).
+_STREAM_KWARGS = {"stream": True} if "stream" in inspect.signature(tarfile.TarFile).parameters else {}
+
+
+def _forget_members(tar: tarfile.TarFile) -> None:
+    """Drop the members `tar` has listed so far, where `TarFile(stream=True)` does not exist to keep none."""
+    if not _STREAM_KWARGS:
+        tar.members.clear()
+
 
 def _split_name(name: str) -> Tuple[str, str]:
     """'dir/abc.seg.jpg' -> ('dir/abc', 'seg.jpg'): the key ends at the first dot of the base name."""
@@ -104,7 +116,8 @@ class TarReader:
         try:
             # "r:*" seeks over members that are not read (a resumed stream passes over whole blocks of samples);
             # "r|*" reads through them, for pipes and HTTP.
-            self._tar = tarfile.open(fileobj=stream, mode="r:*" if seekable else "r|*", tarinfo=_CheckedTarInfo)
+            self._tar = tarfile.open(fileobj=stream, mode="r:*" if seekable else "r|*", tarinfo=_CheckedTarInfo,
+                                     **_STREAM_KWARGS)
         except tarfile.ReadError as err:
             raise TarFormatError("empty file" if "empty file" in str(err) else "not a tar file") from None
         except tarfile.CompressionError as err:
@@ -125,7 +138,7 @@ class TarReader:
                 if tar.damage is not None:
                     raise TarFormatError(tar.damage)
                 return
-            tar.members.clear()  # tarfile keeps every member it met; a stream needs none of them again
+            _forget_members(tar)
             if member.isfile():
                 self._member = member
                 yield member.name

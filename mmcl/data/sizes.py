@@ -22,9 +22,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import DataError
-from .sources import SHARD_SUFFIXES, expand_sources, has_scheme
-
-SIZES_FILE = "sizes.json"  # each shard's sample count, beside the shards (open_clip's layout; `mmcl shards` writes it)
+from .sources import SHARD_SUFFIXES, SIZES_FILE, expand_sources, has_scheme
 
 
 def _read_json(path: str) -> Any:
@@ -71,6 +69,24 @@ def _shard_count(url: str, sizes: Dict[str, Dict[str, Any]]) -> Optional[int]:
         if isinstance(record, dict) and isinstance(record.get("successes"), int):
             return record["successes"]
     return None
+
+
+def known_total(urls: List[str]) -> Optional[int]:
+    """The samples in the shards `urls` from sizes.json or img2dataset's stats files; None as soon as one shard's
+    count is unknown (a URL, a ``pipe:`` command, a shard no file lists, an unreadable sizes file)."""
+    sizes: Dict[str, Dict[str, Any]] = {}
+    total = 0
+    for url in urls:
+        if has_scheme(url) and not url.startswith("file://"):
+            return None
+        try:
+            count = _shard_count(url, sizes)
+        except (DataError, ValueError, TypeError):
+            return None
+        if count is None:
+            return None
+        total += count
+    return total
 
 
 def shard_samples(spec: Any, allow_pipe: bool = False, require_all: bool = False) -> Tuple[int, str]:

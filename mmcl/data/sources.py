@@ -16,6 +16,7 @@ or URL may carry wherever mmcl writes or prints it.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import warnings
@@ -27,6 +28,7 @@ import yaml
 from ..errors import DataError
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+SIZES_FILE = "sizes.json"  # each shard's sample count, beside the shards (open_clip's layout; `mmcl shards` writes it)
 
 
 # Credentials a pipe: command or URL can carry: each pattern's group "keep" is kept and its group "secret" hidden.
@@ -151,6 +153,54 @@ def _holes_are_fatal(missing: int, named: int, require_all: bool) -> bool:
     return missing > 0 and (require_all or missing >= named)
 
 
+def folder_shards(folder: str) -> List[str]:
+    """The shards a folder source takes: every shard file directly in it (``*.tar``, ``*.tar.gz``, ``*.tgz``; not
+    its subfolders), as absolute paths. Where the folder has a ``sizes.json`` (written by ``mmcl shards``, ``mmcl
+    demo-data`` and open_clip's tools for the shards of one set) that does not list some of them (an evaluation or
+    retrieval shard copied in beside the set), one warning names those: they are trained on too, and a glob or
+    brace range in ``data.train`` is the way to take some shards of a folder only."""
+    shards = _found(p for p in glob.glob(os.path.join(folder, "*")) if p.endswith(SHARD_SUFFIXES))
+    try:
+        with open(os.path.join(folder, SIZES_FILE)) as f:
+            listed = json.load(f)
+    except (OSError, ValueError):
+        return shards  # no sizes.json (or an unreadable one, which the sample count reports where it needs it)
+    if not isinstance(listed, dict) or not any(os.path.basename(p) in listed for p in shards):
+        return shards
+    left = [os.path.basename(p) for p in shards if os.path.basename(p) not in listed]
+    if left:
+        shown = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+        warnings.warn(f"{len(left)} of the {len(shards)} shard files in {folder} are not listed in its {SIZES_FILE} "
+                      f"({shown}) and are read too, as every shard of a folder source is (an evaluation shard copied "
+                      f"in?): name the shards you mean with a glob or brace range to leave them out", stacklevel=2)
+    return shards
+
+
+def describe_sources(spec: Any, allow_pipe: bool = False, require_all: bool = False,
+                     num_samples: Optional[int] = None) -> List[str]:
+    """One line per source of `spec` for the start of a run: the shards it resolved to (how many, the first and
+    last file) and, where known, their samples (``sizes.json``, img2dataset's ``_stats.json``); `num_samples`
+    (``data.train_num_samples``) is said where it stands in for the counts."""
+    from .sizes import known_total  # sizes reads sources; imported here, not at the module's top
+
+    with warnings.catch_warnings():  # the data stream gives each of these warnings when it expands the spec
+        warnings.simplefilter("ignore")
+        sources = expand_sources(spec, allow_pipe, require_all)
+        names = _split_spec(spec, allow_pipe)
+    lines = []
+    for i, (source, urls) in enumerate(zip(names, sources)):
+        label = f"data.train source {i + 1} of {len(sources)}" if len(sources) > 1 else "data.train"
+        shown = os.path.basename(urls[0]) if len(urls) == 1 else (
+            f"{os.path.basename(urls[0])} .. {os.path.basename(urls[-1])}")
+        kind = " (a folder: its shards)" if os.path.isdir(os.path.expanduser(source)) else ""
+        total = known_total(urls)
+        samples = "samples unknown" if total is None else f"{total:,} samples"
+        lines.append(f"{label}: '{redact(source)}'{kind}: {len(urls)} shard(s) ({redact(shown)}), {samples}")
+    if num_samples is not None:
+        lines.append(f"data.train_num_samples={num_samples:,} samples per epoch")
+    return lines
+
+
 def _expand_one(source: str, require_all: bool = False) -> List[str]:
     if source.startswith("pipe:"):
         # Braces in a pipe command address shard names; expand them but never glob a shell command.
@@ -166,8 +216,7 @@ def _expand_one(source: str, require_all: bool = False) -> List[str]:
         elif any(ch in item for ch in "*?["):
             urls += _found(glob.glob(os.path.expanduser(item)))
         elif os.path.isdir(os.path.expanduser(item)):
-            folder = os.path.expanduser(item)
-            urls += _found(p for p in glob.glob(os.path.join(folder, "*")) if p.endswith(SHARD_SUFFIXES))
+            urls += folder_shards(os.path.expanduser(item))
         elif os.path.isfile(os.path.expanduser(item)):
             path = os.path.expanduser(item)
             # A path given after file:// is a path even where it reads like a command (file://pipe:x.tar).

@@ -8,8 +8,9 @@
   where the model is.
 - `draft_size_of` reads from a transform how small a JPEG may be draft-decoded.
 - `ImageSpec` holds the numbers of a model's image input (size, mean, std, ...), read once from its preprocess
-  config; `train_image_stages` builds the training transform from them as a PIL stage for the workers and the
-  `ImageFinish` for the device, with no transform taken apart (the path training takes).
+  config, and the training augmentation (``data.aug``: open_clip's AugmentationCfg); `train_image_stages` builds
+  the training transform from them as a PIL stage for the workers and the `ImageFinish` for the device, with no
+  transform taken apart (the path training takes; `train_image_input` picks it, or timm's transform).
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def training_sample_transform(preprocess: Callable) -> Callable:
 
 
 # open_clip's training crop keeps 90-100 % of the image's area (its AugmentationCfg default), at bicubic
-# interpolation whatever the model's eval interpolation; mmcl trains with the same augmentation.
+# interpolation whatever the model's eval interpolation; mmcl trains with the same augmentation (data.aug.scale).
 TRAIN_CROP_SCALE = (0.9, 1.0)
 
 
@@ -206,41 +207,90 @@ TRAIN_CROP_SCALE = (0.9, 1.0)
 class ImageSpec:
     """The numbers of a model's image input, from its preprocess config (`mmcl.models.preprocess_config`):
     ``size`` (int or (H, W)), per-channel ``mean`` and ``std``, and the eval-time ``interpolation`` and
-    ``resize_mode``. `train_image_stages` builds the training transform from them."""
+    ``resize_mode``; and the training augmentation of open_clip's ``AugmentationCfg`` that its own (non-timm)
+    train transform applies: the crop's area ``scale``, SimCLR-style ``color_jitter`` (brightness, contrast,
+    saturation, hue) with ``color_jitter_prob``, and ``gray_scale_prob``. `train_image_stages` builds the
+    training transform from them."""
 
     size: Union[int, Tuple[int, int]]
     mean: Tuple[float, float, float]
     std: Tuple[float, float, float]
     interpolation: str = "bicubic"
     resize_mode: str = "shortest"
+    scale: Tuple[float, float] = TRAIN_CROP_SCALE
+    color_jitter: Optional[Tuple[float, float, float, float]] = None
+    color_jitter_prob: Optional[float] = None
+    gray_scale_prob: Optional[float] = None
 
     @classmethod
-    def from_config(cls, preprocess_cfg: Mapping[str, Any]) -> "ImageSpec":
-        """From a preprocess-config dict (size, mean, std, interpolation, resize_mode; other keys ignored)."""
+    def from_config(cls, preprocess_cfg: Mapping[str, Any], aug: Optional[Any] = None) -> "ImageSpec":
+        """From a preprocess-config dict (size, mean, std, interpolation, resize_mode; other keys ignored) and
+        an augmentation config (`aug_dict`'s input: ``data.aug``, a dict or open_clip's AugmentationCfg)."""
         def three(v):
             return tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else (float(v),) * 3
 
+        a = aug_dict(aug)
         size = preprocess_cfg["size"]
+        jitter = a.get("color_jitter")
         return cls(size=tuple(int(x) for x in size) if isinstance(size, (list, tuple)) else int(size),
                    mean=three(preprocess_cfg["mean"]), std=three(preprocess_cfg["std"]),
                    interpolation=str(preprocess_cfg.get("interpolation", "bicubic")),
-                   resize_mode=str(preprocess_cfg.get("resize_mode", "shortest")))
+                   resize_mode=str(preprocess_cfg.get("resize_mode", "shortest")),
+                   scale=tuple(float(x) for x in a.get("scale", TRAIN_CROP_SCALE)),
+                   color_jitter=None if jitter is None else tuple(float(x) for x in jitter),
+                   color_jitter_prob=a.get("color_jitter_prob"), gray_scale_prob=a.get("gray_scale_prob"))
+
+
+def aug_dict(aug: Optional[Any]) -> Dict[str, Any]:
+    """open_clip ``AugmentationCfg`` keyword arguments from ``data.aug`` (a config section, a dict, or an
+    AugmentationCfg): unset (None) entries and a false ``use_timm`` left out, sequences as tuples."""
+    import dataclasses
+
+    if aug is None:
+        return {}
+    items = dataclasses.asdict(aug).items() if dataclasses.is_dataclass(aug) else dict(aug).items()
+    out = {}
+    for key, value in items:
+        if key.startswith("_") or value is None or (key == "use_timm" and not value):
+            continue
+        out[key] = tuple(value) if isinstance(value, (list, tuple)) else value
+    return out
+
+
+def train_image_input(preprocess_cfg: Mapping[str, Any], aug: Optional[Any] = None) -> Union[ImageSpec, Callable]:
+    """What the training stream is given for a model's preprocess config and ``data.aug``: an `ImageSpec` (the
+    stream builds open_clip's train transform from it, cheaper and exactly), or with ``use_timm`` open_clip's own
+    transform built through timm (random erasing acts on the normalised tensor, so it is run whole in the workers)."""
+    a = aug_dict(aug)
+    if not a.get("use_timm"):
+        return ImageSpec.from_config(preprocess_cfg, a)
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    pp = PreprocessCfg(**{k: v for k, v in preprocess_cfg.items() if k in PreprocessCfg.__dataclass_fields__})
+    return image_transform_v2(pp, is_train=True, aug_cfg=a)
 
 
 def train_image_stages(spec: ImageSpec) -> Tuple[Callable, "ImageFinish"]:
     """The training transform of a model with image input `spec`, as (PIL stage, `ImageFinish`): a random
-    resized crop (`TRAIN_CROP_SCALE`, bicubic; the box drawn by `PyRandomResizedCrop`) and an RGB conversion in
-    the data workers, then ToTensor and Normalize(mean, std) on the uint8 batch where the model runs. Composed,
-    the two give the pixels of open_clip's train transform for the same preprocess config."""
+    resized crop (``spec.scale``, bicubic; the box drawn by `PyRandomResizedCrop`), an RGB conversion, and
+    open_clip's own colour-jitter and grayscale steps where ``spec`` sets them, in the data workers; then ToTensor
+    and Normalize(mean, std) on the uint8 batch where the model runs. Composed, the two give the pixels of
+    open_clip's train transform (``image_transform_v2``) for the same preprocess and augmentation config."""
+    from open_clip.transform import color_jitter, gray_scale
     from torchvision import transforms as T
 
-    crop = T.RandomResizedCrop(spec.size, scale=TRAIN_CROP_SCALE, interpolation=T.InterpolationMode.BICUBIC)
-    return T.Compose([PyRandomResizedCrop(crop), _ConvertIfNeeded("RGB")]), ImageFinish(spec.mean, spec.std)
+    crop = T.RandomResizedCrop(spec.size, scale=spec.scale, interpolation=T.InterpolationMode.BICUBIC)
+    steps: list = [PyRandomResizedCrop(crop), _ConvertIfNeeded("RGB")]
+    if spec.color_jitter_prob:
+        steps.append(color_jitter(*spec.color_jitter, p=spec.color_jitter_prob))
+    if spec.gray_scale_prob:
+        steps.append(gray_scale(spec.gray_scale_prob))
+    return T.Compose(steps), ImageFinish(spec.mean, spec.std)
 
 
 def train_draft_size(spec: ImageSpec) -> Tuple[int, int]:
     """The (width, height) a JPEG may be draft-decoded to for `train_image_stages(spec)`: the crop keeps at least
-    ``TRAIN_CROP_SCALE[0]`` of the area, so each side shrinks by at most its square root."""
+    ``spec.scale[0]`` of the area, so each side shrinks by at most its square root."""
     h, w = (spec.size, spec.size) if isinstance(spec.size, int) else spec.size
-    grow = 1.0 / math.sqrt(TRAIN_CROP_SCALE[0])
+    grow = 1.0 / math.sqrt(max(spec.scale[0], 1e-3))
     return int(math.ceil(w * grow)), int(math.ceil(h * grow))

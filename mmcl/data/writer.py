@@ -16,14 +16,15 @@ import re
 import tarfile
 import urllib.parse
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from PIL import Image
 
 from ..errors import DataError
 from ..storage.manifest import OutputManifest
 from .decode import IMAGE_EXTS, SkipSample, decode_image
-from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, walk_files
+from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
 from .sizes import SIZES_FILE
 from .sources import SHARD_SUFFIXES
 
@@ -380,6 +381,133 @@ def _read_meta_file(path: str) -> Optional[Dict[str, Any]]:
     return meta if isinstance(meta, dict) else None
 
 
+@dataclass(frozen=True)
+class SourceImage:
+    """One image an input names for a shard, before the image is read.
+
+    ``where`` names it in the summary and in skip reports (a path relative to the input, or ``table:line``);
+    ``key`` is the shard key the input gives it (a caption folder's file name), None to number it.
+    """
+
+    path: str
+    caption: str
+    where: str
+    label: Optional[int] = None
+    meta: Optional[Dict[str, Any]] = None
+    key: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class SkippedItem:
+    """An item of the input that gives no sample, and the skip reason (``missing_caption``, ``bad_row``, ...)."""
+
+    where: str
+    reason: str
+
+
+_Item = Union[SourceImage, SkippedItem]
+
+
+def _caption_folder_items(root: str, paired: Dict[str, Any]) -> Iterator[_Item]:
+    """The samples of a caption folder (`_paired_files`): ``KEY.txt`` is the caption, ``KEY.json`` the metadata, the
+    file name's key the shard key. An image without its caption file is skipped (``missing_caption``, with one
+    warning line once the folder is read): it gets no made-up caption."""
+    no_caption = []
+    for stem, image, txt, meta_path in paired["samples"]:
+        where = os.path.relpath(image, root)
+        if txt is None:
+            no_caption.append(where)
+            yield SkippedItem(where, "missing_caption")
+            continue
+        text = _read_caption_file(txt)
+        if text is None:
+            yield SkippedItem(where, "bad_caption")
+            continue
+        meta = None
+        if meta_path is not None:
+            meta = _read_meta_file(meta_path)
+            if meta is None:
+                yield SkippedItem(os.path.relpath(meta_path, root), "bad_json")
+                continue
+        yield SourceImage(image, text, where, meta=meta, key=stem)
+    for path, reason in paired["orphans"]:
+        yield SkippedItem(os.path.relpath(path, root), reason)
+    if no_caption:
+        warnings.warn(f"{len(no_caption)} images in {root} have no caption file beside them (KEY.txt) and are "
+                      f"skipped, e.g. {no_caption[0]}")
+
+
+def _image_folder_classes(root: str) -> Tuple[List[str], List[str]]:
+    """An ImageFolder's class folders and the class names of its captions and ``classnames.txt``: the names
+    evaluation scores the folder by (`eval_sets.folder_classnames`: the root's ``classnames.txt``, ImageNet-1k's
+    names for WordNet-id folders), else the folder names with underscores as spaces."""
+    shards = sorted(n for n in os.listdir(root) if n.endswith(SHARD_SUFFIXES))
+    if shards:  # e.g. img2dataset's webdataset output: nothing to convert
+        raise DataError(f"{root} already holds WebDataset shards (got {shards[0]}, ...; train on them: "
+                        f"data.train='{os.path.join(root, '*.tar')}')")
+    folders = class_folders(root)
+    if not folders:
+        raise DataError(f"{root} has no class folders nor images with caption files (expected "
+                        f"{root}/<class>/<image>, or KEY.jpg beside KEY.txt)")
+    names, source = folder_classnames(root, folders)
+    return folders, [n.replace("_", " ") for n in names] if source == "folders" else names
+
+
+def _image_folder_items(root: str, folders: List[str], classnames: List[str],
+                        caption_template: str) -> Iterator[_Item]:
+    """The images of an ImageFolder: the caption is `caption_template` filled with the class name, the label the
+    sorted folder index; a file that is not an image is skipped (``not_image``)."""
+    for label, (folder, name) in enumerate(zip(folders, classnames)):
+        text = caption_template.format(name)
+        for path in walk_files(os.path.join(root, folder)):
+            where = os.path.relpath(path, root)
+            if path.lower().endswith(FOLDER_IMAGE_EXTS):
+                yield SourceImage(path, text, where, label=label)
+            else:
+                yield SkippedItem(where, "not_image")
+
+
+def _table_items(table: str, sep: Optional[str], image_col: Optional[str],
+                 caption_col: Optional[str]) -> Iterator[_Item]:
+    """The rows of a CSV / TSV / JSONL / parquet table: the first named image column with a value (a path or a
+    ``file://`` URI), the caption column, an optional non-negative integer ``label``."""
+    base = os.path.dirname(os.path.abspath(table))
+    if sep is not None and not table.lower().endswith((".csv", ".tsv")):
+        raise DataError(f"--sep is for a .csv or .tsv input (got {table})")
+    image_cols = [image_col] if image_col else list(_IMAGE_COLS)
+    caption_cols = [caption_col] if caption_col else list(_CAPTION_COLS)
+    for line_no, row in _rows_from_table(table, sep, image_col, caption_col):
+        where = f"{os.path.basename(table)}:{line_no}"
+        if isinstance(row, str):
+            yield SkippedItem(where, "bad_row")
+            continue
+        # the first named column with a value: a row may give 'image' or 'url', as the default columns allow
+        found = next((c for c in image_cols if row.get(c)), None)
+        url_col = found == "url"
+        image = row.get(found) if found else None
+        text = next((row[c] for c in caption_cols if c in row and row[c] is not None), None)
+        label = row.get("label")
+        if not image:
+            yield SkippedItem(where, "missing_image")
+            continue
+        if not isinstance(text, str) or not text.strip():
+            yield SkippedItem(where, "bad_caption")
+            continue
+        if label in ("", None):
+            label = None
+        else:
+            try:
+                label = int(label)
+                if label < 0:
+                    raise ValueError
+            except (TypeError, ValueError):
+                yield SkippedItem(where, "bad_label")
+                continue
+        path = _local_image_path(image, base, table, url_col)
+        meta = {"source": where, **({"url": str(image).strip()} if url_col else {})}
+        yield SourceImage(path, text.strip(), where, label=label, meta=meta)
+
+
 def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
                       caption_template: str = "a photo of a {}.", progress: bool = True, sep: Optional[str] = None,
                       image_col: Optional[str] = None, caption_col: Optional[str] = None) -> Dict[str, Any]:
@@ -391,9 +519,10 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
     become the sample's ``.json``; the shard keys are the file names' keys when they are unique. An image without
     its caption file is skipped and counted (``missing_caption``), with one warning line: it gets no made-up
     caption. Any ``.txt`` or ``.json`` beside an image makes a folder a caption folder, never an ImageFolder.
-    ImageFolder (class folders of images only): captions are `caption_template` filled with the class folder name
-    (underscores as spaces), ``.cls`` is the sorted folder index, and ``classnames.txt`` is written next to the
-    shards.
+    ImageFolder (class folders of images only): captions are `caption_template` filled with the class name, the name
+    evaluation scores the folder by (the root's ``classnames.txt``, ImageNet-1k's readable names for WordNet-id
+    folders such as ``n01440764``, else the folder name with underscores as spaces); ``.cls`` is the sorted folder
+    index, and ``classnames.txt`` is written next to the shards.
     Tables: rows carry ``image`` (a path relative to the file, or a ``file://`` URI) or ``url`` (the same, as
     img2dataset's input names it) or ``filepath`` (open_clip's), ``caption`` or ``title`` (open_clip's), and
     optionally ``label``; `image_col` / `caption_col` name other columns (open_clip's --csv-img-key /
@@ -410,114 +539,47 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
     if not os.path.exists(input_path):
         raise DataError(f"input not found: {input_path} (expected a folder of images with captions, an ImageFolder "
                         f"directory, a .csv, .tsv, .jsonl or .parquet)")
-    # (image path, caption, label, where, metadata, key or None) per sample; problems as (where, reason)
-    jobs: List[Tuple[str, str, Any, str, Optional[Dict[str, Any]], Optional[str]]] = []
-    problems: List[Tuple[str, str]] = []
     classnames: Optional[List[str]] = None
     paired = _paired_files(input_path) if os.path.isdir(input_path) else None
     if paired is not None:
-        no_caption = []
-        for stem, image, txt, meta_path in paired["samples"]:
-            where = os.path.relpath(image, input_path)
-            if txt is None:
-                problems.append((where, "missing_caption"))
-                no_caption.append(where)
-                continue
-            text = _read_caption_file(txt)
-            if text is None:
-                problems.append((where, "bad_caption"))
-                continue
-            meta = None
-            if meta_path is not None:
-                meta = _read_meta_file(meta_path)
-                if meta is None:
-                    problems.append((os.path.relpath(meta_path, input_path), "bad_json"))
-                    continue
-            jobs.append((image, text, None, where, meta, stem))
-        for path, reason in paired["orphans"]:
-            problems.append((os.path.relpath(path, input_path), reason))
-        keys = [job[5] for job in jobs]
-        if len(set(keys)) != len(keys) or any("." in k or not k for k in keys):
-            jobs = [job[:5] + (None,) for job in jobs]  # numbered keys where the file names' keys clash
-        if no_caption:
-            warnings.warn(f"{len(no_caption)} images in {input_path} have no caption file beside them (KEY.txt) and "
-                          f"are skipped, e.g. {no_caption[0]}")
+        items: Iterable[_Item] = _caption_folder_items(input_path, paired)
     elif os.path.isdir(input_path):
-        shards = sorted(n for n in os.listdir(input_path) if n.endswith(SHARD_SUFFIXES))
-        if shards:  # e.g. img2dataset's webdataset output: nothing to convert
-            raise DataError(f"{input_path} already holds WebDataset shards (got {shards[0]}, ...; train on them: "
-                            f"data.train='{os.path.join(input_path, '*.tar')}')")
-        classnames = class_folders(input_path)
-        if not classnames:
-            raise DataError(f"{input_path} has no class folders nor images with caption files (expected "
-                            f"{input_path}/<class>/<image>, or KEY.jpg beside KEY.txt)")
-        for label, name in enumerate(classnames):
-            text = caption_template.format(name.replace("_", " "))
-            for path in walk_files(os.path.join(input_path, name)):
-                if path.lower().endswith(FOLDER_IMAGE_EXTS):
-                    jobs.append((path, text, label, os.path.relpath(path, input_path), None, None))
-                else:
-                    problems.append((os.path.relpath(path, input_path), "not_image"))
+        folders, classnames = _image_folder_classes(input_path)
+        if "{}" not in caption_template:
+            raise DataError(f"caption_template needs a '{{}}' for the class name (got {caption_template!r})")
+        items = _image_folder_items(input_path, folders, classnames, caption_template)
     elif input_path.lower().endswith(_TABLE_EXTS):
-        base = os.path.dirname(os.path.abspath(input_path))
-        if sep is not None and not input_path.lower().endswith((".csv", ".tsv")):
-            raise DataError(f"--sep is for a .csv or .tsv input (got {input_path})")
-        image_cols = [image_col] if image_col else list(_IMAGE_COLS)
-        caption_cols = [caption_col] if caption_col else list(_CAPTION_COLS)
-        for line_no, row in _rows_from_table(input_path, sep, image_col, caption_col):
-            where = f"{os.path.basename(input_path)}:{line_no}"
-            if isinstance(row, str):
-                problems.append((where, "bad_row"))
-                continue
-            # the first named column with a value: a row may give 'image' or 'url', as the default columns allow
-            found = next((c for c in image_cols if row.get(c)), None)
-            url_col = found == "url"
-            image = row.get(found) if found else None
-            text = next((row[c] for c in caption_cols if c in row and row[c] is not None), None)
-            label = row.get("label")
-            if not image:
-                problems.append((where, "missing_image"))
-                continue
-            if not isinstance(text, str) or not text.strip():
-                problems.append((where, "bad_caption"))
-                continue
-            if label in ("", None):
-                label = None
-            else:
-                try:
-                    label = int(label)
-                    if label < 0:
-                        raise ValueError
-                except (TypeError, ValueError):
-                    problems.append((where, "bad_label"))
-                    continue
-            path = _local_image_path(image, base, input_path, url_col)
-            meta = {"source": where, **({"url": str(image).strip()} if url_col else {})}
-            jobs.append((path, text.strip(), label, where, meta, None))
+        items = _table_items(input_path, sep, image_col, caption_col)
     else:
         raise DataError(f"unsupported input {input_path} (expected a folder of images with captions, an ImageFolder "
                         f"directory, a .csv, .tsv, .jsonl or .parquet)")
-    if "{}" not in caption_template and classnames is not None:
-        raise DataError(f"caption_template needs a '{{}}' for the class name (got {caption_template!r})")
+    records: List[SourceImage] = []
+    problems: List[SkippedItem] = []
+    for item in items:
+        (problems if isinstance(item, SkippedItem) else records).append(item)
+    # The input's own keys when every sample has one and they are unique and valid; numbered keys otherwise.
+    keys = [r.key for r in records]
+    own_keys = all(k and "." not in k for k in keys) and len(set(keys)) == len(keys)
 
     def samples() -> Iterator[Dict[str, Any]]:
-        items: Iterable = jobs
+        todo: Iterable[SourceImage] = records
         if progress:
             from tqdm import tqdm
 
-            items = tqdm(jobs, desc="shards", unit="img")
-        for path, text, label, where, meta, key in items:
-            if not os.path.isfile(path):
-                problems.append((where, "missing_file"))
+            todo = tqdm(records, desc="shards", unit="img")
+        for record in todo:
+            if not os.path.isfile(record.path):
+                problems.append(SkippedItem(record.where, "missing_file"))
                 continue
             try:
-                data, ext = _load_for_shard(path)
+                data, ext = _load_for_shard(record.path)
             except SkipSample as skip:
-                problems.append((where, skip.reason))
+                problems.append(SkippedItem(record.where, skip.reason))
                 continue
-            yield {"key": key or f"{len(written):09d}", "image": data, "ext": ext, "caption": text, "label": label,
-                   "json": meta if meta is not None else {"source": where}}
-            written.append(where)
+            yield {"key": record.key if own_keys else f"{len(written):09d}", "image": data, "ext": ext,
+                   "caption": record.caption, "label": record.label,
+                   "json": record.meta if record.meta is not None else {"source": record.where}}
+            written.append(record.where)
 
     written: List[str] = []
     # `out_dir` must be new, empty or an earlier conversion's: its manifest lists the files written there, and
@@ -529,13 +591,13 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
         owned.will_write(["classnames.txt"])
         ours.append("classnames.txt")
         with open(os.path.join(out_dir, "classnames.txt"), "w", encoding="utf-8") as f:
-            f.write("\n".join(n.replace("_", " ") for n in classnames) + "\n")
+            f.write("\n".join(classnames) + "\n")
     owned.keep_only(ours)
     counts: Dict[str, int] = {}
-    for _, reason in problems:
-        counts[reason] = counts.get(reason, 0) + 1
+    for problem in problems:
+        counts[problem.reason] = counts.get(problem.reason, 0) + 1
     summary.update(n_skipped=len(problems), skipped=counts,
-                   skipped_examples=[f"{where}: {reason}" for where, reason in problems[:10]])
+                   skipped_examples=[f"{p.where}: {p.reason}" for p in problems[:10]])
     detail = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
     print(f"wrote {summary['n_samples']} samples in {summary['n_shards']} shards to {out_dir}; "
           f"skipped {len(problems)}" + (f" ({detail})" if detail else ""))

@@ -161,13 +161,14 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     Returns:
         The index directory (written to a temporary directory first, then moved into place).
     """
-    from . import evaluate
+    from .embed import embed_image_set
 
     model_dir = weights.find_model_dir(model_path).resolve()
     model, preprocess, _ = weights.load(model_dir)
-    ds, loader = _index_loader(data, preprocess, batch_size, workers)
-    model = model.to(device).eval()
-    feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, "index", data)
+    found = embed_image_set(model.to(device).eval(), preprocess, data, batch_size, workers, device, progress,
+                            "index", _index_loader)
+    ds, feats, labels, captions, keys, skips = (found[k] for k in ("dataset", "features", "labels", "captions",
+                                                                   "keys", "skips"))
     index, params = make_index(feats.numpy(), exact_max=exact_max)
     out_dir = output_dir(out_dir)
     meta = {"model": str(model_dir), "model_relative": os.path.relpath(model_dir, Path(out_dir).resolve()),

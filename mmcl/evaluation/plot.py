@@ -2,7 +2,7 @@
 
 ``plot_run(run_dir)`` writes PNGs into ``run_dir/plots/``:
 
-    loss.png            total loss and every ``loss/<term>`` over steps
+    loss.png            total loss, every ``loss/<term>`` and ``val/loss`` over steps
     lr_scale.png        learning rate, logit scale (and bias), gradient norm
     align_uniform.png   the alignment-uniformity plane of Wang & Isola (2020), a trajectory coloured by step
     throughput.png      samples/s and the fraction of time spent waiting for data
@@ -147,7 +147,7 @@ def _want_log(values: Sequence[float]) -> bool:
 
 
 def loss_figure(records: Sequence[Dict[str, Any]], title: str):
-    """Total loss and each ``loss/<term>``; None when no loss was logged."""
+    """Total loss, each ``loss/<term>`` and the validation loss (``val/loss``); None when no loss was logged."""
     terms = sorted({k for r in records for k in r if k.startswith("loss/")})
     curves = [("loss", "total")] + [(k, k.split("/", 1)[1]) for k in terms]
     data = [(key, label, *series(records, key)) for key, label in curves]
@@ -157,6 +157,9 @@ def loss_figure(records: Sequence[Dict[str, Any]], title: str):
     # A single term equal to the total adds a second identical line; show the total only.
     if len(data) == 2 and data[0][0] == "loss" and data[0][3] == data[1][3]:
         data = [(data[0][0], f"total ({data[1][1]})", data[0][2], data[0][3])]
+    val_steps, val_values = series(records, "val/loss")  # eval.val_loss: the held-out loss beside the training loss
+    if val_values:
+        data.append(("val/loss", "validation", val_steps, val_values))
     fig, axes = _new_figure()
     ax = axes[0, 0]
     colors = _palette(len(data))

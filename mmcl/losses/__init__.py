@@ -5,10 +5,11 @@ ValueError). Every loss is a pure function of L2-normalised features ``(B, D)`` 
 scale ``s`` (a 0-dim tensor that carries gradient to the learned temperature ``t = log s``).
 
 Distributed layout. The functions never read rank or world size. To train on a global batch split over
-ranks, a caller gathers the features of all ranks (`gather_features`, which keeps the gradient and sums it
-back in backward) and passes them as ``all_image_features`` / ``all_text_features`` together with
-``offset``, the global index of this rank's first row. The local features are then the rows (queries), the
-gathered ones the columns (keys), and the positive of local row ``i`` is global column ``offset + i``.
+ranks, a caller gathers the features of all ranks (`gather_batch`, which keeps the gradient and sums it back in
+backward) and passes them as one `Gathered` (``gathered=``): the gathered features ``all_image_features`` /
+``all_text_features`` (and labels, teacher features) with ``offset``, the global index of this rank's first row.
+The local features are then the rows (queries), the gathered ones the columns (keys), and the positive of local
+row ``i`` is global column ``offset + i``.
 Each rank's loss is the mean over its own rows, so the mean over ranks equals the global-batch loss; with
 the summing all-gather backward each rank holds ``W`` times the global gradient of its own features and
 DDP's averaging of parameter gradients turns that into exactly the global-batch gradient.
@@ -23,20 +24,24 @@ computation, which stays in the package as the specification. SigLIP's sum over 
 synthetic negatives are n x (s + s') x D).
 
 `ContrastiveObjective` combines the weighted terms from plain numbers (training builds it from the config
-with `mmcl.training.step.objective_from_config`); the caller gathers the global batch (`gather_batch`) and passes it
-in. The objective holds the only state: the MoCHi feature queues and the random generator used to synthesise
-negatives.
+with `mmcl.training.step.objective_from_config`); its terms are one table, a row per term (`objective`). The caller
+gathers the global batch (`gather_batch`) and passes it in. The objective holds the only state: the MoCHi feature
+queues, the random generator used to synthesise negatives, and the global contrastive term's per-sample estimates
+(`GlobalEstimates`).
 
-Layout: `tiling` (the shared autograd machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and
-hard-negative), `mochi`, `distill` (KL from a teacher's distributions), `geometry` (align, uniform),
-`distributed` (gather), `objective` and `errors`.
+Layout: `_inputs` (the `Gathered` batch and the shared argument checks), `tiling` (the shared autograd
+machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and hard-negative), `mochi`, `distill` (KL from a
+teacher's distributions), `global_contrastive` (SogCLR / FastCLIP), `geometry` (align, uniform), `distributed`
+(gather), `objective` and `errors`.
 """
 
+from ._inputs import Gathered
 from .clip import clip_loss, infonce_rows, logsumexp_rows
 from .distill import TeacherFeatures, distill_loss
-from .distributed import Gathered, gather_batch, gather_features
+from .distributed import gather_batch, gather_features
 from .errors import LossInputError
 from .geometry import align_loss, uniform_loss
+from .global_contrastive import GlobalEstimates, gamma_at, global_contrastive_loss
 from .mochi import FeatureQueue, mochi_loss
 from .objective import TERMS, ContrastiveObjective
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
@@ -56,6 +61,9 @@ __all__ = [
     "mochi_loss",
     "distill_loss",
     "TeacherFeatures",
+    "global_contrastive_loss",
+    "GlobalEstimates",
+    "gamma_at",
     "align_loss",
     "uniform_loss",
     "gather_features",

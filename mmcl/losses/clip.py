@@ -8,9 +8,8 @@ import torch
 from torch import Tensor
 
 from ._precision import float32_math, scaled_products
-from .errors import LossInputError
-from .tiling import (TiledLogSumExp, _acc_dtype, _as_scale, _check_chunk, _coefficient_floor, _exp_, _finite_or_zero,
-                     _unit, _upcast)
+from ._inputs import Gathered, _check_chunk, _check_pair, _columns
+from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _coefficient_floor, _exp_, _finite_or_zero, _unit, _upcast
 
 
 @float32_math
@@ -35,46 +34,6 @@ def logsumexp_rows(
             return DenseLogSumExp.apply(logits, 1), DenseLogSumExp.apply(logits, 0)
         return DenseLogSumExp.apply(logits, 1)
     return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, with_cols)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Input checks
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _check_pair(image_features: Tensor, text_features: Tensor) -> None:
-    if image_features.dim() != 2 or text_features.dim() != 2:
-        raise LossInputError(
-            f"features must be 2-D (B, D) (got image {tuple(image_features.shape)}, "
-            f"text {tuple(text_features.shape)})"
-        )
-    if image_features.shape != text_features.shape:
-        raise LossInputError(
-            f"image and text features must have the same shape (got {tuple(image_features.shape)} and "
-            f"{tuple(text_features.shape)}, expected equal (B, D))"
-        )
-    if image_features.shape[0] == 0:
-        raise LossInputError("empty batch (got 0 pairs, expected at least 1)")
-
-
-def _columns(image_features, text_features, all_image_features, all_text_features, offset):
-    """Resolve the key sets; returns (all_image, all_text, offset, single) with single=True for one process."""
-    if (all_image_features is None) != (all_text_features is None):
-        raise LossInputError("pass both all_image_features and all_text_features, or neither")
-    if all_image_features is None:
-        if offset != 0:
-            raise LossInputError(f"offset needs gathered features (got offset={offset} without all_*_features)")
-        return image_features, text_features, 0, True
-    n, m = image_features.shape[0], all_image_features.shape[0]
-    if all_image_features.shape != all_text_features.shape or all_image_features.shape[1] != image_features.shape[1]:
-        raise LossInputError(
-            f"gathered features must be (M, {image_features.shape[1]}) for both modalities (got "
-            f"{tuple(all_image_features.shape)} and {tuple(all_text_features.shape)})"
-        )
-    if not 0 <= offset <= m - n:
-        raise LossInputError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
-    single = offset == 0 and all_image_features is image_features and all_text_features is text_features
-    return all_image_features, all_text_features, offset, single
 
 
 def _positive_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor, offset: int) -> Tensor:
@@ -208,9 +167,7 @@ def clip_loss(
     logit_scale: Tensor,
     chunk_size: Optional[int] = None,
     *,
-    all_image_features: Optional[Tensor] = None,
-    all_text_features: Optional[Tensor] = None,
-    offset: int = 0,
+    gathered: Optional[Gathered] = None,
 ) -> Tensor:
     """Symmetric InfoNCE of CLIP (Radford et al. 2021): mean of image->text and text->image cross-entropies.
 
@@ -219,21 +176,16 @@ def clip_loss(
         logit_scale: 0-dim tensor s (already exponentiated); logits are ``s * image @ text.T``.
         chunk_size: None is the dense reference; an int computes it in tiles of that many rows with the same
             value and gradients and O((n + M) * D) extra memory plus two tiles.
-        all_image_features, all_text_features: (M, D) gathered features of the whole global batch (columns);
-            None when this process holds the whole batch.
-        offset: global index of local row 0 within the gathered features.
+        gathered: the whole global batch's features (the columns, (M, D) each) and the global index of local
+            row 0 in them; None when this process holds the whole batch.
     Returns:
         0-dim tensor, the mean over the local rows of both directions.
     """
     _check_pair(image_features, text_features)
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features, all_image_features, all_text_features = _upcast(
-        image_features, text_features, all_image_features, all_text_features
-    )
-    all_img, all_txt, offset, single = _columns(
-        image_features, text_features, all_image_features, all_text_features, offset
-    )
+    image_features, text_features = _upcast(image_features, text_features)
+    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
     if single and chunk_size is None:
         image_to_text, text_to_image = DenseInfoNCE.apply(_dense_logits(image_features, text_features, logit_scale),
                                                           0, True)

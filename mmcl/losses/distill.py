@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from ._precision import float32_math
+from ._inputs import Gathered, _check_chunk, _check_pair, _columns
 from .errors import LossInputError
-from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _exp_, _upcast, tile_elements
-from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits
+from .tiling import TiledLogSumExp, _as_scale, _exp_, _upcast, tile_elements
+from .clip import DenseLogSumExp, _dense_logits
 
 
 class TeacherFeatures(NamedTuple):
@@ -107,11 +108,7 @@ def distill_loss(
     teacher_scale: Tensor,
     chunk_size: Optional[int] = None,
     *,
-    all_image_features: Optional[Tensor] = None,
-    all_text_features: Optional[Tensor] = None,
-    all_teacher_image: Optional[Tensor] = None,
-    all_teacher_text: Optional[Tensor] = None,
-    offset: int = 0,
+    gathered: Optional[Gathered] = None,
 ) -> Tensor:
     """KL divergence from the teacher's to the student's contrastive distributions, both directions averaged.
 
@@ -127,9 +124,9 @@ def distill_loss(
         teacher_image, teacher_text: (n, Dt) the teacher's, L2-normalised.  teacher_scale: 0-dim.
         chunk_size: None for the dense (n, M) logits; an int computes the same value and gradients in tiles of
             that many rows (memory linear in n + M, `TiledLogSumExp`).
-        all_image_features, all_text_features, all_teacher_image, all_teacher_text, offset: the global batch
-            gathered over ranks (as in `clip_loss`; the teacher's without gradient); this rank's rows against
-            the global columns.
+        gathered: the global batch gathered over ranks (as in `clip_loss`), with the teacher's columns
+            (``all_teacher_image``, ``all_teacher_text``, without gradient); this rank's rows against the global
+            columns.
     Returns:
         0-dim tensor (float32 for half-precision inputs).
     """
@@ -139,18 +136,17 @@ def distill_loss(
     if teacher_image.shape[0] != image_features.shape[0]:
         raise LossInputError(f"the teacher's features hold {teacher_image.shape[0]} rows, the student's "
                              f"{image_features.shape[0]} (expected one teacher row per pair)")
-    if (all_teacher_image is None) != (all_image_features is None) or (all_teacher_text is None) != (
-            all_text_features is None):
-        raise LossInputError("pass the gathered teacher features together with the gathered student features")
+    if gathered is not None and (gathered.all_teacher_image is None or gathered.all_teacher_text is None):
+        raise LossInputError("the distill term needs the teacher's features gathered over ranks with the student's "
+                             "(gather_batch(..., teacher=...))")
     logit_scale = _as_scale(logit_scale, image_features)
     t_scale = _as_scale(teacher_scale, teacher_image).detach()
-    image_features, text_features, all_image_features, all_text_features = _upcast(
-        image_features, text_features, all_image_features, all_text_features)
+    image_features, text_features = _upcast(image_features, text_features)
+    all_teacher = (None, None) if gathered is None else (gathered.all_teacher_image, gathered.all_teacher_text)
     t_img, t_txt, all_t_img, all_t_txt = (None if x is None else x.detach().to(image_features.dtype)
-                                          for x in (teacher_image, teacher_text, all_teacher_image, all_teacher_text))
+                                          for x in (teacher_image, teacher_text, *all_teacher))
     t_scale = t_scale.to(image_features.dtype)
-    all_img, all_txt, offset, single = _columns(image_features, text_features, all_image_features,
-                                                all_text_features, offset)
+    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
     if single:
         all_t_img, all_t_txt = t_img, t_txt
     elif all_t_img.shape[0] != all_img.shape[0] or all_t_txt.shape != all_t_img.shape:

@@ -1,16 +1,15 @@
-"""Gathering features across ranks with a gradient-carrying all-gather (`gather_features`)."""
+"""Gathering features across ranks with a gradient-carrying all-gather (`gather_features`), and the global batch
+as the losses take it (`gather_batch`, a `Gathered`)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .clip import _check_pair
-from .supcon import _check_labels
-from .tiling import _check_on_device
+from ._inputs import Gathered, _check_labels, _check_on_device, _check_pair
 
 
 def _distributed() -> bool:
@@ -72,19 +71,6 @@ def gather_features(
         dist.all_gather(gathered, labels.contiguous())
         all_labels = torch.cat(gathered, dim=0)
     return all_image, all_text, all_labels, rank * n
-
-
-class Gathered(NamedTuple):
-    """The global batch as every rank sees it after `gather_batch`: the columns of the losses, this rank's first
-    row's global index, and the number of ranks (for the reductions of the objective's logged numbers)."""
-
-    all_image_features: Tensor  # (W*n, D), carries the gradient back to each owner
-    all_text_features: Tensor  # (W*n, D)
-    all_labels: Optional[Tensor]  # (W*n,) long, or None
-    offset: int
-    world_size: int
-    all_teacher_image: Optional[Tensor] = None  # (W*n, Dt), no gradient: the distill term's teacher columns
-    all_teacher_text: Optional[Tensor] = None
 
 
 def _all_gather_plain(x: Tensor) -> Tensor:

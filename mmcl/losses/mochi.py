@@ -9,9 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from ._precision import float32_math
+from ._inputs import Gathered, _check_chunk, _check_pair, _columns
 from .errors import LossInputError
-from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _check_chunk, _upcast
-from .clip import DenseInfoNCE, _check_pair, _columns, _dense_logits, _positive_logits
+from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _upcast
+from .clip import DenseInfoNCE, _dense_logits, _positive_logits
 
 
 def _to_device(draws: Tensor, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -167,9 +168,7 @@ def mochi_loss(
     image_queue: Optional[Tensor] = None,
     text_queue: Optional[Tensor] = None,
     *,
-    all_image_features: Optional[Tensor] = None,
-    all_text_features: Optional[Tensor] = None,
-    offset: int = 0,
+    gathered: Optional[Gathered] = None,
     chunk_size: Optional[int] = None,
 ) -> Tensor:
     """InfoNCE with MoCHi synthetic hard negatives (Kalantidis et al. 2020), both directions averaged.
@@ -186,7 +185,7 @@ def mochi_loss(
         image_features, text_features: (n, D) float, L2-normalised.  logit_scale: 0-dim tensor s.
         n_hard, s, s_prime: counts (n_hard >= 1, s, s_prime >= 0).  mix_max: in (0, 1].
         generator: CPU torch.Generator.  image_queue, text_queue: (Q, D) past features or None.
-        all_image_features, all_text_features, offset: as in `clip_loss`.
+        gathered: as in `clip_loss`.
         chunk_size: None for the dense (n, M + Q) logits; an int ranks and sums them in blocks of that many rows
             (memory linear in M + Q; the synthetic negatives are still n x (s + s') x D).
     Returns:
@@ -201,10 +200,8 @@ def mochi_loss(
     if not 0 < mix_max <= 1:
         raise LossInputError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
     logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features, all_image_features, all_text_features = _upcast(
-        image_features, text_features, all_image_features, all_text_features
-    )
-    all_img, all_txt, offset, _ = _columns(image_features, text_features, all_image_features, all_text_features, offset)
+    image_features, text_features = _upcast(image_features, text_features)
+    all_img, all_txt, offset, _ = _columns(image_features, text_features, gathered)
     i2t = _mochi_rows(image_features, all_txt, text_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
                       chunk_size)
     t2i = _mochi_rows(text_features, all_img, image_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,

@@ -1,30 +1,109 @@
 """`ContrastiveObjective`: the weighted sum of loss terms used in training, built from numbers (term weights and
-the terms' parameters), not from the config tree; the caller gathers the global batch (`gather_batch`)."""
+the terms' parameters), not from the config tree; the caller gathers the global batch (`gather_batch`).
+
+The terms are one table, `_TABLE`, with a row per term: ``Term(name, needs, compute)``.
+- ``name`` is the term's name everywhere: its weight's config key is ``loss.<name>`` (``loss.<name>.weight`` for
+  a term with its own section of parameters, as ``loss.mochi``; `mmcl.config.term_keys` derives the keys from
+  `TERMS`), its logged loss is ``loss/<name>``, and its key in the ``weights`` of `ContrastiveObjective`.
+- ``needs`` names the optional inputs of the forward (fields of `TermInputs`: ``logit_bias``, ``labels``,
+  ``teacher``) the term cannot do without; a missing one is a `LossInputError` naming the term.
+- ``compute(objective, inputs)`` returns the term's 0-dim loss over this rank's rows, from the `TermInputs` and
+  the objective's parameters (``objective.chunk_size``, ``objective.tau_plus``, ...).
+A new term is its loss function (its own module) and one row; a parameter of it is a keyword of the constructor,
+and `mmcl.training.step.objective_from_config` passes each field of a term's config section (other than its
+weight) as the keyword of the same name. The objective computes the rows with a positive weight, in table order.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ._inputs import Gathered, _check_labels, _check_pair
 from ._precision import float32_math
 from .errors import LossInputError
 from .tiling import _acc_dtype, _as_scale
-from .clip import _check_pair, clip_loss
-from .supcon import _check_labels, supcon_loss
+from .clip import clip_loss
+from .supcon import supcon_loss
 from .siglip import siglip_loss
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .mochi import FeatureQueue, mochi_loss
 from .geometry import _uniform_log_partial, align_loss, uniform_loss
-from .distributed import Gathered
 from .distill import TeacherFeatures, distill_loss
+from .global_contrastive import GlobalEstimates
 
 # Logged metrics only need a sample of the batch; pairwise uniformity is quadratic in it.
 _METRIC_MAX_ITEMS = 4096
-TERMS = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "mochi", "distill")
+
+
+class TermInputs(NamedTuple):
+    """What the forward passes to every term: this rank's rows and the optional inputs, as checked."""
+
+    image: Tensor  # (n, D) this rank's image features
+    text: Tensor  # (n, D)
+    logit_scale: Tensor  # 0-dim, float32 at least
+    logit_bias: Optional[Tensor]  # 0-dim, SigLIP's
+    labels: Optional[Tensor]  # (n,) long, -1 for "no label"
+    gathered: Optional[Gathered]  # the global batch's columns; None in one process
+    teacher: Optional[TeacherFeatures]  # the teacher's features of this rank's pairs
+    sample_ids: Optional[Tensor] = None  # (n,) long, the stable ids of this rank's pairs (the global term's keys)
+
+    def columns(self) -> Tuple[Tensor, Tensor, int]:
+        """(all_image, all_text, offset): the global batch's columns and this rank's first row among them."""
+        if self.gathered is None:
+            return self.image, self.text, 0
+        return self.gathered.all_image_features, self.gathered.all_text_features, self.gathered.offset
+
+
+class Term(NamedTuple):
+    """One row of the objective's table (see the module docstring)."""
+
+    name: str
+    needs: Tuple[str, ...]
+    compute: Callable[["ContrastiveObjective", TermInputs], Tensor]
+
+
+# What each optional input is called in the error of a term that needs it and did not get it.
+_NEEDS = {"logit_bias": "a logit bias", "labels": "labels", "teacher": "the teacher's features"}
+
+
+def _uniform_term(obj: "ContrastiveObjective", x: TermInputs) -> Tensor:
+    all_img, all_txt, offset = x.columns()
+    return (obj._uniform(x.image, all_img, offset, x.gathered) + obj._uniform(x.text, all_txt, offset, x.gathered)) / 2
+
+
+def _mochi_term(obj: "ContrastiveObjective", x: TermInputs) -> Tensor:
+    return mochi_loss(x.image, x.text, x.logit_scale, obj.n_hard, obj.s, obj.s_prime, obj.mix_max, obj.generator,
+                      obj.image_queue.get(), obj.text_queue.get(), gathered=x.gathered, chunk_size=obj.chunk_size)
+
+
+def _distill_term(obj: "ContrastiveObjective", x: TermInputs) -> Tensor:
+    t = x.teacher
+    return distill_loss(x.image, x.text, x.logit_scale, t.image, t.text, t.scale, obj.chunk_size, gathered=x.gathered)
+
+
+_TABLE: Tuple[Term, ...] = (
+    Term("clip", (), lambda o, x: clip_loss(x.image, x.text, x.logit_scale, o.chunk_size, gathered=x.gathered)),
+    Term("supcon", (), lambda o, x: supcon_loss(x.image, x.text, x.labels, x.logit_scale, o.chunk_size,
+                                                gathered=x.gathered)),
+    Term("siglip", ("logit_bias",), lambda o, x: siglip_loss(x.image, x.text, x.logit_scale, x.logit_bias,
+                                                             gathered=x.gathered, chunk_size=o.chunk_size)),
+    Term("align", (), lambda o, x: align_loss(x.image, x.text, o.align_alpha)),
+    Term("uniform", (), _uniform_term),
+    Term("debiased", (), lambda o, x: debiased_clip_loss(x.image, x.text, x.logit_scale, o.tau_plus, o.chunk_size,
+                                                         gathered=x.gathered)),
+    Term("hard_negative", (), lambda o, x: hard_negative_clip_loss(x.image, x.text, x.logit_scale, o.tau_plus,
+                                                                   o.hn_beta, o.chunk_size, gathered=x.gathered)),
+    Term("mochi", (), _mochi_term),
+    Term("distill", ("teacher",), _distill_term),
+    Term("global_contrastive", (), lambda o, x: o.global_estimates(  # sample ids: needed in training mode only
+        x.image, x.text, x.logit_scale, x.sample_ids, x.gathered, o.chunk_size)),
+)
+TERMS = tuple(term.name for term in _TABLE)
 
 
 class ContrastiveObjective(nn.Module):
@@ -38,6 +117,8 @@ class ContrastiveObjective(nn.Module):
         align_alpha, uniform_t: the align / uniform terms' (and metrics') exponent and temperature.
         n_hard, s, s_prime, mix_max: MoCHi's hardest negatives and synthetic negatives (see `mochi_loss`).
         queue_size: MoCHi's queue of past features (used only with a positive ``mochi`` weight).
+        gamma, gamma_schedule, gamma_decay_steps, eps, table_size: the global contrastive term's moving estimates
+            (`GlobalEstimates`; kept only with a positive ``global_contrastive`` weight).
 
     ``forward(image_features, text_features, logit_scale, logit_bias=None, labels=None, with_metrics=True,
     gathered=None, teacher=None)`` returns ``(total_loss, terms)``. With ``gathered`` (`gather_batch` of this rank's features
@@ -54,12 +135,16 @@ class ContrastiveObjective(nn.Module):
 
     ``labels`` (B,) integer, -1 for "no label", feed the supervised term; without labels every pair is its
     own class. In training mode, each call appends the global batch to the MoCHi queues after the loss.
-    ``state_dict`` holds the queues and the generator state.
+    ``sample_ids`` (n,) long, the stable ids of this rank's pairs, key the global contrastive term's estimates,
+    which each call in training mode updates. ``state_dict`` holds the queues, the estimates and the generator
+    state.
     """
 
     def __init__(self, weights: Mapping[str, float], *, chunk_size: Optional[int] = None, tau_plus: float = 0.1,
                  hn_beta: float = 1.0, align_alpha: float = 2.0, uniform_t: float = 2.0, n_hard: int = 64,
-                 s: int = 32, s_prime: int = 16, mix_max: float = 0.5, queue_size: int = 0):
+                 s: int = 32, s_prime: int = 16, mix_max: float = 0.5, queue_size: int = 0, gamma: float = 0.9,
+                 gamma_schedule: str = "constant", gamma_decay_steps: int = 0, eps: Optional[float] = None,
+                 table_size: int = 2 ** 20):
         super().__init__()
         unknown = sorted(set(weights) - set(TERMS))
         if unknown:
@@ -74,6 +159,9 @@ class ContrastiveObjective(nn.Module):
         self.text_queue = FeatureQueue(size)
         self.generator = torch.Generator()
         self.generator.manual_seed(0)
+        # The global contrastive term's per-sample estimates (buffers: saved with the objective's state)
+        self.global_estimates = (GlobalEstimates(table_size, gamma, gamma_schedule, gamma_decay_steps, eps)
+                                 if self.weights["global_contrastive"] > 0 else None)
 
     def reseed(self, seed: int) -> None:
         """Seed the generator that draws MoCHi's mixing indices and coefficients (same seed on every rank)."""
@@ -100,6 +188,7 @@ class ContrastiveObjective(nn.Module):
         with_metrics: bool = True,
         gathered: Optional[Gathered] = None,
         teacher: Optional[TeacherFeatures] = None,
+        sample_ids: Optional[Tensor] = None,
     ):
         """Weighted loss and the logged numbers. ``with_metrics`` adds the align/uniform metrics, which cost a
         pairwise pass over the batch; a trainer may leave them out on steps it does not log (pass the same value
@@ -110,67 +199,19 @@ class ContrastiveObjective(nn.Module):
         if labels is not None:
             labels = _check_labels(labels.to(image_features.device), image_features.shape[0], image_features.device)
         distributed = gathered is not None
-        if distributed:
-            all_img, all_txt, all_labels = gathered.all_image_features, gathered.all_text_features, gathered.all_labels
-            offset = gathered.offset
-            if all_img.shape[0] != image_features.shape[0] * gathered.world_size:
-                raise LossInputError(f"gathered features hold {all_img.shape[0]} rows, expected "
-                                     f"{gathered.world_size} ranks x {image_features.shape[0]}")
-            cols = dict(all_image_features=all_img, all_text_features=all_txt, offset=offset)
-        else:
-            all_img, all_txt, all_labels, offset = image_features, text_features, labels, 0
-            cols = {}
-        chunk = self.chunk_size
-
+        if distributed and gathered.all_image_features.shape[0] != image_features.shape[0] * gathered.world_size:
+            raise LossInputError(f"gathered features hold {gathered.all_image_features.shape[0]} rows, expected "
+                                 f"{gathered.world_size} ranks x {image_features.shape[0]}")
+        inputs = TermInputs(image_features, text_features, logit_scale, logit_bias, labels, gathered, teacher,
+                            sample_ids)
         values: Dict[str, Tensor] = {}
-        if w["clip"] > 0:
-            values["clip"] = clip_loss(image_features, text_features, logit_scale, chunk, **cols)
-        if w["supcon"] > 0:
-            values["supcon"] = supcon_loss(
-                image_features, text_features, labels, logit_scale, chunk, **cols,
-                **({"all_labels": all_labels} if distributed else {}),
-            )
-        if w["siglip"] > 0:
-            if logit_bias is None:
-                raise LossInputError("the siglip term needs a logit bias (got none)")
-            values["siglip"] = siglip_loss(
-                image_features, text_features, logit_scale, logit_bias,
-                **({"all_text_features": all_txt, "offset": offset} if distributed else {}),
-                chunk_size=chunk,
-            )
-        if w["debiased"] > 0:
-            values["debiased"] = debiased_clip_loss(
-                image_features, text_features, logit_scale, self.tau_plus, chunk, **cols
-            )
-        if w["hard_negative"] > 0:
-            values["hard_negative"] = hard_negative_clip_loss(
-                image_features, text_features, logit_scale, self.tau_plus, self.hn_beta, chunk, **cols
-            )
-        if w["mochi"] > 0:
-            values["mochi"] = mochi_loss(
-                image_features, text_features, logit_scale, self.n_hard, self.s, self.s_prime, self.mix_max,
-                self.generator,
-                self.image_queue.get(), self.text_queue.get(), **cols, chunk_size=chunk,
-            )
-        if w["distill"] > 0:
-            if teacher is None:
-                raise LossInputError("the distill term needs the teacher's features (got none)")
-            extra = {}
-            if distributed:
-                if gathered.all_teacher_image is None:
-                    raise LossInputError("the distill term needs the teacher's features gathered over ranks "
-                                         "(gather_batch(..., teacher=...))")
-                extra = dict(cols, all_teacher_image=gathered.all_teacher_image,
-                             all_teacher_text=gathered.all_teacher_text)
-            values["distill"] = distill_loss(image_features, text_features, logit_scale, teacher.image,
-                                             teacher.text, teacher.scale, chunk, **extra)
-        if w["align"] > 0:
-            values["align"] = align_loss(image_features, text_features, self.align_alpha)
-        if w["uniform"] > 0:
-            values["uniform"] = (
-                self._uniform(image_features, all_img, offset, gathered)
-                + self._uniform(text_features, all_txt, offset, gathered)
-            ) / 2
+        for term in _TABLE:
+            if w[term.name] <= 0:
+                continue
+            for need in term.needs:
+                if getattr(inputs, need) is None:
+                    raise LossInputError(f"the {term.name} term needs {_NEEDS[need]} (got none)")
+            values[term.name] = term.compute(self, inputs)
 
         total = sum(w[name] * value for name, value in values.items())
         with torch.no_grad():
@@ -190,6 +231,7 @@ class ContrastiveObjective(nn.Module):
                 terms = {k: v.reshape(()) for k, v in logged.items()}
         terms["loss"] = sum(w[name] * terms[f"loss/{name}"] for name in values)
         if self.training and w["mochi"] > 0:
+            all_img, all_txt, _ = inputs.columns()
             self.image_queue.enqueue(all_img)
             self.text_queue.enqueue(all_txt)
         return total, terms

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from ._precision import float32_math
+from ._inputs import Gathered, _check_chunk, _check_pair, _columns
 from .errors import LossInputError
-from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _upcast
-from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits, _positive_logits
+from .tiling import TiledLogSumExp, _as_scale, _upcast
+from .clip import DenseLogSumExp, _dense_logits, _positive_logits
 
 
 def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
@@ -78,9 +79,7 @@ def hard_negative_clip_loss(
     beta: float,
     chunk_size: Optional[int] = None,
     *,
-    all_image_features: Optional[Tensor] = None,
-    all_text_features: Optional[Tensor] = None,
-    offset: int = 0,
+    gathered: Optional[Gathered] = None,
 ) -> Tensor:
     """Hard-negative reweighted debiased InfoNCE (Robinson et al. 2021), symmetric over both directions.
 
@@ -99,7 +98,7 @@ def hard_negative_clip_loss(
     Args:
         image_features, text_features: (n, D) float, L2-normalised.  logit_scale: 0-dim tensor s.
         tau_plus: class prior in [0, 1).  beta: concentration >= 0.
-        chunk_size, all_image_features, all_text_features, offset: as in `clip_loss`.
+        chunk_size, gathered: as in `clip_loss`.
     Returns:
         0-dim tensor.
     """
@@ -107,12 +106,8 @@ def hard_negative_clip_loss(
     _check_chunk(chunk_size)
     _check_tau_beta(tau_plus, beta)
     logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features, all_image_features, all_text_features = _upcast(
-        image_features, text_features, all_image_features, all_text_features
-    )
-    all_img, all_txt, offset, single = _columns(
-        image_features, text_features, all_image_features, all_text_features, offset
-    )
+    image_features, text_features = _upcast(image_features, text_features)
+    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
     if all_img.shape[0] < 2:
         raise LossInputError(
             f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
@@ -136,15 +131,11 @@ def debiased_clip_loss(
     tau_plus: float,
     chunk_size: Optional[int] = None,
     *,
-    all_image_features: Optional[Tensor] = None,
-    all_text_features: Optional[Tensor] = None,
-    offset: int = 0,
+    gathered: Optional[Gathered] = None,
 ) -> Tensor:
     """Debiased contrastive loss (Chuang et al. 2020), symmetric; `hard_negative_clip_loss` with beta = 0."""
     return hard_negative_clip_loss(
-        image_features, text_features, logit_scale, tau_plus, 0.0, chunk_size,
-        all_image_features=all_image_features, all_text_features=all_text_features, offset=offset,
-    )
+        image_features, text_features, logit_scale, tau_plus, 0.0, chunk_size, gathered=gathered)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._precision import float32_math
+from ._inputs import Gathered, _check_chunk, _check_offset, _check_pair
 from .errors import LossInputError
-from .tiling import _acc_dtype, _as_scale, _check_chunk, _tile_positives, _tile_width, _upcast
-from .clip import _check_pair, _dense_logits
+from .tiling import _acc_dtype, _as_scale, _tile_positives, _tile_width, _upcast
+from .clip import _dense_logits
 
 
 @float32_math
@@ -22,17 +23,17 @@ def siglip_loss(
     logit_scale: Tensor,
     logit_bias: Tensor,
     *,
-    all_text_features: Optional[Tensor] = None,
-    offset: int = 0,
+    gathered: Optional[Gathered] = None,
     chunk_size: Optional[int] = None,
 ) -> Tensor:
     """Pairwise sigmoid loss ``-1/n sum_ij log sigmoid(z_ij (s x_i.y_j + b))``, z = +1 on the diagonal, else -1.
 
     Args:
         image_features, text_features: (n, D) float.  logit_scale, logit_bias: 0-dim tensors (s, b).
-        all_text_features: (M, D) gathered texts of the global batch; then the rows are this rank's images
-            against every text and the positive of row i is column ``offset + i``. The sum over all pairs
-            divided by the global batch size is the mean of the per-rank values.
+        gathered: the global batch (see `clip_loss`), of which only the texts (``all_text_features``, (M, D))
+            are read: the rows are this rank's images against every text and the positive of row i is column
+            ``offset + i``. The sum over all pairs divided by the global batch size is the mean of the per-rank
+            values.
         chunk_size: None computes the (n, M) logits at once; an int sums tiles of ``chunk_size`` rows (by up to
             `tile_elements` / chunk_size columns) with `TiledSigmoidPairs`, each recomputed in the backward pass
             instead of stored, so memory stays a few tiles whatever the batch. The sum is separable over pairs,
@@ -44,13 +45,16 @@ def siglip_loss(
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
     logit_bias = _as_scale(logit_bias, image_features)
-    image_features, text_features, all_text_features = _upcast(image_features, text_features, all_text_features)
-    keys = text_features if all_text_features is None else all_text_features
+    image_features, text_features = _upcast(image_features, text_features)
+    keys, offset = text_features, 0
+    if gathered is not None:
+        if gathered.all_text_features is None:
+            raise LossInputError("the siglip loss needs the gathered texts (got gathered.all_text_features=None)")
+        (keys,), offset = _upcast(gathered.all_text_features), gathered.offset
+        if keys.dim() != 2 or keys.shape[1] != image_features.shape[1]:
+            raise LossInputError(f"gathered texts must be (M, {image_features.shape[1]}) (got {tuple(keys.shape)})")
     n, m = image_features.shape[0], keys.shape[0]
-    if all_text_features is None and offset != 0:
-        raise LossInputError(f"offset needs gathered features (got offset={offset} without all_text_features)")
-    if not 0 <= offset <= m - n:
-        raise LossInputError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
+    _check_offset(offset, n, m)
     if chunk_size is None:
         return -_siglip_dense(image_features, keys, logit_scale, logit_bias, offset) / n
     return -TiledSigmoidPairs.apply(image_features, keys, logit_scale, logit_bias, chunk_size, offset) / n

@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from ._precision import float32_math
-from .errors import LossInputError
-from .tiling import TiledLogSumExp, _as_scale, _check_chunk, _check_on_device, _upcast
-from .clip import DenseLogSumExp, _check_pair, _columns, _dense_logits
+from ._inputs import Gathered, _check_chunk, _check_labels, _check_on_device, _check_pair, _columns
+from .tiling import TiledLogSumExp, _as_scale, _upcast
+from .clip import DenseLogSumExp, _dense_logits
 
 
 # Entries of a per-class table: its (M + 1) buckets (one per possible class) are built a block of feature columns
@@ -24,17 +24,6 @@ def _feature_blocks(buckets: int, width: int):
     `buckets`-row table."""
     step = max(1, min(width, max(_TABLE_ELEMENTS, buckets * width // 8) // max(buckets, 1)))
     return [slice(c0, min(width, c0 + step)) for c0 in range(0, width, step)]
-
-
-def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
-    if labels is None:
-        return torch.full((n,), -1, dtype=torch.long, device=device)
-    if labels.shape != (n,) or labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise LossInputError(
-            f"labels must be an integer tensor of shape ({n},) (got {labels.dtype} {tuple(labels.shape)}); "
-            "use -1 for pairs without a label"
-        )
-    return labels.long()
 
 
 def _supcon_rows_dense(queries, keys, logit_scale, q_labels, k_labels, offset):
@@ -130,10 +119,7 @@ def supcon_loss(
     logit_scale: Tensor,
     chunk_size: Optional[int] = None,
     *,
-    all_image_features: Optional[Tensor] = None,
-    all_text_features: Optional[Tensor] = None,
-    all_labels: Optional[Tensor] = None,
-    offset: int = 0,
+    gathered: Optional[Gathered] = None,
 ) -> Tensor:
     """Cross-modal supervised contrastive loss (Khosla et al. 2020, the L_out form).
 
@@ -151,25 +137,21 @@ def supcon_loss(
         image_features, text_features: (n, D) float, L2-normalised.  labels: (n,) integer or None (all -1).
         logit_scale: 0-dim tensor s.  chunk_size: None (dense) or block size of the tiled log-sum-exp; the
             positive term is linear in the keys, so the tiled path needs O((n + M + classes) * D) memory.
-        all_image_features, all_text_features, all_labels, offset: the gathered global batch (see `clip_loss`).
+        gathered: the global batch's columns and their labels (``all_labels``, None for all -1), see `clip_loss`.
     Returns:
         0-dim tensor.
     """
     _check_pair(image_features, text_features)
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features, all_image_features, all_text_features = _upcast(
-        image_features, text_features, all_image_features, all_text_features
-    )
+    image_features, text_features = _upcast(image_features, text_features)
     n = image_features.shape[0]
     labels = _check_labels(labels, n, image_features.device)
-    all_img, all_txt, offset, single = _columns(
-        image_features, text_features, all_image_features, all_text_features, offset
-    )
+    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
     if single:
         all_labels = labels
     else:
-        all_labels = _check_labels(all_labels, all_img.shape[0], image_features.device)
+        all_labels = _check_labels(gathered.all_labels, all_img.shape[0], image_features.device)
         _check_on_device((all_labels[offset:offset + n] == labels).all(),
                          f"all_labels[{offset}:{offset + n}] must equal this rank's labels")
     if chunk_size is None:

@@ -339,20 +339,6 @@ class TiledLogSumExp(torch.autograd.Function):
         )
 
 
-def _check_on_device(condition: Tensor, message: str) -> None:
-    """Require a 0-dim bool `condition` without reading it on the host: a device-side assertion on a GPU (no
-    wait; a failure stops the run there), `LossInputError` at once on the CPU."""
-    try:
-        torch._assert_async(condition, message)
-    except RuntimeError as e:
-        raise LossInputError(message) from e
-
-
-def _check_chunk(chunk_size: Optional[int]) -> None:
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
-        raise LossInputError(f"chunk_size must be a positive integer or None (got {chunk_size!r})")
-
-
 def _as_scale(logit_scale, like: Tensor) -> Tensor:
     # In float32 at least, like the features after `_upcast`.
     if not torch.is_tensor(logit_scale):

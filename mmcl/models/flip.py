@@ -13,8 +13,8 @@ open_clip draws its masks from the global RNG. mmcl derives them from ``(seed, s
 - accumulation's two passes over a micro-batch (features without autograd, then again with it) see the same masks:
   the k-th forward of a step is micro-batch ``k mod accum_steps``.
 
-The loop calls `begin_step(modules, step, masked)` before each optimiser step; ``train.unmasked_steps`` turns the
-masking off for the last steps (FLIP's unmasked tuning phase).
+The loop calls `begin_step(modules, step, masked, prob)` before each optimiser step; ``train.unmasked_steps`` turns
+the masking off for the last steps (FLIP's unmasked tuning phase) and ``train.phases`` sets each phase's rate.
 
 The noise is a counter-based hash of (seed, global row, patch) computed by tensor ops on the images' device
 (`patch_keys`), not a draw from a host generator: no generator is built per step, nothing is copied from the host
@@ -24,7 +24,7 @@ in the forward, the masks are the same on every device, and a compiled tower tra
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -83,7 +83,13 @@ class SeededPatchDropout(nn.Module):
         self.step, self.masked = 0, True
         self.begin_step(0)
 
-    def begin_step(self, step: int, masked: bool = True) -> None:
+    def begin_step(self, step: int, masked: bool = True, prob: Optional[float] = None) -> None:
+        """Masks for optimiser step `step`, none when not `masked`; `prob`, when given, is the rate from this step on
+        (a phase's, `mmcl.training.phases`)."""
+        if prob is not None:
+            if not 0.0 <= prob < 1.0:
+                raise ValueError(f"patch dropout must be in [0, 1), got {prob}")
+            self.prob = float(prob)
         self.step, self.masked = step, masked
         seeds = [mask_seed(self.seed, step, micro) for micro in range(self.accum_steps)]
         host = torch.tensor([[s & _M32, s >> 32] for s in seeds], dtype=torch.int64)
@@ -112,7 +118,8 @@ class SeededPatchDropout(nn.Module):
         return f"prob={self.prob}"
 
 
-def begin_step(modules: Iterable[SeededPatchDropout], step: int, masked: bool) -> None:
-    """Before optimiser step `step` (0-based): masks for this step, or none when not `masked`."""
+def begin_step(modules: Iterable[SeededPatchDropout], step: int, masked: bool, prob: Optional[float] = None) -> None:
+    """Before optimiser step `step` (0-based): masks for this step, or none when not `masked`; at rate `prob` when
+    given (the step's phase's), else at each module's own."""
     for m in modules:
-        m.begin_step(step, masked)
+        m.begin_step(step, masked, prob)

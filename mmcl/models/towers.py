@@ -34,6 +34,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # marks a saved Hugging Face tokenizer (model directories use it)
 
 
 def is_local_dir(name_or_path: str) -> bool:
@@ -54,10 +55,48 @@ def available_models() -> List[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json")) + list(open_clip.list_models())
 
 
+def is_arch_file(name: str) -> bool:
+    """Whether `model.name` names a model-config file (``/path/arch.json``) rather than a config by name."""
+    return name.endswith(".json")
+
+
+_ARCH_KEYS = ("embed_dim", "vision_cfg", "text_cfg")
+
+
+def arch_file_config(name: str) -> Dict[str, Any]:
+    """The model config in a JSON file, in open_clip's model-config format (``model_configs/*.json``: embed_dim,
+    vision_cfg, text_cfg, ...), or an ``open_clip_config.json`` (``model_cfg`` + ``preprocess_cfg``). Its
+    ``preprocess_cfg``, if any, is kept under that key (`preprocess_config` reads it; `build` takes it out).
+    Anything unreadable is one `ConfigError` line naming the file."""
+    path = Path(os.path.expanduser(name))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"model.name: cannot read the model-config file {name} "
+                          f"({err.strerror or type(err).__name__})") from None
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"model.name: {name} is not valid JSON ({err})") from None
+    if isinstance(data, dict) and isinstance(data.get("model_cfg"), dict):  # an open_clip_config.json
+        data = {**data["model_cfg"], **({"preprocess_cfg": data["preprocess_cfg"]}
+                                        if isinstance(data.get("preprocess_cfg"), dict) else {})}
+    missing = [k for k in _ARCH_KEYS if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise ConfigError(f"model.name: {name} is not an open_clip model config (no {', '.join(missing)}; expected "
+                          f"a JSON object like open_clip's model_configs/ViT-B-32.json)")
+    if not isinstance(data["vision_cfg"], dict) or not isinstance(data["text_cfg"], dict):
+        raise ConfigError(f"model.name: {name}: vision_cfg and text_cfg must be JSON objects")
+    return data
+
+
 def named_config(name: str) -> Dict[str, Any]:
-    """The model-config dict for a name; `ConfigError` naming close matches when unknown."""
+    """The model-config dict for a name or a model-config file (`arch_file_config`); `ConfigError` naming close
+    matches when unknown."""
     import open_clip
 
+    if is_arch_file(name):
+        return arch_file_config(name)
     path = CONFIG_DIR / f"{name}.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -129,7 +168,8 @@ def _clip_class():
     With a causal attention mask and pooling at the end-of-text token (the highest token id, open_clip's
     ``argmax`` pooling), no position sees the positions after it, so the tokens after the last end-of-text token
     of a batch cannot change any output: running the text transformer on the batch cut there is exact, and
-    captions are usually far shorter than the context length. Anything else runs open_clip's code unchanged.
+    captions are usually far shorter than the context length. Either way the text path is open_clip's own
+    ``CLIP.encode_text``, on the cut batch through `_CutText`.
     """
     from open_clip.model import CLIP
 
@@ -160,22 +200,29 @@ def _clip_class():
                 # A caption fills the context, or the tokens were not cut: the full context, with no read of the
                 # longest caption from the device (it would stall the host on every such batch).
                 return super().encode_text(text, normalize=normalize)
-            eot = text.argmax(dim=-1)  # (B,)
             # The width rounded up to a multiple of 8 (`TEXT_WIDTH_STEP`): a compiled tower then meets a few widths,
             # not one per batch, and matmuls keep an aligned shape; the added padding columns come after every
             # end-of-text token, where the causal mask keeps them from changing any output.
             n = min(full, -(-n // TEXT_WIDTH_STEP) * TEXT_WIDTH_STEP)
             if n > text.shape[1]:
                 text = F.pad(text, (0, n - text.shape[1]))
-            cast_dtype = self.transformer.get_cast_dtype()
-            x = self.token_embedding(text[:, :n]).to(cast_dtype) + self.positional_embedding[:n].to(cast_dtype)
-            x = self.ln_final(self.transformer(x, attn_mask=self.attn_mask[:n, :n]))
-            x = x[torch.arange(x.shape[0], device=x.device), eot]  # (B, width)
-            if self.text_projection is not None:
-                x = self.text_projection(x) if isinstance(self.text_projection, nn.Linear) else x @ self.text_projection
-            return F.normalize(x, dim=-1) if normalize else x
+            return CLIP.encode_text(_CutText(self, n), text, normalize=normalize)
 
     return ShortTextCLIP
+
+
+class _CutText:
+    """A CLIP model as open_clip's ``CLIP.encode_text`` reads it, with the position table and the causal mask cut to
+    their first `n` positions (views: the gradient reaches the model's table); every other attribute is the model's.
+    `_clip_class` runs open_clip's own text path on a cut batch through it, instead of a copy of that path."""
+
+    def __init__(self, model: nn.Module, n: int):
+        self._model = model
+        self.positional_embedding = model.positional_embedding[:n]
+        self.attn_mask = model.attn_mask[:n, :n]
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
 
 
 def create(model_cfg: Dict[str, Any]) -> nn.Module:
@@ -187,6 +234,7 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     from open_clip.model import CustomTextCLIP
 
     model_cfg = copy.deepcopy(model_cfg)
+    model_cfg.pop("preprocess_cfg", None)  # an architecture file's preprocessing (`arch_file_config`)
     text_cfg = model_cfg.get("text_cfg", {})
     hf_name = text_cfg.get("hf_model_name")
     custom_text = model_cfg.pop("custom_text", False) or bool(hf_name)
@@ -210,12 +258,10 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
 
 
 def _hf_width(config) -> int:
-    """The hidden width of a Hugging Face model config: open_clip's attribute name for the model types it knows
-    (read from its table), else the first of the usual attribute names."""
-    from open_clip.hf_configs import arch_dict
-
-    known = arch_dict.get(config.model_type, {}).get("config_names", {}).get("width")
-    names = ([known] if known else []) + ["hidden_size", "d_model", "dim", "n_embd"]
+    """The hidden width of a Hugging Face model config: ``hidden_size``, which transformers' ``attribute_map`` maps to
+    a model type's own name (``d_model`` for MT5 and M2M-100: the attribute open_clip reads for the types it knows),
+    else the first of the other usual attribute names."""
+    names = ["hidden_size", "d_model", "dim", "n_embd"]
     attr = next((a for a in names if hasattr(config, a)), None)
     if attr is None:
         raise ConfigError(f"cannot find the width of Hugging Face model type '{config.model_type}' "
@@ -228,7 +274,7 @@ def _hf_pooler(pooler_type: Optional[str], model_type: str) -> nn.Module:
     from open_clip import hf_model
     from open_clip.hf_configs import arch_dict
 
-    if pooler_type is None:  # open_clip's default for the model type
+    if pooler_type is None:  # open_clip's default for the model type (its table; tests/test_dependency_names.py)
         pooler_type = arch_dict.get(model_type, {}).get("pooler", "mean_pooler")
     poolers = {"mean_pooler": hf_model.MeanPooler, "max_pooler": MaskedMaxPooler, "cls_pooler": hf_model.ClsPooler,
                "cls_last_hidden_state_pooler": hf_model.ClsLastHiddenStatePooler}
@@ -370,7 +416,7 @@ def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None)
     try:
         if not hf_name:
             return SimpleTokenizer(context_length=context_length, **kwargs)
-        if source_dir and (Path(source_dir) / "tokenizer_config.json").is_file():
+        if source_dir and (Path(source_dir) / TOKENIZER_CONFIG_FILE).is_file():
             hf_name = source_dir
         # Remote code is never run, whatever the kwargs say.
         kwargs["trust_remote_code"] = False
@@ -429,6 +475,7 @@ def build(cfg: ModelConfig):
     model_cfg = resolve_model_config(cfg)
     model = create(model_cfg)
     pp = preprocess_config(model_cfg)
+    model_cfg.pop("preprocess_cfg", None)  # recorded beside the model config, as open_clip_config.json has it
     train_tf, eval_tf = build_transforms(pp)
     tokenizer = build_tokenizer(model_cfg)
     if cfg.grad_checkpointing:

@@ -40,8 +40,9 @@ DAMAGED_PREFIX = "damaged-"
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-# What accelerate names the state of objects given to `register_for_checkpointing`: mmcl registers none now;
-# checkpoints written before held the progress (index 0) and, with train.ema_decay, the weight average (1).
+# What accelerate names the state of objects given to `register_for_checkpointing`. mmcl registers none; a
+# checkpoint holding such files (an earlier layout) has the progress at index 0 and, with train.ema_decay, the
+# weight average at 1, which resuming reads (`legacy_custom_states`).
 _CUSTOM_STATE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 LEGACY_PROGRESS, LEGACY_EMA = 0, 1
 

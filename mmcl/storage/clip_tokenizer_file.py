@@ -29,7 +29,7 @@ this file always does, so in text that holds a ``<``, a reference to a character
 here, ``’`` in open_clip) and text HTML-escaped three times decode differently.
 
 Cost: about 1,400 normalizer passes, each about a microsecond on a caption: 1.8 ms per caption on one thread of
-this 2-core machine under load, against open_clip's 0.44 ms (BENCHMARKS.md).
+a loaded 2-core CPU host, against open_clip's 0.44 ms on the same host (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ import html
 import html.entities
 import json
 import re
+import string
 import unicodedata
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 SOT_TOKEN, EOT_TOKEN = "<start_of_text>", "<end_of_text>"
 SOT_ID, EOT_ID, PAD_ID = 49406, 49407, 0
@@ -106,6 +107,67 @@ def _entity_replacements() -> List[Tuple[str, str]]:
     return [(pattern, value) for _, value, pattern in sorted(groups, key=lambda g: (g[0], g[1]))]
 
 
+def _clean_normalizers(clean: str) -> list:
+    """open_clip's text cleaning `clean` (``get_clean_fn``: ``whitespace``, ``lower`` or ``canonicalize``, each
+    after ``basic_clean``) as ``tokenizers`` normalizers."""
+    from tokenizers import Regex, normalizers
+
+    if clean not in ("whitespace", "lower", "canonicalize"):
+        raise ValueError(f"unknown open_clip clean function {clean!r}")
+    entities = [normalizers.Replace(Regex(p), v) for p, v in _entity_replacements()]
+    spaces = [chr(cp) for cp in range(0x110000) if chr(cp).isspace()]  # Python's str.split() whitespace
+    collapse = [normalizers.Replace(Regex(_char_class(spaces) + "+"), " "), normalizers.Strip()]
+    # Python's str.lower() writes a word-final capital sigma as final sigma; Lowercase maps each character
+    lower = [normalizers.Replace(Regex(r"(?<=\p{L})\x{3A3}(?!\p{L})"), "\u03c2"), normalizers.Lowercase()]
+    # ftfy unescapes HTML before its character repairs (when the text holds no "<"), open_clip twice after.
+    steps = (entities + [normalizers.Replace(c, v) for c, v in ftfy_char_map()] + [normalizers.NFC()]
+             + entities + entities)
+    if clean == "canonicalize":  # big_vision's: "_" as a space, ASCII punctuation removed, lower-cased, collapsed
+        punctuation = _char_class(set(string.punctuation))
+        return steps + [normalizers.Replace("_", " "), normalizers.Replace(Regex(punctuation), "")] + lower + collapse
+    return steps + collapse + (lower if clean == "lower" else [])
+
+
+def open_clip_hf_tokenizer_json(text: str, context_length: int, clean: str = "whitespace",
+                                strip_sep_token: bool = False, sep_token: Optional[str] = None,
+                                pad_id: int = 0) -> Tuple[str, List[str]]:
+    """A Hugging Face tokenizer's ``tokenizer.json`` (`text`) made to give the ids of open_clip's ``HFTokenizer``
+    with ``tokenizer_kwargs`` `clean` and `strip_sep_token` at `context_length`: open_clip's cleaning before the
+    tokenizer's own normalizer, truncation and padding to the context length, and with `strip_sep_token` the
+    separator token (`sep_token`) left out of the template (open_clip writes id 0 in its place, which equals
+    padding with `pad_id` 0 after one fewer token). Returns (the new file's text, what it could not express)."""
+    from tokenizers import Tokenizer, normalizers
+
+    tok = Tokenizer.from_str(text)
+    own = tok.normalizer
+    tok.normalizer = normalizers.Sequence(_clean_normalizers(clean) + ([own] if own is not None else []))
+    not_expressed: List[str] = []
+    length = context_length
+    if strip_sep_token:
+        meta = json.loads(tok.to_str())
+        post = meta.get("post_processor") or {}
+        if post.get("type") == "BertProcessing" and post.get("cls"):
+            post = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": post["cls"][0], "type_id": 0}},
+                                                              {"Sequence": {"id": "A", "type_id": 0}}],
+                    "pair": [{"SpecialToken": {"id": post["cls"][0], "type_id": 0}},
+                             {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": {post["cls"][0]: {"id": post["cls"][0], "ids": [post["cls"][1]],
+                                                        "tokens": [post["cls"][0]]}}}
+        elif post.get("type") == "TemplateProcessing":
+            for key in ("single", "pair"):
+                post[key] = [p for p in post.get(key, []) if p.get("SpecialToken", {}).get("id") != sep_token]
+        if pad_id != 0 or not sep_token or post.get("type") != "TemplateProcessing":
+            not_expressed.append("strip_sep_token (needs a template post-processor, a separator token and padding "
+                                 "id 0)")
+        else:
+            meta["post_processor"] = post
+            tok = Tokenizer.from_str(json.dumps(meta))
+            length = context_length - 1  # the separator's place, padded with id 0 below
+    tok.enable_truncation(max_length=length)
+    tok.enable_padding(length=context_length, pad_id=pad_id, pad_token=tok.id_to_token(pad_id) or "[PAD]")
+    return tok.to_str(), not_expressed
+
+
 @functools.lru_cache(maxsize=4)
 def tokenizer_json(context_length: int = 77) -> str:
     """The ``tokenizer.json`` text of open_clip's ``SimpleTokenizer(context_length)`` (see the module doc).
@@ -121,15 +183,7 @@ def tokenizer_json(context_length: int = 77) -> str:
     bpe = models.BPE(vocab=dict(oc.encoder), merges=merges, end_of_word_suffix="</w>", continuing_subword_prefix="",
                      fuse_unk=False)
     tok = Tokenizer(bpe)
-    entities = [normalizers.Replace(Regex(p), v) for p, v in _entity_replacements()]
-    spaces = [chr(cp) for cp in range(0x110000) if chr(cp).isspace()]  # Python's str.split() whitespace
-    tok.normalizer = normalizers.Sequence(
-        # ftfy unescapes HTML before its character repairs (when the text holds no "<"), open_clip twice after.
-        entities + [normalizers.Replace(c, v) for c, v in ftfy_char_map()] + [normalizers.NFC()]
-        + entities + entities
-        + [normalizers.Replace(Regex(_char_class(spaces) + "+"), " "), normalizers.Strip(),
-           # Python's str.lower() writes a word-final capital sigma as final sigma; Lowercase maps each character
-           normalizers.Replace(Regex(r"(?<=\p{L})\x{3A3}(?!\p{L})"), "\u03c2"), normalizers.Lowercase()])
+    tok.normalizer = normalizers.Sequence(_clean_normalizers("lower"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="removed", invert=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

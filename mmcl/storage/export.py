@@ -312,7 +312,7 @@ def write_hf_tokenizer(context_length: int, out: Path) -> None:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "processor_class": "CLIPProcessor",
               "model_max_length": context_length, "clean_up_tokenization_spaces": False,
               "model_input_names": ["input_ids", "attention_mask"], **special}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / weights.TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     oc = SimpleTokenizer(context_length=context_length)
     merges = [" ".join(pair) for pair, _ in sorted(oc.bpe_ranks.items(), key=lambda item: item[1])]
@@ -417,10 +417,7 @@ def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path)
     text_cfg = model_cfg.get("text_cfg", {})
     context_length = text_cfg.get("context_length", 77)
     if text_cfg.get("hf_tokenizer_name"):
-        _write_text_tower_files(model, model_cfg, src_dir, out, config=False)
-        tokenizer = {"file": ONNX_TOKENIZER_FILE if (out / ONNX_TOKENIZER_FILE).is_file() else None,
-                     "kind": "the Hugging Face text tower's own tokenizer", "name": text_cfg["hf_tokenizer_name"],
-                     "truncation": context_length, "padding": context_length}
+        tokenizer = _write_onnx_hf_tokenizer(model, text_cfg, src_dir, out, context_length)
     else:
         from .clip_tokenizer_file import write_tokenizer_json
 
@@ -433,6 +430,39 @@ def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path)
             "preprocess_cfg": pp_cfg, "model_cfg": _portable_model_cfg(model_cfg, final),
             "outputs": "L2-normalised"}
     (out / ONNX_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _write_onnx_hf_tokenizer(model, text_cfg: Dict[str, Any], src_dir: Path, out: Path, context_length: int
+                             ) -> Dict[str, Any]:
+    """The Hugging Face tokenizer of a model (a Hugging Face text tower's, or one named by ``hf_tokenizer_name``
+    beside open_clip's text tower, as SigLIP's), its files written to `out` and its ``tokenizer.json`` made to give
+    open_clip's ``HFTokenizer`` ids: the model's ``tokenizer_kwargs`` (``clean``, ``strip_sep_token``), truncation and
+    padding are in the file (`clip_tokenizer_file.open_clip_hf_tokenizer_json`). Returns onnx_config's entry."""
+    from .clip_tokenizer_file import open_clip_hf_tokenizer_json
+
+    hf_name = text_cfg["hf_tokenizer_name"]
+    folders = [src_dir] + ([Path(hf_name)] if os.path.isdir(hf_name) else [])
+    weights.write_text_tower_files(model, text_cfg, out, copy_from=folders, config=False)
+    kwargs = dict(text_cfg.get("tokenizer_kwargs") or {})
+    entry: Dict[str, Any] = {"file": None, "kind": "the Hugging Face tokenizer, with open_clip's cleaning",
+                             "name": hf_name, "tokenizer_kwargs": kwargs,
+                             "tokenizer_mode": text_cfg.get("tokenizer_mode"), "truncation": context_length,
+                             "padding": context_length}
+    path = out / ONNX_TOKENIZER_FILE
+    if not path.is_file():  # a slow-only tokenizer: its files are there, tokenizer.json is not
+        return entry
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
+    text, not_expressed = open_clip_hf_tokenizer_json(
+        path.read_text(encoding="utf-8"), context_length, clean=kwargs.get("clean", "whitespace"),
+        strip_sep_token=bool(kwargs.get("strip_sep_token")), sep_token=hf.sep_token,
+        pad_id=hf.pad_token_id if hf.pad_token_id is not None else 0)
+    if text_cfg.get("tokenizer_mode"):  # open_clip's 'clips' mode frames the ids itself
+        not_expressed.append(f"tokenizer_mode={text_cfg['tokenizer_mode']}")
+    path.write_text(text, encoding="utf-8")
+    entry.update(file=ONNX_TOKENIZER_FILE, not_expressed=not_expressed)
+    return entry
 
 
 def preprocess_spec(pp_cfg: Dict[str, Any]) -> Dict[str, Any]:

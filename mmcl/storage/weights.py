@@ -28,6 +28,7 @@ from . import checkpoints, hf_clip
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .fsutil import atomic_dir, file_sha256, files_under, os_error_text, output_dir
+from ..models import towers
 from ..models.towers import (build_tokenizer, build_transforms, create, hf_custom_code_error, is_local_dir,
                              preprocess_config)
 
@@ -35,6 +36,8 @@ from ..models.towers import (build_tokenizer, build_transforms, create, hf_custo
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
 HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside the weights
+# A Hugging Face tokenizer saved beside the weights (named where the towers read it).
+TOKENIZER_CONFIG_FILE = towers.TOKENIZER_CONFIG_FILE
 
 # Weight files of a local directory, most preferred first (open_clip's names, then transformers').
 DIR_WEIGHT_FILES = (WEIGHTS_FILE, "open_clip_pytorch_model.safetensors",
@@ -278,7 +281,7 @@ def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     if text_cfg.get("hf_model_name"):
         if (model_dir / HF_CONFIG_FILE).is_file():
             text_cfg["hf_model_name"] = str(model_dir.resolve())
-            if (model_dir / "tokenizer_config.json").is_file():
+            if (model_dir / TOKENIZER_CONFIG_FILE).is_file():
                 text_cfg["hf_tokenizer_name"] = str(model_dir.resolve())
         text_cfg.pop("hf_model_pretrained", None)
     weights = model_dir / WEIGHTS_FILE

@@ -15,6 +15,7 @@ processes, with the same global batch and every sample of the epoch once (`mmcl.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -26,13 +27,15 @@ import torch
 from .. import data as data_mod
 from .. import models
 from ..config import PRECISIONS, TrainConfig, to_dict
-from ..data.sources import redact_values
+from ..data.sources import describe_sources, redact_values
 from ..errors import ConfigError, MmclError, RunStopped, TrainingError
+from ..evaluation import sets as eval_sets
 from ..models import flip
 from ..storage import checkpoints, weights
 from ..storage.checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from ..storage.fsutil import atomic_write_text
-from . import fsdp, optim, resume, runfolder, tracking
+from ..models import phases as model_phases
+from . import fsdp, optim, phases, resume, runfolder, tracking
 from .agree import agreed, any_process, lost_peer, others_wait, timed_out
 from .ema import WeightEMA, swapped_in
 from .optim import build_optimizer, lr_at
@@ -105,7 +108,11 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     after saving a checkpoint on SIGTERM, SIGUSR1 or SIGINT.
     """
     refuse_deepspeed()
+    made = _first_missing(Path(cfg.train.output_dir))
     with contextlib.ExitStack() as held:  # the output directory's lock and the signal handlers, for the whole run
+        # Unwound last, after the lock is released: a run that fails before it writes anything (a wrong
+        # model.name, a model that cannot be built) leaves no folder behind.
+        held.push(lambda *exc: _remove_unused(Path(cfg.train.output_dir), made) if exc[0] is not None else None)
         try:
             return _train(cfg, held)
         except RuntimeError as err:  # torch.distributed's DistError (NCCL's DistBackendError) included
@@ -119,6 +126,36 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                     f"resume from the newest checkpoint") from None
             raise TrainingError(f"another process of this run ended ({gone}); its own output says why; re-run "
                                 f"the same command to resume from the newest checkpoint") from None
+
+
+def _first_missing(out_dir: Path) -> Optional[Path]:
+    """The topmost folder of `out_dir` (itself or a parent) that does not exist yet, which the run will create;
+    None when `out_dir` exists or on a process other than the main one (which creates nothing)."""
+    if int(os.environ.get("RANK", "0") or 0) != 0 or out_dir.exists():
+        return None
+    top = out_dir.absolute()
+    while not top.parent.exists():
+        top = top.parent
+    return top
+
+
+def _remove_unused(out_dir: Path, made: Optional[Path]) -> None:
+    """After a run that failed: remove the folders it created (`made` and below, down to `out_dir`) when they hold
+    nothing but its lock file."""
+    if made is None or not out_dir.is_dir():
+        return
+    from .runlock import LOCK_NAME
+
+    if any(entry.name != LOCK_NAME for entry in out_dir.iterdir()):
+        return
+    with contextlib.suppress(OSError):
+        (out_dir / LOCK_NAME).unlink(missing_ok=True)
+        folder = out_dir.absolute()
+        while True:
+            folder.rmdir()  # only an empty folder; stops at the first that is not
+            if folder == made:
+                break
+            folder = folder.parent
 
 
 def refuse_deepspeed() -> None:
@@ -167,6 +204,8 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     if main:
         console.attach(run.out_dir / runfolder.OUT_LOG)
     resume_or_start(run, folder)
+    if run.phases:  # each batch's phase follows from its place in the run, whatever the saved stream counted
+        run.stream.batches = run.progress.step * cfg.train.accum_steps
     describe_setup(run)
     data_iter = iter(run.stream)
     # Closed when the run ends by any path, so the data workers are shut down before the interpreter exits
@@ -177,9 +216,10 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     run.model.train()
     while run.progress.step < run.total:
         lr = set_learning_rate(run)
-        if run.patch_dropout:  # FLIP masks for this step; none in the last train.unmasked_steps
+        if run.patch_dropout:  # FLIP masks for this step at its phase's rate; none in the last train.unmasked_steps
             flip.begin_step(run.patch_dropout, run.progress.step,
-                            run.progress.step < run.total - cfg.train.unmasked_steps)
+                            run.progress.step < run.total - cfg.train.unmasked_steps,
+                            phases.patch_dropout_at(run.phases, run.progress.step, cfg.model.patch_dropout))
         batches = next_batches(run, data_iter)
         with_metrics = run.logged_at(run.progress.step + 1)  # the objective's metrics, on logged steps only
         loss, terms, backward = train_step(run.step_model, run.loss_fn, batches, run.accelerator,
@@ -208,13 +248,16 @@ class Run:
         self.progress = TrainProgress()
         self.saved_at = -1  # the step of the last checkpoint this run saved
         self.bar = None  # the progress bar, from the first step on (main process, train.progress)
+        self.held: Optional[contextlib.ExitStack] = None  # what the run holds until it ends (`train`)
         self.metrics: Optional[MetricsLog] = None
         self.ema: Optional[WeightEMA] = None  # train.ema_decay
         self.teacher = None  # distill.teacher: a frozen `mmcl.training.teacher.Teacher`, never saved
+        self.wise_init: Optional[Dict[str, torch.Tensor]] = None  # train.wise_ft: the initial weights (main process)
         # What a step calls: the prepared model and the objective, or their compiled forms (train.compile)
         self.step_model: Optional[torch.nn.Module] = None
         self.loss_fn = None
         self.patch_dropout: List[torch.nn.Module] = []  # model.patch_dropout's masking modules
+        self.phases: List[phases.Phase] = []  # train.phases, resolved against the model
         self.param_groups: List[Dict[str, Any]] = []  # the optimiser's groups as param_groups.json describes them
         self.ckpt_bytes = 0
         self.started = (time.perf_counter(), 0)  # when this invocation's training began, and the samples then
@@ -226,14 +269,14 @@ class Run:
 
     def logged_at(self, step: int) -> bool:
         """Whether the metrics of optimiser step `step` (1-based) are written: every ``train.log_every`` steps, the
-        last step, and every evaluation step (``eval.every`` counts on its own, its results go in that record)."""
+        last step, and every evaluation step (each set's ``every`` counts on its own, its results go in that
+        record)."""
         return step % self.cfg.train.log_every == 0 or step == self.total or self.evaluated_at(step)
 
     def evaluated_at(self, step: int) -> bool:
-        """Whether the periodic evaluation (``eval.every``) runs after optimiser step `step`; the last step has the
-        final evaluation instead."""
-        every = self.cfg.eval.every
-        return bool(every) and step % every == 0 and step < self.total and _has_eval(self.cfg)
+        """Whether a periodic evaluation (a set's or ``eval.val_loss``'s ``every``) runs after optimiser step `step`;
+        the last step has the final evaluation instead."""
+        return eval_sets.any_due(self.cfg.eval, step, self.total)  # each set (and eval.val_loss) on its own every
 
     def start_window(self) -> None:
         self.window_start, self.window_samples, self.data_time = time.perf_counter(), 0, 0.0
@@ -341,6 +384,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
                                    kwargs_handlers=dist_timeout(cfg.train.dist_timeout_s))
     set_tf32(cfg.train.tf32, accelerator.device)
     run = Run(cfg, accelerator, held.enter_context(StopSignals()))
+    run.held = held
 
     def take_directory():
         if run.main:
@@ -370,16 +414,22 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
         run.log(init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
+    if cfg.train.wise_ft and accelerator.is_main_process:  # WiSE-FT's start point, on the CPU until the end
+        run.wise_init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     if fsdp.in_effect(accelerator):  # fully_shard takes no 0-dim parameter: before the optimiser sees them
         if cfg.train.ema_decay is not None:
             raise ConfigError("train.ema_decay is not supported with FSDP (the average would need the full "
                               "weights on every step); unset it or launch without FSDP")
         fsdp.vector_scalars(model)
         fsdp.shard_with_precision(accelerator, model)  # bf16/fp16: float32 reduction, temperature and bias
-    if cfg.model.patch_dropout:
+    if cfg.model.patch_dropout or phases.uses_patch_dropout(cfg):
         run.patch_dropout = models.set_patch_dropout(model, cfg.model.patch_dropout, cfg.train.seed,
                                                      accelerator.process_index, accelerator.num_processes,
                                                      cfg.train.accum_steps)
+    run.phases = agreed(accelerator, lambda: phases.plan(cfg, model, run.model_cfg))
+    model_size, _, model_length = model_phases.full_sizes(run.model_cfg)
+    for p in run.phases:
+        run.log(f"phase {p.describe(model_size, model_length)}")
     run.objective = objective_from_config(cfg.loss)
     run.objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     groups = optim.param_groups(model, cfg.optim)
@@ -392,12 +442,14 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
         run.teacher = agreed(accelerator, lambda: Teacher.load(cfg.distill.teacher, accelerator.device))
         run.log(f"distilling from {cfg.distill.teacher} (logit scale {float(run.teacher.scale):.2f})")
-    image_spec = data_mod.ImageSpec.from_config(run.pp_cfg)  # data builds the training transform from these
+    # data builds the training transform from the model's preprocessing and data.aug (open_clip's aug_cfg)
+    image_spec = data_mod.train_image_input(run.pp_cfg, cfg.data.aug)
     run.stream = agreed(accelerator, lambda: data_mod.build_train_stream(
         cfg.data, image_spec, models.training_tokenizer(model, run.tokenizer), seed=cfg.train.seed,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         pin_memory=accelerator.device.type == "cuda",
-        teacher_view=None if run.teacher is None else run.teacher.view, stored_teacher=cfg.distill.from_shards))
+        teacher_view=None if run.teacher is None else run.teacher.view, stored_teacher=cfg.distill.from_shards,
+        phases=phases.stream_phases(run.phases, model_size, cfg.train.accum_steps)))
     run.model, run.optimizer = accelerator.prepare(model, optimizer)
     run.raw_model = accelerator.unwrap_model(run.model)
     run.step_model, run.loss_fn = run.model, run.objective
@@ -484,6 +536,10 @@ def describe_setup(run: Run) -> None:
             run.log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
                     f"the model is replicated on every process")
     run.log(run.length_line)
+    if run.main:  # what each source of data.train resolved to: its shards and, where known, their samples
+        for line in describe_sources(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards,
+                                     cfg.data.train_num_samples):
+            run.log(line)
 
 
 def set_learning_rate(run: Run) -> float:
@@ -564,7 +620,7 @@ def finish_step(run: Run, loss: torch.Tensor, terms, lr: float, backward, last: 
     if applied:
         backward()
         grad_norm = apply_update(run.accelerator, run.model, run.raw_model, run.optimizer, run.cfg.optim.grad_clip,
-                                 run.cfg.loss.max_logit_scale)
+                                 run.cfg.model.max_logit_scale)
         count_step(run)
         if run.ema is not None:  # not moved on a step the optimiser skipped (the device's flag is not read)
             run.ema.update(run.raw_model, skipped=run.checks.pending[-1][1] if on_device else None)
@@ -597,11 +653,12 @@ def count_step(run: Run) -> None:
     run.progress.samples += run.global_batch
     run.window_samples += run.global_batch
     if run.main and run.cfg.train.progress and run.bar is None:
-        # Created after the first step, so a data or config error is not preceded by an empty bar.
-        from tqdm import tqdm
+        # Created after the first step, so a data or config error is not preceded by an empty bar. Lines printed
+        # while it is shown (warnings, log lines) are written through it, each on its own line.
+        from .console import progress_bar
 
-        run.bar = tqdm(total=run.total, initial=run.progress.step - 1, desc="train", unit="step",
-                       dynamic_ncols=True)
+        run.bar = progress_bar(run.total, run.progress.step - 1, run.held, desc="train", unit="step",
+                               dynamic_ncols=True)
     if run.bar is not None:
         run.bar.update(1)
 
@@ -611,17 +668,17 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
     last step, whose record waits for the final evaluation. Starts the next timing window."""
     cfg, accelerator, progress, raw_model = run.cfg, run.accelerator, run.progress, run.raw_model
     elapsed = time.perf_counter() - run.window_start
-    skipped = run.stream.skipped
+    units = run.stream.skipped_units  # samples and shards, counted apart
+    skipped = [units["samples"], units["shards"]]
     if accelerator.num_processes > 1:
-        vec = torch.tensor([float(skipped.get("total", 0))], device=accelerator.device)
-        skipped_total = int(accelerator.reduce(vec, reduction="sum").item())
-    else:
-        skipped_total = int(skipped.get("total", 0))
+        vec = torch.tensor([float(n) for n in skipped], device=accelerator.device)
+        skipped = [int(n) for n in accelerator.reduce(vec, reduction="sum").tolist()]
     record = {"step": progress.step, "samples": progress.samples, "loss": float(loss.detach()),
               **{k: float(v) for k, v in terms.items()}, "lr": lr,
               "logit_scale": float(fsdp.full(raw_model.logit_scale.detach()).exp()),
               "samples_per_s": run.window_samples / max(elapsed, 1e-9),
-              "data_time_frac": run.data_time / max(elapsed, 1e-9), "data/skipped": skipped_total}
+              "data_time_frac": run.data_time / max(elapsed, 1e-9),
+              "data/skipped_samples": skipped[0], "data/skipped_shards": skipped[1]}
     if getattr(raw_model, "logit_bias", None) is not None:
         record["logit_bias"] = float(fsdp.full(raw_model.logit_bias.detach()))
     if grad_norm is not None:
@@ -637,7 +694,8 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
             if run.main:
                 try:
                     with swapped_in(run.ema, eval_model):
-                        record.update(run_eval(cfg, eval_model, run.tokenizer, run.pp_cfg, accelerator))
+                        record.update(run_eval(cfg, eval_model, run.tokenizer, run.pp_cfg, accelerator,
+                                               progress.step, run.global_batch))
                 except MmclError as err:
                     # Training goes on, with nothing lost. The final evaluation's failure still ends the run
                     # (after model/ is saved).
@@ -708,6 +766,9 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
     with others_wait(accelerator, cfg.eval.timeout_s):
         if run.main:
             averaged.enter_context(swapped_in(run.ema, final_model))
+            # At the last phase's size (a copy at that size when it is not the model's own): saved and evaluated.
+            final_model, run.model_cfg, run.pp_cfg, run.tokenizer = phases.final_model(
+                run.phases, final_model, run.model_cfg, run.pp_cfg, run.tokenizer)
             weights.save_model_dir(final_model, run.model_cfg, run.pp_cfg, out_dir / "model",
                                    extra={"steps": progress.step, "samples": progress.samples})
             run.log(f"model saved to {out_dir / 'model'}")
@@ -718,13 +779,25 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
             try:
                 if fsdp.in_effect(accelerator):  # saved from the CPU, evaluated on the device
                     final_model = fsdp.for_evaluation(accelerator, final_model)
-                final.update(run_eval(cfg, final_model, run.tokenizer, run.pp_cfg, accelerator))
+                results: Dict[str, Any] = {}
+                final.update(run_eval(cfg, final_model, run.tokenizer, run.pp_cfg, accelerator, None,
+                                      run.global_batch, results))
+                if results:  # every set's whole result by name, as `mmcl zeroshot --out` writes one
+                    atomic_write_text(out_dir / runfolder.EVAL_RESULTS, json.dumps(dict(results, step=progress.step),
+                                                                         indent=2) + "\n")
             except MmclError as err:
                 eval_failure = (f"final evaluation failed: {err}; the trained model is saved in "
                                 f"{out_dir / 'model'} (evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
             if unwritten or len(final) > 2:
                 run.metrics.write(final)
                 last = final
+            if run.wise_init is not None and eval_failure is None:  # train.wise_ft, each alpha evaluated as above
+                from .wise_ft import wise_ft_of_run
+
+                for line in wise_ft_of_run(run.wise_init, final_model, run.model_cfg, run.pp_cfg, cfg.train.wise_ft,
+                                           out_dir, lambda m: run_eval(cfg, m, run.tokenizer, run.pp_cfg, accelerator,
+                                                                       None, run.global_batch)):
+                    run.log(line)
         averaged.close()
         del final_model  # the gathered FSDP replica
         run.metrics.close()
@@ -738,8 +811,9 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
                 run.log(f"plots skipped: {err}")
     if run.main:  # the summary, also the end of out.log
         for line in runfolder.summary_lines(progress.step, progress.samples, time.perf_counter() - run.started[0],
-                                            progress.samples - run.started[1], int(last.get("data/skipped", 0)),
-                                            progress.skipped_steps, last, out_dir / "model"):
+                                            progress.samples - run.started[1],
+                                            int(last.get("data/skipped_samples", 0)), progress.skipped_steps, last,
+                                            out_dir / "model", int(last.get("data/skipped_shards", 0))):
             run.log(line)
     accelerator.end_training()
     if eval_failure is not None:
@@ -759,32 +833,39 @@ def _cpu_processes() -> bool:
     return not (has_device.is_available() if has_device is not None else torch.cuda.is_available())
 
 
-def _has_eval(cfg: TrainConfig) -> bool:
-    return bool(cfg.eval.zeroshot or cfg.eval.retrieval)
-
-
-def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator) -> Dict[str, float]:
-    """Zero-shot / retrieval on the main process; returns ``eval/<task>/<dataset>/<metric>`` entries."""
+def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator, step: Optional[int] = None,
+             global_batch: Optional[int] = None, results: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+    """The evaluations due after optimiser step `step` (None: the final one, every set), on the main process:
+    returns their ``eval/<task>/<name>/<metric>`` and ``val/...`` entries, and puts each whole result into
+    `results` by kind and name (`mmcl.evaluation.sets`). The validation loss scores batches of `global_batch`
+    (the run's) with a fresh objective from ``loss.*`` in eval mode, so the training objective's state is untouched."""
     out: Dict[str, float] = {}
-    if not accelerator.is_main_process or not _has_eval(cfg):
+    if not accelerator.is_main_process or not eval_sets.has_evaluation(cfg.eval):
         return out
     from ..evaluation import evaluate
 
+    sets, val_due = eval_sets.due(cfg.eval, step)
+    if not sets and not val_due:
+        return out
     _, eval_tf = models.build_transforms(pp_cfg)
     keys = data_mod.sample_keys(cfg.data)  # the training data's image and caption members
     reading = evaluate.reading_options(cfg.data)  # and its member size limit and pipe rule
     was_training = model.training
     model.eval()
     try:
-        if cfg.eval.zeroshot:
-            res = evaluate.zeroshot(model, eval_tf, tokenizer, cfg.eval.zeroshot, classnames=cfg.eval.classnames,
-                                    templates=cfg.eval.templates, batch_size=cfg.eval.batch_size,
-                                    device=accelerator.device, progress=False, keys=keys, reading=reading)
-            out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
-        if cfg.eval.retrieval:
-            res = evaluate.retrieval(model, eval_tf, tokenizer, cfg.eval.retrieval, batch_size=cfg.eval.batch_size,
-                                     device=accelerator.device, progress=False, keys=keys, reading=reading)
-            out.update({f"eval/{res['task']}/{res['dataset']}/{k}": v for k, v in res["metrics"].items()})
+        out.update(eval_sets.run_sets(sets, model, eval_tf, tokenizer, cfg.eval, accelerator.device, keys=keys,
+                                      reading=reading, results=results))
+        if val_due:
+            objective = objective_from_config(cfg.loss)
+            objective.reseed(cfg.train.seed)  # MoCHi's mixing draws: the same at every evaluation
+            objective.to(accelerator.device).eval()
+            res = eval_sets.validation_loss(model, objective, cfg.eval.val_loss, eval_tf, tokenizer,
+                                            global_batch or cfg.data.batch_size, accelerator.device,
+                                            chunk=cfg.eval.batch_size, keys=keys, reading=reading,
+                                            autocast=accelerator.autocast)
+            out.update(eval_sets.val_entries(res))
+            if results is not None:
+                results["val_loss"] = res
     finally:
         model.train(was_training)
     return out

@@ -205,17 +205,27 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None,
     return optimizer
 
 
+def takes_found_inf(optimizer) -> bool:
+    """Whether `optimizer` (or the one accelerate's wrapper holds) is torch's fused AdamW, whose step reads a
+    ``found_inf`` tensor set on the optimiser and leaves the parameters, moments and step count as they were where
+    it is 1: the way `torch.amp.GradScaler` skips a step without a host read. torch documents no public name for
+    that contract (it marks such optimisers with ``_step_supports_amp_scaling``): tests/test_dependency_names.py
+    checks it, and pyproject bounds torch's major version."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return isinstance(inner, torch.optim.AdamW) and bool(inner.defaults.get("fused"))
+
+
 def host_check_line(optimizer, scaler) -> Optional[str]:
     """The one line saying that the finite-loss decision of each step runs on the host, and why; None where it
-    stays on the device (`mmcl.training.stepcheck.StepChecks.on_device`: a fused optimiser that takes
-    ``found_inf``, accelerate's wrapper unwrapped, and no loss scaler, which sets ``found_inf`` itself)."""
+    stays on the device (`mmcl.training.stepcheck.StepChecks.on_device`: an optimiser that takes ``found_inf``
+    (`takes_found_inf`), and no loss scaler, which sets ``found_inf`` itself)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     name = type(inner).__name__
     if scaler is not None:
         why = "fp16's loss scaler sets found_inf itself"
     elif getattr(inner, "fused_unavailable", None):
         why = f"the fused AdamW is not available here ({inner.fused_unavailable}), the per-tensor one runs"
-    elif not getattr(inner, "defaults", {}).get("fused") or not getattr(inner, "_step_supports_amp_scaling", False):
+    elif not takes_found_inf(inner):
         why = f"the optimiser ({name}) cannot take found_inf"
     else:
         return None

@@ -4,7 +4,7 @@ SLURM (``--signal``, and SIGTERM before its SIGKILL), Kubernetes and spot instan
 and a grace period. `StopSignals` turns SIGTERM, SIGUSR1 and SIGINT into a flag; the training loop all-reduces
 it with the per-step finite-loss flag (no extra collective), so every process stops after the same step, saves a
 checkpoint and exits with `exit_code`. A checkpoint save in progress is never interrupted: the handler only sets
-the flag. A second SIGINT (Ctrl-C pressed twice) stops at once, as Ctrl-C did before.
+the flag. A second SIGINT (Ctrl-C pressed twice) stops at once: it raises KeyboardInterrupt.
 """
 
 from __future__ import annotations

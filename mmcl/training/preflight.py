@@ -2,9 +2,11 @@
 
 Every local path the run will read is checked: the training shards (each source of ``data.train``: a source of
 which no shard exists, or, with ``data.require_all_shards``, any missing shard), the
-evaluation sets (``eval.zeroshot``, ``eval.retrieval``, ``eval.classnames``, a templates file; an ImageFolder's
-class names, one per class folder),
-``model.init_from``, ``model.pretrained`` (an open_clip tag known for ``model.name``; with HF_HUB_OFFLINE=1, a
+evaluation sets (each set of ``eval.zeroshot`` and ``eval.retrieval`` opened by the evaluation's own loader: an
+ImageFolder with an empty class folder, a flat folder of images or a folder without images is refused here; class
+names, one per class folder; templates; unique set names; ``eval.val_loss``'s shards),
+``model.init_from``, ``model.name`` when it is an architecture file (readable, an open_clip model config),
+``model.pretrained`` (an open_clip tag known for ``model.name``; with HF_HUB_OFFLINE=1, a
 hub name in the cache), ``distill.teacher`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
 ``http://``) and hub model names are not checked. Relative paths resolve against the current directory, as
 everywhere in mmcl; the error shows them resolved, so a run started from another directory says where it looked.
@@ -16,11 +18,11 @@ import os
 from typing import List
 
 from ..config import TrainConfig
-from ..data import has_scheme, is_image_folder, missing_shards
-from ..data.eval_sets import class_folders, folder_classnames
+from ..data import has_scheme, missing_shards
 from ..data.sources import redact
 from ..errors import ConfigError, DataError
-from ..evaluation.evaluate import load_classnames, is_template_name
+from ..evaluation.evaluate import reading_options
+from ..evaluation.sets import set_problems
 
 _SET_TRAIN = "set it with data.train=... (e.g. data.train='shards/shard-{000000..000009}.tar')"
 
@@ -76,30 +78,17 @@ def input_problems(cfg: TrainConfig) -> List[str]:
         problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train, cfg.data.allow_pipe,
                                                                  require_all=cfg.data.require_all_shards)]
         problems += _pipe_problems(cfg.data.train)
-    zeroshot = cfg.eval.zeroshot
-    if zeroshot and not is_image_folder(os.path.expanduser(zeroshot)):  # else a directory of shards or a spec
-        problems += [f"eval.zeroshot: {p}" for p in missing_shards(zeroshot)]
-    elif zeroshot:  # class names without one per class folder would fail the final evaluation
-        folder = os.path.expanduser(zeroshot)
-        try:
-            if not cfg.eval.classnames:
-                folder_classnames(folder)
-            elif os.path.isfile(os.path.expanduser(cfg.eval.classnames)):
-                names = load_classnames(os.path.expanduser(cfg.eval.classnames))
-                if len(names) != len(class_folders(folder)):
-                    problems.append(f"eval.classnames: {cfg.eval.classnames} has {len(names)} class names but "
-                                    f"{zeroshot} has {len(class_folders(folder))} class folders (expected one name "
-                                    f"per folder, in sorted folder order)")
-        except DataError as err:
-            problems.append(f"eval.zeroshot: {err}")
-    if cfg.eval.retrieval:
-        problems += [f"eval.retrieval: {p}" for p in missing_shards(cfg.eval.retrieval)]
-    if cfg.eval.classnames:
-        problems += _path_problem("eval.classnames", cfg.eval.classnames)
-    if not is_template_name(cfg.eval.templates) and cfg.eval.zeroshot:
-        problems += _path_problem("eval.templates", cfg.eval.templates)
+    # Each evaluation set opened as its evaluation will open it, with its class names, templates and name.
+    problems += set_problems(cfg.eval, reading_options(cfg.data))
     if cfg.model.init_from:
         problems += _path_problem("model.init_from", cfg.model.init_from)
+    from ..models.towers import arch_file_config, is_arch_file
+
+    if is_arch_file(cfg.model.name):  # a model-config file: there, readable, an open_clip model config
+        try:
+            arch_file_config(cfg.model.name)
+        except ConfigError as err:
+            problems.append(str(err))
     if cfg.model.pretrained:  # a tag of model.name, a hub name cached when offline, or a local path
         from ..storage.weights import pretrained_problem
 

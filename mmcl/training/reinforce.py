@@ -28,18 +28,17 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from ..data.decode import (TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys, SkipSample, candidate_captions,
-                           decode_image)
+from ..data.decode import TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys
 from ..data.reading import read_raw_samples
 from ..data.sources import expand_urls, has_scheme
 from ..data.writer import add_tar_member
 from ..errors import DataError
+from ..evaluation.embed import embed_samples
 from ..storage.fsutil import os_error_text
 from ..storage.manifest import OutputManifest
 
 MANIFEST = "reinforce.json"
 _TEMP_SUFFIX = ".reinforce-partial"
-_MAX_PIXELS = 1 << 26
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -73,39 +72,20 @@ class _Embedder:
 
     def embed(self, items: List[Any]) -> List[Optional[Dict[str, bytes]]]:
         """The teacher members of each raw sample, or None for one the teacher cannot read."""
-        views, captions, owners = [], [], []
-        for n, item in enumerate(items):
-            try:
-                image = decode_image((self.keys.image(item.files) if self.keys else _first_image(item.files))
-                                     or b"", _MAX_PIXELS)
-                caps = candidate_captions(item.files, self.keys)
-            except SkipSample:
+        def features(images, tokens):
+            feats = self.teacher.embed(images, tokens)
+            return feats.image, feats.text
+
+        out: List[Optional[Dict[str, bytes]]] = []
+        for found in embed_samples(items, self.teacher.view.image, self.teacher.view.tokenize, features,
+                                   self.batch_size, self.keys):
+            if found is None:
+                out.append(None)
                 continue
-            if not caps:
-                continue
-            views.append(self.teacher.view.image(image))
-            captions.append(caps)
-            owners.append(n)
-        out: List[Optional[Dict[str, bytes]]] = [None] * len(items)
-        for start in range(0, len(views), self.batch_size):
-            part = slice(start, start + self.batch_size)
-            flat = [c for caps in captions[part] for c in caps]
-            feats = self.teacher.embed(torch.stack(views[part]), self.teacher.view.tokenize(flat))
-            image = feats.image.cpu().numpy().astype(np.float16)
-            text = feats.text.cpu().numpy().astype(np.float16)
-            row = 0
-            for i, (n, caps) in enumerate(zip(owners[part], captions[part])):
-                meta = dict(self.meta, dim=int(image.shape[1]))
-                out[n] = {TEACHER_IMAGE: _npy(image[i]), TEACHER_TEXT: _npy(text[row:row + len(caps)]),
-                          TEACHER_META: json.dumps(meta).encode()}
-                row += len(caps)
+            meta = dict(self.meta, dim=int(found.image.shape[0]))
+            out.append({TEACHER_IMAGE: _npy(found.image.astype(np.float16)),
+                        TEACHER_TEXT: _npy(found.text.astype(np.float16)), TEACHER_META: json.dumps(meta).encode()})
         return out
-
-
-def _first_image(files: Dict[str, bytes]) -> Optional[bytes]:
-    from ..data.decode import image_bytes
-
-    return image_bytes(files)
 
 
 def _reinforce_shard(url: str, dest: Path, embedder: _Embedder, window: int) -> Dict[str, int]:

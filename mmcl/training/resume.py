@@ -93,11 +93,12 @@ def load_resized(run, resume: Path, saved_processes: int) -> Tuple[Dict[str, Any
     # Weights, optimiser and progress are the same on every process; the RNG states of processes beyond the
     # saved ones do not exist and are left as seeded.
     states = [checkpoints.load_plain(f, "cpu") for f in files]
-    checkpoints.load_accelerate_state(accelerator, resume)
+    load_weights_and_optimizer(run, resume)
     why = run.stream.load_resized([st["data"] for st in states])
     if why is not None:
         run.log(f"warning: {why}; restarting the earliest saved epoch, each sample is not seen exactly once")
     own = states[accelerator.process_index] if accelerator.process_index < saved_processes else states[0]
+    check_objective_state(run.objective, own["objective"], resume)
     run.objective.load_state_dict(own["objective"])
     return own, states[0]
 
@@ -105,6 +106,46 @@ def load_resized(run, resume: Path, saved_processes: int) -> Tuple[Dict[str, Any
 # Changing any of these makes a checkpoint unusable; other config differences only warn.
 ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context_length", "model.vision_cfg",
              "model.text_cfg", "model.text")
+
+
+def load_weights_and_optimizer(run: Run, resume: Path) -> None:
+    """accelerate's state of `resume` (weights, optimiser, scaler, RNG) into the run; weights that do not fit the
+    run's model are a CheckpointError naming the keys (`weights_mismatch`), not torch's many-line message."""
+    try:
+        checkpoints.load_accelerate_state(run.accelerator, resume)
+    except RuntimeError:
+        why = weights_mismatch(run.raw_model, resume / checkpoints.MODEL_WEIGHTS)
+        if why is None:
+            raise
+        raise CheckpointError(f"cannot resume from {resume}: its weights do not fit this run's model (another "
+                              f"architecture or loss than the run was started with?): {why}; choose another "
+                              f"train.output_dir for a new run, or resume with the settings in its config.yaml"
+                              ) from None
+
+
+def weights_mismatch(model, weights_file: Path, shown: int = 3) -> Optional[str]:
+    """How the weights saved in `weights_file` (safetensors) differ from `model`'s: the missing, unexpected and
+    reshaped keys, each with its count and its first few; None when they fit or the file cannot say."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights_file), framework="pt") as f:
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception:  # noqa: BLE001 - no such file (a sharded FSDP checkpoint) or a damaged one
+        return None
+    now = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in now if k not in saved]
+    unexpected = [k for k in saved if k not in now]
+    reshaped = [f"{k} saved {list(saved[k])}, now {list(now[k])}" for k in now if k in saved and saved[k] != now[k]]
+
+    def few(keys) -> str:
+        return ", ".join(keys[:shown]) + (", ..." if len(keys) > shown else "")
+
+    parts = [f"{len(missing)} missing key(s) ({few(missing)})" if missing else "",
+             f"{len(unexpected)} unexpected key(s) ({few(unexpected)})" if unexpected else "",
+             f"{len(reshaped)} of another shape ({few(reshaped)})" if reshaped else ""]
+    parts = [p for p in parts if p]
+    return "; ".join(parts) if parts else None
 
 
 def check_resumable(saved: Dict[str, Any], current: Dict[str, Any], log) -> None:
@@ -194,7 +235,7 @@ def load_checkpoint(run: Run, resume: Path) -> None:
     first = rank_state if accelerator.process_index == 0 or run.ema is None else checkpoints.load_plain(
         checkpoints.rank_state_file(resume, 0))
     restore_progress(run, resume, rank_state, first)
-    checkpoints.load_accelerate_state(accelerator, resume)
+    load_weights_and_optimizer(run, resume)
     run.stream.load_state_dict(rank_state["data"])
     check_objective_state(run.objective, rank_state["objective"], resume)
     run.objective.load_state_dict(rank_state["objective"])
@@ -218,7 +259,8 @@ def restore_progress(run: Run, resume: Path, own: Dict[str, Any], first: Dict[st
 
 
 def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> None:
-    """A checkpoint's MoCHi queues must fit the configured ``loss.mochi.queue_size``; CheckpointError if not."""
+    """A checkpoint's MoCHi queues must fit the configured ``loss.mochi.queue_size``, and its global contrastive
+    estimates ``loss.global_contrastive``; CheckpointError if not."""
     for name in ("image_queue", "text_queue"):
         saved = state.get(f"{name}.features")
         size = getattr(objective, name).size
@@ -226,3 +268,15 @@ def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> Non
             raise CheckpointError(
                 f"cannot resume from {resume}: its MoCHi queue has shape {tuple(saved.shape)}, expected "
                 f"({size}, D) (loss.mochi.queue_size changed?)")
+    # The global contrastive term's per-sample estimates: present exactly when the term is, at the table's size.
+    saved = state.get("global_estimates.log_u_image")
+    estimates = getattr(objective, "global_estimates", None)
+    if (saved is None) != (estimates is None):
+        now, then = ("on", "off") if saved is None else ("off", "on")
+        raise CheckpointError(
+            f"cannot resume from {resume}: the global contrastive term is {now} (loss.global_contrastive.weight) but "
+            f"was {then} when the checkpoint was written; set it back, or start a new run")
+    if saved is not None and tuple(saved.shape) != (estimates.table_size,):
+        raise CheckpointError(
+            f"cannot resume from {resume}: its global contrastive estimates have {saved.shape[0]} slots, expected "
+            f"{estimates.table_size} (loss.global_contrastive.table_size changed?)")

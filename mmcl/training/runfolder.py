@@ -43,7 +43,8 @@ OUT_LOG = "out.log"
 LOCK = ".lock"
 GLOBAL_BATCH = "global_batch"  # recorded in each checkpoint's COMPLETE marker and in the run's record
 # The files of its own that the run writes at the top of its folder (the record lists them)
-RUN_FILES = (CONFIG, "param_groups.json", "metrics.jsonl", OUT_LOG)
+EVAL_RESULTS = "eval_results.json"  # the final evaluation's whole results, by kind and set name
+RUN_FILES = (CONFIG, "param_groups.json", "metrics.jsonl", OUT_LOG, EVAL_RESULTS)
 
 # Config keys that may change when a run is resumed: how long it trains, how it logs, saves, reads and evaluates;
 # none of them changes what a step computes. (The README lists them.) A section name means every key in it.
@@ -274,11 +275,12 @@ def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decisio
 
 # ------------------------------------------------------------------------------------------------ summary
 def summary_lines(steps: int, samples: int, seconds: float, trained: int, skipped_samples: int,
-                  skipped_steps: int, final: Dict[str, Any], model_dir: Path) -> List[str]:
-    """The end-of-run summary: progress and throughput, skipped data, the final evaluation by set, the model."""
+                  skipped_steps: int, final: Dict[str, Any], model_dir: Path, skipped_shards: int = 0) -> List[str]:
+    """The end-of-run summary: progress and throughput, skipped data (samples and shards apart), the final
+    evaluation by set, the model."""
     rate = trained / max(seconds, 1e-9)
     lines = [f"run finished: {steps} steps, {samples} samples ({trained} in {seconds:.1f} s, {rate:.1f} samples/s); "
-             f"skipped: {skipped_samples} samples, {skipped_steps} steps"]
+             f"skipped: {skipped_samples} samples, {skipped_shards} shards, {skipped_steps} steps"]
     sets: Dict[str, List[str]] = {}
     for key, value in final.items():
         parts = key.split("/")
@@ -286,6 +288,8 @@ def summary_lines(steps: int, samples: int, seconds: float, trained: int, skippe
             sets.setdefault(f"{parts[1]} {parts[2]}", []).append(f"{parts[3]} {value:.4f}")
     for name, metrics in sets.items():
         lines.append(f"final evaluation, {name}: {', '.join(metrics)}")
+    if isinstance(final.get("val/loss"), (int, float)):  # eval.val_loss
+        lines.append(f"final validation loss: {final['val/loss']:.4f}")
     lines.append(f"model: {model_dir} (mmcl.load, mmcl zeroshot/export --model {model_dir.parent})")
     return lines
 

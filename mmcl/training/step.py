@@ -9,12 +9,13 @@ from ``loss.*``. The loop (`mmcl.training.loop`) decides when a step is applied,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
 
 from .. import losses, models
-from ..config import LossConfig
+from ..config import LossConfig, get, term_keys
 from ..errors import DataError
 
 
@@ -47,27 +48,39 @@ def _through(output: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor
 
 
 def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
-    """The training objective from ``loss.*`` (validated by `config.validate`): term weights and parameters."""
-    m = cfg.mochi
-    weights = {name: getattr(cfg, name) for name in losses.TERMS if name != "mochi"}
-    weights["mochi"] = m.weight
+    """The training objective from ``loss.*`` (validated by `config.validate`): each term's weight from its key
+    (`config.term_keys`), the shared parameters, and the fields of each term's own section (``loss.mochi``: all
+    but its weight) as the objective's keywords of the same names."""
+    weights, sections = {}, {}
+    for name, key in term_keys().items():
+        weights[name] = get(cfg, key.split(".", 1)[1])  # the key below ``loss.``
+        if key.endswith(".weight"):
+            sections.update({k: v for k, v in dataclasses.asdict(getattr(cfg, name)).items() if k != "weight"})
     return losses.ContrastiveObjective(
         weights, chunk_size=cfg.chunk_size, tau_plus=cfg.tau_plus, hn_beta=cfg.hn_beta, align_alpha=cfg.align_alpha,
-        uniform_t=cfg.uniform_t, n_hard=m.n_hard, s=m.s, s_prime=m.s_prime, mix_max=m.mix_max,
-        queue_size=m.queue_size)
+        uniform_t=cfg.uniform_t, **sections)
 
 
 def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True,
-          teacher=None):
+          teacher=None, sample_ids=None):
     """The objective on this process's features: the global batch is gathered here when several processes run
     (`losses.gather_batch`, with the teacher's features for distillation), and a loss's complaint about its
-    inputs becomes a `DataError` (one line)."""
+    inputs becomes a `DataError` (one line). `sample_ids` (the batches' ``sample_id``) key the global
+    contrastive term's estimates."""
     try:
         gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher)
         return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
-                         gathered=gathered, teacher=teacher)
+                         gathered=gathered, teacher=teacher, sample_ids=sample_ids)
     except losses.LossInputError as err:
         raise DataError(str(err)) from None
+
+
+def _sample_ids(batches, device):
+    """The micro-batches' stable sample ids (``sample_id``, `mmcl.data.pipeline.sample_id`) joined on the device;
+    None when a batch has none (a stream other than mmcl's)."""
+    if any("sample_id" not in b for b in batches):
+        return None
+    return torch.cat([_moved(b["sample_id"], device) for b in batches])
 
 
 def _stored_teacher(b, device) -> losses.TeacherFeatures:
@@ -146,7 +159,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
                 model, _images(b, device, finish_images), _moved(b["text"], device))
             loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
                                 None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics, teacher_features)
+                                with_metrics, teacher_features, _sample_ids(batches, device))
         return loss, terms, lambda: accelerator.backward(loss)
 
     feats = []
@@ -169,7 +182,7 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
     # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
     labels = torch.cat([_moved(b["label"], device) for b in batches])
     loss, terms = score(objective, all_image_features, all_text_features, logit_scale, logit_bias, labels,
-                        with_metrics, teacher_features)
+                        with_metrics, teacher_features, _sample_ids(batches, device))
 
     def backward():
         accelerator.backward(loss)  # grads for the features, logit scale and bias

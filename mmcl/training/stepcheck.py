@@ -24,6 +24,8 @@ from typing import List, Tuple
 
 import torch
 
+from .optim import takes_found_inf
+
 
 class StepChecks:
     """Per-run state: the device-side flags of the steps not yet read."""
@@ -31,9 +33,7 @@ class StepChecks:
     def __init__(self, accelerator, optimizer):
         self.accelerator = accelerator
         self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-        self.on_device = (bool(getattr(self.inner, "defaults", {}).get("fused"))
-                          and getattr(self.inner, "_step_supports_amp_scaling", False)
-                          and getattr(accelerator, "scaler", None) is None)
+        self.on_device = takes_found_inf(self.inner) and getattr(accelerator, "scaler", None) is None
         self.pending: List[Tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, flag, loss)
 
     def not_finite_anywhere(self, loss: torch.Tensor) -> torch.Tensor:

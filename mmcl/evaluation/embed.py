@@ -1,0 +1,137 @@
+"""The one embedding pass over data that `mmcl reinforce`, `mmcl index` and `mmcl curate` share.
+
+Two shapes of data are embedded:
+
+- raw shard samples, image and captions together (`embed_samples`): what `mmcl reinforce` stores beside every
+  sample and what `mmcl curate` scores. The model sees its own evaluation view of the un-augmented image (its size,
+  resize and crop, as uint8, then its ToTensor + Normalize on the batch) and its own tokens, so the embeddings equal
+  those a teacher computes online in the training loop;
+- an evaluation set's images, ImageFolder or shards (`embed_image_set`): what `mmcl index` indexes and what
+  `mmcl curate --decontaminate` compares the training images against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..data.decode import SampleKeys, SkipSample, candidate_captions, decode_image, image_bytes, pil_to_uint8
+from ..data.transforms import split_transform
+from ..errors import ConfigError, MmclError
+
+MAX_PIXELS = 1 << 26  # the largest decoded image (pixels) the pass accepts: a decompression bomb is skipped
+
+
+@dataclass
+class SampleEmbedding:
+    """One sample's L2-normalised float32 embeddings: image (D,), text (K, D), one row per caption of
+    `mmcl.data.decode.candidate_captions` (in its order), and those captions."""
+
+    image: np.ndarray
+    text: np.ndarray
+    captions: List[str]
+
+
+class ClipEncoder:
+    """A frozen CLIP model with its evaluation view split where `embed_samples` needs it: the PIL stage and the
+    tokenizer (run per sample) and the ToTensor + Normalize finish (run on the batch, where the model is)."""
+
+    def __init__(self, model: torch.nn.Module, preprocess: Callable, tokenizer: Callable, name: str):
+        self.model, self.preprocess, self.tokenizer, self.name = model, preprocess, tokenizer, name
+        self.pil_stage, self.finish = split_transform(preprocess)
+
+    @classmethod
+    def load(cls, path: str, device: Any = "cpu", what: str = "--model") -> "ClipEncoder":
+        """The model at `path` (anything `mmcl.load` reads) on `device`; `ConfigError` naming `what` otherwise."""
+        from ..storage.weights import load
+
+        try:
+            model, eval_tf, tokenizer = load(path)
+        except MmclError as err:
+            raise ConfigError(f"{what}: cannot load {path}: {err}") from None
+        except (OSError, ValueError, RuntimeError, KeyError) as err:
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"{what}: cannot load {path}: {detail}") from None
+        if split_transform(eval_tf)[1] is None:
+            raise ConfigError(f"{what}: the image transform of {path} does not end in ToTensor [+ Normalize]")
+        if not hasattr(model, "encode_image") or not hasattr(model, "encode_text"):
+            raise ConfigError(f"{what}: {path} is not a CLIP model (no encode_image / encode_text)")
+        return cls(model.to(device).eval().requires_grad_(False), eval_tf, tokenizer, str(path))
+
+    def image(self, pil_rgb: Any) -> torch.Tensor:
+        return pil_to_uint8(self.pil_stage(pil_rgb))
+
+    def tokenize(self, captions: Sequence[str]) -> torch.Tensor:
+        return torch.as_tensor(self.tokenizer(list(captions))).long()
+
+    @torch.no_grad()
+    def embed(self, images_uint8: torch.Tensor, tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(image (B, D), text (T, D)) float32, L2-normalised in float32."""
+        device = self.model.logit_scale.device
+        image = F.normalize(self.model.encode_image(self.finish(images_uint8.to(device))).float(), dim=-1)
+        text = F.normalize(self.model.encode_text(tokens.to(device)).float(), dim=-1)
+        return image, text
+
+
+def embed_samples(items: Sequence[Any], image_view: Callable[[Any], torch.Tensor],
+                  tokenize: Callable[[List[str]], torch.Tensor],
+                  embed: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]],
+                  batch_size: int, keys: Optional[SampleKeys] = None) -> List[Optional[SampleEmbedding]]:
+    """Embed raw shard samples (`mmcl.data.reading.RawSample`: ``.files``), `batch_size` at a time.
+
+    Args:
+        image_view: an RGB PIL image -> uint8 (3, H, W) in the model's view; tokenize: captions -> tokens;
+        embed: (uint8 images, tokens) -> (image (B, D), text (T, D)) L2-normalised features. (A
+            `ClipEncoder`'s methods, or a training teacher's.)
+    Returns:
+        Per item, its `SampleEmbedding`, or None for one whose image or captions cannot be read. The batches are
+        cut from `items` in order, so the result does not depend on what else is embedded in the same process.
+    """
+    views, captions, owners = [], [], []
+    for n, item in enumerate(items):
+        try:
+            raw = keys.image(item.files) if keys else image_bytes(item.files)
+            image = decode_image(raw or b"", MAX_PIXELS)
+            caps = candidate_captions(item.files, keys)
+        except SkipSample:
+            continue
+        if not caps:
+            continue
+        views.append(image_view(image))
+        captions.append(caps)
+        owners.append(n)
+    out: List[Optional[SampleEmbedding]] = [None] * len(items)
+    for start in range(0, len(views), batch_size):
+        part = slice(start, start + batch_size)
+        flat = [c for caps in captions[part] for c in caps]
+        image, text = embed(torch.stack(views[part]), tokenize(flat))
+        image, text = image.cpu().numpy(), text.cpu().numpy()
+        row = 0
+        for i, (n, caps) in enumerate(zip(owners[part], captions[part])):
+            out[n] = SampleEmbedding(image[i], text[row:row + len(caps)], caps)
+            row += len(caps)
+    return out
+
+
+def embed_image_set(model, preprocess, data, batch_size: int, workers: int, device: Any, progress: bool,
+                    desc: str, loader_fn: Optional[Callable] = None) -> Dict[str, Any]:
+    """Embed every image of an evaluation set (ImageFolder or shards), skipping and counting unreadable ones.
+
+    Args:
+        loader_fn: (data, preprocess, batch_size, workers) -> (dataset, DataLoader); by default
+            `mmcl.evaluation.evaluate.eval_loader`'s shape (``mmcl index`` passes its own, whose keys say where each
+            image came from).
+    Returns:
+        ``{"dataset", "features" (N, D) float32 tensor, "labels", "captions", "keys", "skips"}`` in data order.
+    """
+    from . import evaluate
+
+    if loader_fn is None:
+        from .index import _index_loader as loader_fn
+    ds, loader = loader_fn(data, preprocess, batch_size, workers)
+    feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, desc, data)
+    return {"dataset": ds, "features": feats, "labels": labels, "captions": captions, "keys": keys, "skips": skips}

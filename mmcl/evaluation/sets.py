@@ -1,0 +1,260 @@
+"""The evaluations a training run makes: its named sets, when each is due, their check before step 1, the
+validation loss, and the results by name.
+
+``eval.zeroshot`` and ``eval.retrieval`` each hold one set or a list of named sets with their own frequency
+(`mmcl.config.eval_sets`), as big_vision's evaluators do; ``eval.val_loss`` scores held-out shards with the run's
+own objective, as open_clip's ``--val-data``. A set's results are logged as ``eval/<task>/<name>/<metric>`` (the
+task as the results JSON names it: ``zeroshot_classification``, ``zeroshot_retrieval``) and the validation loss
+as ``val/loss`` and ``val/<term>``. Every set is opened by the same loader (`mmcl.data.build_eval_dataset`) here,
+in ``mmcl zeroshot`` and in the check before step 1, so all three say the same about a broken set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import data as data_mod
+from ..config import EvalConfig, EvalSet, duplicate_set_names, eval_sets
+from ..errors import ConfigError, DataError
+from .evaluate import (_batches, _dataset_name, _input_dtype, _resolve_classnames, eval_loader, is_template_name,
+                       load_templates, retrieval, zeroshot)
+
+VAL_PREFIX = "val/"  # the validation loss's metric keys: val/loss, val/loss/<term>, val/<metric>
+# The top-level keys of the end-of-run results (eval_results.json): one per kind of evaluation, then set names
+RESULT_KINDS = ("zeroshot", "retrieval", "val_loss")
+
+
+def set_name(s: EvalSet) -> str:
+    """The name a set's results go under: its own, else its data's (`evaluate._dataset_name`: a file's stem, else
+    its folder)."""
+    return s.name if s.name is not None else _dataset_name(s.data)
+
+
+def named_sets(ev: EvalConfig) -> List[EvalSet]:
+    """``eval.zeroshot`` then ``eval.retrieval`` as `EvalSet` items, every one named. Raises `ConfigError` (one line)
+    when two sets of a task end up with the same name: their results would overwrite each other."""
+    sets, problems = eval_sets(ev)
+    sets = [dataclasses.replace(s, name=set_name(s)) for s in sets]
+    problems += duplicate_set_names(sets)
+    if problems:
+        raise ConfigError("; ".join(dict.fromkeys(problems)))
+    return sets
+
+
+def val_loss_every(ev: EvalConfig) -> int:
+    """Steps between validation losses: ``eval.val_loss_every``, else ``eval.every`` (0: at the end only)."""
+    return ev.every if ev.val_loss_every is None else ev.val_loss_every
+
+
+def has_evaluation(ev: EvalConfig) -> bool:
+    """Whether the run evaluates anything (sets or the validation loss)."""
+    return bool(ev.zeroshot or ev.retrieval or ev.val_loss)
+
+
+def due(ev: EvalConfig, step: Optional[int]) -> Tuple[List[EvalSet], bool]:
+    """The sets to evaluate after optimiser step `step` (1-based; the run's periodic evaluations, `any_due`) and
+    whether the validation loss is due too, each on its own ``every``; `step` None is the final evaluation, of
+    everything."""
+    sets = named_sets(ev) if (ev.zeroshot or ev.retrieval) else []
+    if step is None:
+        return sets, bool(ev.val_loss)
+    every = val_loss_every(ev)
+    return ([s for s in sets if s.every and step % s.every == 0],
+            bool(ev.val_loss) and bool(every) and step % every == 0)
+
+
+def any_due(ev: EvalConfig, step: int, total: int) -> bool:
+    """Whether a periodic evaluation falls after step `step` (before the last; the last has the final one)."""
+    if step >= total or not has_evaluation(ev):
+        return False
+    every = [s.every for s in eval_sets(ev)[0]] + ([val_loss_every(ev)] if ev.val_loss else [])
+    return any(e and step % e == 0 for e in every)
+
+
+# ------------------------------------------------------------------------------------------------- checks
+def _file_problem(key: str, path: str) -> List[str]:
+    if os.path.exists(os.path.expanduser(path)):
+        return []
+    return [f"{key}: {os.path.abspath(os.path.expanduser(path))} does not exist"]
+
+
+def _is_local(spec: Any) -> bool:
+    return isinstance(spec, str) and not data_mod.has_scheme(spec)
+
+
+def _data_problems(where: str, data: Any, task: str, reading: Dict[str, Any]) -> Tuple[List[str], Any]:
+    """Open a set's data as the evaluation will (`build_eval_dataset`, no transform): (its problems, the dataset
+    or None)."""
+    missing = data_mod.missing_shards(data, reading.get("allow_pipe", False))
+    folder = os.path.expanduser(data) if _is_local(data) else None
+    if missing and not (folder and os.path.isdir(folder)):
+        return [f"{where}: {p}" for p in missing], None
+    try:
+        ds = data_mod.build_eval_dataset(data, None, **reading)
+    except DataError as err:
+        return [f"{where}: {err}"], None
+    if task != "zeroshot" and isinstance(ds, data_mod.ImageFolderDataset):
+        what = "retrieval" if task == "retrieval" else "a validation loss"
+        return [f"{where}: {data} is an ImageFolder, which has no captions ({what} needs shards with captions, "
+                f"KEY.txt)"], None
+    if missing and not isinstance(ds, data_mod.ImageFolderDataset):  # a directory whose shards are not there
+        return [f"{where}: {p}" for p in missing], None
+    return [], ds
+
+
+def set_problems(ev: EvalConfig, reading: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Every problem of the run's evaluation sets, found before step 1 without a model: each set opened as the
+    evaluation opens it (an ImageFolder with an empty class folder, a flat folder of images, a folder with no images
+    or shards, missing shards), a zero-shot set's class names (one per class folder) and templates, the files they
+    name, and set names that collide. One ``<key>: <what>`` entry each."""
+    reading = dict(reading or {})
+    problems: List[str] = []
+    try:
+        sets = named_sets(ev)
+    except ConfigError as err:
+        return [str(err)]
+    files: Dict[str, str] = {}  # classnames and templates files to check, by path, with the first key naming them
+    for s in sets:
+        # A file named by eval.classnames / eval.templates is reported under that key, a set's own under the set's.
+        names_key = "eval.classnames" if s.classnames == ev.classnames else f"{s.where}.classnames"
+        templates_key = "eval.templates" if s.templates == ev.templates else f"{s.where}.templates"
+        if s.classnames:
+            files.setdefault(s.classnames, names_key)
+        if s.task == "zeroshot" and not is_template_name(s.templates):
+            files.setdefault(s.templates, templates_key)
+        found, ds = _data_problems(s.where, s.data, s.task, reading)
+        problems += found
+        if ds is None or s.task != "zeroshot":
+            continue
+        if s.classnames and not os.path.isfile(os.path.expanduser(s.classnames)):
+            continue  # reported below with the other missing files
+        try:
+            _resolve_classnames(s.data, ds, os.path.expanduser(s.classnames) if s.classnames else None)
+        except DataError as err:
+            problems.append(f"{names_key if s.classnames else s.where}: {err}")
+    if ev.val_loss:
+        problems += _data_problems("eval.val_loss", ev.val_loss, "val_loss", reading)[0]
+    for path, key in files.items():
+        found = _file_problem(key, path)
+        problems += found
+        if not found and key.endswith("templates"):
+            try:
+                load_templates(os.path.expanduser(path))
+            except DataError as err:
+                problems.append(f"{key}: {err}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------- running
+def run_sets(sets: List[EvalSet], model, preprocess, tokenizer, ev: EvalConfig, device, keys=None,
+             reading: Optional[Dict[str, Any]] = None, results: Optional[Dict[str, Any]] = None
+             ) -> Dict[str, float]:
+    """Evaluate `sets` in order; returns their ``eval/<task>/<name>/<metric>`` entries and, into `results`
+    (``{"zeroshot": {name: result}, "retrieval": {...}}``), each set's whole result in CLIP_benchmark's shape with
+    ``dataset`` its name."""
+    out: Dict[str, float] = {}
+    for s in sets:
+        if s.task == "zeroshot":
+            res = zeroshot(model, preprocess, tokenizer, s.data, classnames=s.classnames, templates=s.templates,
+                           batch_size=ev.batch_size, device=device, progress=False, keys=keys, reading=reading)
+        else:
+            res = retrieval(model, preprocess, tokenizer, s.data, batch_size=ev.batch_size, device=device,
+                            progress=False, keys=keys, reading=reading)
+        res = dict(res, dataset=s.name, data=s.data)
+        out.update({f"eval/{res['task']}/{s.name}/{k}": v for k, v in res["metrics"].items()})
+        if results is not None:
+            results.setdefault(s.task, {})[s.name] = res
+    return out
+
+
+def _forward(model, images: torch.Tensor, tokens: torch.Tensor):
+    out = model(images, tokens)
+    return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias")
+
+
+@torch.no_grad()
+def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: int, device="cpu",
+                    chunk: int = 128, keys=None, reading: Optional[Dict[str, Any]] = None,
+                    autocast: Callable = contextlib.nullcontext) -> Dict[str, Any]:
+    """The objective averaged over held-out shards: open_clip's validation loss with the run's own loss terms.
+
+    The shards are read once in order; their samples form consecutive batches of `batch_size` (the run's global
+    batch, so the loss is on the scale of the training loss; the last batch may be smaller), each scored as one
+    contrastive problem by `objective` without gathering (the main process scores the global batch), averaged over
+    samples as open_clip does. The towers run in chunks of `chunk` samples under `autocast` without gradient; the
+    caller puts `model` and `objective` in eval mode (a fresh objective: MoCHi's queue stays untouched). A sample's
+    caption is its ``.txt`` (with several caption sources in `keys`, the first caption); samples without an image
+    or a caption are skipped and counted.
+
+    Returns:
+        ``{"dataset", "task": "val_loss", "metrics": {"loss", "loss/<term>", ...}, "n_samples", "n_batches",
+        "n_skipped", "skipped": {reason: count}}``.
+    """
+    ds, loader = eval_loader(data, preprocess, chunk, 0, keys, reading)
+    if isinstance(ds, data_mod.ImageFolderDataset):
+        raise DataError(f"{data} is an ImageFolder, which has no captions (a validation loss needs shards with "
+                        f"captions, KEY.txt)")
+    several = keys is not None and len(keys.caption_keys) > 1
+    dtype = _input_dtype(model)
+    sums: Dict[str, float] = {}
+    pending: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    counts = {"samples": 0, "batches": 0}
+    skipped: Dict[str, int] = {}
+    scale = bias = None
+
+    def score(img: torch.Tensor, txt: torch.Tensor, lab: torch.Tensor) -> None:
+        _, terms = objective(img, txt, scale, bias, lab, True)  # the global batch on one process: no gathering
+        n = img.shape[0]
+        for k, v in terms.items():
+            sums[k] = sums.get(k, 0.0) + float(v) * n
+        counts["samples"] += n
+        counts["batches"] += 1
+
+    def flush(final: bool) -> None:
+        while pending and (final or sum(p[0].shape[0] for p in pending) >= batch_size):
+            img, txt, lab = (torch.cat([p[i] for p in pending]) for i in range(3))
+            score(img[:batch_size], txt[:batch_size], lab[:batch_size])
+            pending.clear()
+            if img.shape[0] > batch_size:
+                pending.append((img[batch_size:], txt[batch_size:], lab[batch_size:]))
+
+    batches = _batches(loader)
+    try:
+        for images, labels, captions, _, problems in batches:
+            for problem in problems:
+                if isinstance(problem, data_mod.EvalFailure):
+                    raise problem.error
+                skipped[problem.reason] = skipped.get(problem.reason, 0) + 1
+            if images is None:
+                continue
+            texts = [c.splitlines()[0] if several and c.strip() else c for c in captions]
+            keep = [i for i, t in enumerate(texts) if t.strip()]
+            if len(keep) < len(texts):
+                skipped["missing_caption"] = skipped.get("missing_caption", 0) + len(texts) - len(keep)
+            if not keep:
+                continue
+            tokens = tokenizer([texts[i] for i in keep]).to(device)
+            with autocast():
+                img, txt, scale, bias = _forward(model, images[keep].to(device=device, dtype=dtype), tokens)
+            pending.append((img.float(), txt.float(), labels[keep].to(device)))
+            flush(final=False)
+        flush(final=True)
+    finally:
+        batches.close()
+    if not counts["samples"]:
+        raise DataError(f"the validation data {data} holds no sample with an image and a caption"
+                        + (f" (skipped: {', '.join(f'{k}={v}' for k, v in sorted(skipped.items()))})"
+                           if skipped else ""))
+    return {"dataset": _dataset_name(data), "task": "val_loss",
+            "metrics": {k: v / counts["samples"] for k, v in sums.items()}, "n_samples": counts["samples"],
+            "n_batches": counts["batches"], "n_skipped": sum(skipped.values()), "skipped": skipped}
+
+
+def val_entries(res: Dict[str, Any]) -> Dict[str, float]:
+    """A validation loss's metrics-record entries: ``val/loss``, ``val/loss/<term>`` and ``val/<metric>``."""
+    return {f"{VAL_PREFIX}{k}": v for k, v in res["metrics"].items()}

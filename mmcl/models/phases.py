@@ -1,0 +1,134 @@
+"""The model's side of token-reduction phases (CLIPA, Li et al. 2023): towers that train at a smaller image size
+and a shorter text than they are built for, and a model at another size from the same weights.
+
+The parameters stay at the model's full size for the whole run. A phase's position embeddings are derived from them
+in each forward: the image tower's patch grid is resized (bicubic, antialiased, the class token kept: open_clip's
+`resize_pos_embed` and CLIPA's), the text tower takes the first ``L`` rows (CLIPA's truncation; open_clip's text
+towers already read ``positional_embedding[:L]`` for a shorter batch). So no parameter changes shape between phases:
+the optimiser's state, DDP's buckets, FSDP's shards, the EMA and checkpoints are those of an ordinary run, and exact
+resume and 2 processes = 1 carry over from them unchanged. Gradients reach the full-size embedding through the
+resize, so every phase trains the same parameters; the last phase at full size trains them directly.
+
+The image size is read from the input (`follow_input_size`), not set by the loop, so a forward at any size that the
+patch size divides works, in training and in evaluation alike, and nothing in the forward depends on a step
+counter. `at_size` builds the model a run ends with when its last phase is smaller than the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+
+
+def resize_grid_embedding(pos: torch.Tensor, grid: Tuple[int, int], prefix: int = 1) -> torch.Tensor:
+    """`pos` ((prefix + g*g, D), the class token first) with its square patch grid resized to `grid` (gh, gw):
+    bicubic with antialiasing and ``align_corners=False``, as open_clip's `resize_pos_embed`. Differentiable."""
+    tok, img = pos[:prefix], pos[prefix:]
+    side = int(round(img.shape[0] ** 0.5))
+    if side * side != img.shape[0]:
+        raise ValueError(f"position embedding of {img.shape[0]} patches is not a square grid")
+    if (side, side) == tuple(grid):
+        return pos
+    img = img.reshape(1, side, side, -1).permute(0, 3, 1, 2)
+    img = F.interpolate(img, size=tuple(grid), mode="bicubic", antialias=True, align_corners=False)
+    img = img.permute(0, 2, 3, 1).reshape(grid[0] * grid[1], -1)
+    return torch.cat([tok, img.to(tok.dtype)], dim=0)
+
+
+def _record_input_grid(module: nn.Module, args) -> None:
+    """Forward pre-hook of a grid-following image tower: the patch grid of this forward's images."""
+    h, w = args[0].shape[-2:]
+    ph, pw = module.conv1.kernel_size
+    module.__dict__["_input_grid"] = (h // ph, w // pw)
+
+
+def _forget_input_grid(module: nn.Module, args, output) -> None:
+    """Forward hook: outside a forward the attribute is the parameter itself (optimisers, exports, EMA read it)."""
+    module.__dict__["_input_grid"] = None
+
+
+class _GridFollowing:
+    """Mixed into an open_clip ``VisionTransformer``'s class: ``positional_embedding`` read during a forward is the
+    parameter resized to the forward's patch grid (the parameter itself at the tower's own size, and outside a
+    forward). The parameter, the state dict and every other attribute are the tower's own."""
+
+    def __getattr__(self, name: str):
+        value = super().__getattr__(name)
+        if name == "positional_embedding":
+            grid = self.__dict__.get("_input_grid")
+            if grid is not None and grid[0] * grid[1] + 1 != value.shape[0]:
+                return resize_grid_embedding(value, grid)
+        return value
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_following_class(cls: type) -> type:
+    return type(f"GridFollowing{cls.__name__}", (_GridFollowing, cls), {"__module__": cls.__module__})
+
+
+def vit_tower(model: nn.Module) -> Optional[nn.Module]:
+    """`model`'s image tower when it is an open_clip ViT with a class token and a learned position embedding."""
+    visual = getattr(model, "visual", None)
+    ok = (visual is not None and hasattr(visual, "conv1") and isinstance(getattr(visual, "positional_embedding",
+                                                                                 None), nn.Parameter)
+          and getattr(visual, "class_embedding", None) is not None)
+    return visual if ok else None
+
+
+def follow_input_size(model: nn.Module) -> None:
+    """Make `model`'s image tower take images of any size its patch size divides (in place; idempotent). Raises
+    ConfigError for an image tower without patch tokens (a ResNet, a timm trunk)."""
+    visual = vit_tower(model)
+    if visual is None:
+        raise ConfigError(f"train.phases with an image_size needs an open_clip ViT image tower (patch tokens and a "
+                          f"learned position embedding); this model's image tower is "
+                          f"{type(getattr(model, 'visual', None)).__name__}: leave image_size out of the phases")
+    if isinstance(visual, _GridFollowing):
+        return
+    visual.__class__ = _grid_following_class(type(visual))
+    visual.register_forward_pre_hook(_record_input_grid)
+    visual.register_forward_hook(_forget_input_grid)
+
+
+def full_sizes(model_cfg: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+    """(image size, patch size, context length) of a model config (None where it has none)."""
+    vision, text = model_cfg.get("vision_cfg", {}) or {}, model_cfg.get("text_cfg", {}) or {}
+    size = vision.get("image_size")
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    patch = vision.get("patch_size")
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    return size, patch, text.get("context_length")
+
+
+def at_size(model: nn.Module, model_cfg: Dict[str, Any], image_size: Optional[int],
+            context_length: Optional[int]) -> Tuple[nn.Module, Dict[str, Any]]:
+    """A model built for `image_size` and `context_length` (None: the model's own) with `model`'s weights, the
+    position embeddings resized as in training (`resize_grid_embedding`, text truncated), and its config."""
+    from .towers import create
+
+    size, _, length = full_sizes(model_cfg)
+    if (image_size in (None, size)) and (context_length in (None, length)):
+        return model, model_cfg
+    cfg = copy.deepcopy(model_cfg)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if image_size not in (None, size):
+        cfg["vision_cfg"]["image_size"] = int(image_size)
+        patch = full_sizes(cfg)[1]
+        grid = int(image_size) // int(patch)
+        state["visual.positional_embedding"] = resize_grid_embedding(state["visual.positional_embedding"],
+                                                                     (grid, grid))
+    if context_length not in (None, length):
+        cfg["text_cfg"]["context_length"] = int(context_length)
+        for key in ("positional_embedding", "text.positional_embedding"):
+            if key in state:
+                state[key] = state[key][: int(context_length)].clone()
+    resized = create(cfg)
+    resized.load_state_dict(state)
+    return resized.to(next(model.parameters()).device), cfg

@@ -1,0 +1,66 @@
+"""The progress bar, and the console lines printed while it is shown.
+
+A tqdm bar redraws its line in place (a carriage return, no newline). A line printed meanwhile by anything else (a
+warning from the data workers, a log line of the loop) would start where the bar's text ends and share its line.
+While the bar is shown, `progress_bar` routes stdout and stderr through the bar: each complete line is written
+after the bar is cleared, and the bar is drawn again below it, as ``tqdm.write`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Optional
+
+
+class _ThroughBar:
+    """A text stream that writes whole lines to `stream` with `bar` cleared around them."""
+
+    def __init__(self, stream, bar):
+        self.stream, self.bar, self.pending = stream, bar, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            lines, self.pending = self.pending.rsplit("\n", 1)
+            with self.bar.get_lock():
+                self.bar.clear(nolock=True)
+                self.bar.fp.flush()  # the cleared line reaches the console before the text that takes it
+                self.stream.write(lines + "\n")
+                self.stream.flush()
+                self.bar.refresh(nolock=True)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding... of the console stream
+        return getattr(self.stream, name)
+
+
+def progress_bar(total: int, initial: int, held: Optional[contextlib.ExitStack] = None, **kwargs: Any):
+    """A tqdm bar on stderr with stdout and stderr written through it until it is closed (or `held` unwinds, as
+    when the run ends with an error)."""
+    from tqdm import tqdm
+
+    saved = (sys.stdout, sys.stderr)
+    bar = tqdm(total=total, initial=initial, file=sys.stderr, **kwargs)
+    sys.stdout, sys.stderr = _ThroughBar(saved[0], bar), _ThroughBar(saved[1], bar)
+
+    def restore() -> None:
+        if isinstance(sys.stdout, _ThroughBar) and sys.stdout.bar is bar:
+            for through, stream in zip((sys.stdout, sys.stderr), saved):
+                if through.pending:  # a partial line: after the bar, on its own line
+                    stream.write(through.pending)
+            sys.stdout, sys.stderr = saved
+
+    close = bar.close
+
+    def close_and_restore() -> None:
+        close()
+        restore()
+
+    bar.close = close_and_restore
+    if held is not None:
+        held.callback(restore)
+    return bar

@@ -1,0 +1,128 @@
+"""Builders shared by several test files: a micro model and fake batches, the tiny demo run's command line and its
+outputs, and the small images, shards and stream settings of the data tests. Their fixtures (`demo`, `corpus`)
+are in conftest.py."""
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision import transforms as T
+
+from mmcl import models
+from mmcl.config import DataConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------------------------------- training
+# A smaller tower than configs/tiny.yaml, so that each step takes milliseconds on a CPU.
+MICRO = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
+         "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
+
+
+def micro_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = load_config(None, MICRO).model
+    model, *_ = models.build(cfg)
+    return model
+
+
+def fake_batch(n, seed, image_size=64, context=32):
+    g = torch.Generator().manual_seed(seed)
+    return {"image": torch.randn(n, 3, image_size, image_size, generator=g),
+            "text": torch.randint(1, 1000, (n, context), generator=g),
+            "label": torch.full((n,), -1, dtype=torch.long)}
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_args(demo, out, *extra):
+    return ["--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}", f"train.output_dir={out}",
+            "eval.zeroshot=null", "train.progress=false", "train.plot=false", "data.shuffle_buffer=64", *MICRO,
+            *extra]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "model" / "open_clip_model.safetensors"))
+
+
+def metrics(run_dir):
+    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------- data
+SIDE = 8
+MAX_PIXELS = 10_000  # small, so a 120x120 PNG is a decompression bomb for the stream
+
+PREPROCESS = T.Compose([T.Resize(SIDE), T.CenterCrop(SIDE), T.ToTensor()])
+
+
+def tokenizer(texts):
+    """Bytes of the caption, padded to 24: deterministic and picklable, like a real tokenizer's output."""
+    out = torch.zeros(len(texts), 24, dtype=torch.long)
+    for i, text in enumerate(texts):
+        raw = text.encode()[:24]
+        out[i, : len(raw)] = torch.tensor(list(raw))
+    return out
+
+
+def encode(img, fmt):
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def image_for(i, size=12):
+    rng = np.random.default_rng(i)
+    return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+
+
+def write_tar(path, members):
+    """Write (name, bytes) members into a tar, in order."""
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+
+
+def good_members(key, i, fmt="PNG", ext="png"):
+    return [(f"{key}.{ext}", encode(image_for(i), fmt)), (f"{key}.txt", f"caption {key}".encode()),
+            (f"{key}.cls", str(i % 5).encode())]
+
+
+# Each bad sample: (members, reason it is skipped for).
+def bad_samples():
+    jpeg = encode(image_for(99, 32), "JPEG")
+    return {
+        "bad_trunc": ([("bad_trunc.jpg", jpeg[: len(jpeg) // 2]), ("bad_trunc.txt", b"cut")], "decode"),
+        "bad_notimg": ([("bad_notimg.jpg", b"this is not an image"), ("bad_notimg.txt", b"x")], "decode"),
+        "bad_nocap": ([("bad_nocap.png", encode(image_for(1), "PNG"))], "missing_caption"),
+        "bad_noimg": ([("bad_noimg.txt", b"no image"), ("bad_noimg.cls", b"1")], "missing_image"),
+        "bad_empty": ([("bad_empty.png", encode(image_for(2), "PNG")), ("bad_empty.txt", b"  \n")], "bad_caption"),
+        "bad_utf8": ([("bad_utf8.png", encode(image_for(3), "PNG")), ("bad_utf8.txt", b"caf\xe9 \xff")],
+                     "bad_caption"),
+        "bad_label": ([("bad_label.png", encode(image_for(4), "PNG")), ("bad_label.txt", b"ok"),
+                       ("bad_label.cls", b"three")], "bad_label"),
+        "bad_bomb": ([("bad_bomb.png", encode(Image.new("RGB", (120, 120), (9, 9, 9)), "PNG")),
+                      ("bad_bomb.txt", b"big")], "too_large"),
+        # A float image holding NaN has no faithful 8-bit form (a TIFF under a .png name: Pillow goes by content).
+        "bad_nan": ([("bad_nan.png", encode(Image.fromarray(np.full((8, 8), np.nan, np.float32)), "TIFF")),
+                     ("bad_nan.txt", b"a scan with no data")], "unsupported_mode"),
+    }
+
+
+N_SHARDS, PER_SHARD, TRUNC_KEEP = 6, 10, 6
+
+
+def cfg_for(spec, **kw):
+    base = dict(train=spec, batch_size=1, workers=2, shuffle_buffer=5, max_image_pixels=MAX_PIXELS)
+    base.update(kw)
+    return DataConfig(**base)
