@@ -14,7 +14,8 @@ Two parts, in one run, on CPU:
    name only the class, so no retrieval there) and a synthetic-shapes set from `mmcl.data.demo` with another seed
    (zero-shot on colour and shape, retrieval on its held-out shards).
 
-    nice .venv/bin/python bench/bench_clipa.py --work-dir /tmp/clipa-bench [--seeds 0 1 2] [--fixed-steps 40]
+    .venv/bin/python bench/bench_clipa.py --work-dir /tmp/clipa-bench [--seeds 0 1 2] [--fixed-steps 20]
+                                          [--batch 32] [--threads 1] [--cost-only]
 
 Prints one JSON line per measurement and run, then a summary. Not a test; CPU minutes.
 """
@@ -193,13 +194,15 @@ def train(work: Path, name: str, data: dict, arm: str, steps: int, phases, seed:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", default="/tmp/clipa-bench")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--loader-batches", type=int, default=12)
-    parser.add_argument("--fixed-steps", type=int, default=40, help="steps of the full-size arm")
+    parser.add_argument("--fixed-steps", type=int, default=20, help="steps of the full-size arm")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sets", nargs="+", default=["digits", "shapes"])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the cost part (1 is steadier on "
+                                                                "a shared machine)")
+    parser.add_argument("--cost-only", action="store_true", help="part 1 only")
     args = parser.parse_args()
     import torch
 
@@ -214,6 +217,8 @@ def main() -> None:
     datasets = {name: sets[name]() for name in args.sets}
     first = next(iter(datasets.values()))
     measured = cost(cfg, first["shards"], args)
+    if args.cost_only:
+        return
     # Equal FLOPs: the CLIPA run gets the steps the full-size run's FLOPs buy at the schedule's mean cost per step.
     sched_steps = int(round(args.fixed_steps * measured["flops_reduction"]))
     fracs = [frac for frac, *_ in phase_sizes(cfg)]

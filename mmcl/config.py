@@ -559,8 +559,26 @@ def _nearest(key: str) -> str:
     return ("; did you mean " + " or ".join(close) + "?") if close else ""
 
 
-# Keys that moved to where they act: the old key is an error naming the new one.
+# Keys that moved to where they act: the old key is an error naming the new one in what the user writes, and is
+# carried to its new place in what mmcl wrote itself (a run's config.yaml, a model's config), by `moved_keys_carried`.
 MOVED_KEYS = {"loss.max_logit_scale": "model.max_logit_scale"}
+
+
+def moved_keys_carried(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of a saved config dict with each key of `MOVED_KEYS` at its new place (a value already at the new
+    place wins). A run folder written before a key moved is then the same run as before."""
+    out = json.loads(json.dumps(saved, default=str)) if isinstance(saved, dict) else saved
+    if not isinstance(out, dict):
+        return out
+    for old, new in MOVED_KEYS.items():
+        (osec, okey), (nsec, nkey) = old.split(".", 1), new.split(".", 1)
+        section = out.get(osec)
+        if isinstance(section, dict) and okey in section:
+            value = section.pop(okey)
+            target = out.setdefault(nsec, {})
+            if isinstance(target, dict):
+                target.setdefault(nkey, value)
+    return out
 
 
 def _describe(err: OmegaConfBaseException, key: str, value: Any) -> str:
@@ -913,6 +931,6 @@ def to_dict(cfg) -> Dict[str, Any]:
 
 
 def from_dict(data: Dict[str, Any]) -> TrainConfig:
-    """Rebuild a config saved by `to_yaml`/`to_dict` (e.g. a run's config.yaml)."""
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(data))
+    """Rebuild a config saved by `to_yaml`/`to_dict` (e.g. a run's config.yaml), moved keys carried over."""
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(moved_keys_carried(data)))
     return freeze(OmegaConf.to_object(cfg))

@@ -235,3 +235,29 @@ def test_a_run_folder_written_before_the_record_is_still_its_run(tmp_path):
     assert decision.line == f"{tmp_path} holds this run (step 4 of 10): resuming it"
     with pytest.raises(ConfigError, match=r"holds another run \(step 4\): optim.lr 0.0005 -> 0.01;"):
         decide(load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8", "optim.lr=0.01"]), 1, 10)
+
+
+@pytest.mark.slow
+def test_a_run_folder_saved_before_a_key_moved_is_still_its_run(demo, finished, capsys):
+    """A config.yaml written while ``max_logit_scale`` was under ``loss.`` is the same run: the moved key is carried
+    to ``model.`` when mmcl reads what it wrote (a user's own override of the old key is an error line instead)."""
+    import yaml
+
+    from mmcl.config import from_dict
+
+    out, _ = finished
+    path = out / "config.yaml"
+    original = path.read_bytes()
+    saved = yaml.safe_load(original)
+    saved["model"].pop("max_logit_scale")
+    saved["loss"]["max_logit_scale"] = 50.0  # as a run with a non-default limit wrote it
+    try:
+        path.write_text(yaml.safe_dump(saved))
+        assert from_dict(saved).model.max_logit_scale == 50.0
+        assert main(run_args(demo, out, "model.max_logit_scale=50")) == 0
+        said = capsys.readouterr().out
+        assert "finished at step 2 of 2" in said and "nothing was changed" in said, said
+    finally:
+        path.write_bytes(original)
+    assert main(run_args(demo, out, "loss.max_logit_scale=50")) == 2
+    assert "'loss.max_logit_scale' is now 'model.max_logit_scale'" in capsys.readouterr().err

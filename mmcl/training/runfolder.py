@@ -151,7 +151,9 @@ def saved_config(out: Path) -> Optional[Dict[str, Any]]:
         c = OmegaConf.to_container(OmegaConf.load(out / CONFIG))
     except Exception:  # noqa: BLE001 - an unreadable config.yaml is reported by the caller
         return None
-    return c if isinstance(c, dict) else None
+    from ..config import moved_keys_carried
+
+    return moved_keys_carried(c) if isinstance(c, dict) else None
 
 
 def saved_global_batch(out: Path, saved: Optional[Dict[str, Any]], record: Optional[Dict[str, Any]]

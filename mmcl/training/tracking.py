@@ -76,7 +76,10 @@ def start(accelerator, names: List[str], config: Dict[str, Any], out_dir: Path, 
         return
     for tracker in accelerator.log_with:
         if getattr(tracker, "name", None) == "tensorboard" and resume_step:
-            tracker.init_kwargs["purge_step"] = resume_step + 1  # drop events a killed run wrote after its checkpoint
+            # Drop the events a killed run wrote after its checkpoint. The tracker was built before the resume step
+            # was known and accelerate has no public way to give it a writer argument now: its init_kwargs, read
+            # when init_trackers starts it (tests/test_dependency_names.py; accelerate's bound in pyproject).
+            tracker.init_kwargs["purge_step"] = resume_step + 1
     init_kwargs: Dict[str, Dict[str, Any]] = {
         "wandb": {"name": out_dir.name, "dir": str(out_dir), "resume": "allow"},
         "aim": {"logging_dir": str(out_dir)},
