@@ -40,7 +40,7 @@ import lit_digits  # noqa: E402  (the same data and evaluation)
 ARMS = ("clip", "global", "global-cos", "clip4x")
 
 
-def arm_settings(arm: str, batch: int, steps: int, gamma: float, gamma_min: float) -> tuple:
+def arm_settings(arm: str, batch: int, steps: int, gamma: float, gamma_min: float, eps=None) -> tuple:
     """(batch size, config overrides) of one arm."""
     if arm == "clip":
         return batch, []
@@ -51,6 +51,8 @@ def arm_settings(arm: str, batch: int, steps: int, gamma: float, gamma_min: floa
                 f"loss.global_contrastive.gamma={gamma if arm == 'global' else gamma_min}",
                 # a few times the 1437 training samples: few samples share a slot (about 1 - exp(-1437/65536))
                 "loss.global_contrastive.table_size=65536"]
+        if eps is not None:
+            keys.append(f"loss.global_contrastive.eps={eps}")
         if arm == "global-cos":
             keys += ["loss.global_contrastive.gamma_schedule=cosine",
                      f"loss.global_contrastive.gamma_decay_steps={max(1, steps // 2)}"]
@@ -68,7 +70,7 @@ def train_arm(work: Path, data: dict, args, arm: str, seed: int) -> dict:
     from mmcl.config import load_config
     from mmcl.training.loop import train
 
-    batch, keys = arm_settings(arm, args.batch_size, args.steps, args.gamma, args.gamma_min)
+    batch, keys = arm_settings(arm, args.batch_size, args.steps, args.gamma, args.gamma_min, args.eps)
     out = work / f"{arm}-b{batch}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     overrides = [*MODEL, f"model.image_size={args.image_size}", f"model.context_length={args.context_length}",
@@ -102,6 +104,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="optimiser steps of every arm")
     parser.add_argument("--gamma", type=float, default=0.9, help="the global arm's constant gamma (SogCLR's 0.9)")
     parser.add_argument("--gamma-min", type=float, default=0.2, help="where global-cos's gamma ends (FastCLIP's 0.2)")
+    parser.add_argument("--eps", type=float, default=None,
+                        help="loss.global_contrastive.eps of the global arms (default: null, 1/(batch - 1))")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)

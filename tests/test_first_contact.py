@@ -41,7 +41,7 @@ def run_args(train, out, *extra):
 
 
 def test_the_start_lines_say_what_each_source_resolved_to_and_a_folder_names_unlisted_shards(demo, tmp_path):
-    from mmcl.data.sources import describe_sources
+    from mmcl.data.sizes import describe_sources
 
     folder = tmp_path / "train"
     shutil.copytree(Path(demo["train"]).parent, folder)

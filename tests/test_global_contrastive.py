@@ -369,6 +369,7 @@ def _estimates(ckpt):
     return {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("global_estimates.")}
 
 
+@pytest.mark.slow
 def test_a_run_keys_the_estimates_by_sample_and_saves_them(demo, tmp_path):
     from helpers import metrics, run_args
     from mmcl.config import load_config
@@ -420,6 +421,7 @@ def test_gradient_accumulation_gives_the_gradients_and_estimates_of_the_whole_ba
     torch.testing.assert_close(est_b["log_u_text"], est_a["log_u_text"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_changed_table_size_is_refused_on_resume(demo, tmp_path):
     from helpers import run_args
     from mmcl.config import load_config

@@ -22,7 +22,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import DataError
-from .sources import SHARD_SUFFIXES, SIZES_FILE, expand_sources, has_scheme
+from .sources import SHARD_SUFFIXES, SIZES_FILE, _split_spec, expand_sources, has_scheme, redact
 
 
 def _read_json(path: str) -> Any:
@@ -123,3 +123,26 @@ def shard_samples(spec: Any, allow_pipe: bool = False, require_all: bool = False
         total += count
         used.add("__len__")
     return total, " and ".join(sorted(used))
+
+
+def describe_sources(spec: Any, allow_pipe: bool = False, require_all: bool = False,
+                     num_samples: Optional[int] = None) -> List[str]:
+    """One line per source of `spec` for the start of a run: the shards it resolved to (how many, the first and
+    last file) and, where known, their samples (``sizes.json``, img2dataset's ``_stats.json``); `num_samples`
+    (``data.train_num_samples``) is said where it stands in for the counts."""
+    with warnings.catch_warnings():  # the data stream gives each of these warnings when it expands the spec
+        warnings.simplefilter("ignore")
+        sources = expand_sources(spec, allow_pipe, require_all)
+        names = _split_spec(spec, allow_pipe)
+    lines = []
+    for i, (source, urls) in enumerate(zip(names, sources)):
+        label = f"data.train source {i + 1} of {len(sources)}" if len(sources) > 1 else "data.train"
+        shown = os.path.basename(urls[0]) if len(urls) == 1 else (
+            f"{os.path.basename(urls[0])} .. {os.path.basename(urls[-1])}")
+        kind = " (a folder: its shards)" if os.path.isdir(os.path.expanduser(source)) else ""
+        total = known_total(urls)
+        samples = "samples unknown" if total is None else f"{total:,} samples"
+        lines.append(f"{label}: '{redact(source)}'{kind}: {len(urls)} shard(s) ({redact(shown)}), {samples}")
+    if num_samples is not None:
+        lines.append(f"data.train_num_samples={num_samples:,} samples per epoch")
+    return lines

@@ -176,31 +176,6 @@ def folder_shards(folder: str) -> List[str]:
     return shards
 
 
-def describe_sources(spec: Any, allow_pipe: bool = False, require_all: bool = False,
-                     num_samples: Optional[int] = None) -> List[str]:
-    """One line per source of `spec` for the start of a run: the shards it resolved to (how many, the first and
-    last file) and, where known, their samples (``sizes.json``, img2dataset's ``_stats.json``); `num_samples`
-    (``data.train_num_samples``) is said where it stands in for the counts."""
-    from .sizes import known_total  # sizes reads sources; imported here, not at the module's top
-
-    with warnings.catch_warnings():  # the data stream gives each of these warnings when it expands the spec
-        warnings.simplefilter("ignore")
-        sources = expand_sources(spec, allow_pipe, require_all)
-        names = _split_spec(spec, allow_pipe)
-    lines = []
-    for i, (source, urls) in enumerate(zip(names, sources)):
-        label = f"data.train source {i + 1} of {len(sources)}" if len(sources) > 1 else "data.train"
-        shown = os.path.basename(urls[0]) if len(urls) == 1 else (
-            f"{os.path.basename(urls[0])} .. {os.path.basename(urls[-1])}")
-        kind = " (a folder: its shards)" if os.path.isdir(os.path.expanduser(source)) else ""
-        total = known_total(urls)
-        samples = "samples unknown" if total is None else f"{total:,} samples"
-        lines.append(f"{label}: '{redact(source)}'{kind}: {len(urls)} shard(s) ({redact(shown)}), {samples}")
-    if num_samples is not None:
-        lines.append(f"data.train_num_samples={num_samples:,} samples per epoch")
-    return lines
-
-
 def _expand_one(source: str, require_all: bool = False) -> List[str]:
     if source.startswith("pipe:"):
         # Braces in a pipe command address shard names; expand them but never glob a shell command.

@@ -27,7 +27,8 @@ import torch
 from .. import data as data_mod
 from .. import models
 from ..config import PRECISIONS, TrainConfig, to_dict
-from ..data.sources import describe_sources, redact_values
+from ..data.sizes import describe_sources
+from ..data.sources import redact_values
 from ..errors import ConfigError, MmclError, RunStopped, TrainingError
 from ..evaluation import sets as eval_sets
 from ..models import flip
