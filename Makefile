@@ -17,11 +17,14 @@ STAMP := $(BIN)/.mmcl-installed
 
 .PHONY: install demo demo-data train-demo eval-demo export-demo test test-fast bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
 	@echo "installing mmcl and its dependencies (torch is large; a few minutes on a fresh machine)"
 	$(PY) -m pip install --progress-bar on -c constraints.txt -e ".[dev]"
+	@# libauc (the SogCLR/FastCLIP authors' library) is the tests' peer for loss.global_contrastive; only its loss
+	@# module is used, so it goes in without the graph and medical-imaging packages it lists as requirements.
+	$(PY) -m pip install --quiet --no-deps libauc==2.0.1
 	@touch $(STAMP)
 
 install: $(STAMP)

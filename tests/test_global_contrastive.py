@@ -233,6 +233,33 @@ def test_an_evaluation_loss_needs_no_ids_and_is_infonce_minus_log_b_minus_one():
         objective.train()(img, txt, scale)
 
 
+def test_a_compiled_objective_compiles_once_and_matches_the_eager_one():
+    """``train.compile`` compiles the objective: the term runs eagerly inside it, so the per-step gamma of the
+    cosine schedule and the update counter do not compile the objective again at every step."""
+    from torch._dynamo.testing import CompileCounter
+
+    from mmcl.losses import ContrastiveObjective
+
+    def build():
+        return ContrastiveObjective({"clip": 0.5, "global_contrastive": 1.0}, table_size=64, gamma=0.2,
+                                    gamma_schedule="cosine", gamma_decay_steps=10)
+
+    torch._dynamo.reset()
+    frames = CompileCounter()
+    eager, compiled_objective = build(), build()
+    compiled = torch.compile(compiled_objective, backend=frames)
+    counts = []
+    for step in range(6):
+        img, txt = _pairs(8, d=16, seed=30 + step, aligned=0.5, dtype=torch.float32)
+        ids = torch.randint(0, 40, (8,), generator=torch.Generator().manual_seed(step))
+        want = eager(img, txt, torch.tensor(10.0), sample_ids=ids, with_metrics=False)[0]
+        got = compiled(img, txt, torch.tensor(10.0), sample_ids=ids, with_metrics=False)[0]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        counts.append(frames.frame_count)
+    assert counts[1:] == [counts[0]] * 5, counts
+    torch.testing.assert_close(compiled_objective.global_estimates.log_u_image, eager.global_estimates.log_u_image)
+
+
 def test_bad_arguments_are_loss_input_errors():
     img, txt = _pairs(3, dtype=torch.float32)
     u = torch.zeros(3)
@@ -256,8 +283,8 @@ def test_matches_libauc_bimodal_global_contrastive_loss():
     exp(b), b its running shift) and its gradient is (M - 1) * tau times mmcl's with eps = 0. It starts a batch
     whose samples were never seen with gamma = 1 for the whole batch, where mmcl decides per row: the epochs below
     visit every sample once each, so the two rules coincide."""
-    contrastive = pytest.importorskip("libauc.losses.contrastive",
-                                      reason="libauc is not installed (pip install --no-deps libauc)")
+    from libauc.losses import contrastive  # installed by `make install` (Makefile: without its own requirements)
+
     n_samples, batch, gamma, tau = 12, 4, 0.7, 0.1
     peer = contrastive.GCLoss_v2(N=n_samples, tau=tau, gamma=gamma, temperature_scheme="global_constant",
                                  gamma_schedule="constant")

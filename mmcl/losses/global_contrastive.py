@@ -188,8 +188,12 @@ class GlobalEstimates(nn.Module):
         """The rate the next update uses."""
         return gamma_at(self.updates, self.gamma, self.schedule, self.decay_steps)
 
+    # Run eagerly inside a compiled objective (``train.compile``): gamma changes every step (a float dynamo would
+    # specialise on) and the update counter is a host number, so a compiled frame would be compiled again per step.
+    @torch.compiler.disable
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
-                sample_ids: Optional[Tensor], gathered=None, chunk_size: Optional[int] = None) -> Tensor:
+                sample_ids: Optional[Tensor], gathered: Optional[Gathered] = None,
+                chunk_size: Optional[int] = None) -> Tensor:
         training = self.training
         n = image_features.shape[0]
         if sample_ids is None and training:
