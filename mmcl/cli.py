@@ -371,16 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
     cu.add_argument("--data", required=True, help="input shards (brace-expanded spec, a directory or a list); "
                                                   "never changed")
     cu.add_argument("--out", required=True, help="output directory (one shard per input shard, same names)")
-    cu.add_argument("--clip-score-min", type=float, default=None, help="keep image-caption cosine >= VALUE")
-    cu.add_argument("--clip-score-top", type=float, default=None,
+    cu.add_argument("--clip-score-min", type=float, default=None, metavar="VALUE",
+                    help="keep image-caption cosine >= VALUE")
+    cu.add_argument("--clip-score-top", type=float, default=None, metavar="FRACTION",
                     help="keep exactly this fraction of the samples, those of highest cosine")
-    cu.add_argument("--dedup", type=float, default=None,
+    cu.add_argument("--dedup", type=float, default=None, metavar="THRESHOLD",
                     help="drop a sample whose image cosine with an earlier kept one is >= THRESHOLD")
-    cu.add_argument("--decontaminate", default=None,
+    cu.add_argument("--decontaminate", default=None, metavar="DATA",
                     help="evaluation set (ImageFolder or shards): drop samples whose image matches one of its images")
-    cu.add_argument("--decontaminate-threshold", type=float, default=0.95, help="image cosine (default 0.95)")
-    cu.add_argument("--min-caption-len", type=int, default=None, help="fewest caption characters kept")
-    cu.add_argument("--max-caption-len", type=int, default=None, help="most caption characters kept")
+    cu.add_argument("--decontaminate-threshold", type=float, default=0.95, metavar="T",
+                    help="image cosine with an evaluation image at which a sample is dropped")
+    cu.add_argument("--min-caption-len", type=int, default=None, metavar="N", help="fewest caption characters kept")
+    cu.add_argument("--max-caption-len", type=int, default=None, metavar="N", help="most caption characters kept")
     cu.add_argument("--language", nargs="+", default=None, metavar="CODE",
                     help="keep captions in these languages (ISO 639-1, e.g. en de; needs py3langid)")
     cu.add_argument("--batch-size", type=int, default=64, help="samples per model batch")

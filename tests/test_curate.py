@@ -359,6 +359,13 @@ def test_another_rule_set_is_refused_in_one_line(setup, curated, capsys):
     assert main(["curate", "--model", str(setup["model"]), "--data", setup["spec"], "--out",
                  str(setup["root"] / "x"), "--clip-score-top", "1.5"]) == 2
     assert "in (0, 1]" in capsys.readouterr().err
+    users = setup["root"] / "users"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")  # a folder curate did not make
+    assert main(["curate", "--model", str(setup["model"]), "--data", setup["spec"], "--out", str(users),
+                 "--dedup", "0.9"]) == 2
+    assert "was not written by mmcl curate" in capsys.readouterr().err
+    assert sorted(p.name for p in users.iterdir()) == ["notes.txt"]
 
 
 def test_stored_embeddings_from_reinforce_are_used(setup, curated, tmp_path):

@@ -9,7 +9,8 @@ Three passes over the input shards, which are only ever read:
    is the pass both commands share). With ``--decontaminate`` the evaluation set's images are embedded first
    (``decontaminate.npz``, the pass `mmcl index` uses);
 2. decide: the rules (`mmcl.curation.rules`) over the whole set at once, so that ``--clip-score-top`` is an exact
-   fraction and deduplication sees every pair; the report (``report.json``, ``report.png``) and the list of
+   fraction and deduplication sees every pair (each process holds every image embedding in memory for it, 4 D
+   bytes a sample: 2 GB per million 512-d samples); the report (``report.json``, ``report.png``) and the list of
    dropped samples with their reasons (``dropped.jsonl``) are written;
 3. write: per input shard, an output shard of the same name holding the kept samples, every member of each
    unchanged (same names, same bytes, in the input's order).
@@ -292,7 +293,8 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
 
     checked, urls, names = _guarded(group, prepare)
     model_id = model if has_scheme(model) else str(Path(model).resolve())
-    identity = {"model": model_id, "inputs": urls, "rules": checked.record(),
+    inputs = [u if has_scheme(u) else os.path.abspath(u) for u in urls]  # the same from any working directory
+    identity = {"model": model_id, "inputs": inputs, "rules": checked.record(),
                 "keys": None if keys is None else repr(keys)}
     out = Path(out_dir)
     manifest = _guarded(group, _claim, out, identity, names, urls) if group.rank == 0 else None
