@@ -19,12 +19,8 @@ MICRO = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}", "model.text_
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
-
-    root = tmp_path_factory.mktemp("demo")
-    return make_demo_data(str(root), n_train=64, n_val=8, n_zeroshot=2, image_size=32, shard_size=32,
-                          progress=False)
+def demo(small_demo):
+    return small_demo
 
 
 def run_args(demo, out, *extra):

@@ -48,12 +48,8 @@ def reseal(ckpt: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
-
-    root = tmp_path_factory.mktemp("demo")
-    return make_demo_data(str(root), n_train=64, n_val=8, n_zeroshot=2, image_size=32, shard_size=32,
-                          progress=False)
+def demo(small_demo):
+    return small_demo
 
 
 def run_args(demo, out, *extra):

@@ -258,6 +258,9 @@ def _kill_tree(pid: int) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+    # SIGKILL cannot be caught, but a busy machine may take a moment to deliver it: the descendants are gone when
+    # this returns (psutil polls for them). `pid` itself is left for its Popen to reap, which reads its exit status.
+    psutil.wait_procs(family[:-1], timeout=5)
 
 
 def _open_watched(open_fn, url: str, timeout: float):
