@@ -143,6 +143,23 @@ def _stream(demo, workers, batch_size=4, accum=1):
                                    seed=0, phases=plan)
 
 
+def test_the_stream_settings_are_a_frozen_picklable_dataclass(demo):
+    """What each data worker receives: a read-only `StreamSpec` that survives pickling (spawned workers), phases
+    included, each batch's phase looked up by its process batch."""
+    import dataclasses
+    import pickle
+
+    from mmcl.data.pipeline import StreamSpec
+
+    spec = _stream(demo, 0, accum=2)._spec()
+    copy = pickle.loads(pickle.dumps(spec))
+    assert isinstance(copy, StreamSpec) and copy.seed == spec.seed and len(copy.phases) == 3
+    assert [copy.phase_at(b).context_length for b in (0, 5, 6, 11, 12, 99)] == [6, 6, None, None, None, None]
+    assert [copy.phase_at(b).start for b in (0, 5, 6, 11, 12, 99)] == [0, 0, 6, 6, 12, 12]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.seed = 1
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_workers_make_each_batch_at_its_phase_size_also_after_a_resume(demo, workers):
     accum = 2
