@@ -14,7 +14,7 @@ training captions (`lit_digits.zeroshot`), for several seeds. All runs share one
 one thread: the machine this was written on is a shared 2-core CPU.
 
     nice .venv/bin/python bench/bench_global.py --work-dir /tmp/bench-global [--batch-size 16] [--steps 600]
-        [--seeds 0 1 2] [--arms clip global global-cos clip4x]
+        [--seeds 0 1 2] [--arms clip global global-cos clip4x] [--n-train N]
 
 Prints one JSON line per trained model, then a summary: per arm the mean top-1 and every seed's, its gap to
 ``clip@B`` and to ``clip@4B``, and the training samples/s. Not a test; CPU minutes.
@@ -64,6 +64,26 @@ MODEL = ["model.vision_cfg={layers: 2, width: 64, head_width: 32, patch_size: 4}
          "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
 
 
+def subset(work: Path, data: dict, n: int) -> dict:
+    """The first `n` training pairs of `data` as their own shards: the papers' regime of many epochs over a small set.
+
+    The split is shuffled and stratified, so its first `n` rows are a random draw with every digit in them.
+    """
+    import csv
+
+    from PIL import Image
+
+    from mmcl.data import write_shards
+
+    with open(data["csv"], newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t"))[1:1 + n]
+    out = work / f"shards-{n}"
+    shutil.rmtree(out, ignore_errors=True)
+    write_shards(({"key": Path(path).stem, "image": Image.open(path).convert("RGB"), "caption": caption}
+                  for path, caption in rows), str(out), shard_size=500, prefix="train")
+    return {**data, "n_train": len(rows), "shards": str(out / "train-*.tar")}
+
+
 def train_arm(work: Path, data: dict, args, arm: str, seed: int) -> dict:
     """Train one arm in this process (`mmcl.training.loop.train`, the path ``mmcl train`` takes) and evaluate it."""
     import mmcl
@@ -111,6 +131,8 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the train/test split")
+    parser.add_argument("--n-train", type=int, default=None,
+                        help="train on the first N of the 1437 training pairs only (more epochs per step)")
     args = parser.parse_args()
     import torch
 
@@ -120,6 +142,8 @@ def main() -> None:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     data = lit_digits.make_data(work, args.image_size, args.data_seed)
+    if args.n_train:
+        data = subset(work, data, args.n_train)
     results = []
     for seed in args.seeds:
         for arm in args.arms:
@@ -144,7 +168,8 @@ def main() -> None:
             summary[arm]["vs_" + small] = round(mean[arm] - mean[small], 4)
         if large in mean:
             summary[arm]["vs_" + large] = round(mean[arm] - mean[large], 4)
-    print(json.dumps({"summary": summary, "steps": args.steps, "seeds": args.seeds}), flush=True)
+    print(json.dumps({"summary": summary, "steps": args.steps, "seeds": args.seeds, "n_train": data["n_train"],
+                      "epochs_at_batch": round(args.steps * args.batch_size / data["n_train"], 1)}), flush=True)
 
 
 if __name__ == "__main__":
