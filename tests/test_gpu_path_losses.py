@@ -10,7 +10,6 @@ dispatcher, on CPU as on a GPU; one forward+backward of each loss records none.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict
 
 import pytest
@@ -20,7 +19,6 @@ import torch.nn.functional as F
 from mmcl import losses
 from mmcl.losses import (
     ContrastiveObjective,
-    FeatureQueue,
     Gathered,
     TeacherFeatures,
     align_loss,

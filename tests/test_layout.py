@@ -3,7 +3,6 @@ cli -> training -> evaluation -> storage -> models, with data, losses, config an
 between the command line and evaluation, beside training (neither imports the other)."""
 
 import ast
-import os
 from pathlib import Path
 
 import mmcl

@@ -5,13 +5,9 @@ Nothing is downloaded: each test builds the Hugging Face cache a download would 
 huggingface_hub's own functions, as a user's download is read.
 """
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
-import huggingface_hub
-import huggingface_hub.constants
 import pytest
 import torch
 
@@ -31,35 +27,6 @@ SMALL_B32_ARGS = ["model.name=ViT-B-32", "model.embed_dim=32",
                   "model.text_cfg={width: 32, heads: 2, layers: 1, context_length: 16}"]
 HUB_REPO = "mmcl-test/tiny-clip"
 TAG_REPO = "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"  # where open_clip's ViT-B-32 laion2b_s34b_b79k tag lives
-
-
-@pytest.fixture
-def hf_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache, offline; `put(repo, folder)` adds a snapshot of `folder`'s files to it."""
-    home = tmp_path / "hf_home"
-    cache = home / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # huggingface_hub reads these at import; its functions look them up on the module at call time.
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(home))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-    def put(repo: str, files: dict) -> Path:
-        commit = hashlib.sha1(repo.encode()).hexdigest()
-        repo_dir = cache / f"models--{repo.replace('/', '--')}"
-        snapshot = repo_dir / "snapshots" / commit
-        snapshot.mkdir(parents=True)
-        for name, source in files.items():
-            shutil.copyfile(source, snapshot / name)
-        (repo_dir / "refs").mkdir()
-        (repo_dir / "refs" / "main").write_text(commit)
-        return snapshot
-
-    put.cache = cache
-    return put
 
 
 def _saved(tmp_path, cfg: ModelConfig, preprocess=None):

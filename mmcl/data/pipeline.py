@@ -584,6 +584,7 @@ def _empty_epoch_problem(s: StreamSpec, rank: int, role: int, n_slots: int, raw_
                 f"shards (skipped so far: {counts}); most shards are unreadable")
     return None
 
+
 def sample_id(url: str, key: str) -> int:
     """A sample's stable id: 63 bits of a BLAKE2b hash of its shard's URL (as ``data.train`` names it) and its key.
 

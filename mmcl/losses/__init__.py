@@ -51,6 +51,7 @@ from .tiling import TiledLogSumExp
 
 __all__ = [
     "TiledLogSumExp",
+    "TiledSigmoidPairs",
     "logsumexp_rows",
     "infonce_rows",
     "clip_loss",
