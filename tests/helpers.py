@@ -16,6 +16,9 @@ from mmcl import models
 from mmcl.config import DataConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+# The smallest towers a run can build from configs/tiny.yaml: for tests of what a run leaves in its folder.
+TINY_TOWERS = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
+               "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]
 
 # ------------------------------------------------------------------------------------------- training
 # A smaller tower than configs/tiny.yaml, so that each step takes milliseconds on a CPU.

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from helpers import TINY_TOWERS
 from mmcl.cli import main
 from mmcl.data.sources import expand_sources
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}", "model.text_cfg={layers: 1, width: 32, heads: 2}",
-         "model.embed_dim=16"]
+MICRO = TINY_TOWERS
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import TINY_TOWERS
 from mmcl.storage.checkpoints import latest_checkpoint
 from mmcl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
-         "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16", "model.image_size=32"]
+MICRO = [*TINY_TOWERS, "model.image_size=32"]
 
 
 class Touch:
