@@ -14,20 +14,28 @@ DEMO_DATA ?= $(DEMO_DIR)/data
 RUN ?= $(DEMO_DIR)/tiny
 LAUNCH ?= launch/cpu-2proc.yaml
 STAMP := $(BIN)/.mmcl-installed
+DEV_STAMP := $(BIN)/.mmcl-dev-installed
 
-.PHONY: install demo demo-data train-demo eval-demo export-demo test test-fast bench clean
+.PHONY: install install-dev demo demo-data train-demo eval-demo export-demo test test-fast bench clean
 
+# The demo needs mmcl and its runtime dependencies only; the tests add the development extras.
 $(STAMP): pyproject.toml constraints.txt Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
 	@echo "installing mmcl and its dependencies (torch is large; a few minutes on a fresh machine)"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e .
+	@touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --progress-bar on -c constraints.txt -e ".[dev]"
 	@# libauc (the SogCLR/FastCLIP authors' library) is the tests' peer for loss.global_contrastive; only its loss
 	@# module is used, so it goes in without the graph and medical-imaging packages it lists as requirements.
 	$(PY) -m pip install --quiet --no-deps libauc==2.0.1
-	@touch $(STAMP)
+	@touch $(DEV_STAMP)
 
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 demo-data: install
 	$(BIN)/mmcl demo-data --out $(DEMO_DATA)
@@ -49,13 +57,13 @@ demo: train-demo
 	$(MAKE) --no-print-directory eval-demo export-demo
 	@$(PY) -c "import json; r=json.load(open('$(DEMO_DIR)/zeroshot-colour.json')); s=json.load(open('$(DEMO_DIR)/zeroshot-shape.json')); print(f\"demo done: zero-shot top-1 colour {100*r['metrics']['acc1']:.1f}%, shape {100*s['metrics']['acc1']:.1f}% (run: $(RUN))\")"
 
-test: install
+test: install-dev
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: install-dev
 	$(PY) -m pytest -q -m "not slow"
 
-bench: install
+bench: install-dev
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,bench]"
 	$(PY) bench/bench_losses.py
 	$(PY) bench/bench_data.py

@@ -98,3 +98,21 @@ def test_deterministic_from_seed(tmp_path):
             == open(os.path.join(again["zeroshot_colour"], zs), "rb").read())
     with pytest.raises(DataError, match="n_train must be > 0"):
         demo.make_demo_data(str(tmp_path / "d"), n_train=0)
+
+
+def test_demo_is_made_once(tmp_path, capsys):
+    """A second `mmcl demo-data` into the same folder with the same settings writes nothing (make demo's re-run);
+    other settings write the demo again, and an interrupted first one (no demo.json) is finished."""
+    kw = dict(n_train=60, n_val=5, n_zeroshot=2, shard_size=40)
+    out = tmp_path / "d"
+    first = demo.make_demo_data(str(out), seed=0, progress=False, **kw)
+    shard = data.expand_urls(first["train"])[0]
+    stamp = os.stat(shard).st_mtime_ns
+    again = demo.make_demo_data(str(out), seed=0, progress=True, **kw)
+    assert again == first and os.stat(shard).st_mtime_ns == stamp
+    assert "holds this demo already" in capsys.readouterr().out
+    os.remove(out / demo.DONE)
+    demo.make_demo_data(str(out), seed=0, progress=False, **kw)
+    assert os.stat(shard).st_mtime_ns != stamp and (out / demo.DONE).is_file()
+    other = demo.make_demo_data(str(out), seed=0, progress=False, **dict(kw, n_train=100))
+    assert len(data.expand_urls(other["train"])) == 3

@@ -8,6 +8,7 @@ varied phrasings; the zero-shot prompt templates use the same phrasings.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -32,6 +33,7 @@ COLOURS: Dict[str, Tuple[int, int, int]] = {
     "white": (250, 250, 250),
     "yellow": (245, 225, 30),
 }
+DONE = "demo.json"  # the settings of a complete demo, written last
 SHAPES = ("circle", "cross", "diamond", "square", "star", "triangle")
 SHAPE_WORDS = {  # a shape is sometimes called by a synonym; classnames use the first word
     "circle": ("circle", "disc", "round dot"),
@@ -241,9 +243,19 @@ def make_demo_data(out_dir: str, seed: int = 0, n_train: int = 20000, n_val: int
     # earlier, larger demo are deleted, and nothing else is ever replaced or deleted.
     owned = OutputManifest.claim(out_dir, "demo-data")
     planned = _demo_files(colours, n_train, n_val, n_zeroshot, shard_size)
-    owned.will_write(planned)
-    owned.keep_only(planned)
-    out: Dict[str, str] = {}
+    # The demo is made once: DONE, written last, records the settings; the same settings find it and stop.
+    settings = dict(seed=seed, n_train=n_train, n_val=n_val, image_size=image_size, n_zeroshot=n_zeroshot,
+                    shard_size=shard_size)
+    done = os.path.join(out_dir, DONE)
+    if _read_json(done) == settings and all(os.path.isfile(os.path.join(out_dir, f)) for f in planned
+                                            if not f.endswith(".tmp")):
+        if progress:
+            print(f"mmcl: {out_dir} holds this demo already (seed {seed}, {n_train} training pairs): not written again")
+        return _demo_paths(out_dir, n_train, n_val, shard_size)
+    owned.will_write(planned + [DONE])
+    owned.keep_only(planned + [DONE])
+    if os.path.exists(done):
+        os.remove(done)
     # Independent RNG streams per split, so changing n_train leaves val and zero-shot images unchanged.
     for split, n, stream in (("train", n_train, 1), ("val", n_val, 2)):
         folder = os.path.join(out_dir, split)
@@ -251,11 +263,9 @@ def make_demo_data(out_dir: str, seed: int = 0, n_train: int = 20000, n_val: int
         with ShardWriter(folder, shard_size=shard_size, prefix="shard", image_format="jpg", quality=92) as w:
             for sample in _progress(_samples(n, seed, stream, image_size, split[0]), n, f"demo {split}", progress):
                 w.write(sample)
-        summary = w.close()
+        w.close()
         with open(os.path.join(folder, "classnames.txt"), "w") as f:
             f.write("\n".join(colours) + "\n")
-        last = summary["n_shards"] - 1
-        out[split] = os.path.join(folder, "shard-{000000..%06d}.tar" % last) if last else summary["shards"][0]
 
     def colour_image(k: int, rng: np.random.Generator) -> Image.Image:
         _, s, cell, size = _attributes(rng)
@@ -270,6 +280,25 @@ def make_demo_data(out_dir: str, seed: int = 0, n_train: int = 20000, n_val: int
                   np.random.default_rng([seed & 0xFFFFFFFF, 3]), image_size, progress, "demo zero-shot colour")
     _write_folder(os.path.join(zs, "shape"), list(SHAPES), SHAPE_TEMPLATES, n_zeroshot, shape_image,
                   np.random.default_rng([seed & 0xFFFFFFFF, 4]), image_size, progress, "demo zero-shot shape")
+    with open(done, "w") as f:
+        json.dump(settings, f)
+    return _demo_paths(out_dir, n_train, n_val, shard_size)
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _demo_paths(out_dir: str, n_train: int, n_val: int, shard_size: int) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for split, n in (("train", n_train), ("val", n_val)):
+        last = -(-n // shard_size) - 1
+        out[split] = os.path.join(out_dir, split, "shard-{000000..%06d}.tar" % last if last else "shard-000000.tar")
+    zs = os.path.join(out_dir, "zeroshot")
     out["zeroshot_colour"] = os.path.join(zs, "colour")
     out["zeroshot_shape"] = os.path.join(zs, "shape")
     out["classnames"] = os.path.join(zs, "colour", "classnames.txt")
