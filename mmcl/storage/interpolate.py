@@ -111,12 +111,19 @@ def run_start(run_dir) -> Tuple[torch.nn.Module, Dict[str, Any], str]:
     torch.manual_seed(cfg.train.seed)
     if cfg.model.pretrained:
         model, model_cfg, *_ = weights.build_pretrained(cfg.model)
-        what = f"model.pretrained={start}"
     else:
         model, model_cfg, *_ = models.build(cfg.model)
         weights.init_from(model, cfg.model.init_from)
-        what = f"model.init_from={start}"
-    return model, model_cfg, what
+    return model, model_cfg, run_start(cfg.model)
+
+
+def run_start(model_cfg) -> str:
+    """What a run's first weights were, as its config names them (wise_ft.json's "from")."""
+    if model_cfg.pretrained:
+        return f"model.pretrained={model_cfg.pretrained}"
+    if model_cfg.init_from:
+        return f"model.init_from={model_cfg.init_from}"
+    return "random initial weights"
 
 
 def check_alphas(alphas: Sequence[float]) -> None:

@@ -27,7 +27,10 @@ import torch
 from .. import data as data_mod
 from .. import models
 from ..config import PRECISIONS, TrainConfig, to_dict
+from ..data.decode import SKIP_REASONS
+from ..data.pipeline import skip_units
 from ..data.sizes import describe_sources
+from ..data.skips import SKIP_LOG, SkipLog
 from ..data.sources import redact_values
 from ..errors import ConfigError, MmclError, RunStopped, TrainingError
 from ..evaluation import sets as eval_sets
@@ -109,11 +112,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     after saving a checkpoint on SIGTERM, SIGUSR1 or SIGINT.
     """
     refuse_deepspeed()
-    made = _first_missing(Path(cfg.train.output_dir))
     with contextlib.ExitStack() as held:  # the output directory's lock and the signal handlers, for the whole run
-        # Unwound last, after the lock is released: a run that fails before it writes anything (a wrong
-        # model.name, a model that cannot be built) leaves no folder behind.
-        held.push(lambda *exc: _remove_unused(Path(cfg.train.output_dir), made) if exc[0] is not None else None)
         try:
             return _train(cfg, held)
         except RuntimeError as err:  # torch.distributed's DistError (NCCL's DistBackendError) included
@@ -141,8 +140,8 @@ def _first_missing(out_dir: Path) -> Optional[Path]:
 
 
 def _remove_unused(out_dir: Path, made: Optional[Path]) -> None:
-    """After a run that failed: remove the folders it created (`made` and below, down to `out_dir`) when they hold
-    nothing but its lock file."""
+    """After a run that failed, while it holds the lock: remove the folders it created (`made` and below, down to
+    `out_dir`) when they hold nothing but its lock file."""
     if made is None or not out_dir.is_dir():
         return
     from .runlock import LOCK_NAME
@@ -200,7 +199,10 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     if main:  # out.log: what this process prints, from here on
         held.push(console.start().stop)
         print(f"mmcl: {folder.line}", flush=True)
-    check_inputs(cfg)  # every missing path in one error, before the model, the data workers or any step
+    # Every missing path in one error, a table given as shards, a global batch (as a resumed run keeps it) larger
+    # than the data: before the model, the data workers or any step.
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    check_inputs(resume.keep_global_batch(cfg, processes)[0], processes)
     run = build_run(cfg, held)
     if main:
         console.attach(run.out_dir / runfolder.OUT_LOG)
@@ -263,6 +265,7 @@ class Run:
         self.ckpt_bytes = 0
         self.started = (time.perf_counter(), 0)  # when this invocation's training began, and the samples then
         self.window_start, self.window_samples, self.data_time = 0.0, 0, 0.0
+        self.skips: Dict[str, int] = {}  # data skipped by reason, all processes, at the last logged step
 
     def log(self, msg: str) -> None:
         if self.main:
@@ -389,10 +392,14 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
     def take_directory():
         if run.main:
+            made = _first_missing(run.out_dir)
             checkpoints.check_output_dir(run.out_dir, run.ckpt_dir)
             lock = RunLock(run.out_dir)
             warning = lock.acquire()
             held.callback(lock.release)
+            # Unwound before the release: a run that fails before it writes anything (a wrong model.name, a model
+            # that cannot be built) leaves no folder behind; one refused by the lock removes nothing.
+            held.push(lambda *exc: _remove_unused(run.out_dir, made) if exc[0] is not None else None)
             if warning:
                 run.log(warning)
 
@@ -427,7 +434,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         run.patch_dropout = models.set_patch_dropout(model, cfg.model.patch_dropout, cfg.train.seed,
                                                      accelerator.process_index, accelerator.num_processes,
                                                      cfg.train.accum_steps)
-    run.phases = agreed(accelerator, lambda: phases.plan(cfg, model, run.model_cfg))
+    run.phases = agreed(accelerator, lambda: phases.plan(cfg, model, run.model_cfg, run.total))
     model_size, _, model_length = model_phases.full_sizes(run.model_cfg)
     for p in run.phases:
         run.log(f"phase {p.describe(model_size, model_length)}")
@@ -451,6 +458,7 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         pin_memory=accelerator.device.type == "cuda",
         teacher_view=None if run.teacher is None else run.teacher.view, stored_teacher=cfg.distill.from_shards,
         phases=phases.stream_phases(run.phases, model_size, cfg.train.accum_steps)))
+    run.stream.skip_log = SkipLog(run.out_dir / SKIP_LOG)  # appended to by every process
     run.model, run.optimizer = accelerator.prepare(model, optimizer)
     run.raw_model = accelerator.unwrap_model(run.model)
     run.step_model, run.loss_fn = run.model, run.objective
@@ -669,11 +677,13 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
     last step, whose record waits for the final evaluation. Starts the next timing window."""
     cfg, accelerator, progress, raw_model = run.cfg, run.accelerator, run.progress, run.raw_model
     elapsed = time.perf_counter() - run.window_start
-    units = run.stream.skipped_units  # samples and shards, counted apart
-    skipped = [units["samples"], units["shards"]]
+    mine = run.stream.skipped  # by reason; summed over the processes, then by unit (samples and shards apart)
+    counts = [float(mine.get(r, 0)) for r in SKIP_REASONS]
     if accelerator.num_processes > 1:
-        vec = torch.tensor([float(n) for n in skipped], device=accelerator.device)
-        skipped = [int(n) for n in accelerator.reduce(vec, reduction="sum").tolist()]
+        counts = accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
+    run.skips = {r: int(n) for r, n in zip(SKIP_REASONS, counts)}
+    units = skip_units(run.skips)
+    skipped = [units["samples"], units["shards"]]
     record = {"step": progress.step, "samples": progress.samples, "loss": float(loss.detach()),
               **{k: float(v) for k, v in terms.items()}, "lr": lr,
               "logit_scale": float(fsdp.full(raw_model.logit_scale.detach()).exp()),
@@ -793,11 +803,13 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
                 run.metrics.write(final)
                 last = final
             if run.wise_init is not None and eval_failure is None:  # train.wise_ft, each alpha evaluated as above
+                from ..storage.interpolate import run_start
                 from .wise_ft import wise_ft_of_run
 
-                for line in wise_ft_of_run(run.wise_init, final_model, run.model_cfg, run.pp_cfg, cfg.train.wise_ft,
-                                           out_dir, lambda m: run_eval(cfg, m, run.tokenizer, run.pp_cfg, accelerator,
-                                                                       None, run.global_batch)):
+                for line in wise_ft_of_run(run.wise_init, run_start(cfg.model), final_model, run.model_cfg,
+                                           run.pp_cfg, cfg.train.wise_ft, out_dir,
+                                           lambda m: run_eval(cfg, m, run.tokenizer, run.pp_cfg, accelerator,
+                                                              None, run.global_batch)):
                     run.log(line)
         averaged.close()
         del final_model  # the gathered FSDP replica
@@ -810,11 +822,12 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
                     run.log(f"plot written: {p}")
             except ImportError as err:  # matplotlib is optional
                 run.log(f"plots skipped: {err}")
+    run.stream.skip_log.close()
     if run.main:  # the summary, also the end of out.log
         for line in runfolder.summary_lines(progress.step, progress.samples, time.perf_counter() - run.started[0],
                                             progress.samples - run.started[1],
                                             int(last.get("data/skipped_samples", 0)), progress.skipped_steps, last,
-                                            out_dir / "model", int(last.get("data/skipped_shards", 0))):
+                                            out_dir / "model", int(last.get("data/skipped_shards", 0)), run.skips):
             run.log(line)
     accelerator.end_training()
     if eval_failure is not None:

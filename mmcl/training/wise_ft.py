@@ -50,9 +50,10 @@ def wise_ft(init, finetuned, alphas: Sequence[float], out_dir, data: Optional[st
 RUN_SUBDIR = "wise_ft"  # in a run folder (train.wise_ft): the alphas' models and wise_ft.json
 
 
-def wise_ft_of_run(init_state, model, model_cfg: Dict[str, Any], pp_cfg: Dict[str, Any], alphas: Sequence[float],
-                   out_dir, evaluate: Callable[[Any], Dict[str, float]]) -> List[str]:
-    """``train.wise_ft`` at the end of a run: each alpha between the run's initial weights `init_state` and its final
+def wise_ft_of_run(init_state, start: str, model, model_cfg: Dict[str, Any], pp_cfg: Dict[str, Any],
+                   alphas: Sequence[float], out_dir, evaluate: Callable[[Any], Dict[str, float]]) -> List[str]:
+    """``train.wise_ft`` at the end of a run: each alpha between the run's initial weights `init_state` (named by
+    `start`, as ``mmcl interpolate`` names them) and its final
     `model` (not changed) written under ``out_dir/wise_ft/alpha_<a>/`` and scored by `evaluate` (the run's final
     evaluation, every set); results in ``out_dir/wise_ft/wise_ft.json``. Returns the lines to log."""
     import torch
@@ -61,7 +62,7 @@ def wise_ft_of_run(init_state, model, model_cfg: Dict[str, Any], pp_cfg: Dict[st
     device = next(model.parameters()).device
     work = copy.deepcopy(model).to("cpu")
     written, manifest = write_alphas(init_state, model_cfg, work, model_cfg, pp_cfg, alphas, folder,
-                                     {"from": "the run's initial weights", "to": str(Path(out_dir) / "model")})
+                                     {"from": start, "to": str(Path(out_dir) / "model")})
     del work
     results, lines = [], []
     for alpha, alpha_dir in written:
