@@ -42,12 +42,13 @@ CONFIG = ROOT / "configs" / "clipa.yaml"
 def phase_sizes(cfg):
     """[(fraction of the steps, image size, context length, patch dropout)] of the config's phases, resolved."""
     from mmcl import models
+    from mmcl.config import phase_lengths
     from mmcl.models.phases import full_sizes
 
     size, _, length = full_sizes(models.resolve_model_config(cfg.model))
-    total = sum(p.steps for p in cfg.train.phases)
-    return [(p.steps / total, p.image_size or size, p.context_length or length, p.patch_dropout or 0.0)
-            for p in cfg.train.phases]
+    steps = phase_lengths(cfg.train.phases, cfg.train.steps)
+    return [(n / cfg.train.steps, p.image_size or size, p.context_length or length, p.patch_dropout or 0.0)
+            for p, n in zip(cfg.train.phases, steps)]
 
 
 # ------------------------------------------------------------------------------------------------ cost

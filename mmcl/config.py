@@ -238,9 +238,12 @@ class OptimConfig(_Section):
 
 @dataclass
 class PhaseConfig(_Section):
-    """One phase of ``train.phases``: its length in steps, and the sizes its steps train at (None: the model's)."""
+    """One phase of ``train.phases``: its length, and the sizes its steps train at (None: the model's). The length
+    is ``steps``, or ``fraction`` of the run's steps (rounded down), or neither for the last phase: the rest of the
+    run (`phase_lengths`)."""
 
-    steps: int = 1
+    steps: Optional[int] = None
+    fraction: Optional[float] = None
     image_size: Optional[int] = None
     context_length: Optional[int] = None
     patch_dropout: Optional[float] = None
@@ -282,9 +285,10 @@ class TrainSection(_Section):
     # WiSE-FT (Wortsman et al. 2022): after training, the weights (1 - a) * initial + a * final for each alpha a,
     # each written as a model under output_dir/wise_ft/alpha_<a>/ and evaluated as the final model is (mmcl interpolate)
     wise_ft: Optional[List[float]] = None
-    # Token-reduction phases (CLIPA, Li et al. 2023), in order: a list of {steps, image_size, context_length,
-    # patch_dropout}; a key left out keeps the model's own value; the steps add up to train.steps. Empty: every
-    # step at the model's own size (mmcl/training/phases.py)
+    # Token-reduction phases (CLIPA, Li et al. 2023), in order: a list of {steps or fraction, image_size,
+    # context_length, patch_dropout}; a size left out keeps the model's own value; a phase's length is its steps or
+    # its fraction of the run's steps, and a last phase with neither takes the rest. Empty: every step at the
+    # model's own size (mmcl/training/phases.py)
     phases: List[PhaseConfig] = field(default_factory=list)
 
 
@@ -832,27 +836,48 @@ def data_weight_problems(data: DataConfig, n_sources: Optional[int] = None) -> L
 
 
 def _phase_problems(cfg: TrainConfig) -> List[str]:
-    """``train.phases``: positive steps adding up to train.steps, sizes that can be trained at (the model's own
-    limits are checked where it is built: `mmcl.training.phases.check_phases`)."""
-    phases, problems = cfg.train.phases, []
-    if not phases:
-        return problems
-    if cfg.train.samples is not None or cfg.train.epochs is not None:
-        problems.append("train.phases needs the run's length in train.steps (got train.samples or train.epochs)")
-    for i, p in enumerate(phases):
-        if p.steps < 1:
+    """``train.phases``: lengths and sizes that can be trained at; the lengths against train.steps when it is the
+    run's length (else where the run's steps are known; the model's limits where it is built:
+    `mmcl.training.phases.plan`)."""
+    problems = []
+    for i, p in enumerate(cfg.train.phases):
+        if p.steps is not None and p.fraction is not None:
+            problems.append(f"train.phases[{i}] has both steps and fraction: give one")
+        elif p.steps is not None and p.steps < 1:
             problems.append(f"train.phases[{i}].steps must be >= 1 (got {p.steps})")
+        elif p.fraction is not None and not 0 < p.fraction <= 1:
+            problems.append(f"train.phases[{i}].fraction must be in (0, 1] (got {p.fraction})")
         if p.image_size is not None and p.image_size < 1:
             problems.append(f"train.phases[{i}].image_size must be >= 1 or left out (got {p.image_size})")
         if p.context_length is not None and p.context_length < 2:
             problems.append(f"train.phases[{i}].context_length must be >= 2 or left out (got {p.context_length})")
         if p.patch_dropout is not None and not 0.0 <= p.patch_dropout < 1.0:
             problems.append(f"train.phases[{i}].patch_dropout must be in [0, 1) or left out (got {p.patch_dropout})")
-    total = sum(p.steps for p in phases)
-    if total != cfg.train.steps and cfg.train.samples is None and cfg.train.epochs is None:
-        problems.append(f"train.phases' steps add up to {total} (" + " + ".join(str(p.steps) for p in phases)
-                        + f"), not train.steps={cfg.train.steps}")
+    if not problems and cfg.train.phases and cfg.train.samples is None and cfg.train.epochs is None:
+        try:
+            phase_lengths(cfg.train.phases, cfg.train.steps)
+        except ConfigError as err:
+            problems.append(str(err))
     return problems
+
+
+def phase_lengths(phases: List[PhaseConfig], total: int) -> List[int]:
+    """Each phase's steps in a run of `total` steps: its ``steps``, or its ``fraction`` of `total` rounded down, or
+    for a last phase with neither the steps left. Raises ConfigError unless every phase gets a step and together
+    they make the run."""
+    lengths = [p.steps if p.steps is not None else None if p.fraction is None
+               else math.floor(p.fraction * total + 1e-9) for p in phases]
+    if None in lengths[:-1]:
+        raise ConfigError(f"train.phases[{lengths.index(None)}] has neither steps nor fraction: only the last phase "
+                          f"may leave both out (it takes the rest of the run)")
+    if lengths[-1] is None:
+        lengths[-1] = total - sum(lengths[:-1])
+    if min(lengths) < 1 or sum(lengths) != total:
+        way = ("a longer run" if all(p.steps is None for p in phases) else "give the last phase no steps and no "
+               "fraction to take the rest, the others as fractions of the run (e.g. fraction: 0.9)")
+        raise ConfigError(f"train.phases' steps are {' + '.join(map(str, lengths))} = {sum(lengths)}, not the run's "
+                          f"{total} with at least one step each: {way}")
+    return lengths
 
 
 def _length_problems(cfg: TrainConfig) -> List[str]:

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from mmcl import models
-from mmcl.config import from_dict, load_config, to_dict
+from mmcl.config import from_dict, load_config, phase_lengths, to_dict
 from mmcl.training.optim import build_optimizer
 from mmcl.training.step import objective_from_config
 
@@ -125,8 +125,8 @@ def test_clipa_config_trains_most_steps_on_few_tokens_then_briefly_at_full_size(
     model_cfg = models.resolve_model_config(cfg.model)
     size, length = model_cfg["vision_cfg"]["image_size"], model_cfg["text_cfg"]["context_length"]
     first, last = cfg.train.phases[0], cfg.train.phases[-1]
-    assert sum(p.steps for p in cfg.train.phases) == cfg.train.steps
-    assert first.steps >= 0.8 * cfg.train.steps
+    lengths = phase_lengths(cfg.train.phases, cfg.train.steps)
+    assert sum(lengths) == cfg.train.steps and lengths[0] >= 0.8 * cfg.train.steps
     assert (first.image_size / size) ** 2 <= 0.25 and first.context_length <= length // 2 and first.patch_dropout > 0
     assert last.image_size in (None, size) and last.context_length in (None, length)
     assert not last.patch_dropout and not cfg.model.patch_dropout and cfg.train.unmasked_steps == 0
@@ -156,7 +156,7 @@ def test_lit_minilm_config_locks_the_whole_text_tower():
 FRUIT = {"ripe_tomato": (200, 30, 20), "lime": (60, 200, 40), "blueberry": (40, 50, 180)}
 SIZES = [(37, 53), (96, 64), (120, 120), (48, 80), (200, 150)]  # none of them the models' input size
 PYTHON_FORMAT_WARNING = re.compile(r"mmcl[/\\]\w+\.py:\d+: \w*Warning")  # mmcl warns in one line instead
-STEPS = ["train.steps=3", "data.batch_size=8", "data.workers=2", "data.shuffle_buffer=16", "train.log_every=1",
+STEPS = ["train.steps=4", "data.batch_size=8", "data.workers=2", "data.shuffle_buffer=16", "train.log_every=1",
          "train.progress=false", "train.plot=false"]
 
 
@@ -220,11 +220,17 @@ def _overrides(path: Path) -> list:
         extra.append(f"model.text.hf={_minilm_dir()}")
     if cfg.train.samples is not None:
         extra.append("train.samples=null")
-    if cfg.train.phases:  # the config's phases over the 3 steps: 2 in the first phase, 1 in the last
-        sizes = [{k: v for k, v in vars(p).items() if k != "steps" and not k.startswith("_") and v is not None}
-                 for p in (cfg.train.phases[0], cfg.train.phases[-1])]
-        extra.append("train.phases=" + json.dumps([dict(sizes[0], steps=2), dict(sizes[1], steps=1)]))
     return extra
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_takes_a_short_run_as_it_is(path):
+    """The overrides a user tries first (a few steps) work on every shipped config: its schedule (train.phases
+    included) follows the run's length."""
+    cfg = _config(path, ["train.steps=4", *_overrides(path)])
+    assert cfg.train.steps == 4
+    if cfg.train.phases:
+        assert sum(phase_lengths(cfg.train.phases, 4)) == 4
 
 
 # Runs `mmcl train` (the command line's entry point, warning format and error handling included) once per config in
@@ -263,7 +269,7 @@ for name, argv in json.loads(sys.argv[1]).items():
 
 @pytest.fixture(scope="module")
 def config_runs(user_dir):
-    """Every shipped config trained 3 steps by the command line in `user_dir`, with relative paths.
+    """Every shipped config trained 4 steps by the command line in `user_dir`, with relative paths.
     Returns {config file name: (exit code, stderr)}."""
     runs = {path.name: ["--config", str(path), "data.train=shards/shard-{000000..000003}.tar",
                         "eval.zeroshot=photos/eval", f"train.output_dir=runs/{path.stem}", *STEPS, *_overrides(path)]
@@ -286,7 +292,7 @@ def test_every_shipped_config_trains_on_other_data_from_another_directory(user_d
     assert "Traceback" not in stderr and not PYTHON_FORMAT_WARNING.search(stderr), stderr
     run = user_dir / "runs" / path.stem
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
     assert 0.0 <= rows[-1]["eval/zeroshot_classification/eval/acc1"] <= 1.0  # evaluated after model/ was saved
     model, preprocess, tokenizer = mmcl.load(run)
     photos = sorted((user_dir / "photos" / "eval").glob("*/*"))

@@ -114,7 +114,8 @@ def test_phases_config_from_the_command_line_and_its_errors():
                                                "patch_dropout: 0.5}, {steps: 10}]"])
     assert [(p.steps, p.image_size, p.context_length, p.patch_dropout) for p in cfg.train.phases] == [
         (30, 32, 16, 0.5), (10, None, None, None)]
-    with pytest.raises(ConfigError, match=r"^train.phases' steps add up to 40 \(30 \+ 10\), not train.steps=41$"):
+    with pytest.raises(ConfigError, match=r"^train.phases' steps are 30 \+ 10 = 40, not the run's 41 with at least "
+                                          r"one step each: give the last phase no steps and no fraction to take "):
         load_config(None, ["train.steps=41", "train.phases=[{steps: 30}, {steps: 10}]"])
     with pytest.raises(ConfigError, match=r"patch_dropout must be in \[0, 1\)"):
         load_config(None, ["train.steps=10", "train.phases=[{steps: 10, patch_dropout: 1.0}]"])
@@ -126,7 +127,38 @@ def test_phases_config_from_the_command_line_and_its_errors():
     model, model_cfg, *_ = models.build(bad.model)
     with pytest.raises(ConfigError, match=r"image_size=36 is not a multiple of the patch size 8.*context_length=40 "
                                           r"exceeds the model's context length 32"):
-        phases.plan(bad, model, model_cfg)
+        phases.plan(bad, model, model_cfg, 10)
+
+
+def test_phases_as_fractions_or_the_rest_follow_the_run_length(demo):
+    """A phase given as a fraction of the run, or a last phase that takes the rest, keeps the schedule when the
+    run's length changes, whichever key sets it (train.steps, train.samples, train.epochs)."""
+    from mmcl.config import phase_lengths
+    from mmcl.training import loop, phases
+
+    spec = "train.phases=[{fraction: 0.9, image_size: 32}, {}]"
+    for steps, lengths in ((150, [135, 15]), (4, [3, 1]), (2, [1, 1]), (10, [9, 1])):
+        cfg = load_config(None, [f"train.steps={steps}", spec])
+        assert phase_lengths(cfg.train.phases, steps) == lengths
+    thirds = load_config(None, ["train.phases=[{fraction: 0.3}, {fraction: 0.4}, {fraction: 0.3}]"]).train.phases
+    assert phase_lengths(thirds, 100) == [30, 40, 30] and phase_lengths(thirds, 10) == [3, 4, 3]
+    assert phase_lengths(load_config(None, ["train.phases=[{steps: 5}, {}]"]).train.phases, 12) == [5, 7]
+    with pytest.raises(ConfigError, match=r"steps are 0 \+ 1 = 1, not the run's 1 with at least one step each: a "
+                                          r"longer run$"):
+        load_config(None, ["train.steps=1", spec])
+    with pytest.raises(ConfigError, match=r"train.phases\[0\] has neither steps nor fraction: only the last phase"):
+        load_config(None, ["train.phases=[{}, {steps: 3}]"])
+    with pytest.raises(ConfigError, match=r"train.phases\[0\] has both steps and fraction"):
+        load_config(None, ["train.phases=[{steps: 3, fraction: 0.5}, {}]"])
+
+    # train.samples and train.epochs set the length at the start of the run: the phases follow it
+    model, model_cfg, *_ = models.build(load_config(None, MICRO).model)
+    for length in ("train.samples=800", "train.epochs=2"):
+        cfg = load_config(None, [*MICRO, f"data.train={demo['train']}", "data.batch_size=8", length, spec])
+        total = loop.total_steps(cfg, 1)
+        plan = phases.plan(cfg, model, model_cfg, total)
+        assert [(p.start, p.steps, p.image_size) for p in plan] == [
+            (0, math.floor(0.9 * total), 32), (math.floor(0.9 * total), total - math.floor(0.9 * total), 64)]
 
 
 # ------------------------------------------------------------------------------------------ data

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import TrainConfig, phase_lengths
 from ..errors import ConfigError
 from ..models import build_tokenizer
 from ..models import phases as model_phases
@@ -49,14 +49,15 @@ class Phase:
         return f"steps {self.start + 1}-{self.start + self.steps}: " + ", ".join(parts)
 
 
-def plan(cfg: TrainConfig, model: nn.Module, model_cfg: Dict[str, Any]) -> List[Phase]:
-    """The run's phases resolved against the model (none without ``train.phases``); makes the image tower follow
-    its input's size when a phase trains at another one. Raises ConfigError for sizes the model cannot take."""
+def plan(cfg: TrainConfig, model: nn.Module, model_cfg: Dict[str, Any], total: int) -> List[Phase]:
+    """The run's phases resolved against its `total` steps (`mmcl.config.phase_lengths`) and the model (none
+    without ``train.phases``); makes the image tower follow its input's size when a phase trains at another one.
+    Raises ConfigError for lengths that do not make the run and sizes the model cannot take."""
     if not cfg.train.phases:
         return []
     size, patch, length = model_phases.full_sizes(model_cfg)
     out, start, problems = [], 0, []
-    for i, p in enumerate(cfg.train.phases):
+    for i, (p, steps) in enumerate(zip(cfg.train.phases, phase_lengths(cfg.train.phases, total))):
         image_size = size if p.image_size is None else int(p.image_size)
         if p.image_size is not None and (size is None or patch is None):
             problems.append(f"train.phases[{i}].image_size needs a ViT image tower with a patch size (this model "
@@ -67,8 +68,8 @@ def plan(cfg: TrainConfig, model: nn.Module, model_cfg: Dict[str, Any]) -> List[
         if p.context_length is not None and length is not None and p.context_length > length:
             problems.append(f"train.phases[{i}].context_length={p.context_length} exceeds the model's context "
                             f"length {length} (its text position embedding has {length} rows)")
-        out.append(Phase(start, int(p.steps), image_size, p.context_length, p.patch_dropout))
-        start += int(p.steps)
+        out.append(Phase(start, steps, image_size, p.context_length, p.patch_dropout))
+        start += steps
     last = out[-1]
     if cfg.train.wise_ft and (last.image_size != size or last.context_length not in (None, length)):
         problems.append("train.wise_ft interpolates the initial and the final weights, which need the same sizes: "
