@@ -10,16 +10,18 @@ names, one per class folder; templates; unique set names; ``eval.val_loss``'s sh
 hub name in the cache), ``distill.teacher`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
 ``http://``) and hub model names are not checked. Relative paths resolve against the current directory, as
 everywhere in mmcl; the error shows them resolved, so a run started from another directory says where it looked.
+A table (CSV, TSV, JSON lines, parquet) given as shards is refused naming ``mmcl shards``, and a global batch larger
+than the data, where its size is known, with the numbers.
 """
 
 from __future__ import annotations
 
 import os
-from typing import List
+from typing import List, Optional
 
 from ..config import TrainConfig
 from ..data import has_scheme, missing_shards
-from ..data.sources import redact
+from ..data.sources import _split_spec, redact
 from ..errors import ConfigError, DataError
 from ..evaluation.evaluate import reading_options
 from ..evaluation.sets import set_problems
@@ -46,8 +48,6 @@ def _pipe_problems(spec) -> List[str]:
     skipped shard after shard)."""
     import shlex
     import shutil
-
-    from ..data.sources import _split_spec
 
     missing = {}
     try:
@@ -103,15 +103,59 @@ def input_problems(cfg: TrainConfig) -> List[str]:
     return problems
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """Raise one `ConfigError` naming every missing input of the run (see `input_problems`)."""
-    problems = input_problems(cfg)
-    if not problems:
+def table_problem(spec) -> Optional[str]:
+    """A table (the CSV open_clip trains from, or any table `mmcl shards` reads) named as a training source: the
+    line that names the command making shards of it."""
+    from ..data.writer import _TABLE_EXTS
+
+    try:
+        sources = _split_spec(spec)
+    except (DataError, OSError):
+        return None  # `missing_shards` says why
+    for source in sources:
+        if source.lower().endswith(_TABLE_EXTS) and not (has_scheme(source) and not source.startswith("file://")):
+            return (f"data.train: {redact(source)} is a table, not WebDataset shards: make shards of it with "
+                    f"`mmcl shards --input {redact(source)} --out DIR`, then train with data.train=DIR")
+    return None
+
+
+def batch_problem(cfg: TrainConfig, processes: int) -> Optional[str]:
+    """A global batch larger than the training data, where the data's size is known (``data.train_num_samples``,
+    else the shards' counts, as `mmcl.training.loop.run_length` takes them): a contrastive batch would hold the same
+    sample more than once, each copy a false negative of the other."""
+    from ..data.sizes import shard_samples
+
+    batch, accum = cfg.data.batch_size, cfg.train.accum_steps
+    if cfg.data.train_num_samples is not None:
+        samples, source = cfg.data.train_num_samples, "data.train_num_samples"
+    else:
+        try:
+            samples, source = shard_samples(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards)
+        except (DataError, OSError):
+            return None  # not known before reading the data
+    if batch * processes * accum <= samples:
+        return None
+    fits = samples // (processes * accum)
+    return (f"the global batch of {batch * processes * accum} samples (data.batch_size={batch} x {processes} "
+            f"process{'es' if processes > 1 else ''} x train.accum_steps={accum}) is larger than the data's "
+            f"{samples} samples ({source}): one batch would hold the same samples twice, as false negatives of "
+            f"each other; " + (f"set data.batch_size to at most {fits}" if fits else "use fewer processes or "
+                                                                             "train.accum_steps, or more data"))
+
+
+def check_inputs(cfg: TrainConfig, processes: int = 1) -> None:
+    """Raise one `ConfigError`: a table given as shards (`table_problem`), every missing input of the run (see
+    `input_problems`), or a global batch of `processes` larger than the data (`batch_problem`)."""
+    text = table_problem(cfg.data.train)
+    problems = [] if text else input_problems(cfg)
+    if problems:
+        text = "; ".join(problems)
+        if any(not p.startswith("data.train is not set") for p in problems):
+            text = (f"missing input{'s' if len(problems) > 1 else ''} (relative paths resolve against the current "
+                    f"directory, {os.getcwd()}): {text}")
+    text = text or batch_problem(cfg, processes)
+    if not text:
         return
-    text = "; ".join(problems)
-    if any(not p.startswith("data.train is not set") for p in problems):
-        text = (f"missing input{'s' if len(problems) > 1 else ''} (relative paths resolve against the current "
-                f"directory, {os.getcwd()}): {text}")
     err = ConfigError(text)
     # Every process of a launched run checks alike; all but rank 0 stay quiet, so the line shows once.
     err.quiet = int(os.environ.get("RANK", "0") or 0) > 0

@@ -10,6 +10,8 @@ The rule (`decide`, printed in one line at start):
   differ where the global batch stays the run's, and the same per-process values on another number of processes
   are the same run (`mmcl.training.resume.keep_global_batch` then keeps the global batch);
 * this run, finished (``model/`` saved at or after the last step), is reported finished and nothing is touched;
+* a folder whose run stopped before step 1 (no checkpoint, no model, no metrics record: nothing to resume) is
+  taken over by the next run, which says so with the differences;
 * a folder with another run is refused in one line naming the differences and the two ways on: another
   ``train.output_dir``, or ``train.resume=force`` (resume despite them; ``config.yaml`` then records the new
   config, which trains the weights from there on);
@@ -253,6 +255,9 @@ def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decisio
     else:
         current = redact_values(to_dict(cfg))  # config.yaml holds no credentials either
         other, allowed = differences(saved, current, saved_global_batch(out, saved, record), processes)
+    if other and not force and marker is None and _model_steps(out) is None and not _last_record(out):
+        return Decision("start", f"taking over {out}: its last run stopped before step 1 (config differences: "
+                                 f"{'; '.join(other)})", write_config=True)
     if other and not force:
         raise ConfigError(f"train.output_dir {out} holds another run (step {step}): {'; '.join(other)}; nothing was "
                           f"changed: choose another train.output_dir for a new run, or set train.resume=force to "

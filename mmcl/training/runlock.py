@@ -9,6 +9,10 @@ lock is free was left by a run that ended without releasing it (killed): it is t
 Not ``flock``: a flock belongs to the open file, which forked children (data loader workers) share, so after a
 SIGKILL of the training process its workers would hold the directory until they notice and exit; record locks
 are not inherited by fork. (They are also what NFS supports.)
+
+Only the holder removes anything: a run that fails before it writes a file removes the folder it made, this file
+included, before it releases the lock (`mmcl.training.loop`). A run that opened the file just before that locks it
+only once the path still names the file it locked, so two runs never hold two locks of one folder.
 """
 
 from __future__ import annotations
@@ -37,6 +41,25 @@ class RunLock:
         self._fd: Optional[int] = None
 
     def acquire(self) -> Optional[str]:
+        fd = self._lock()
+        while not _names(self.path, fd):  # its holder removed the file (and the folder it made) before releasing it
+            os.close(fd)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = self._lock()
+        previous = _read(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        except OSError as err:  # a full disk
+            os.close(fd)
+            raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
+        self._fd = fd
+        if previous:
+            return f"warning: took over the lock of a run that ended without releasing it ({previous})"
+        return None
+
+    def _lock(self) -> int:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
@@ -51,18 +74,7 @@ class RunLock:
             os.close(fd)
             raise TrainingError(f"{self.path.parent} is in use by another run ({holder}); wait for it to end or "
                                 f"choose another train.output_dir") from None
-        previous = _read(fd)
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
-        except OSError as err:  # a full disk
-            os.close(fd)
-            raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
-        self._fd = fd
-        if previous:
-            return f"warning: took over the lock of a run that ended without releasing it ({previous})"
-        return None
+        return fd
 
     def release(self) -> None:
         if self._fd is None:
@@ -71,7 +83,7 @@ class RunLock:
             os.ftruncate(self._fd, 0)  # an empty file means released cleanly; the file stays (see below)
         except OSError:
             pass
-        # Never unlinked: a run that opened the old path just before an unlink would lock a file nobody else sees.
+        # Left in place: removed only by its holder, with the folder it made (see the module's notes).
         os.close(self._fd)
         self._fd = None
 
@@ -80,6 +92,15 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` is still the file open as `fd`."""
+    try:
+        st, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _read(fd: int) -> str:
