@@ -1,7 +1,8 @@
 """Training checkpoints on disk: layout, save, verify, and the choice of the one to resume from.
 
-Layout: ``checkpoints/step-NNNNNNNN/`` holds accelerate's state plus one ``rank_state_<i>.pt`` per process and a
-``COMPLETE`` marker written last. The marker records the progress (step, samples) and the size and SHA-256 of
+Layout: ``checkpoints/step-NNNNNNNN/`` holds accelerate's state (the model's weights in ``model.safetensors``), one
+``rank_state_<i>.pt`` per process, the model's architecture and preprocessing (``model_config.json``, as a model
+directory's ``open_clip_config.json`` records them) and a ``COMPLETE`` marker written last. The marker records the progress (step, samples) and the size and SHA-256 of
 every file, so a truncated or altered file is found before loading, not halfway through. A checkpoint that
 fails this check is renamed ``damaged-step-NNNNNNNN`` (never deleted: it is evidence, and the new name keeps it
 out of ``keep_checkpoints`` rotation and out of the way of a new save of the same step).
@@ -39,6 +40,8 @@ CKPT_PREFIX = "step-"
 DAMAGED_PREFIX = "damaged-"
 LATEST = "latest"
 COMPLETE = "COMPLETE"
+MODEL_CONFIG = "model_config.json"  # {"model_cfg", "preprocess_cfg"}: what the checkpoint's weights are of
+_STEP_NAME = re.compile(r"^(\.tmp-|damaged-)?step-\d+(-\d+)?$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # What accelerate names the state of objects given to `register_for_checkpointing`. mmcl registers none; a
 # checkpoint holding such files (an earlier layout) has the progress at index 0 and, with train.ema_decay, the
@@ -224,6 +227,73 @@ def newest_run_weights(run_dir: Path) -> Optional[Path]:
     return newest_verified_checkpoint(Path(run_dir) / CHECKPOINTS_DIR, only=(MODEL_WEIGHTS,))
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether the folder `path` is (or was meant to be) a training checkpoint: a COMPLETE marker, a rank state or a
+    checkpoint's name (``step-N``) inside a ``checkpoints/`` folder."""
+    path = Path(path)
+    return path.is_dir() and ((path / COMPLETE).exists() or rank_state_file(path, 0).is_file() or (
+        path.parent.name == CHECKPOINTS_DIR and bool(_STEP_NAME.match(path.name))))
+
+
+def model_of_checkpoint(ckpt: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """The model a complete training checkpoint holds: (state dict, its ``model_config.json`` or None when the
+    checkpoint records none, as those written before it did).
+
+    The weights are the ones the run's ``model/`` would hold at this step: with ``train.ema_decay`` the weight
+    average (saved in rank 0's state) in place of the trained weights, else the trained weights. The marker, the
+    weights and the files read are checked first; a checkpoint without its marker (an interrupted save, a partial
+    copy) or with a missing or altered file is one `CheckpointError` naming it and why.
+    """
+    from safetensors.torch import load_file
+
+    if not (ckpt / COMPLETE).is_file():
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: it has no {COMPLETE} marker (its save was "
+                              f"interrupted, or it is a partial copy); use another checkpoint or the run's model/")
+    try:
+        listed = read_marker(ckpt).get("files") or {}
+    except (ValueError, OSError):
+        listed = {}  # verify_checkpoint names what is wrong with the marker
+    only = tuple(n for n in (MODEL_WEIGHTS, MODEL_CONFIG, rank_state_file(ckpt, 0).name) if n in listed) or None
+    problem = verify_checkpoint(ckpt, only)
+    if problem is None and not (ckpt / MODEL_WEIGHTS).is_file():
+        problem = f"it holds no {MODEL_WEIGHTS} (an FSDP checkpoint keeps its weights sharded: use the run's model/)"
+    if problem:
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: {problem}")
+    try:
+        state = load_file(str(ckpt / MODEL_WEIGHTS))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad headers
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: {MODEL_WEIGHTS} is not a readable safetensors file "
+                              f"({str(err).splitlines()[0]})") from None
+    ema = _ema_of(ckpt)
+    if ema is not None:
+        unknown = sorted(set(ema) - set(state))
+        if unknown:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: its weight average names {len(unknown)} tensors "
+                                  f"the weights lack (e.g. {unknown[0]})")
+        state.update({n: t.to(state[n].dtype) for n, t in ema.items()})
+    meta = None
+    if (ckpt / MODEL_CONFIG).is_file():
+        try:
+            meta = json.loads((ckpt / MODEL_CONFIG).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {MODEL_CONFIG} is unreadable "
+                                  f"({type(err).__name__})") from None
+    return state, meta
+
+
+def _ema_of(ckpt: Path) -> Optional[Dict[str, Any]]:
+    """The weight average's tensors by parameter name in `ckpt`, or None when the run kept none."""
+    rank0 = rank_state_file(ckpt, 0)
+    try:
+        state = load_plain(rank0) if rank0.is_file() else {"ema": legacy_custom_states(ckpt).get(LEGACY_EMA)}
+    except (OSError, RuntimeError, EOFError) as err:  # a truncated file; a pickled object is a CheckpointError
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: {rank0.name} is unreadable "
+                              f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    ema = state.get("ema") if isinstance(state, dict) else None
+    shadow = ema.get("shadow") if isinstance(ema, dict) else None
+    return shadow if isinstance(shadow, dict) else None
+
+
 def set_aside(ckpt: Path) -> Path:
     """Rename a damaged checkpoint to ``damaged-<name>`` (``-2``, ``-3``... when taken); returns the new path."""
     target = ckpt.with_name(DAMAGED_PREFIX + ckpt.name)
@@ -307,14 +377,15 @@ def free_space_warning(out_dir: Path, needed: int) -> Optional[str]:
 
 
 def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_state: Dict[str, Any], keep: int,
-                    agreed: Callable, needed: int = 0) -> Path:
+                    agreed: Callable, needed: int = 0, model_meta: Optional[Dict[str, Any]] = None) -> Path:
     """All processes call this. Writes ``.tmp-step-N``, records sizes and SHA-256 of its files in COMPLETE,
     renames it to ``step-N``, moves ``latest`` and removes checkpoints beyond the newest `keep` (0: keep all).
 
     A write failure on any process (full disk, read-only) removes the temporary directory, leaves the previous
     checkpoints and ``latest`` as they were and raises `StorageError` on every process (through `agreed`, the
     training's ``agree.agreed(accelerator, fn)``: storage knows nothing of how processes agree). `needed` is the
-    expected size in bytes (for the message).
+    expected size in bytes (for the message). `model_meta` (``{"model_cfg", "preprocess_cfg"}``) is written as
+    ``model_config.json``, so that the checkpoint alone is a model (`model_of_checkpoint`).
 
     Not `fsutil.atomic_dir`: the temporary directory is made by the main process, filled by every process and
     renamed by the main one in three agreed phases (one with-block cannot span them), a checkpoint directory
@@ -341,6 +412,8 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
             accelerator.save_state(str(tmp))
             # Data position and loss queues differ per process; accelerate saves custom state on the main one only.
             torch.save(rank_state, rank_state_file(tmp, accelerator.process_index))
+            if main and model_meta is not None:
+                (tmp / MODEL_CONFIG).write_text(json.dumps(model_meta, indent=2) + "\n")
         except Exception as err:  # noqa: BLE001 - torch and safetensors wrap I/O errors in their own types
             converted = storage_error(err, what, ckpt_dir, needed, tmp)
             if converted is None:

@@ -76,12 +76,12 @@ def interpolate_state(init: Dict[str, torch.Tensor], finetuned: Dict[str, torch.
 def write_interpolations(init_path, finetuned_path, alphas: Sequence[float], out_dir
                          ) -> Tuple[List[Tuple[float, Path]], OutputManifest]:
     """Write one model per alpha under ``out_dir/alpha_<a>/`` (`alpha_dir_name`) from two model folders (anything
-    `mmcl.load` reads; `init_path` None: the start of the run `finetuned_path`, `run_start`); returns
+    `mmcl.load` reads; `init_path` None: the start of the run `finetuned_path`, `start_weights`); returns
     ([(alpha, folder)], the output folder's manifest). `ConfigError`, one line, for an alpha outside [0, 1] or two
     architectures; nothing is written then."""
     check_alphas(alphas)
     if init_path is None:  # the weights the run in `finetuned_path` started from
-        init_model, init_cfg, init_path = run_start(finetuned_path)
+        init_model, init_cfg, init_path = start_weights(finetuned_path)
     else:
         init_model, init_cfg, _ = weights.load_model_dir(init_path)
     init_state = {k: v.detach().clone() for k, v in init_model.state_dict().items()}
@@ -91,7 +91,7 @@ def write_interpolations(init_path, finetuned_path, alphas: Sequence[float], out
                         {"from": str(init_path), "to": str(finetuned_path)})
 
 
-def run_start(run_dir) -> Tuple[torch.nn.Module, Dict[str, Any], str]:
+def start_weights(run_dir) -> Tuple[torch.nn.Module, Dict[str, Any], str]:
     """The weights a training run started from, rebuilt from its ``config.yaml`` as training built them
     (``model.pretrained`` or ``model.init_from``, read from the same files, the same seed for anything they do not
     cover): ``(model, model_cfg, what)``. `ConfigError` when `run_dir` is no run folder or the run started from

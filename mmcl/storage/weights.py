@@ -163,19 +163,41 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     return out_dir
 
 
-def find_model_dir(path) -> Path:
-    """Resolve a run directory, its ``model/``, or an export directory to the directory holding the weights."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"model path not found: {path}")
+def _locate(path: Path) -> Optional[Path]:
+    """The one resolver of a model path, for every command's ``--model``, ``model.init_from``, ``model.pretrained``,
+    ``distill.teacher`` and ``mmcl interpolate --from/--to``. In this order: the ``epoch_N.pt`` file of an
+    open_clip_train run, checkpoint or ``checkpoints/`` folder; a training checkpoint folder (``checkpoints/step-N``,
+    checked when it is read: `checkpoints.model_of_checkpoint`); the folder holding ``open_clip_config.json`` (`path`,
+    its ``model/`` or its ``open_clip/``: a model directory, an export, a run folder); a run folder's newest
+    checkpoint whose weights are intact. None when `path` is none of these."""
     train_ckpt = open_clip_train_checkpoint(path)
-    if train_ckpt is not None:  # open_clip_train's checkpoints/ folder holds the weights
-        return train_ckpt[0].parent
+    if train_ckpt is not None:
+        return train_ckpt[0]
+    if checkpoints.is_checkpoint(path):
+        return path
     for candidate in (path, path / "model", path / "open_clip"):
         if (candidate / CONFIG_FILE).is_file():
             return candidate
-    raise CheckpointError(
-        f"no model in {path} (expected {CONFIG_FILE} there or in {path}/model; train or export one first)")
+    return checkpoints.newest_run_weights(path) if path.is_dir() else None
+
+
+def _located(path) -> Path:
+    """`_locate(path)`; a path that does not exist or holds no model is one `CheckpointError` line."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model path not found: {path}")
+    found = _locate(path)
+    if found is None:
+        raise CheckpointError(f"no model in {path} (expected {CONFIG_FILE} there or in {path}/model, or a complete "
+                              f"training checkpoint; train or export one first)")
+    return found
+
+
+def find_model_dir(path) -> Path:
+    """The folder holding the model that `path` names (`_locate`): a model directory or export, a training
+    checkpoint, or open_clip_train's ``checkpoints/`` folder."""
+    found = _located(path)
+    return found.parent if found.is_file() else found
 
 
 def weights_record(weights: Path) -> Dict[str, Any]:
@@ -208,9 +230,9 @@ def read_json_file(path: Path, error: Callable[[str], Exception] = CheckpointErr
         raise error(f"cannot read {path} ({os_error_text(err)})") from None
 
 
-def _read_model_meta(model_dir: Path) -> Dict[str, Any]:
-    """The parsed ``open_clip_config.json`` of a model directory, checked for the fields loading needs."""
-    config = model_dir / CONFIG_FILE
+def _read_model_meta(config: Path) -> Dict[str, Any]:
+    """The parsed ``open_clip_config.json`` of a model directory (or ``model_config.json`` of a training
+    checkpoint), checked for the fields loading needs."""
     meta = read_json_file(config)
     if not isinstance(meta, dict):
         raise _damaged(config, f"expected a JSON object, got {type(meta).__name__}")
@@ -270,12 +292,13 @@ def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     A missing, truncated or altered file (config, weights; checked against the size and SHA-256 recorded when
     mmcl wrote them) and weights that do not fit the config are `CheckpointError` naming the file and the cause.
     """
-    train_ckpt = open_clip_train_checkpoint(path) if Path(path).exists() else None
-    if train_ckpt is not None:
-        return _load_open_clip_train(*train_ckpt)
-    model_dir = find_model_dir(path)
-    config = model_dir / CONFIG_FILE
-    meta = _read_model_meta(model_dir)
+    found = _located(path)
+    if found.is_file():
+        return _load_open_clip_train(found, found.parent.parent / "params.txt")
+    if checkpoints.is_checkpoint(found):
+        return _load_checkpoint(found)
+    model_dir, config = found, found / CONFIG_FILE
+    meta = _read_model_meta(config)
     model_cfg = copy.deepcopy(meta.get("model_cfg", meta))
     text_cfg = model_cfg.get("text_cfg", {})
     if text_cfg.get("hf_model_name"):
@@ -288,18 +311,60 @@ def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     if not weights.is_file():
         raise CheckpointError(f"{model_dir} has {CONFIG_FILE} but no {WEIGHTS_FILE} (an incomplete copy?)")
     _check_weights_record(weights, meta)
-    cfg_for_create = copy.deepcopy(model_cfg)
-    if text_cfg.get("hf_model_name"):
-        cfg_for_create["text_cfg"]["hf_model_pretrained"] = False  # weights come from our file
-    try:
-        model = create(cfg_for_create)
-        pp = meta.get("preprocess_cfg") or preprocess_config(model_cfg)
-    except (ConfigError, TypeError, ValueError, KeyError) as err:
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CheckpointError(f"cannot build the model {config} describes: {detail}") from None
+    model, pp = _build(model_cfg, meta.get("preprocess_cfg"), config)
     _fit_state(model, _read_weight_file(weights), weights, config)
     model.eval()
     return model, model_cfg, pp
+
+
+def _build(model_cfg: Dict[str, Any], pp: Optional[Dict[str, Any]], config: Path) -> Tuple[nn.Module, Dict[str, Any]]:
+    """(the model `model_cfg` describes, with a Hugging Face text tower's weights left to the caller's file;
+    `pp` or the architecture's preprocessing); `CheckpointError` naming `config` when it cannot be built."""
+    cfg_for_create = copy.deepcopy(model_cfg)
+    if cfg_for_create.get("text_cfg", {}).get("hf_model_name"):
+        cfg_for_create["text_cfg"]["hf_model_pretrained"] = False  # weights come from our file
+    try:
+        return create(cfg_for_create), pp or preprocess_config(model_cfg)
+    except (ConfigError, TypeError, ValueError, KeyError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"cannot build the model {config} describes: {detail}") from None
+
+
+def _load_checkpoint(ckpt: Path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
+    """A training checkpoint as a model: the weights `checkpoints.model_of_checkpoint` gives (the weight average
+    when the run keeps one, as its ``model/`` would hold at that step), the architecture and preprocessing its
+    ``model_config.json`` records, or for a checkpoint written before checkpoints recorded them, those of the run's
+    ``config.yaml`` two levels up (``RUN/checkpoints/step-N``)."""
+    state, meta = checkpoints.model_of_checkpoint(ckpt)
+    config = ckpt / checkpoints.MODEL_CONFIG
+    if meta is not None:
+        meta = _read_model_meta(config)
+        model_cfg, pp = copy.deepcopy(meta.get("model_cfg", meta)), meta.get("preprocess_cfg")
+    else:
+        model_cfg, pp, config = _run_architecture(ckpt)
+    model, pp = _build(model_cfg, pp, config)
+    _fit_state(model, state, ckpt / checkpoints.MODEL_WEIGHTS, config)
+    model.eval()
+    return model, model_cfg, pp
+
+
+def _run_architecture(ckpt: Path) -> Tuple[Dict[str, Any], Dict[str, Any], Path]:
+    """(model_cfg, preprocess_cfg, config.yaml) of the run whose checkpoint `ckpt` is, from its ``config.yaml``."""
+    from ..config import load_config
+    from ..models.towers import resolve_model_config
+
+    config = ckpt.parent.parent / "config.yaml"
+    if ckpt.parent.name != checkpoints.CHECKPOINTS_DIR or not config.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} does not record its architecture (no {checkpoints.MODEL_CONFIG}) "
+                              f"and has no run's config.yaml two levels up: use it inside its run folder, or the "
+                              f"run's model/")
+    try:
+        model_cfg = resolve_model_config(load_config(str(config)).model)
+    except ConfigError as err:
+        raise CheckpointError(f"cannot tell the architecture of checkpoint {ckpt} from {config}: {err}") from None
+    pp = preprocess_config(model_cfg)
+    model_cfg.pop("preprocess_cfg", None)
+    return model_cfg, pp, config
 
 
 def _load_open_clip_train(ckpt: Path, params: Path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
@@ -364,21 +429,21 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
     """Weights from any supported source, in open_clip key layout; returns (state_dict, description).
 
     Sources: a file (.pt/.pth/.bin torch checkpoint, open_clip_train's ``{'state_dict': ...}`` included, or
-    .safetensors); an open_clip local-dir / mmcl export / mmcl run (its ``model/``, else its latest training
-    checkpoint); a transformers CLIP directory (``config.json`` with model_type clip).
+    .safetensors); whatever `_locate` resolves (an open_clip local-dir, an mmcl export, an mmcl run: its ``model/``,
+    else its newest intact training checkpoint; a training checkpoint, as `checkpoints.model_of_checkpoint` reads
+    it); a transformers CLIP directory (``config.json`` with model_type clip).
     """
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"init_from path not found: {path}")
     if path.is_file():
         state, what = _read_weight_file(path), f"{path.suffix.lstrip('.')} file"
+    elif (found := _locate(path)) is not None and found.is_file():  # open_clip_train's epoch_N.pt
+        state, what = _read_weight_file(found), f"open_clip_train checkpoint {found.name}"
+    elif found is not None and checkpoints.is_checkpoint(found):
+        state, what = checkpoints.model_of_checkpoint(found)[0], f"mmcl training checkpoint {found.name}"
     else:
-        weights_dir, what = None, ""
-        for candidate, label in ((path, "open_clip/mmcl model dir"), (path / "model", "mmcl run"),
-                                 (path / "open_clip", "mmcl export")):
-            if (candidate / CONFIG_FILE).is_file():
-                weights_dir, what = candidate, label
-                break
+        weights_dir, what = found, "open_clip/mmcl model dir"
         hf_config = path / HF_CONFIG_FILE
         if weights_dir is None and hf_config.is_file():
             hf_meta = read_json_file(hf_config)
@@ -387,8 +452,6 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
                 raise CheckpointError(f"{path} is a Hugging Face '{model_type}' model, not CLIP (expected "
                                       f"model_type 'clip', or an open_clip/mmcl model directory)")
             weights_dir, what = path, "transformers CLIP dir"
-        if weights_dir is None and (ckpt := checkpoints.newest_run_weights(path)) is not None:
-            weights_dir, what = ckpt, "mmcl training checkpoint"
         if weights_dir is None:
             raise CheckpointError(f"no weights found in {path} (expected {CONFIG_FILE}, a model/ subdirectory, "
                                   f"a complete training checkpoint, or a transformers CLIP config.json)")
@@ -669,19 +732,16 @@ def resolve_pretrained(name: str, arch: str) -> Pretrained:
                           f"{name}: architecture and preprocessing from its {CONFIG_FILE}, weights {file}")
     local = Path(name[len("local-dir:"):] if name.startswith("local-dir:") else name).expanduser()
     if local.exists():
-        train_ckpt = open_clip_train_checkpoint(local)
-        if train_ckpt is not None:
-            model_name, pp = _open_clip_train_arch(train_ckpt[1])
-            return Pretrained(train_ckpt[0], model_name, pp,
-                              f"{local}: open_clip_train checkpoint {train_ckpt[0].name}, architecture {model_name} "
-                              f"from {train_ckpt[1]}")
-        if local.is_dir():
-            for candidate in (local, local / "model", local / "open_clip"):
-                if (candidate / CONFIG_FILE).is_file():
-                    meta = _read_model_meta(candidate)
-                    return Pretrained(candidate, f"local-dir:{candidate.resolve()}",
-                                      dict(meta.get("preprocess_cfg") or {}),
-                                      f"{local}: architecture and preprocessing from its {CONFIG_FILE}")
+        found = _locate(local)
+        brought = pretrained_architecture(name)
+        if found is not None and found.is_file():
+            _, pp = _open_clip_train_arch(found.parent.parent / "params.txt")
+            return Pretrained(found, brought, pp, f"{local}: open_clip_train checkpoint {found.name}, architecture "
+                                                  f"{brought} from {found.parent.parent / 'params.txt'}")
+        if brought is not None:
+            config = found / checkpoints.MODEL_CONFIG if checkpoints.is_checkpoint(found) else found / CONFIG_FILE
+            return Pretrained(found, brought, dict(_read_model_meta(config).get("preprocess_cfg") or {}),
+                              f"{local}: architecture and preprocessing from its {config.name}")
         return Pretrained(local, None, {}, f"{local}: weights for model.name={arch}")
     arch = arch.replace("/", "-")
     tag_cfg = get_pretrained_cfg(arch, name)
@@ -690,6 +750,35 @@ def resolve_pretrained(name: str, arch: str) -> Pretrained:
     return Pretrained(file, None, {k: tag_cfg[k] for k in _TAG_PREPROCESS if k in tag_cfg},
                       f"open_clip tag {arch} '{name}' ({repo}: {file}), preprocessing of the tag",
                       quick_gelu=bool(tag_cfg.get("quick_gelu")))
+
+
+def pretrained_architecture(name: str) -> Optional[str]:
+    """The architecture `model.pretrained=name` brings, spelled as a ``model.name``, without downloading anything:
+    ``hf-hub:ORG/NAME`` itself, ``local-dir:DIR`` for a model directory, export or run folder (`_locate`), the
+    ``model_config.json`` of a training checkpoint that records one, an open_clip_train run's ``--model``. None for
+    an open_clip tag, a weights file or anything else: those are loaded into model.name's architecture."""
+    if name.startswith(HUB_PREFIX):
+        return name
+    local = Path(name[len("local-dir:"):] if name.startswith("local-dir:") else name).expanduser()
+    found = _locate(local) if local.exists() else None
+    if found is None:
+        return None
+    if found.is_file():
+        return _open_clip_train_arch(found.parent.parent / "params.txt")[0]
+    if checkpoints.is_checkpoint(found):
+        config = found / checkpoints.MODEL_CONFIG
+        return str(config.resolve()) if config.is_file() else None
+    return f"local-dir:{found.resolve()}"
+
+
+def record_pretrained_architecture(cfg):
+    """The training config `cfg` with ``model.name`` set to the architecture ``model.pretrained`` brings
+    (`pretrained_architecture`), where it brings one: that architecture is the one built, so it is the one the run
+    folder's config.yaml records, and a resumed run spelled as the first one is the same run."""
+    brought = pretrained_architecture(cfg.model.pretrained) if cfg.model.pretrained else None
+    if brought is None or brought == cfg.model.name:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=brought))
 
 
 def build_pretrained(cfg: ModelConfig):
