@@ -1,4 +1,4 @@
-"""The progress bar, and the console lines printed while it is shown.
+"""The progress bar, the console lines printed while it is shown, and the line of each logged step.
 
 A tqdm bar redraws its line in place (a carriage return, no newline). A line printed meanwhile by anything else (a
 warning from the data workers, a log line of the loop) would start where the bar's text ends and share its line.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 
 class _ThroughBar:
@@ -64,3 +64,14 @@ def progress_bar(total: int, initial: int, held: Optional[contextlib.ExitStack] 
     if held is not None:
         held.callback(restore)
     return bar
+
+
+def step_line(record: Dict[str, Any], total: int) -> str:
+    """One logged step in words, from its metrics record, as open_clip's "Train Epoch ... Loss ... LR ..." lines:
+    progress, samples, the loss and each of its terms, the learning rate, the logit scale, the throughput and the
+    share of the time spent waiting for data."""
+    terms = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("loss/"))
+    return (f"step {record['step']}/{total} ({record['step'] / total:.0%}) | samples {record['samples']} | "
+            f"loss {record['loss']:.4f}" + (f" ({terms})" if terms else "") + f" | lr {record['lr']:.3e} | "
+            f"logit scale {record['logit_scale']:.3f} | {record['samples_per_s']:.1f} samples/s | "
+            f"data wait {record['data_time_frac']:.0%}")

@@ -41,6 +41,7 @@ from ..storage.fsutil import atomic_write_text
 from ..models import phases as model_phases
 from . import fsdp, optim, phases, resume, runfolder, tracking
 from .agree import agreed, any_process, lost_peer, others_wait, timed_out
+from .console import step_line
 from .ema import WeightEMA, swapped_in
 from .optim import build_optimizer, lr_at
 from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
@@ -206,6 +207,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     run = build_run(cfg, held)
     if main:
         console.attach(run.out_dir / runfolder.OUT_LOG)
+        run.console = console
     resume_or_start(run, folder)
     if run.phases:  # each batch's phase follows from its place in the run, whatever the saved stream counted
         run.stream.batches = run.progress.step * cfg.train.accum_steps
@@ -251,6 +253,7 @@ class Run:
         self.progress = TrainProgress()
         self.saved_at = -1  # the step of the last checkpoint this run saved
         self.bar = None  # the progress bar, from the first step on (main process, train.progress)
+        self.console: Optional[runfolder.ConsoleLog] = None  # out.log (main process)
         self.held: Optional[contextlib.ExitStack] = None  # what the run holds until it ends (`train`)
         self.metrics: Optional[MetricsLog] = None
         self.ema: Optional[WeightEMA] = None  # train.ema_decay
@@ -714,8 +717,11 @@ def log_record(run: Run, loss: torch.Tensor, terms: Dict[str, torch.Tensor], lr:
         del eval_model  # the gathered FSDP replica, before the next step allocates
     if progress.step < run.total:  # the last record waits for the final evaluation, after model/ is saved
         run.metrics.write(record)
-    if run.bar is not None:
+    if run.bar is not None:  # the step's line in out.log; on the console the bar shows the progress
         run.bar.set_postfix(loss=f"{record['loss']:.3f}", sps=f"{record['samples_per_s']:.0f}")
+        run.console.line(f"mmcl: {step_line(record, run.total)}")
+    else:
+        run.log(step_line(record, run.total))
     run.start_window()
     return record
 
