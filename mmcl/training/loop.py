@@ -191,6 +191,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     from .preflight import check_inputs
 
     main = int(os.environ.get("RANK", "0") or 0) == 0
+    cfg = weights.record_pretrained_architecture(cfg)  # config.yaml records the architecture that is built
     folder = decide_folder(cfg)  # the run folder's rule, before anything is read or written
     if folder.action == "finished":
         if main:
@@ -301,6 +302,10 @@ class Run:
         if self.main and self.ema is not None:
             state["ema"] = self.ema.state_dict()
         return state
+
+    def model_meta(self) -> Dict[str, Any]:
+        """The architecture and preprocessing each checkpoint records beside its weights (a checkpoint is a model)."""
+        return {"model_cfg": self.model_cfg, "preprocess_cfg": self.pp_cfg}
 
 
 LAUNCHER_PRECISION = "ACCELERATE_MIXED_PRECISION"  # what `accelerate launch` sets from its mixed_precision
@@ -734,7 +739,7 @@ def maybe_save(run: Run) -> bool:
     if not cfg.train.save_every or (step % cfg.train.save_every != 0 and step != run.total):
         return False
     save_checkpoint(run.accelerator, run.ckpt_dir, run.marked_progress(), run.rank_state(),
-                    cfg.train.keep_checkpoints, agreed, needed=run.ckpt_bytes)
+                    cfg.train.keep_checkpoints, agreed, needed=run.ckpt_bytes, model_meta=run.model_meta())
     run.saved_at = step
     return any_process(run.accelerator, run.stop.requested)
 
@@ -746,7 +751,8 @@ def stop_run(run: Run) -> None:
     saved = run.ckpt_dir / f"{CKPT_PREFIX}{progress.step:08d}"
     if run.saved_at != progress.step:
         saved = save_checkpoint(accelerator, run.ckpt_dir, run.marked_progress(), run.rank_state(),
-                                run.cfg.train.keep_checkpoints, agreed, needed=run.ckpt_bytes)
+                                run.cfg.train.keep_checkpoints, agreed, needed=run.ckpt_bytes,
+                                model_meta=run.model_meta())
     if run.bar is not None:
         run.bar.close()
     run.metrics.close()
