@@ -28,6 +28,7 @@ decision is taken over all of them in shard order, so the output is the same byt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tarfile
@@ -38,13 +39,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..data.decode import (TEACHER_IMAGE, TEACHER_META, SampleKeys, SkipSample, candidate_captions,
-                           stored_teacher_features)
+from ..data.decode import (TEACHER_IMAGE, TEACHER_META, SampleKeys, SkipSample, candidate_captions, decode_image,
+                           image_bytes, stored_teacher_features)
 from ..data.reading import read_raw_samples
+from ..data.skips import SKIP_LOG, SkipLog
+from ..data.skips import record as skip_record
 from ..data.sources import expand_urls, has_scheme
 from ..data.writer import add_tar_member
 from ..errors import ConfigError, DataError, MmclError
-from ..evaluation.embed import ClipEncoder, embed_image_set, embed_samples
+from ..evaluation.embed import MAX_PIXELS, ClipEncoder, embed_image_set, embed_samples
 from ..storage.fsutil import os_error_text
 from ..storage.manifest import OutputManifest
 from .report import write_report
@@ -131,7 +134,7 @@ def _claim(out: Path, identity: Dict[str, Any], names: List[str], inputs: List[s
         shown = json.dumps((recorded or {}).get("rules"), sort_keys=True)
         raise ConfigError(f"--out {out} was curated with other {' and '.join(what) or 'settings'} (rules {shown}); "
                           f"nothing was changed: use another --out for these rules")
-    files = [REPORT_FILE, PLOT_FILE, DROPPED_FILE, DECONTAMINATE_FILE]
+    files = [REPORT_FILE, PLOT_FILE, DROPPED_FILE, DECONTAMINATE_FILE, SKIP_LOG]
     for name in names:
         files += [name, _embed_name(name)]
     manifest.will_write(files + [f + _TEMP for f in files])
@@ -177,32 +180,49 @@ def _stored(files: Dict[str, bytes], keys: Optional[SampleKeys], model_id: str):
     return image, text, caption
 
 
+def _skip_reason(files: Dict[str, bytes], keys: Optional[SampleKeys]) -> str:
+    """Why `embed_samples` gives no embedding for a sample: a `mmcl.data.skips` reason."""
+    try:
+        raw = keys.image(files) if keys else image_bytes(files)
+        if raw is None:
+            return "missing_image"
+        decode_image(raw, MAX_PIXELS)
+        return "decode" if candidate_captions(files, keys) else "missing_caption"
+    except SkipSample as skip:
+        return skip.reason
+
+
 def _embed_shard(url: str, encoder: ClipEncoder, batch_size: int, keys: Optional[SampleKeys],
                  model_id: str) -> Dict[str, np.ndarray]:
     """Every sample of one shard: index in the shard, key, caption, readable, caption length, CLIP score, image
-    embedding (float16, zero rows for unreadable samples) and whether it came from stored embeddings."""
+    embedding (float16, zero rows for unreadable samples), whether it came from stored embeddings, a digest of its
+    image's bytes and why it is unreadable; and the skip reasons of the shard itself (a shard that breaks off)."""
     rows: List[Dict[str, Any]] = []
-    errors = 0
+    errors: List[str] = []
     pending: List[Tuple[Dict[str, Any], Any]] = []  # (its row, the raw sample) waiting for the model
 
     def flush():
         computed = embed_samples([item for _, item in pending], encoder.image, encoder.tokenize, encoder.embed,
                                  batch_size, keys)
-        for (row, _), emb in zip(pending, computed):
-            if emb is not None:
+        for (row, item), emb in zip(pending, computed):
+            if emb is None:
+                row["skip"] = _skip_reason(item.files, keys)
+            else:
                 row.update(caption=emb.captions[0], readable=True, image=emb.image,
                            score=float(np.dot(emb.image.astype(np.float64), emb.text[0].astype(np.float64))))
         pending.clear()
 
     for item in read_raw_samples([(url, None)]):
         if item.files is None and not item.key:
-            errors += 1  # a shard-level problem: the rest of the shard cannot be read
+            errors.append(item.error)  # a shard-level problem: the rest of the shard cannot be read
             continue
         row = {"index": item.index, "key": item.key, "caption": "", "readable": False, "score": float("nan"),
-               "image": None, "stored": False}
+               "image": None, "stored": False, "sha": "", "skip": item.error or ""}
         rows.append(row)
         if item.files is None:  # a member over the size limit
             continue
+        raw = keys.image(item.files) if keys else image_bytes(item.files)
+        row["sha"] = hashlib.sha256(raw).hexdigest()[:32] if raw is not None else ""
         found = _stored(item.files, keys, model_id)
         if found is not None:
             image, text, caption = found
@@ -224,7 +244,10 @@ def _embed_shard(url: str, encoder: ClipEncoder, batch_size: int, keys: Optional
             "image": (np.stack([zero if r["image"] is None else r["image"] for r in rows]) if rows
                       else np.zeros((0, dim))).astype(np.float16),
             "stored": np.array([r["stored"] for r in rows], dtype=bool),
-            "shard_errors": np.array(errors, dtype=np.int64)}
+            "sha": np.array([r["sha"] for r in rows], dtype=str),
+            "skip": np.array([r["skip"] for r in rows], dtype=str),
+            "shard_errors": np.array(len(errors), dtype=np.int64),
+            "shard_skips": np.array(errors, dtype=str)}
 
 
 def _embed_decontamination_set(encoder: ClipEncoder, data: str, batch_size: int, device, progress: bool
@@ -233,6 +256,19 @@ def _embed_decontamination_set(encoder: ClipEncoder, data: str, batch_size: int,
                             "decontaminate")
     keys = [json.loads(k)["key"] if k.startswith("{") else k for k in found["keys"]]
     return {"image": found["features"].numpy().astype(np.float16), "key": np.array(keys, dtype=str)}
+
+
+def _write_skip_log(out: Path, urls: List[str], tables: List[Dict[str, np.ndarray]]) -> None:
+    """skipped.jsonl: the unreadable samples and the shards that broke off, with their reasons (`mmcl.data.skips`)."""
+    (out / SKIP_LOG).unlink(missing_ok=True)  # the manifest lists it
+    log = SkipLog(out / SKIP_LOG, fresh=True)
+    for url, table in zip(urls, tables):
+        for reason in table.get("shard_skips", np.zeros(0, dtype=str)).tolist():
+            log.write(skip_record(reason, url))
+        for key, reason in zip(table["key"].tolist(), table.get("skip", np.zeros(0, dtype=str)).tolist()):
+            if reason:
+                log.write(skip_record(reason, url, key))
+    log.close()
 
 
 # ------------------------------------------------------------------------------------------------ pass 3: write
@@ -331,8 +367,10 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
     # pass 2: the decision, over every sample in shard order
     def decide_all():
         tables = [_load_npz(out / _embed_name(name)) for name in names]
+        for t in tables:  # embedding files written before digests were stored: no byte-identical match
+            t.setdefault("sha", np.full(len(t["key"]), "", dtype=str))
         cat = {k: np.concatenate([t[k] for t in tables]) if tables else np.zeros(0)
-               for k in ("key", "caption", "readable", "caption_len", "score", "stored")}
+               for k in ("key", "caption", "readable", "caption_len", "score", "stored", "sha")}
         dims = {t["image"].shape[1] for t in tables if len(t["image"])}
         if len(dims) > 1:
             raise DataError(f"the embedding files in {out / EMBED_DIR} disagree in width ({sorted(dims)}); "
@@ -347,7 +385,7 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
         if languages is not None:
             cat["language"] = languages
         decision = decide(checked, cat["readable"], cat["caption_len"], cat["score"], images,
-                          None if eval_set is None else eval_set["image"].astype(np.float32), languages)
+                          None if eval_set is None else eval_set["image"].astype(np.float32), languages, cat["sha"])
         return tables, cat, eval_set, decision
 
     tables, cat, eval_set, decision = _guarded(group, decide_all)
@@ -356,6 +394,7 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
     if group.rank == 0:
         _guarded(group, write_report, out, identity, names, tables, cat, shard_of, decision,
                  None if eval_set is None else eval_set["key"], _TEMP)
+        _write_skip_log(out, urls, tables)
     else:
         group.agree(None)
 

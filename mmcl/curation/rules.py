@@ -12,11 +12,14 @@ sample carries one reason, the first rule it fails in this order:
     clip_score_top       not among the ``round(clip_score_top * R)`` highest cosines of all R readable samples
                          (exact: ties go to the sample earlier in shard order)
     decontaminated       its image's cosine with some image of the evaluation set is >= ``decontaminate_threshold``
-    duplicate            its image's cosine with an earlier *kept* sample is >= ``dedup``
+    duplicate            its image's bytes are those of an earlier *kept* sample (by SHA-256, whatever ``dedup``
+                         is), or its image's cosine with one is >= ``dedup``
 
 so the score rules see the whole set (DataComp's CLIP-score baseline ranks the whole pool), and deduplication keeps,
 of every group of near-duplicates that survives the other rules, the first in shard order (greedily: a sample is
-kept unless a kept sample before it is its near-duplicate). "Order" is the order of the input shards as given and
+kept unless a kept sample before it is its near-duplicate). Cosines are of the embeddings renormalised in float32
+(they are stored as float16), and byte-identical images never depend on them: the same image embedded in another
+batch may differ in its last digits. "Order" is the order of the input shards as given and
 of the samples in each, so the decision does not depend on how many processes computed the embeddings.
 """
 
@@ -126,6 +129,19 @@ def _max_cosine(x: np.ndarray, ref: np.ndarray):
     return best, arg
 
 
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    """`x` as float32 rows of length 1 (zero rows stay zero)."""
+    x = np.asarray(x, dtype=np.float32)
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return np.divide(x, norm, out=np.zeros_like(x), where=norm > 0)
+
+
+def first_copies(hashes: np.ndarray) -> np.ndarray:
+    """Per row, the first row with the same hash (itself for a first one; an empty hash is never a copy)."""
+    first: Dict[str, int] = {}
+    return np.array([first.setdefault(h, i) if h else i for i, h in enumerate(hashes.tolist())], dtype=np.int64)
+
+
 def greedy_dedup(images: np.ndarray, threshold: float):
     """Keep each row unless a kept row before it has cosine >= `threshold` with it.
 
@@ -176,11 +192,14 @@ class Decision:
 
 
 def decide(rules: Rules, readable: np.ndarray, caption_len: np.ndarray, score: np.ndarray, images: np.ndarray,
-           eval_images: Optional[np.ndarray] = None, languages: Optional[np.ndarray] = None) -> Decision:
+           eval_images: Optional[np.ndarray] = None, languages: Optional[np.ndarray] = None,
+           hashes: Optional[np.ndarray] = None) -> Decision:
     """Apply `rules` to N samples, given in order: readable (N,) bool, caption_len (N,) characters, score (N,)
-    image-caption cosine, images (N, D) unit rows; `eval_images` (M, D) unit rows for ``decontaminate``;
-    `languages` (N,) the captions' language codes for ``language``."""
+    image-caption cosine, images (N, D) embeddings; `eval_images` (M, D) embeddings for ``decontaminate``;
+    `languages` (N,) the captions' language codes for ``language``; `hashes` (N,) str, a digest of each image's
+    bytes ("" where unknown) for ``dedup``."""
     n = len(readable)
+    images = unit_rows(images)
     reason = np.full(n, KEPT, dtype=np.int8)
     other = np.full(n, -1, dtype=np.int64)
     similarity = np.full(n, np.nan, dtype=np.float32)
@@ -210,7 +229,7 @@ def decide(rules: Rules, readable: np.ndarray, caption_len: np.ndarray, score: n
         drop("clip_score_top", readable & ~top)
     if rules.decontaminate is not None:
         rows = np.flatnonzero(readable)
-        best, arg = _max_cosine(images[rows], np.asarray(eval_images, dtype=np.float32))
+        best, arg = _max_cosine(images[rows], unit_rows(eval_images))
         hit = np.zeros(n, dtype=bool)
         hit[rows] = best >= rules.decontaminate_threshold
         first = (reason == KEPT) & hit
@@ -219,10 +238,16 @@ def decide(rules: Rules, readable: np.ndarray, caption_len: np.ndarray, score: n
         drop("decontaminated", hit)
     if rules.dedup is not None:
         rows = np.flatnonzero(reason == KEPT)
-        keep, of, sim = greedy_dedup(images[rows], rules.dedup)
+        first = rows[first_copies(np.full(len(rows), "") if hashes is None else np.asarray(hashes)[rows])]
+        unique = rows[first == rows]  # byte-identical copies of an earlier one are left out of the comparison
+        keep, of, sim = greedy_dedup(images[unique], rules.dedup)
         dup = np.zeros(n, dtype=bool)
-        dup[rows[~keep]] = True
-        other[rows[~keep]] = rows[of[~keep]]
-        similarity[rows[~keep]] = sim[~keep]
+        dup[unique[~keep]] = True
+        other[unique[~keep]], similarity[unique[~keep]] = unique[of[~keep]], sim[~keep]
+        copies = rows[first != rows]  # a duplicate of the first copy, or of the sample that copy duplicates
+        dup[copies] = True
+        of_first = other[first[first != rows]]
+        other[copies] = np.where(of_first >= 0, of_first, first[first != rows])
+        similarity[copies] = np.where(of_first >= 0, similarity[first[first != rows]], 1.0)
         drop("duplicate", dup)
     return Decision(reason, other, similarity, top_threshold, fails)

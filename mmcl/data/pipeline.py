@@ -45,6 +45,7 @@ from ..errors import ConfigError, DataError
 from .decode import (SkipSample, TransformOutputError, caption_draw, decode_sample, needed_members, sample_keys,
                      zero_skips)
 from .reading import RawSample, read_raw_samples
+from .skips import member_of, record as skip_record
 from .sources import expand_sources, has_scheme
 from .transforms import (ImageSpec, draft_size_of, split_transform, train_draft_size, train_image_stages,
                          training_sample_transform)
@@ -314,19 +315,20 @@ class _Filling:
 
 
 def _decode_or_count_skip(s: StreamSpec, item: RawSample, slot: int, epoch: int, skipped: Dict[str, int],
-                          phase: StreamPhase):
-    """`_decode_seeded` of `item`, or None when it is unreadable or skipped (counted in `skipped`)."""
-    if item.error is not None:
-        skipped[item.error] += 1
-        return None
-    try:
-        return _decode_seeded(s, item, slot, epoch, phase)
-    except SkipSample as skip:
-        skipped[skip.reason] += 1
-        return None
-    except MemoryError:  # a sample too large to decode or transform here; the stream goes on
-        skipped["too_large"] += 1
-        return None
+                          phase: StreamPhase, records: List[Dict[str, Any]]):
+    """`_decode_seeded` of `item`, or None when it is unreadable or skipped: counted in `skipped`, and its
+    `mmcl.data.skips.record` added to `records` (which travel with the next batch to the skip log)."""
+    reason, detail = item.error, ""
+    if reason is None:
+        try:
+            return _decode_seeded(s, item, slot, epoch, phase)
+        except SkipSample as skip:
+            reason, detail = skip.reason, str(skip).partition(": ")[2]
+        except MemoryError:  # a sample too large to decode or transform here; the stream goes on
+            reason = "too_large"
+    skipped[reason] += 1
+    records.append(skip_record(reason, item.url, item.key, member_of(reason, item.key, item.files), detail))
+    return None
 
 
 def role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: int = 0,
@@ -349,6 +351,13 @@ def _role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: 
     skipped = dict(zero_skips(), **start["skipped"])
     skipped_before_epoch = dict(zero_skips(), **start.get("skipped_before_epoch", start["skipped"]))
     filling = _Filling(s, first_batch, stride)
+    records: List[Dict[str, Any]] = []  # the skips since the last batch
+
+    def sent(batch: Dict[str, Any]) -> Dict[str, Any]:
+        if records:
+            batch["__skips__"] = list(records)
+            records.clear()
+        return batch
 
     def state(**extra) -> Dict[str, Any]:
         return {"role": role, "epoch": epoch, "shard": shard, "sample": sample, "emitted": emitted,
@@ -362,9 +371,10 @@ def _role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: 
         for item, origin in _leftover_items(s, task):
             if not _in_parts(item, task["parts"]):
                 continue
-            decoded = _decode_or_count_skip(s, item, origin["slot"], origin["epoch"], skipped, filling.phase)
+            decoded = _decode_or_count_skip(s, item, origin["slot"], origin["epoch"], skipped, filling.phase,
+                                            records)
             if decoded is not None and filling.add(item.key, decoded, item.url):
-                yield filling.take(state(leftover=copy.deepcopy(tasks)))
+                yield sent(filling.take(state(leftover=copy.deepcopy(tasks))))
         tasks.pop(0)
     empty_epochs = 0
     while True:
@@ -376,18 +386,18 @@ def _role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: 
                 item = block[perm[j]]
                 emitted = j + 1
                 raw_seen += item.error is None or bool(item.key)  # a sample skipped as too large was read
-                decoded = _decode_or_count_skip(s, item, slot, epoch, skipped, filling.phase)
+                decoded = _decode_or_count_skip(s, item, slot, epoch, skipped, filling.phase, records)
                 if decoded is None:
                     continue
                 good_seen += 1
                 if filling.add(item.key, decoded, item.url):
-                    yield filling.take(state())
+                    yield sent(filling.take(state()))
             emitted = 0
         if full_epoch and good_seen == 0:
             empty_epochs += 1
             problem = _empty_epoch_problem(s, rank, role, n_slots, raw_seen, skipped, plan, empty_epochs)
             if problem is not None:
-                yield {"__error__": problem}
+                yield sent({"__error__": problem})
                 return
         elif good_seen:
             empty_epochs = 0
@@ -671,6 +681,7 @@ class TrainStream:
         self._next_role = 0
         self.batches = 0
         self._warned: Dict[Any, Any] = {}  # the workers' warnings already shown (a `warnings` registry)
+        self.skip_log = None  # a `mmcl.data.skips.SkipLog`: each skip of the batches consumed is written there
         slots = self.world_size * self.n_roles
         leftover = len(self.urls) % slots if not cfg.resampled else 0
         if leftover and rank == 0 and any(has_scheme(u) for u in self.urls):
@@ -728,6 +739,9 @@ class TrainStream:
         for batch in source:
             for message, category, filename, lineno in batch.pop("__warnings__", ()):
                 warnings.warn_explicit(message, category, filename, lineno, registry=self._warned)
+            for rec in batch.pop("__skips__", ()):
+                if self.skip_log is not None:
+                    self.skip_log.write(rec)
             if "__error__" in batch:
                 raise DataError(batch["__error__"])
             state = batch.pop("__state__")

@@ -26,6 +26,8 @@ from ..storage.manifest import OutputManifest
 from .decode import IMAGE_EXTS, SkipSample, decode_image
 from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
 from .sizes import SIZES_FILE
+from .skips import SKIP_LOG, SkipLog, counts_text
+from .skips import record as skip_record
 from .sources import SHARD_SUFFIXES
 
 
@@ -82,6 +84,7 @@ class ShardWriter:
         self.manifest = manifest
         self.shards: List[str] = []
         self.counts: List[int] = []  # samples per shard, written to sizes.json
+        self.files: List[str] = []  # every file written, relative to out_dir: the shards and sizes.json
         self.n_samples = 0
         self._tar: Optional[tarfile.TarFile] = None
         self._tmp = ""
@@ -106,6 +109,7 @@ class ShardWriter:
             json.dump(dict(sorted(sizes.items())), f, indent=1)
         os.replace(tmp, path)
         self._sizes_written = True
+        self.files.append(SIZES_FILE)
 
     def _add(self, name: str, data: bytes) -> None:
         add_tar_member(self._tar, name, data)
@@ -117,6 +121,7 @@ class ShardWriter:
             self.manifest.will_write([os.path.relpath(p, self.manifest.folder) for p in (path, self._tmp)])
         self._tar = tarfile.open(self._tmp, "w", format=tarfile.GNU_FORMAT)
         self.shards.append(path)
+        self.files.append(os.path.basename(path))
         self.counts.append(0)
         self._in_shard = 0
 
@@ -151,12 +156,13 @@ class ShardWriter:
     def close(self) -> Dict[str, Any]:
         """Finish the last shard and record every shard's sample count in ``sizes.json`` beside them (open_clip's
         layout, which ``train.epochs`` reads: `mmcl.data.sizes`; entries of other shards already listed there are
-        kept); return the summary {out_dir, shards, n_shards, n_samples}."""
+        kept); return the summary {out_dir, shards, n_shards, n_samples, files (every file written, relative to
+        out_dir)}."""
         self._close_current()
         if self.shards and not self._sizes_written:
             self._write_sizes()
         return {"out_dir": self.out_dir, "shards": list(self.shards), "n_shards": len(self.shards),
-                "n_samples": self.n_samples}
+                "n_samples": self.n_samples, "files": list(self.files)}
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -166,6 +172,7 @@ class ShardWriter:
             self._tar.close()
             os.remove(self._tmp)
             self.shards.pop()
+            self.files.pop()
             self.counts.pop()
             self._tar = None
         self.close()
@@ -182,7 +189,8 @@ def write_shards(samples: Iterable[Dict[str, Any]], out_dir: str, shard_size: in
         shard_size: samples per shard.
         manifest: the `mmcl.storage.manifest.OutputManifest` of `out_dir`, when a command owns it (see `ShardWriter`).
     Returns:
-        {"out_dir", "shards": [paths], "n_shards", "n_samples"}.
+        {"out_dir", "shards": [paths], "n_shards", "n_samples", "files": [every file written, relative to
+        out_dir]}.
     """
     with ShardWriter(out_dir, shard_size, prefix, image_format, quality, manifest) as writer:
         for sample in samples:
@@ -399,10 +407,11 @@ class SourceImage:
 
 @dataclass(frozen=True)
 class SkippedItem:
-    """An item of the input that gives no sample, and the skip reason (``missing_caption``, ``bad_row``, ...)."""
+    """An item of the input that gives no sample, and the skip reason (one of `mmcl.data.skips.REASONS`)."""
 
     where: str
     reason: str
+    detail: str = ""
 
 
 _Item = Union[SourceImage, SkippedItem]
@@ -508,6 +517,20 @@ def _table_items(table: str, sep: Optional[str], image_col: Optional[str],
         yield SourceImage(path, text.strip(), where, label=label, meta=meta)
 
 
+def _conversion_in(owned: OutputManifest) -> Optional[str]:
+    """The shards and samples an earlier conversion left in `owned`'s folder (its sizes.json counts them), as text;
+    None when it holds none."""
+    shards = sorted(f for f in owned.files if f.endswith(".tar") and (owned.folder / f).is_file())
+    if not shards:
+        return None
+    try:
+        sizes = json.loads((owned.folder / SIZES_FILE).read_text())
+        samples = str(sum(int(sizes[name]) for name in shards))
+    except (OSError, ValueError, KeyError, TypeError):
+        samples = "an unknown number of"
+    return f"{len(shards)} shards, {samples} samples"
+
+
 def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
                       caption_template: str = "a photo of a {}.", progress: bool = True, sep: Optional[str] = None,
                       image_col: Optional[str] = None, caption_col: Optional[str] = None) -> Dict[str, Any]:
@@ -574,7 +597,7 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
             try:
                 data, ext = _load_for_shard(record.path)
             except SkipSample as skip:
-                problems.append(SkippedItem(record.where, skip.reason))
+                problems.append(SkippedItem(record.where, skip.reason, str(skip).partition(": ")[2]))
                 continue
             yield {"key": record.key if own_keys else f"{len(written):09d}", "image": data, "ext": ext,
                    "caption": record.caption, "label": record.label,
@@ -583,24 +606,37 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
 
     written: List[str] = []
     # `out_dir` must be new, empty or an earlier conversion's: its manifest lists the files written there, and
-    # the shards of an earlier, larger conversion are deleted (a glob would mix them in); nothing else is touched.
+    # the files of an earlier, larger conversion are deleted (a glob would mix them in); nothing else is touched.
     owned = OutputManifest.claim(out_dir, "shards")
+    before = _conversion_in(owned)
     summary = write_shards(samples(), out_dir, shard_size=shard_size, prefix="shard", manifest=owned)
-    ours = [os.path.relpath(p, out_dir) for p in summary["shards"]]
+    ours = summary.pop("files")  # what this conversion wrote: all that is kept
     if classnames is not None:
         owned.will_write(["classnames.txt"])
         ours.append("classnames.txt")
         with open(os.path.join(out_dir, "classnames.txt"), "w", encoding="utf-8") as f:
             f.write("\n".join(classnames) + "\n")
+    if problems:
+        owned.will_write([SKIP_LOG])
+        ours.append(SKIP_LOG)
+        log = SkipLog(os.path.join(out_dir, SKIP_LOG), fresh=True)
+        for p in problems:
+            log.write(skip_record(p.reason, input_path, member=p.where, detail=p.detail))
+        log.close()
     owned.keep_only(ours)
     counts: Dict[str, int] = {}
     for problem in problems:
         counts[problem.reason] = counts.get(problem.reason, 0) + 1
     summary.update(n_skipped=len(problems), skipped=counts,
                    skipped_examples=[f"{p.where}: {p.reason}" for p in problems[:10]])
-    detail = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+    if before is not None:
+        print(f"replaced the earlier conversion in {out_dir}: {before} -> {summary['n_shards']} shards, "
+              f"{summary['n_samples']} samples")
+    detail = counts_text(counts)
+    first = "; ".join(f"{p.where}: {p.reason}" for p in problems[:3])
     print(f"wrote {summary['n_samples']} samples in {summary['n_shards']} shards to {out_dir}; "
-          f"skipped {len(problems)}" + (f" ({detail})" if detail else ""))
+          f"skipped {len(problems)}" + (f" ({detail}; each in {os.path.join(out_dir, SKIP_LOG)}; first: {first})"
+                                         if problems else ""))
     if summary["n_samples"] == 0:
         raise DataError(f"no valid sample in {input_path} (skipped {len(problems)}: {detail or 'no images found'})")
     return summary

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..config import to_dict
+from ..data.skips import SKIP_LOG, counts_text, describe, first_records
 from ..data.sources import redact_values
 from ..errors import ConfigError, MmclError, RunStopped
 from ..storage import checkpoints
@@ -46,7 +47,7 @@ LOCK = ".lock"
 GLOBAL_BATCH = "global_batch"  # recorded in each checkpoint's COMPLETE marker and in the run's record
 # The files of its own that the run writes at the top of its folder (the record lists them)
 EVAL_RESULTS = "eval_results.json"  # the final evaluation's whole results, by kind and set name
-RUN_FILES = (CONFIG, "param_groups.json", "metrics.jsonl", OUT_LOG, EVAL_RESULTS)
+RUN_FILES = (CONFIG, "param_groups.json", "metrics.jsonl", OUT_LOG, EVAL_RESULTS, SKIP_LOG)
 
 # Config keys that may change when a run is resumed: how long it trains, how it logs, saves, reads and evaluates;
 # none of them changes what a step computes. (The README lists them.) A section name means every key in it.
@@ -282,12 +283,18 @@ def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decisio
 
 # ------------------------------------------------------------------------------------------------ summary
 def summary_lines(steps: int, samples: int, seconds: float, trained: int, skipped_samples: int,
-                  skipped_steps: int, final: Dict[str, Any], model_dir: Path, skipped_shards: int = 0) -> List[str]:
-    """The end-of-run summary: progress and throughput, skipped data (samples and shards apart), the final
-    evaluation by set, the model."""
+                  skipped_steps: int, final: Dict[str, Any], model_dir: Path, skipped_shards: int = 0,
+                  skips: Optional[Dict[str, int]] = None) -> List[str]:
+    """The end-of-run summary: progress and throughput, skipped data (samples and shards apart; `skips` by reason,
+    with the first records of the run's skip log), the final evaluation by set, the model."""
     rate = trained / max(seconds, 1e-9)
     lines = [f"run finished: {steps} steps, {samples} samples ({trained} in {seconds:.1f} s, {rate:.1f} samples/s); "
              f"skipped: {skipped_samples} samples, {skipped_shards} shards, {skipped_steps} steps"]
+    if skips and any(skips.values()):
+        log = model_dir.parent / SKIP_LOG
+        examples = "; ".join(describe(r) for r in first_records(log))
+        lines.append(f"skipped by reason: {counts_text(skips)} (each in {log}" +
+                     (f"; first: {examples})" if examples else ")"))
     sets: Dict[str, List[str]] = {}
     for key, value in final.items():
         parts = key.split("/")
