@@ -372,3 +372,40 @@ def test_the_loss_plot_shows_the_validation_loss():
     fig = loss_figure(records, "run")
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     assert list(lines["validation"].get_ydata()) == [2.9, 2.5] and list(lines["validation"].get_xdata()) == [4, 8]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# classnames.txt of an ImageFolder: the folders' own names in another order are matched by name
+
+def test_classnames_txt_listing_the_folders_in_another_order_scores_as_the_right_order(tmp_path, capsys):
+    from test_evaluate import ColourModel, colour_tokenizer, solid, to_tensor
+
+    from mmcl.evaluation.evaluate import zeroshot
+
+    results = {}
+    for order in ("blue\ngreen\nred\n", "red\nblue\ngreen\n"):
+        root = tmp_path / order.split()[0]
+        for cls in COLOURS:
+            (root / cls).mkdir(parents=True)
+            solid(COLOURS[cls]).save(root / cls / "0.png")
+        solid((250, 10, 10)).save(root / "green" / "1.png")  # a red image in the green folder: the one miss
+        (root / "classnames.txt").write_text(order)
+        results[order] = zeroshot(ColourModel(), to_tensor, colour_tokenizer, str(root), templates=["a {} thing"],
+                                  progress=False)["metrics"]
+    assert results["blue\ngreen\nred\n"]["acc1"] == pytest.approx(3 / 4)
+    assert results["red\nblue\ngreen\n"] == results["blue\ngreen\nred\n"]
+    said = capsys.readouterr().err
+    assert "class names are the class folders' names in another order" in said
+
+
+def test_classnames_txt_naming_another_folder_at_a_line_is_refused(tmp_path):
+    from mmcl.data.eval_sets import folder_classnames
+
+    for cls in ("blue", "green", "red"):
+        (tmp_path / cls).mkdir()
+    (tmp_path / "classnames.txt").write_text("red\nsky\ngrass\n")
+    with pytest.raises(DataError, match=r"line 1 'red' is the name of class folder 3 in sorted order, not of "
+                                        r"folder 1 \('blue'\)"):
+        folder_classnames(str(tmp_path), ["blue", "green", "red"])
+    (tmp_path / "classnames.txt").write_text("sky\ngrass\nfire\n")  # readable names, in folder order
+    assert folder_classnames(str(tmp_path), ["blue", "green", "red"]) == (["sky", "grass", "fire"], "classnames.txt")

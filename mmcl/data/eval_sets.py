@@ -98,11 +98,33 @@ def folder_classnames(root: str, folders: Optional[List[str]] = None) -> Tuple[L
         if len(names) != len(folders):
             raise DataError(f"{path} has {len(names)} class names but {root} has {len(folders)} class folders "
                             f"(expected one name per folder, in sorted folder order)")
-        return names, "classnames.txt"
+        return names_for_folders(names, folders, path), "classnames.txt"
     readable = imagenet_classnames(folders, root)
     if readable is not None:
         return readable, "imagenet-1k"
     return list(folders), "folders"
+
+
+def names_for_folders(names: List[str], folders: List[str], where: str) -> List[str]:
+    """The class names `where` (a classnames.txt, --classnames) gives, one per class folder, for folders whose labels
+    are their sorted order: the folder names when every name is a folder's (matched by name, one line says so when
+    the order differs), else the names as given, in sorted folder order.
+
+    Raises `DataError` when a name is the name of another position's folder (it would score that folder's images
+    against the wrong label).
+    """
+    if sorted(names) == sorted(folders):
+        if names != folders:
+            print(f"mmcl: {where}: its class names are the class folders' names in another order; each folder is "
+                  f"scored against its own name", file=sys.stderr, flush=True)
+        return list(folders)
+    misplaced = [i for i, name in enumerate(names) if name in folders and folders[i] != name]
+    if misplaced:
+        i = misplaced[0]
+        raise DataError(f"{where}: line {i + 1} '{names[i]}' is the name of class folder {folders.index(names[i]) + 1} "
+                        f"in sorted order, not of folder {i + 1} ('{folders[i]}'); give one name per folder in sorted "
+                        f"folder order, or exactly the folder names")
+    return names
 
 
 def _preview(names: List[str], n: int = 3) -> str:

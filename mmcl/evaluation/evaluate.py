@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import data as data_mod
+from ..data.eval_sets import names_for_folders
 from ..errors import DataError, MmclError
 
 # open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.
@@ -301,10 +302,9 @@ def _resolve_classnames(data, ds, classnames) -> List[str]:
     if classnames is not None and folders and len(names) != len(folders):
         raise DataError(f"{len(names)} class names given for the {len(folders)} class folders of {data} (expected "
                         f"one name per folder, in sorted folder order)")
-    if classnames is not None and folders and names != folders and sorted(names) == sorted(folders):
-        # Names given for an ImageFolder are its folder names in another order: labels follow the sorted
-        # folders, so the given order would pair every image with the wrong name.
-        names = list(folders)
+    if classnames is not None and folders:  # labels follow the sorted folders
+        names = names_for_folders(names, folders, "--classnames" if isinstance(classnames, (list, tuple))
+                                  else classnames)
     return names
 
 
