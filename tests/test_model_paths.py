@@ -77,6 +77,7 @@ def test_zeroshot_export_and_interpolate_take_a_checkpoint(run, small_demo, tmp_
         assert main(["zeroshot", "--model", str(model), "--data", data, "--out", str(tmp_path / f"{name}.json")]) == 0
         results[name] = json.loads((tmp_path / f"{name}.json").read_text())["metrics"]
     assert results["ckpt"] == results["export"] and 0.0 <= results["ckpt"]["acc1"] <= 1.0
+    assert main(["index", "--model", str(ckpt), "--data", small_demo["val"], "--out", str(tmp_path / "index")]) == 0
     # alpha 0 is --from (the checkpoint), alpha 1 is --to (the final model)
     assert main(["interpolate", "--from", str(ckpt), "--to", str(run / "model"), "--alpha", "0", "1",
                  "--out", str(tmp_path / "wise")]) == 0

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..storage import weights
+from ..storage import checkpoints, weights
 from ..data import ShardEvalDataset
 from ..errors import CheckpointError, DataError
 from ..storage.fsutil import atomic_dir, os_error_text, output_dir
@@ -74,8 +74,12 @@ def make_index(features: np.ndarray, exact_max: int = EXACT_MAX, nlist: Optional
 
 
 def _weights_stamp(model_dir: Path) -> Dict[str, Any]:
-    st = (model_dir / weights.WEIGHTS_FILE).stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """Size and modification time of the weights of a model directory or a training checkpoint ({} when neither)."""
+    for name in (weights.WEIGHTS_FILE, checkpoints.MODEL_WEIGHTS):
+        if (model_dir / name).is_file():
+            st = (model_dir / name).stat()
+            return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {}
 
 
 def _recorded_sha256(model_dir: Path) -> Optional[str]:
