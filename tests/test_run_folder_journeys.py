@@ -172,3 +172,37 @@ def test_two_runs_started_at_once_on_a_new_folder_the_refused_one_deletes_nothin
     assert {p.name for p in out.iterdir()} >= {".lock", "config.yaml", "mmcl-manifest.json", "metrics.jsonl",
                                                "out.log", "model", "checkpoints"}
     assert metric_steps(out) == [1, 2]
+
+
+def test_a_lock_file_its_holder_removed_just_after_it_was_opened_is_locked_anew(tmp_path, monkeypatch):
+    """The holder of a folder it made removes it (lock file included) on failure, then releases the lock: a run that
+    opened the lock file just before locks a new one in a new folder, not the removed file."""
+    import os
+    import socket
+
+    from mmcl.training import runlock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    real_open, opened = os.open, []
+
+    def open_then_removed(path, *args):
+        fd = real_open(path, *args)
+        if not opened:
+            os.unlink(path)
+            out.rmdir()
+        opened.append(path)
+        return fd
+
+    monkeypatch.setattr(runlock.os, "open", open_then_removed)
+    lock = runlock.RunLock(out)
+    lock.acquire()
+    monkeypatch.undo()
+    try:
+        other = subprocess.run([sys.executable, "-c", f"from mmcl.training.runlock import RunLock; "
+                                                      f"RunLock({str(out)!r}).acquire()"],
+                               capture_output=True, text=True)
+        assert other.returncode != 0, "the lock at the path is not held"
+        assert f"in use by another run (host {socket.gethostname()}, PID {os.getpid()}," in other.stderr
+    finally:
+        lock.release()

@@ -140,14 +140,14 @@ def _first_missing(out_dir: Path) -> Optional[Path]:
     return top
 
 
-def _remove_unused(out_dir: Path, made: Optional[Path]) -> None:
-    """After a run that failed, while it holds the lock: remove the folders it created (`made` and below, down to
-    `out_dir`) when they hold nothing but its lock file."""
+def _remove_unused(out_dir: Path, made: Optional[Path], locked: bool) -> None:
+    """After a run that failed: remove the folders it created (`made` and below, down to `out_dir`) when they hold
+    nothing, or nothing but the lock file it holds (`locked`; another run's lock is never removed)."""
     if made is None or not out_dir.is_dir():
         return
     from .runlock import LOCK_NAME
 
-    if any(entry.name != LOCK_NAME for entry in out_dir.iterdir()):
+    if any(entry.name != LOCK_NAME or not locked for entry in out_dir.iterdir()):
         return
     with contextlib.suppress(OSError):
         (out_dir / LOCK_NAME).unlink(missing_ok=True)
@@ -400,14 +400,13 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
     def take_directory():
         if run.main:
-            made = _first_missing(run.out_dir)
-            checkpoints.check_output_dir(run.out_dir, run.ckpt_dir)
-            lock = RunLock(run.out_dir)
-            warning = lock.acquire()
+            made, lock = _first_missing(run.out_dir), RunLock(run.out_dir)
             held.callback(lock.release)
-            # Unwound before the release: a run that fails before it writes anything (a wrong model.name, a model
-            # that cannot be built) leaves no folder behind; one refused by the lock removes nothing.
-            held.push(lambda *exc: _remove_unused(run.out_dir, made) if exc[0] is not None else None)
+            # Unwound before the release: a run that fails before it writes anything (a full disk, a wrong
+            # model.name) leaves no folder behind; one refused by the lock removes nothing of the holder's.
+            held.push(lambda *exc: _remove_unused(run.out_dir, made, lock.held) if exc[0] is not None else None)
+            checkpoints.check_output_dir(run.out_dir, run.ckpt_dir)
+            warning = lock.acquire()
             if warning:
                 run.log(warning)
 

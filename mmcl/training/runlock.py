@@ -46,15 +46,13 @@ class RunLock:
             os.close(fd)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = self._lock()
-        previous = _read(fd)
+        previous, self._fd = _read(fd), fd
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
-        except OSError as err:  # a full disk
-            os.close(fd)
+        except OSError as err:  # a full disk: still held, for the holder to remove what it made (`release` then)
             raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
-        self._fd = fd
         if previous:
             return f"warning: took over the lock of a run that ended without releasing it ({previous})"
         return None
@@ -75,6 +73,10 @@ class RunLock:
             raise TrainingError(f"{self.path.parent} is in use by another run ({holder}); wait for it to end or "
                                 f"choose another train.output_dir") from None
         return fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
 
     def release(self) -> None:
         if self._fd is None:
