@@ -403,6 +403,19 @@ class DistillConfig(_Section):
 
 
 @dataclass
+class TrackConfig(_Section):
+    """How the ``train.log_with`` trackers name the run (mmcl/training/tracking.py). A key left null takes the
+    tracker's own environment variable (W&B's WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_NOTES, WANDB_TAGS;
+    MLflow's MLFLOW_EXPERIMENT_NAME, MLFLOW_TAGS), else mmcl's default."""
+
+    project: Optional[str] = None  # W&B project, MLflow experiment, aim experiment; null: the environment, else mmcl
+    entity: Optional[str] = None  # W&B team or user; null: WANDB_ENTITY, else the account's default
+    run_name: Optional[str] = None  # the run's name in W&B and MLflow; null: WANDB_NAME, else the output folder's name
+    notes: Optional[str] = None  # W&B notes, MLflow description; null: WANDB_NOTES
+    tags: Optional[List[str]] = None  # W&B tags, MLflow tags (each with the value "true"); null: WANDB_TAGS
+
+
+@dataclass
 class TrainConfig(_Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -411,6 +424,7 @@ class TrainConfig(_Section):
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalConfig = field(default_factory=EvalConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)
 
 
 # train.precision's values and the name accelerate (``mixed_precision``, ACCELERATE_MIXED_PRECISION) gives each.

@@ -559,8 +559,11 @@ def test_wandb_offline_run_directory_holds_the_scalars(demo, tmp_path, monkeypat
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "from-the-environment")  # track.project unset: the environment's
+    monkeypatch.setenv("WANDB_TAGS", "env-tag")  # track.tags set: the key's
     out = tmp_path / "run"
-    rows = _run_with(demo, out, ["wandb"])
+    rows = _run_with(demo, out, ["wandb"], "track.run_name=tiny-b8", "track.tags=[tiny, demo]",
+                     "track.notes='a first try'")
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, sorted(p.name for p in (out / "wandb").iterdir())
     records = _wandb_records(runs[0])
@@ -577,18 +580,28 @@ def test_wandb_offline_run_directory_holds_the_scalars(demo, tmp_path, monkeypat
               if r.WhichOneof("record_type") == "config"
               for u in r.config.update}
     assert config["optim.lr"] == 0.001 and config["train.log_with"] == "['wandb']"  # the resolved config
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run.project, run.display_name, list(run.tags), run.notes) == (
+        "from-the-environment", "tiny-b8", ["tiny", "demo"], "a first try")
 
 
 def test_mlflow_local_file_store_holds_the_scalars(demo, tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    import yaml
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_TAGS"):
+        monkeypatch.delenv(var, raising=False)
     out = tmp_path / "run"
-    rows = _run_with(demo, out, ["mlflow"])
+    rows = _run_with(demo, out, ["mlflow"], "track.project=clip-sweep", "track.run_name=tiny-b8",
+                     "track.tags=[tiny]", "track.notes='a first try'")
     files = list((out / "mlruns").glob("*/*/metrics/loss"))
     assert len(files) == 1, list((out / "mlruns").rglob("*"))[:20]
     logged = [(int(ln.split()[2]), float(ln.split()[1])) for ln in files[0].read_text().splitlines()]
     assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
-    params = files[0].parent.parent / "params"
-    assert (params / "optim.lr").read_text() == "0.001"
+    run = files[0].parent.parent
+    assert (run / "params" / "optim.lr").read_text() == "0.001"
+    assert yaml.safe_load((run.parent / "meta.yaml").read_text())["name"] == "clip-sweep"
+    assert yaml.safe_load((run / "meta.yaml").read_text())["run_name"] == "tiny-b8"
+    assert [(run / "tags" / t).read_text() for t in ("tiny", "mlflow.note.content")] == ["true", "a first try"]
 
 
 def test_a_run_stopped_by_a_signal_closes_its_trackers(demo, tmp_path, monkeypatch, capsys):

@@ -6,9 +6,11 @@ each metrics record's scalars to every tracker (main process only; accelerate de
 record is metrics.jsonl (`MetricsLog`), written whichever trackers are on.
 
 - tensorboard: event files in ``<output_dir>/tensorboard`` (a resumed run purges the events after its step);
-- wandb: project ``mmcl``, run named after the output directory, files under ``<output_dir>/wandb``
-  (``WANDB_MODE=offline`` works without an account);
-- mlflow: experiment ``mmcl`` in ``MLFLOW_TRACKING_URI``, or a local file store ``<output_dir>/mlruns``; metric
+- wandb: project, entity, run name, notes and tags from ``track.*`` (else WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME,
+  WANDB_NOTES, WANDB_TAGS; else project ``mmcl``, the run named after the output directory), files under
+  ``<output_dir>/wandb`` (``WANDB_MODE=offline`` works without an account);
+- mlflow: experiment ``track.project`` (MLFLOW_EXPERIMENT_NAME first, else ``mmcl``), run name, description and
+  tags from ``track.*``, in ``MLFLOW_TRACKING_URI``, or a local file store ``<output_dir>/mlruns``; metric
   names keep the characters mlflow accepts (``/`` becomes ``.``: its file store cannot hold both ``loss`` and
   ``loss/clip``; ``@`` becomes ``_at_``);
 - aim: a repository in ``<output_dir>``.
@@ -21,7 +23,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from ..errors import ConfigError
 from ..storage import checkpoints
@@ -80,10 +82,7 @@ def start(accelerator, names: List[str], config: Dict[str, Any], out_dir: Path, 
             # was known and accelerate has no public way to give it a writer argument now: its init_kwargs, read
             # when init_trackers starts it (tests/test_dependency_names.py; accelerate's bound in pyproject).
             tracker.init_kwargs["purge_step"] = resume_step + 1
-    init_kwargs: Dict[str, Dict[str, Any]] = {
-        "wandb": {"name": out_dir.name, "dir": str(out_dir), "resume": "allow"},
-        "aim": {"logging_dir": str(out_dir)},
-    }
+    project, init_kwargs = run_names(config.get("track") or {}, names, out_dir)
     if "mlflow" in names:
         import mlflow
 
@@ -94,9 +93,25 @@ def start(accelerator, names: List[str], config: Dict[str, Any], out_dir: Path, 
             uri = (out_dir / "mlruns").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri(uri)
-        init_kwargs["mlflow"] = {"run_name": out_dir.name}
     (out_dir / "wandb").mkdir(parents=True, exist_ok=True) if "wandb" in names else None
-    accelerator.init_trackers(PROJECT, config=hyperparameters(config), init_kwargs=init_kwargs)
+    accelerator.init_trackers(project, config=hyperparameters(config), init_kwargs=init_kwargs)
+
+
+def run_names(track: Dict[str, Any], names: List[str], out_dir: Path) -> Tuple[str, Dict[str, Dict[str, Any]]]:
+    """The project and each tracker's ``init_kwargs`` from the ``track.*`` keys. A key left null leaves the tracker
+    its own environment variable (wandb reads WANDB_ENTITY, WANDB_NOTES and WANDB_TAGS itself; accelerate gives
+    MLFLOW_EXPERIMENT_NAME and MLFLOW_TAGS priority over its arguments), else mmcl's default: project ``mmcl``,
+    the run named after its output folder."""
+    project = track.get("project") or ("wandb" in names and os.environ.get("WANDB_PROJECT")) or PROJECT
+    tags = track.get("tags")
+    return project, {
+        "wandb": {"name": track.get("run_name") or os.environ.get("WANDB_NAME") or out_dir.name,
+                  "entity": track.get("entity"), "notes": track.get("notes"), "tags": tags, "dir": str(out_dir),
+                  "resume": "allow"},
+        "mlflow": {"run_name": track.get("run_name") or out_dir.name, "description": track.get("notes"),
+                   "tags": None if tags is None else {t: "true" for t in tags}},
+        "aim": {"logging_dir": str(out_dir)},
+    }
 
 
 _MLFLOW_BAD = re.compile(r"[^0-9A-Za-z_\-. ]")
