@@ -84,6 +84,7 @@ def test_a_global_batch_larger_than_the_data_is_refused_with_the_numbers(small_d
                                                 "train.epochs=1")[3:]), 6)
 
 
+@pytest.mark.slow
 def test_a_run_that_failed_before_step_1_is_taken_over_by_the_corrected_command(small_demo, tmp_path, capsys):
     bad = tmp_path / "train.tar"
     bad.write_bytes(b"filepath,title\nimg.jpg,a cat\n" * 40)  # not a tar file: no sample can be read
@@ -149,6 +150,7 @@ def paused_run(when, args, cwd):
     pytest.fail("".join(said) + run.stderr.read())
 
 
+@pytest.mark.slow
 def test_two_runs_started_at_once_on_a_new_folder_the_refused_one_deletes_nothing(small_demo, tmp_path):
     """Both find the folder new; the second takes the lock first; the first, refused, leaves the folder alone."""
     out = tmp_path / "new" / "run"
