@@ -48,7 +48,7 @@ from ..data.sources import expand_urls, has_scheme
 from ..data.writer import add_tar_member
 from ..errors import ConfigError, DataError, MmclError
 from ..evaluation.embed import MAX_PIXELS, ClipEncoder, embed_image_set, embed_samples
-from ..storage.fsutil import os_error_text
+from ..storage.fsutil import new_file, os_error_text
 from ..storage.manifest import OutputManifest
 from .report import write_report
 from .rules import KEPT, REASONS, Decision, Rules, caption_languages, decide
@@ -149,7 +149,7 @@ def _claim(out: Path, identity: Dict[str, Any], names: List[str], inputs: List[s
 def _save_npz(path: Path, **arrays) -> None:
     tmp = path.with_name(path.name + _TEMP)
     try:
-        with open(tmp, "wb") as f:
+        with new_file(path.parent, tmp.name) as f:
             np.savez(f, **arrays)
         os.replace(tmp, path)
     except OSError as err:
@@ -277,8 +277,9 @@ def _write_shard(url: str, dest: Path, table: Dict[str, np.ndarray], keep: np.nd
     wanted = {int(i): str(k) for i, k, ok in zip(table["index"], table["key"], keep) if ok}
     tmp = dest.with_name(dest.name + _TEMP)
     written = 0
+    f = new_file(dest.parent, tmp.name)  # before the try: a link there is refused, and not removed
     try:
-        with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tar:
+        with f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as tar:
             for item in read_raw_samples([(url, None)]):
                 if item.files is None or item.index not in wanted:
                     continue

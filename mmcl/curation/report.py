@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..errors import DataError
-from ..storage.fsutil import atomic_write_text, os_error_text
+from ..storage.fsutil import atomic_write_text, new_file, os_error_text
 from .rules import KEPT, REASONS, Decision
 
 HISTOGRAM_BINS = 40
@@ -88,7 +88,7 @@ def build_report(identity: Dict[str, Any], names: List[str], tables: List[Dict[s
     }
 
 
-def _plot(report: Dict[str, Any], path: Path) -> None:
+def _plot(report: Dict[str, Any], path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -152,9 +152,9 @@ def write_report(out: Path, identity: Dict[str, Any], names: List[str], tables: 
     try:
         atomic_write_text(out / REPORT_FILE, json.dumps(report, indent=1) + "\n")
         atomic_write_text(out / DROPPED_FILE, "".join(line + "\n" for line in lines))
-        tmp = out / (PLOT_FILE + temp_suffix)
-        _plot(report, tmp)
-        os.replace(tmp, out / PLOT_FILE)
+        with new_file(out, PLOT_FILE + temp_suffix) as f:
+            _plot(report, f)
+        os.replace(out / (PLOT_FILE + temp_suffix), out / PLOT_FILE)
     except OSError as err:
         raise DataError(f"cannot write the report in {out}: {os_error_text(err)}") from None
     return report

@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 from PIL import Image
 
 from ..errors import DataError
+from ..storage.fsutil import new_file
 from ..storage.manifest import OutputManifest
 from .decode import IMAGE_EXTS, SkipSample, decode_image
 from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
@@ -87,14 +88,16 @@ class ShardWriter:
         self.files: List[str] = []  # every file written, relative to out_dir: the shards and sizes.json
         self.n_samples = 0
         self._tar: Optional[tarfile.TarFile] = None
+        self._file = None
         self._tmp = ""
         self._in_shard = 0
         self._sizes_written = False
 
     def _write_sizes(self) -> None:
         path = os.path.join(self.out_dir, SIZES_FILE)
+        tmp = path + ".tmp"
         if self.manifest is not None:
-            self.manifest.will_write([os.path.relpath(path, self.manifest.folder)])
+            self.manifest.will_write([os.path.relpath(p, self.manifest.folder) for p in (path, tmp)])
         sizes: Dict[str, int] = {}
         try:
             with open(path) as f:
@@ -104,9 +107,8 @@ class ShardWriter:
         except (OSError, ValueError):
             pass
         sizes.update({os.path.basename(p): n for p, n in zip(self.shards, self.counts)})
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(dict(sorted(sizes.items())), f, indent=1)
+        with new_file(self.out_dir, SIZES_FILE + ".tmp") as f:
+            f.write(json.dumps(dict(sorted(sizes.items())), indent=1).encode())
         os.replace(tmp, path)
         self._sizes_written = True
         self.files.append(SIZES_FILE)
@@ -119,7 +121,8 @@ class ShardWriter:
         self._tmp = path + ".tmp"
         if self.manifest is not None:
             self.manifest.will_write([os.path.relpath(p, self.manifest.folder) for p in (path, self._tmp)])
-        self._tar = tarfile.open(self._tmp, "w", format=tarfile.GNU_FORMAT)
+        self._file = new_file(self.out_dir, os.path.basename(self._tmp))  # TarFile leaves it open
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.GNU_FORMAT)
         self.shards.append(path)
         self.files.append(os.path.basename(path))
         self.counts.append(0)
@@ -128,6 +131,7 @@ class ShardWriter:
     def _close_current(self) -> None:
         if self._tar is not None:
             self._tar.close()
+            self._file.close()
             os.replace(self._tmp, self.shards[-1])
             self._tar = None
 
@@ -170,6 +174,7 @@ class ShardWriter:
     def __exit__(self, *exc) -> None:
         if exc[0] is not None and self._tar is not None:
             self._tar.close()
+            self._file.close()
             os.remove(self._tmp)
             self.shards.pop()
             self.files.pop()
@@ -614,8 +619,8 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
     if classnames is not None:
         owned.will_write(["classnames.txt"])
         ours.append("classnames.txt")
-        with open(os.path.join(out_dir, "classnames.txt"), "w", encoding="utf-8") as f:
-            f.write("\n".join(classnames) + "\n")
+        with new_file(out_dir, "classnames.txt") as f:
+            f.write(("\n".join(classnames) + "\n").encode())
     if problems:
         owned.will_write([SKIP_LOG])
         ours.append(SKIP_LOG)

@@ -10,20 +10,80 @@ umask gives (``os.mkdir``); a directory replaced keeps the mode it had.
 Temporary names carry the host and PID of their writer, so a later write to the same place can tell leftovers
 of a killed process from those of a running one: it removes them, and puts an old directory back when the kill
 came between the two renames.
+
+A folder mmcl writes is never a way out of it. Every file it writes, truncates, appends to or deletes there is
+named by a path relative to the folder, checked by `inside`: no absolute path, no ``..``, and no symbolic link
+(nor device or FIFO) on the way, which is refused in one line, never followed, replaced or deleted. Files are
+opened with ``O_NOFOLLOW`` (`open_inside`), and temporary files are created new (``O_EXCL``, `new_file`). The
+folder itself may be a link the user gave (``--out link-to-dir``): only what is inside it is checked. Files
+copied out of a folder (a model's tokenizer files) are read by the same rule.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
 import shutil
 import socket
+import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List, Optional, Set
+from typing import BinaryIO, Callable, Iterable, Iterator, List, Optional, Set
 
 from ..errors import ConfigError
+
+
+def inside(folder, rel) -> Path:
+    """``folder / rel``, where mmcl may write: ConfigError (one line) when `rel` is absolute or holds ``..``, or
+    when a part of it that exists is a symbolic link, or neither a regular file nor a folder (a device, a FIFO)."""
+    rel = str(rel).replace(os.sep, "/")
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if rel.startswith("/") or ".." in parts or not parts:
+        raise ConfigError(f"{folder}: {rel!r} is not a path inside it; mmcl writes only inside the folders it "
+                          f"owns (nothing was changed)")
+    path = Path(folder)
+    for part in parts:
+        path = path / part
+        try:
+            mode = os.lstat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            break
+        if stat.S_ISLNK(mode):
+            raise ConfigError(f"{path} is a symbolic link; mmcl never writes through links inside a folder it "
+                              f"writes (it was left as it is: remove it or choose another folder)")
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ConfigError(f"{path} is not a regular file or folder; mmcl does not write to it (it was left as "
+                              f"it is: remove it or choose another folder)")
+    return path
+
+
+def open_inside(folder, rel, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of `inside` (folder, rel) without following a link (``O_NOFOLLOW``) and without blocking on a
+    FIFO put there meanwhile; ConfigError unless it opens a regular file."""
+    path = inside(folder, rel)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENXIO):  # a link or a FIFO put there since `inside` looked
+            inside(folder, rel)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        inside(folder, rel)  # raises: not a regular file
+    return fd
+
+
+def new_file(folder, rel) -> BinaryIO:
+    """`rel` in `folder`, created new for writing (``O_EXCL``): a file of that name is deleted first (callers name
+    only their own files: recorded in a manifest, or temporary names of theirs); a link there is refused."""
+    path = inside(folder, rel)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.fdopen(open_inside(folder, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
 
 
 def _owner_tag() -> str:
@@ -147,6 +207,8 @@ def swap_in(tmp: Path, out_dir: Path, ours: Iterable[str] = ()) -> Optional[Path
     """
     old = None
     if out_dir.is_dir():
+        for rel in ours:  # what mmcl replaces there is never a link of the user's (nor reached through one)
+            inside(out_dir, rel)
         keep = foreign_files(out_dir, ours)
         clash = sorted(set(keep) & files_under(tmp))
         if clash:
@@ -204,10 +266,11 @@ def atomic_dir(out_dir, ours: Iterable[str] = (), check: Optional[Callable[[Path
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a small file through a temp file, fsync, and rename. On failure (full disk, read-only directory) the
-    temp file is removed, `path` is left as it was and the OSError is raised."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temp file is removed, `path` is left as it was and the OSError is raised. A link at `path` is refused (`inside`)."""
+    path = inside(path.parent, path.name)
+    tmp = path.with_name(f".{path.name}.tmp-{_owner_tag()}-{secrets.token_hex(4)}")
     try:
-        with open(tmp, "w") as f:
+        with os.fdopen(open_inside(path.parent, tmp.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from . import weights
+from .fsutil import inside
 from .manifest import OutputManifest
 
 # Model-config keys that name where a tower came from or how it was initialised, not what it is.
@@ -150,7 +151,7 @@ def write_alphas(init_state: Dict[str, torch.Tensor], init_cfg: Dict[str, Any], 
     written = []
     for alpha in dict.fromkeys(float(a) for a in alphas):  # in the order given, once each
         model.load_state_dict(interpolate_state(init_state, finetuned_state, alpha))
-        folder = out_dir / alpha_dir_name(alpha)
+        folder = inside(out_dir, alpha_dir_name(alpha))  # a link there is refused, never written through
         weights.save_model_dir(model, cfg, pp, folder, extra={"wise_ft": {"alpha": alpha, **record}})
         # The model folder's config lists the files it wrote (files a user added there stay the user's).
         listed = (weights.read_json_file(folder / weights.CONFIG_FILE).get("mmcl") or {}).get("files") or []

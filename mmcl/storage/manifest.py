@@ -7,7 +7,9 @@ folder is refused in one line, and nothing in it is touched. The manifest (JSON,
 file the command wrote, each recorded *before* it is created (`will_write`), so that a run killed halfway still
 owns what it left. A command deletes or replaces only files its manifest lists: a file of the user's that carries
 a name it is about to write is an error, never overwritten. (`mmcl export`, `mmcl index` and saved models keep the
-same rule with their own lists: `mmcl.storage.fsutil.atomic_dir`.)
+same rule with their own lists: `mmcl.storage.fsutil.atomic_dir`.) Every entry is a path inside the folder
+(`mmcl.storage.fsutil.inside`): a manifest listing an absolute path, a ``..`` or a symbolic link is refused in one
+line when the folder is claimed, before anything is touched.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 from ..errors import ConfigError
-from .fsutil import atomic_write_text, files_under
+from .fsutil import atomic_write_text, files_under, inside
 
 MANIFEST = "mmcl-manifest.json"
 
@@ -80,16 +82,23 @@ class OutputManifest:
             return None
         other = meta.get("command")
         if other == command and isinstance(meta.get("files"), list):
-            return cls(folder, command, name, [f for f in meta["files"] if isinstance(f, str)],
-                       meta.get("data") if isinstance(meta.get("data"), dict) else {})
+            return cls._checked(folder, command, name, [f for f in meta["files"] if isinstance(f, str)],
+                                meta.get("data") if isinstance(meta.get("data"), dict) else {})
         if other is None and legacy is not None:
             files = legacy(meta)
             if files is not None:  # the whole legacy record becomes the command's data
-                return cls(folder, command, name, files, meta)
+                return cls._checked(folder, command, name, files, meta)
         if isinstance(other, str) and other != command:
             raise ConfigError(f"--out {folder} holds the output of mmcl {other}, not of mmcl {command}; nothing "
                               f"was changed: choose a new or empty folder")
         return None
+
+    @classmethod
+    def _checked(cls, folder: Path, command: str, name: str, files: Iterable[str], data) -> "OutputManifest":
+        files = list(files)
+        for rel in files:
+            inside(folder, rel)
+        return cls(folder, command, name, files, data)
 
     def save(self) -> None:
         meta = {"command": self.command, "files": sorted(self.files), "data": self.data}
@@ -99,7 +108,7 @@ class OutputManifest:
         """Record `rels` (paths relative to the folder) before they are created. ConfigError naming them when
         files of those names exist that the manifest does not list (the user's): nothing is written then."""
         rels = [str(r).replace(os.sep, "/") for r in rels]
-        theirs = sorted(r for r in rels if r not in self.files and os.path.lexists(self.folder / r))
+        theirs = sorted(r for r in rels if os.path.lexists(inside(self.folder, r)) and r not in self.files)
         if theirs:
             raise ConfigError(f"{self.folder} holds files mmcl {self.command} did not write with the names of files "
                               f"it is about to write: {_preview(theirs)}; nothing of theirs was changed (move them "
@@ -114,7 +123,7 @@ class OutputManifest:
         gone = [r for r in rels if r in self.files]
         for rel in gone:
             try:
-                os.unlink(self.folder / rel)
+                os.unlink(inside(self.folder, rel))
             except FileNotFoundError:
                 pass
         if gone:

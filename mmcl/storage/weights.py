@@ -27,7 +27,7 @@ from torch import nn
 from . import checkpoints, hf_clip
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
-from .fsutil import atomic_dir, file_sha256, files_under, os_error_text, output_dir
+from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir
 from ..models import towers
 from ..models.towers import (build_tokenizer, build_transforms, create, hf_custom_code_error, is_local_dir,
                              preprocess_config)
@@ -76,8 +76,8 @@ def write_text_tower_files(model: nn.Module, text_cfg: Dict[str, Any], dest: Pat
     for folder in copy_from:
         names = [n for n in os.listdir(folder) if n.startswith(TOKENIZER_FILE_PREFIXES)]
         if names:
-            for name in names:
-                shutil.copy2(folder / name, dest / name)
+            for name in names:  # regular files of that folder only: a link there is refused, never followed
+                shutil.copy2(inside(folder, name), dest / name)
             return
     source = text_cfg.get("hf_tokenizer_name") or text_cfg["hf_model_name"]
     try:

@@ -34,7 +34,7 @@ from ..data.sources import expand_urls, has_scheme
 from ..data.writer import add_tar_member
 from ..errors import DataError
 from ..evaluation.embed import embed_samples
-from ..storage.fsutil import os_error_text
+from ..storage.fsutil import new_file, os_error_text
 from ..storage.manifest import OutputManifest
 
 MANIFEST = "reinforce.json"
@@ -92,8 +92,9 @@ def _reinforce_shard(url: str, dest: Path, embedder: _Embedder, window: int) -> 
     """Write one output shard; returns its counts. The temporary file is removed on any failure."""
     tmp = dest.with_name(dest.name + _TEMP_SUFFIX)
     counts = {"samples": 0, "without_teacher": 0, "errors": 0}
+    f = new_file(dest.parent, tmp.name)  # before the try: a link there is refused, and not removed
     try:
-        with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tar:
+        with f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as tar:
             pending: List[Any] = []
 
             def flush():

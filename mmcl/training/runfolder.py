@@ -37,7 +37,7 @@ from ..data.skips import SKIP_LOG, counts_text, describe, first_records
 from ..data.sources import redact_values
 from ..errors import ConfigError, MmclError, RunStopped
 from ..storage import checkpoints
-from ..storage.fsutil import atomic_write_text
+from ..storage.fsutil import atomic_write_text, inside, open_inside
 from ..storage.manifest import MANIFEST
 
 COMMAND = "train"
@@ -116,6 +116,19 @@ def write_record(out: Path, processes: int, global_batch: int) -> None:
     meta = {"command": COMMAND, "files": sorted(RUN_FILES),
             "data": {"processes": processes, GLOBAL_BATCH: global_batch}}
     atomic_write_text(out / MANIFEST, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+
+
+def refuse_links(out: Path) -> None:
+    """ConfigError (`mmcl.storage.fsutil.inside`) for a symbolic link, device or FIFO among the run folder's entries
+    and those of its model and checkpoint folders: a run folder from elsewhere is never a way out of it."""
+    if not out.is_dir():
+        return
+    for name in os.listdir(out):
+        inside(out, name)
+    for sub in ("model", checkpoints.CHECKPOINTS_DIR, "wise_ft"):
+        if (out / sub).is_dir():
+            for name in os.listdir(out / sub):
+                inside(out, f"{sub}/{name}")
 
 
 def _model_steps(out: Path) -> Optional[int]:
@@ -233,6 +246,7 @@ def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decisio
     Raises ConfigError (one line, nothing changed) for a folder with another run or with files mmcl train did not
     write."""
     out = Path(cfg.train.output_dir)
+    refuse_links(out)
     if not out.is_dir() or not _entries(out):  # a path that is a file: check_output_dir names it
         return Decision("start", f"{out}: a new run", write_config=True)
     record = read_record(out)
@@ -327,7 +341,8 @@ class ConsoleLog:
 
     def attach(self, path: Path) -> None:
         try:
-            self.file = open(path, "a", encoding="utf-8")
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            self.file = os.fdopen(open_inside(path.parent, path.name, flags), "a", encoding="utf-8")
             self.file.write(f"--- mmcl train, {time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(self.held))
             self.file.flush()
         except OSError:

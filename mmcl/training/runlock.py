@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import StorageError, TrainingError
+from ..storage.fsutil import open_inside
 
 LOCK_NAME = ".lock"
 
@@ -59,7 +60,7 @@ class RunLock:
 
     def _lock(self) -> int:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_inside(self.path.parent, LOCK_NAME, os.O_RDWR | os.O_CREAT)  # a link there is refused
         except OSError as err:
             raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
         try:
@@ -99,7 +100,7 @@ class RunLock:
 def _names(path: Path, fd: int) -> bool:
     """Whether `path` is still the file open as `fd`."""
     try:
-        st, held = os.stat(path), os.fstat(fd)
+        st, held = os.lstat(path), os.fstat(fd)
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)

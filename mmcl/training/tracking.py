@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 from ..errors import ConfigError
 from ..storage import checkpoints
-from ..storage.fsutil import atomic_write_text
+from ..storage.fsutil import atomic_write_text, inside, open_inside
 
 PROJECT = "mmcl"
 
@@ -164,11 +164,11 @@ class MetricsLog:
         if not enabled:
             return
         try:
-            if self.path.exists():  # a resumed run continues the file without duplicated steps
+            if inside(out_dir, self.path.name).exists():  # a resumed run continues the file without duplicated steps
                 kept = [ln for ln in self.path.read_text().splitlines()
                         if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
                 atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
-            self.file = open(self.path, "a")
+            self.file = os.fdopen(open_inside(out_dir, self.path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
         except OSError as err:
             raise checkpoints.storage_error(err, "metrics", out_dir) from None
 

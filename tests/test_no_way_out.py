@@ -1,0 +1,244 @@
+"""A folder mmcl writes is never a way out of it: a symbolic link (to a file, a folder, /dev/null, a FIFO) where mmcl
+would write, and a manifest entry that is absolute, holds '..' or is a link, are one error line and exit 2; what
+the link points at is left byte-identical with its modification time, and the link itself is left in place."""
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY_TOWERS
+from mmcl.cli import main
+from mmcl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def never_blocks():
+    """A FIFO opened for writing must not hang the test: fail it after 60 s instead."""
+    def fail(*_):
+        raise TimeoutError("blocked")
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def run_args(demo, out, *extra):
+    return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
+            f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
+            "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.save_every=2", "train.log_every=1",
+            "train.log_with=[]", "train.steps=2", *TINY_TOWERS, *extra]
+
+
+@pytest.fixture(scope="module")
+def finished(small_demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(run_args(small_demo, out)) == 0
+    return out
+
+
+def state(path: Path):
+    """What the user has at `path`: every file under it with its bytes and modification time."""
+    if path.is_dir():
+        return {str(p.relative_to(path)): (p.read_bytes(), p.stat().st_mtime_ns)
+                for p in sorted(path.rglob("*")) if p.is_file()}
+    return path.read_bytes(), path.stat().st_mtime_ns
+
+
+def users_target(tmp_path: Path, kind: str) -> Path:
+    """Something of the user's for a link to point at."""
+    if kind == "file":
+        (tmp_path / "notes.txt").write_text("the user's notes\n")
+        return tmp_path / "notes.txt"
+    if kind == "folder":
+        project = tmp_path / "project"
+        project.mkdir()
+        (project / "config.json").write_text('{"mine": 1}\n')
+        (project / "tokenizer.json").write_text('{"vocab": {}}\n')
+        return project
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "pipe")
+        return tmp_path / "pipe"
+    return Path("/dev/null")
+
+
+def assert_refused(capsys, link: Path, target: Path, before, err=None):
+    err = (err if err is not None else capsys.readouterr().err).strip().splitlines()
+    assert [line for line in err if "error" in line] == err[-1:] and err[-1].startswith("mmcl: error: "), err
+    assert "Traceback" not in "\n".join(err) and str(link.name) in err[-1]
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    if target.is_file() or target.is_dir():
+        assert state(target) == before
+
+
+KINDS = ["file", "folder", "devnull", "fifo"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", [".lock", "out.log", "metrics.jsonl", "config.yaml", "model", "wise_ft"])
+def test_a_link_in_a_run_folder_from_elsewhere_is_refused(finished, small_demo, tmp_path, capsys, name, kind):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    target = users_target(tmp_path, kind)
+    before = state(target) if kind in ("file", "folder") else None
+    shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink(missing_ok=True)
+    (run / name).symlink_to(target)
+    capsys.readouterr()
+    assert main(run_args(small_demo, run, "train.steps=3")) == 2
+    assert_refused(capsys, run / name, target, before)
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo"])
+def test_a_lock_linked_in_an_otherwise_empty_folder_is_not_truncated_nor_shown(small_demo, tmp_path, capsys, kind):
+    run = tmp_path / "run"
+    run.mkdir()
+    target = users_target(tmp_path, kind)
+    before = state(target) if kind == "file" else None
+    (run / ".lock").symlink_to(target)
+    assert main(run_args(small_demo, run)) == 2
+    out = capsys.readouterr()
+    assert "the user's notes" not in out.out + out.err
+    assert_refused(capsys, run / ".lock", target, before, out.err)
+
+
+def test_a_checkpoint_linked_to_a_folder_of_the_users_is_refused(finished, small_demo, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    target = tmp_path / "elsewhere"
+    shutil.move(step, target)
+    step.symlink_to(target)
+    before = state(target)
+    assert main(run_args(small_demo, run, "train.steps=4", "train.keep_checkpoints=1")) == 2
+    assert_refused(capsys, step, target, before)
+
+
+# ------------------------------------------------------------------------------------------------ manifests
+@pytest.fixture(scope="module")
+def converted(small_demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards") / "out"
+    assert main(["shards", "--input", small_demo["zeroshot_colour"], "--out", str(out)]) == 0
+    return out
+
+
+def with_listed(folder: Path, entry: str):
+    path = folder / "mmcl-manifest.json"
+    meta = json.loads(path.read_text())
+    meta["files"].append(entry)
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "dotdot-inside"])
+def test_a_manifest_entry_outside_its_folder_is_refused(converted, small_demo, tmp_path, capsys, how):
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    target = users_target(tmp_path, "file")
+    before = state(target)
+    entry = {"absolute": str(target), "dotdot": "../notes.txt", "dotdot-inside": "sub/../../notes.txt"}[how]
+    with_listed(out, entry)
+    assert main(["shards", "--input", small_demo["zeroshot_colour"], "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mmcl: error: ") and "not a path inside" in err[0], err
+    assert state(target) == before
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name,listed", [("shard-000000.tar.tmp", True), ("sizes.json.tmp", False),
+                                         ("sizes.json.tmp", True), ("shard-000000.tar", True)])
+def test_a_linked_shard_file_is_refused_listed_or_not(converted, small_demo, tmp_path, capsys, name, listed, kind):
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    target = users_target(tmp_path, kind)
+    before = state(target) if kind in ("file", "folder") else None
+    (out / name).unlink(missing_ok=True)
+    (out / name).symlink_to(target)
+    if listed:
+        with_listed(out, name)
+    assert main(["shards", "--input", small_demo["zeroshot_colour"], "--out", str(out)]) == 2
+    assert_refused(capsys, out / name, target, before)
+
+
+def test_demo_data_does_not_delete_a_manifest_entry_outside(tmp_path, capsys):
+    out = tmp_path / "demo"
+    out.mkdir()
+    target = users_target(tmp_path, "file")
+    before = state(target)
+    (out / "mmcl-manifest.json").write_text(json.dumps({"command": "demo-data", "files": ["../notes.txt"],
+                                                         "data": {}}))
+    assert main(["demo-data", "--out", str(out), "--n-train", "8"]) == 2
+    assert capsys.readouterr().err.startswith("mmcl: error: ")
+    assert state(target) == before
+
+
+# ------------------------------------------------------------------------------------------------ exports, index
+@pytest.mark.parametrize("kind", ["file", "devnull"])
+def test_an_exports_file_linked_elsewhere_is_refused(finished, tmp_path, capsys, kind):
+    out = tmp_path / "export"
+    assert main(["export", "--model", str(finished), "--format", "open_clip", "--out", str(out)]) == 0
+    name = "open_clip_config.json"
+    target = users_target(tmp_path, kind)
+    before = state(target) if kind == "file" else None
+    (out / name).unlink()
+    (out / name).symlink_to(target)
+    capsys.readouterr()
+    assert main(["export", "--model", str(finished), "--format", "open_clip", "--out", str(out)]) == 2
+    assert_refused(capsys, out / name, target, before)
+
+
+def test_an_export_into_a_linked_output_folder_is_the_users_choice(finished, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    assert main(["export", "--model", str(finished), "--format", "open_clip", "--out", str(tmp_path / "link")]) == 0
+    assert (real / "open_clip_config.json").is_file() and (tmp_path / "link").is_symlink()
+
+
+def test_an_index_file_linked_elsewhere_is_refused(finished, small_demo, tmp_path, capsys):
+    out = tmp_path / "index"
+    args = ["index", "--model", str(finished), "--data", small_demo["val"], "--out", str(out)]
+    assert main(args) == 0
+    name = sorted(p.name for p in out.iterdir() if p.suffix == ".jsonl")[0]
+    target = users_target(tmp_path, "file")
+    before = state(target)
+    (out / name).unlink()
+    (out / name).symlink_to(target)
+    capsys.readouterr()
+    assert main(args) == 2
+    assert_refused(capsys, out / name, target, before)
+
+
+def test_tokenizer_files_linked_out_of_a_model_folder_are_not_copied(tmp_path):
+    from mmcl.storage.weights import write_text_tower_files
+
+    model, dest = tmp_path / "model", tmp_path / "dest"
+    model.mkdir(), dest.mkdir()
+    secret = users_target(tmp_path, "file")
+    (model / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        write_text_tower_files(None, {}, dest, copy_from=[model], config=False)
+    assert list(dest.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_temporary_file_is_created_new_never_through_a_link(tmp_path, kind):
+    from mmcl.storage.fsutil import atomic_write_text, new_file
+
+    target = users_target(tmp_path, kind)
+    before = state(target) if kind in ("file", "folder") else None
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part.tmp").symlink_to(target)
+    (out / "result.json").symlink_to(target)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        new_file(out, "part.tmp")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        atomic_write_text(out / "result.json", "{}")
+    assert (out / "part.tmp").is_symlink() and (out / "result.json").is_symlink()
+    if before is not None:
+        assert state(target) == before
