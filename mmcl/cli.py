@@ -99,6 +99,12 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    from .training.preempt import launch
+
+    return launch(args.argv)
+
+
 # The configs and launch files shipped in the package (links to the checkout's configs/ and launch/ in an editable
 # install, copies in a wheel).
 _STARTER = Path(_PACKAGE_DIR) / "training" / "starter"
@@ -324,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config (file, then overrides) as YAML and exit without training")
     t.set_defaults(func=cmd_train)
+
+    la = sub.add_parser("launch", help="`accelerate launch` with the same arguments, exiting with the code of its "
+                        "training processes (75 preempted, 130 interrupted) instead of a launcher traceback",
+                        add_help=False, prefix_chars="\0")
+    la.add_argument("argv", nargs=argparse.REMAINDER, help="accelerate launch's arguments, e.g. --config_file "
+                    "launch/cpu-2proc.yaml -m mmcl train --config configs/tiny.yaml")
+    la.set_defaults(func=cmd_launch)
 
     n = sub.add_parser("init", help="copy the shipped configs/ and launch/ folders into DIR")
     n.add_argument("dir", metavar="DIR", nargs="?", default=".", help="where configs/ and launch/ are written")

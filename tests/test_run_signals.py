@@ -73,3 +73,65 @@ def test_with_the_bar_the_step_lines_go_to_out_log_only(demo, tmp_path, capsys):
     assert "mmcl: step " not in console.out + console.err and "5/5" in console.err  # the bar
     logged = [ln for ln in (out / "out.log").read_text().splitlines() if ln.startswith("mmcl: step ")]
     _matches_metrics(_parsed(logged), metrics(out))
+
+
+# ------------------------------------------------------------------------------------------ stop signals
+# Each training process writes its exit code to CODES/code-<RANK> (the launcher does not report them after a signal).
+RECORD_CODE = """\
+import os, sys
+from mmcl.cli import main
+
+code = main(sys.argv[2:])
+with open(os.path.join(sys.argv[1], "code-" + os.environ.get("RANK", "0")), "w") as f:
+    f.write(str(code))
+sys.exit(code)
+"""
+
+
+def _stopped_by(cmd, out, sig, cwd):
+    """Start `cmd` in its own process group, send `sig` to the group (as Ctrl-C or a scheduler does) once 2 steps
+    are logged; returns (exit code, stdout, stderr)."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.1)
+    os.killpg(p.pid, sig)
+    o, e = p.communicate(timeout=180)
+    return p.returncode, o, e
+
+
+def _resumes(cmd, cwd, step):
+    p = subprocess.run(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"at step {step}" in p.stdout and "resuming from" in p.stdout, p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes,sig,code,word", [(1, signal.SIGINT, 130, "interrupted"),
+                                                     (2, signal.SIGINT, 130, "interrupted"),
+                                                     (2, signal.SIGTERM, 75, "preempted")])
+def test_a_stopped_run_exits_with_the_stop_code_from_every_process_without_a_traceback(demo, tmp_path, processes,
+                                                                                       sig, code, word):
+    """`mmcl train` (1 process) and `mmcl launch` (accelerate's launcher, 2 processes) stopped by a signal to their
+    process group: one line, no traceback, every training process and the command itself exit with the code, and
+    the checkpoint resumes."""
+    script, out, codes = tmp_path / "record_code.py", tmp_path / "run", tmp_path / "codes"
+    script.write_text(RECORD_CODE)
+    codes.mkdir()
+    argv = [*run_args(demo, out, "train.steps=1000", "train.log_every=1", "data.batch_size=4"),
+            "data.workers=1"]  # a data worker in the training process's group gets the signal too
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "mmcl", "launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml")]
+    rc, o, e = _stopped_by([*launcher, str(script), str(codes), *argv], out, sig, tmp_path)
+    assert "Traceback" not in e, e
+    lines = [ln for ln in e.splitlines() if ln.startswith("mmcl:")]
+    assert len(lines) == 1 and re.fullmatch(rf"mmcl: {word} \({sig.name}\) at step (\d+); checkpoint saved to "
+                                            rf".*; re-run the same command to resume", lines[0]), e
+    assert rc == code
+    assert sorted(f.read_text() for f in codes.iterdir()) == [str(code)] * processes
+    step = int(re.search(r"at step (\d+);", lines[0]).group(1))
+    argv[argv.index("train.steps=1000")] = f"train.steps={step + 1}"
+    _resumes([*launcher, "-m", "mmcl", *argv], tmp_path, step)

@@ -44,7 +44,7 @@ from .agree import agreed, any_process, lost_peer, others_wait, timed_out
 from .console import step_line
 from .ema import WeightEMA, swapped_in
 from .optim import build_optimizer, lr_at
-from .preempt import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, StopSignals
+from .preempt import StopSignals, exit_code
 from .resume import load_checkpoint, resume_from_newest
 from .runlock import RunLock
 from .step import apply_update, objective_from_config, train_step
@@ -763,9 +763,8 @@ def stop_run(run: Run) -> None:
 
         received = next(name for name in gather_object([run.stop.received]) if name)
     how = "interrupted" if received == "SIGINT" else "preempted"
-    code = INTERRUPT_EXIT_CODE if received == "SIGINT" else REQUEUE_EXIT_CODE
     err = RunStopped(f"{how} ({received}) at step {progress.step}; checkpoint saved to {saved}; "
-                     f"re-run the same command to resume", code)
+                     f"re-run the same command to resume", exit_code(received))
     err.quiet = not accelerator.is_main_process
     raise err
 

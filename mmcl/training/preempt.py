@@ -10,14 +10,45 @@ the flag. A second SIGINT (Ctrl-C pressed twice) stops at once: it raises Keyboa
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"; the code a requeueing script checks. Ctrl-C keeps the
 # shell's 128 + SIGINT, since a user who stopped a run by hand does not want it requeued.
 REQUEUE_EXIT_CODE = 75
 INTERRUPT_EXIT_CODE = 130
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def exit_code(received: str) -> int:
+    """The exit code of a run stopped by the signal named `received` (SIGINT, SIGTERM...)."""
+    return INTERRUPT_EXIT_CODE if received == "SIGINT" else REQUEUE_EXIT_CODE
+
+
+def launch(argv: List[str]) -> int:
+    """``accelerate launch ARGV`` in this process, ending as its training processes did, without a traceback.
+
+    accelerate's launcher (torch elastic's agent, as torchrun) forwards a SIGINT or SIGTERM it gets to the training
+    processes, waits for them, then raises ``SignalException`` (and ``ChildFailedError`` when a process exits
+    non-zero): a traceback and exit code 1 whatever the processes did. Here the processes have already said what
+    happened in one line, so the launcher exits with their code: `exit_code` of the signal it passed on, the code
+    the processes agree on, else 1.
+    """
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        launch_command(launch_command_parser().parse_args(argv))
+    except SignalException as err:
+        return exit_code(err.sigval.name)
+    except ChildFailedError as err:
+        codes = {failure.exitcode for failure in err.failures.values()}
+        return codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
+    except subprocess.CalledProcessError as err:  # one process: accelerate runs it as a plain subprocess
+        return err.returncode if err.returncode > 0 else 1
+    return 0
 
 
 class StopSignals:
