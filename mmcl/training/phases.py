@@ -46,7 +46,8 @@ class Phase:
                                                           else ""))
         if self.patch_dropout is not None:
             parts.append(f"patch dropout {self.patch_dropout:g}")
-        return f"steps {self.start + 1}-{self.start + self.steps}: " + ", ".join(parts)
+        span = f"step {self.start + 1}" if self.steps == 1 else f"steps {self.start + 1}-{self.start + self.steps}"
+        return f"{span}: " + ", ".join(parts)
 
 
 def plan(cfg: TrainConfig, model: nn.Module, model_cfg: Dict[str, Any], total: int) -> List[Phase]:
