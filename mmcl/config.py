@@ -656,9 +656,10 @@ def parse_overrides(overrides: List[str]) -> List[tuple]:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not key=value (e.g. data.batch_size=32)")
         key, raw = item.split("=", 1)
-        # YAML parsing gives ints, floats, bools, null and lists; the schema then converts by field type.
+        # YAML parsing gives ints, floats, bools, null and lists; the schema then converts by field type. A pipe:
+        # command is a string as typed (its "Authorization: ..." is no mapping, its " #" no comment).
         try:
-            value = OmegaConf.from_dotlist([f"v={raw}"]).v
+            value = raw.strip() if raw.lstrip().startswith("pipe:") else OmegaConf.from_dotlist([f"v={raw}"]).v
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override '{item}': the value is not valid YAML ({problem})") from None
@@ -962,7 +963,10 @@ def _sample_key_problems(data: DataConfig) -> List[str]:
 
 
 def to_yaml(cfg: TrainConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML, every credential a data source carries hidden (`mmcl.data.sources.redact_values`)."""
+    from .data.sources import redact_values  # here, not above: the data package brings torch
+
+    return OmegaConf.to_yaml(OmegaConf.create(redact_values(to_dict(cfg))))
 
 
 def to_dict(cfg) -> Dict[str, Any]:

@@ -20,6 +20,7 @@ import torch
 
 from .. import data as data_mod
 from ..config import EvalConfig, EvalSet, duplicate_set_names, eval_sets
+from ..data.sources import redact_values
 from ..errors import ConfigError, DataError
 from .evaluate import (_batches, _dataset_name, _input_dtype, _resolve_classnames, eval_loader, is_template_name,
                        load_templates, retrieval, zeroshot)
@@ -165,7 +166,7 @@ def run_sets(sets: List[EvalSet], model, preprocess, tokenizer, ev: EvalConfig, 
         else:
             res = retrieval(model, preprocess, tokenizer, s.data, batch_size=ev.batch_size, device=device,
                             progress=False, keys=keys, reading=reading)
-        res = dict(res, dataset=s.name, data=s.data)
+        res = dict(res, dataset=s.name, data=redact_values(s.data))
         out.update({f"eval/{res['task']}/{s.name}/{k}": v for k, v in res["metrics"].items()})
         if results is not None:
             results.setdefault(s.task, {})[s.name] = res
