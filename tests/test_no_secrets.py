@@ -95,7 +95,6 @@ def test_print_config_and_a_bad_override_print_no_secret(small_demo, sources, tm
         assert main([*args, bad, "--print-config"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("mmcl: error:") and "***" in err, err
-
     assert_no_secret(capsys, tmp_path)
 
 
