@@ -354,3 +354,17 @@ def test_make_demo_passes_its_own_data_paths():
     launch = " ".join(p.stdout.replace("\\\n", " ").split())
     assert ("-m mmcl train --config configs/tiny.yaml data.batch_size=32 train.output_dir=runs/demo/tiny "
             "'data.train=/somewhere/demo/train/shard-*.tar' eval.zeroshot=/somewhere/demo/zeroshot/colour") in launch
+
+
+def test_make_demo_installs_the_runtime_only_and_make_test_adds_the_development_extras():
+    def planned(target):
+        p = subprocess.run(["make", "-n", "-B", target, "VIRTUAL_ENV=/venv"], cwd=CONFIG_DIR.parent,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return [ln for ln in p.stdout.splitlines() if "pip install" in ln]
+
+    demo = planned("demo")
+    assert any(ln.endswith("-c constraints.txt -e .") for ln in demo), demo
+    assert not any("[dev" in ln or "libauc" in ln for ln in demo), demo  # pytest, trackers, MiniLM: tests only
+    test = planned("test")
+    assert any('-e ".[dev]"' in ln for ln in test) and any("libauc" in ln for ln in test), test

@@ -30,7 +30,7 @@ from helpers import MICRO, ROOT, metrics
 from mmcl.cli import main
 
 pytestmark = pytest.mark.slow
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+MMCL = str(Path(sys.executable).with_name("mmcl"))
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 40), "blue": (40, 60, 220)}
 
 
@@ -141,8 +141,9 @@ def test_own_csv_to_shards_to_epochs_to_checkpoint_evaluation_fine_tuning_and_op
 
 # --------------------------------------------------------------------------------------------- journey 2
 def _launch(argv, log):
+    """`mmcl launch` (accelerate's launcher, exiting with the training processes' code) on 2 CPU processes."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), "-m", "mmcl", *argv]
+    cmd = [MMCL, "launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), "-m", "mmcl", *argv]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -165,7 +166,7 @@ def test_demo_two_processes_ctrl_c_resume_on_one_curate_then_train_on_the_curate
         code = p.wait(timeout=180)
     said = (tmp_path / "launch.log").read_text()
     assert "Traceback" not in said and said.count("checkpoint saved") == 1, said
-    assert code == 130, said
+    assert code == 130, said  # interrupted (mmcl/training/preempt.py), from every process and the launcher
     stopped = metrics(run)[-1]["step"]
     assert 3 <= stopped < 40
 
@@ -198,12 +199,15 @@ def test_reinforce_distill_from_shards_interpolate_then_index_and_search(tmp_pat
     _ok(["reinforce", "--teacher", str(teacher), "--data", str(data / "train"), "--out", str(reinforced),
          "--batch-size", "16", "--no-progress"], capsys)
     assert sorted(p.name for p in reinforced.glob("*.tar")) == sorted(p.name for p in (data / "train").glob("*.tar"))
+    sizes = json.loads((data / "train" / "sizes.json").read_text())
+    assert json.loads((reinforced / "sizes.json").read_text()) == sizes  # every sample kept, for train.epochs
 
     # The student starts from the teacher and learns from the stored embeddings (no teacher loaded).
     student = tmp_path / "student"
-    _ok(_train_args(student, f"data.train={reinforced}", "train.steps=4", "data.batch_size=8",
+    _ok(_train_args(student, f"data.train={reinforced}", "train.epochs=0.5", "data.batch_size=8",
                     "train.save_every=0", f"model.init_from={teacher}", "distill.from_shards=true",
                     "loss.distill=1.0"), capsys)
+    assert [r["step"] for r in metrics(student)] == list(range(1, 7))  # half a pass of 96 samples at batch 8
     assert all(r["loss/distill"] > 0 for r in metrics(student))
 
     wise = tmp_path / "wise"
