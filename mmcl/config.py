@@ -257,8 +257,9 @@ class TrainSection(_Section):
     samples: Optional[int] = None
     epochs: Optional[float] = None  # the run's length in passes over data.train (open_clip's --epochs)
     output_dir: str = "runs/tiny"  # the run folder: config.yaml, metrics.jsonl, checkpoints/, model/
-    # auto: a new or empty output_dir starts a run, the same run resumes, another run is refused (README, "Run
-    # directory"); force: resume the run there despite config differences (config.yaml then records this config)
+    # auto: a new or empty output_dir starts a run, the same run resumes, another run is refused
+    # (docs/reliability.md, "A run folder holds one run"); force: resume the run there despite config differences
+    # (config.yaml then records this config)
     resume: str = "auto"
     seed: int = 0  # seeds the model's initialisation, the data order and the dropout
     log_every: int = 10  # steps between lines of metrics.jsonl (and the trackers)

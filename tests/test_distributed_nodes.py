@@ -22,7 +22,7 @@ def _env():
 
 
 def machine_cmd(machine_rank: int, port: int, args):
-    """The command each node runs (README, "Several nodes"): the 2-process CPU config, spread over 2 machines."""
+    """The command each node runs (docs/scale.md, "Several nodes"): the 2-process CPU config, spread over 2 machines."""
     return [ACCELERATE, "launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), "--num_machines", "2",
             "--num_processes", "2", "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
             "--main_process_port", str(port), "-m", "mmcl", "train", *args]

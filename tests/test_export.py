@@ -344,16 +344,17 @@ def test_onnx_preprocess_json_describes_the_eval_transform(onnx_dir, model_dir):
 
 
 def _readme_onnx_example() -> str:
+    """The onnxruntime example of docs/export.md (the ```python block after its ``<!-- onnx-example -->`` marker)."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    after = readme.split("<!-- onnx-example -->", 1)[1]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "export.md").read_text()
+    after = page.split("<!-- onnx-example -->", 1)[1]
     return after.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_readme_onnx_example_runs_without_torch_and_matches_mmcl_load(onnx_dir, model_dir, tmp_path):
-    """The README's onnxruntime + tokenizers example, run in a process where importing torch (or mmcl, open_clip)
-    fails, gives mmcl.load's embeddings for real image files of several shapes and for captions."""
+    """The onnxruntime + tokenizers example of docs/export.md, run in a process where importing torch (or mmcl,
+    open_clip) fails, gives mmcl.load's embeddings for real image files of several shapes and for captions."""
     example = tmp_path / "onnx_clip.py"
     example.write_text(_readme_onnx_example())
     rng = np.random.default_rng(3)

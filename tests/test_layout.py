@@ -57,15 +57,15 @@ def test_the_top_level_is_a_table_of_contents():
 
 
 def test_the_readme_layout_names_every_module():
-    """README's Design section draws the tree: each package there names each of its modules, so the tree a newcomer
-    reads is the one on disk."""
+    """docs/design.md's Layout section draws the tree: each package there names each of its modules, so the tree a
+    newcomer reads is the one on disk."""
     import re
 
-    readme = (PACKAGE.parent / "README.md").read_text()
-    block = readme[readme.index("  mmcl/ cli.py"):]
+    page = (PACKAGE.parent / "docs" / "design.md").read_text()
+    block = page[page.index("\nmmcl/ cli.py") + 1:]
     block = block[:block.index("```")]
     rooms = {}
-    for m in re.finditer(r"^    (\w+)/ +(.*?)(?=^    \w+/ |\Z)", block, re.M | re.S):
+    for m in re.finditer(r"^  (\w+)/ +(.*?)(?=^  \w+/ |\Z)", block, re.M | re.S):
         rooms[m.group(1)] = m.group(2)
     packages = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
     assert sorted(rooms) == packages
@@ -73,7 +73,7 @@ def test_the_readme_layout_names_every_module():
         for module in sorted((PACKAGE / package).glob("*.py")):
             if module.stem != "__init__":
                 assert re.search(rf"(?<![\w.]){module.stem}(?!\w)", rooms[package]), \
-                    f"README's layout does not name {package}/{module.name}"
+                    f"docs/design.md's layout does not name {package}/{module.name}"
 
 
 def test_imports_run_one_way():

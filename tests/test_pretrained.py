@@ -195,7 +195,7 @@ def test_training_starts_from_a_hub_model(tmp_path, hf_cache, demo, capsys):
 
 @pytest.mark.slow
 def test_readme_finetune_from_a_tag_then_zeroshot(tmp_path, hf_cache, demo, capsys):
-    # The README's example (configs/finetune.yaml, model.name=ViT-B-32 model.pretrained=laion2b_s34b_b79k) at a
+    # docs/finetuning.md's example (configs/finetune.yaml, model.name=ViT-B-32 model.pretrained=laion2b_s34b_b79k) at a
     # test's size, offline from the cache a download leaves, then evaluated zero-shot.
     saved, state = _saved(tmp_path, ModelConfig(**SMALL_B32))
     hf_cache(TAG_REPO, {"open_clip_model.safetensors": saved / "open_clip_model.safetensors"})

@@ -1,7 +1,8 @@
-"""The README runs as written: its first run (the shell block marked ``<!-- readme-walk -->``), command by command in
-a fresh folder, each step checked against what the README says it does, and then every ```python block of the
-README in the folder that run left. Sizes are shrunk only where the README says they may be (``--n-train`` for
-``mmcl demo-data``, appended ``key=value`` settings for ``mmcl train``)."""
+"""The README and the docs run as written: the README's quickstart (the shell block marked ``<!-- readme-walk -->``,
+the same commands as the first run of docs/getting-started.md), command by command in a fresh folder, each step
+checked against what the pages say it does, and then every ```python block of README.md and docs/*.md in the folder
+that run left. Sizes are shrunk only where the pages say they may be (``--n-train`` for ``mmcl demo-data``,
+appended ``key=value`` settings for ``mmcl train``)."""
 
 import contextlib
 import io
@@ -15,6 +16,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+GETTING_STARTED = ROOT / "docs" / "getting-started.md"
+# Pages whose ```python blocks run, in this order: the README, then the docs pages by path.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 WALK_MARKER = "<!-- readme-walk -->"
 N_TRAIN = "256"
 # Appended to `mmcl train` ("any key=value may be appended"): a short run on a smaller model.
@@ -24,8 +28,14 @@ QUICK_TRAIN = ["train.steps=2", "data.batch_size=16", "data.workers=0", "train.p
 
 
 def python_blocks(text: str):
-    """The README's ```python blocks, in order."""
+    """A page's ```python blocks, in order."""
     return re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+
+
+def all_python_blocks():
+    """(page, block number, code) for every ```python block of the README and the docs pages."""
+    return [(page.relative_to(ROOT).as_posix(), i + 1, code)
+            for page in PAGES for i, code in enumerate(python_blocks(page.read_text()))]
 
 
 def walk_commands(text: str):
@@ -46,6 +56,10 @@ def test_the_walk_block_is_a_sequence_of_mmcl_commands():
     assert [c[:2] for c in commands[:3]] == [["mmcl", "demo-data"], ["mmcl", "train"], ["mmcl", "zeroshot"]], commands
     assert all(c[0] == "mmcl" for c in commands)
     assert {"open_clip", "hf"} <= {c[c.index("--format") + 1] for c in commands if c[1] == "export"}
+
+
+def test_the_readme_quickstart_is_the_first_run_of_getting_started():
+    assert walk_commands(GETTING_STARTED.read_text()) == walk_commands(README.read_text())
 
 
 def shrunk(args):
@@ -112,16 +126,16 @@ def test_the_first_run_does_what_the_readme_says(first_run):
 def test_every_python_block_runs_as_written(first_run):
     folder, done = first_run
     assert all(code == 0 for _, code, _ in done), done
-    blocks = python_blocks(README.read_text())
+    blocks = all_python_blocks()
     assert len(blocks) >= 3
     spaces = []
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        for i, code in enumerate(blocks):
+        for i, (page, number, code) in enumerate(blocks):
             space = {"__name__": f"readme_block_{i}"}
-            exec(compile(code, f"README.md python block {i + 1}", "exec"), space)
+            exec(compile(code, f"{page} python block {number}", "exec"), space)
             spaces.append(space)
     # mmcl.load, open_clip's local-dir: and transformers' CLIPModel give one image the same caption probabilities.
     loaded = [s for s in spaces if "mmcl" in s or "open_clip" in s or "CLIPModel" in s]

@@ -1,6 +1,6 @@
 """A run folder means one run: a new or empty folder starts it, the same run resumes, a finished run re-run changes
 nothing, another run or files mmcl did not write are refused; config.yaml keeps the config the weights were trained
-with; the end-of-run summary and out.log; the README's and the demo's folders."""
+with; the end-of-run summary and out.log; the docs' and the demo's folders."""
 
 import json
 import re
@@ -134,8 +134,9 @@ def test_an_empty_folder_or_one_with_a_lock_alone_starts_a_run(tmp_path):
 
 @pytest.mark.slow
 def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_command_is_not(demo, finished):
-    """The README's second example (data.batch_size=32 on two processes) on the first's folder is another run; the
-    first's own command on two processes is the same run (its global batch is kept)."""
+    """The second example of docs/getting-started.md's command list (data.batch_size=32 on two processes) on the
+    first's folder is another run; the first's own command on two processes is the same run (its global batch is
+    kept)."""
     from mmcl.training.resume import keep_global_batch
     from mmcl.training.runfolder import decide
 
@@ -171,11 +172,13 @@ def test_the_summary_and_out_log(finished):
 
 
 def test_the_readme_examples_train_into_different_folders():
-    """Consecutive `mmcl train` commands in the README's command list name different output folders."""
-    readme = (ROOT / "README.md").read_text()
+    """Consecutive `mmcl train` commands in a shell block of the README or the docs (the command list of
+    docs/getting-started.md among them) name different output folders."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
     default = load_config(str(ROOT / "configs" / "tiny.yaml")).train.output_dir
     checked = 0
-    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         dirs = []
         for line in block.replace("\\\n", " ").splitlines():
             if re.search(r"(^|\s)(-m )?mmcl train\b", line) and "configs/tiny.yaml" in line:
@@ -183,7 +186,7 @@ def test_the_readme_examples_train_into_different_folders():
                 dirs.append(found.group(1) if found else default)
         assert len(set(dirs)) == len(dirs), dirs
         checked += len(dirs) >= 2
-    assert checked, "the README's command list has two mmcl train examples"
+    assert checked, "the command list of docs/getting-started.md has two mmcl train examples"
 
 
 def test_make_demo_writes_its_own_folder_and_deletes_nothing():

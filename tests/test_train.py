@@ -197,7 +197,8 @@ def test_training_learns_on_demo_data(demo, tmp_path):
               and k.endswith("/image_retrieval_recall@5")]
     assert len(recall) == 1 and 0.0 <= recall[0] <= 1.0
     acc = rows[-1]["eval/zeroshot_classification/colour/acc1"]
-    # 8 colours: chance is 0.125; this 60-step micro model reaches about 0.4 (the tiny config's demo: see README).
+    # 8 colours: chance is 0.125; this 60-step micro model reaches about 0.4 (the tiny config's demo:
+    # see docs/benchmarks.md).
     assert acc >= 0.25, acc
     assert (out / "config.yaml").is_file() and (out / "model" / "open_clip_model.safetensors").is_file()
 

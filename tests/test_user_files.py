@@ -168,7 +168,8 @@ def test_mmcl_train_on_a_range_with_holes(demo, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- weights against open_clip
 def test_readme_states_how_the_weights_differ_from_open_clip():
-    text = (ROOT / "README.md").read_text()
+    """docs/data.md's settings table and its CSV section say where mmcl differs from open_clip."""
+    text = (ROOT / "docs" / "data.md").read_text()
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(data\.[a-z_]+)`.*$", text, re.MULTILINE)}
     captions = rows["data.caption_key_weights"]
     assert "weight 0" in captions and "never" in captions and "first non-empty" in captions
@@ -178,8 +179,8 @@ def test_readme_states_how_the_weights_differ_from_open_clip():
 
 
 def test_data_weights_from_open_clip_upsampling_factors():
-    """The README's conversion: open_clip's factor F of a source with n shards is mmcl's weight F * n (open_clip's
-    factor multiplies each shard's weight; mmcl's weight is the source's share). Checked against open_clip's own
+    """The conversion in docs/data.md: open_clip's factor F of a source with n shards is mmcl's weight F * n
+    (open_clip's factor multiplies each shard's weight; mmcl's weight is the source's share). Checked against open_clip's own
     expansion of the factors, with mmcl's resampled shard plan drawn over many epochs."""
     from open_clip_train.data import expand_urls
 

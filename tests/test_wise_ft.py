@@ -159,11 +159,10 @@ def test_train_wise_ft_interpolates_the_runs_start_and_end_and_evaluates_each(tm
 
 
 def _readme_finetune_commands():
-    """The commands of the README's fine-tuning example (the first bash block of its fine-tuning section)."""
+    """The commands of the fine-tuning example (the first bash block of docs/finetuning.md)."""
     import shlex
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Fine-tuning from published weights"):]
+    section = (ROOT / "docs" / "finetuning.md").read_text()
     block = section[section.index("```bash\n") + 8:]
     block = block[:block.index("```")]
     commands, current = [], ""
@@ -180,8 +179,8 @@ def _readme_finetune_commands():
 
 @pytest.mark.slow
 def test_readme_finetune_from_a_tag_then_zeroshot_then_wise_ft(tmp_path, monkeypatch, hf_cache, capsys):
-    """The README's sequence as written (train from a published tag with configs/finetune.yaml, zero-shot, WiSE-FT
-    from the run's own start), offline, the tag's weights in a Hugging Face cache built here; the data, and the
+    """docs/finetuning.md's sequence as written (train from a published tag with configs/finetune.yaml, zero-shot,
+    WiSE-FT from the run's own start), offline, the tag's weights in a Hugging Face cache built here; the data, and the
     model's size and run length (a ViT-B-32 at a test's size), are the only changes."""
     from mmcl.data.demo import make_demo_data
 

@@ -19,7 +19,7 @@ Formats (``export(model_path, fmt, out_dir)``):
                  dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json``, ``preprocess.json`` (the
                  image preprocessing as data, `preprocess_spec`) and ``tokenizer.json``: open_clip's tokenizer for
                  Hugging Face's ``tokenizers`` (`mmcl.storage.clip_tokenizer_file`), or a Hugging Face text tower's own;
-                 the README runs both encoders with onnxruntime and ``tokenizers`` alone, without torch.
+                 docs/export.md runs both encoders with onnxruntime and ``tokenizers`` alone, without torch.
 
 Every export is written to a temporary directory beside ``out_dir``, moved into place, and checked there against the
 source model (`verify`); a failed export is removed and an earlier export in ``out_dir`` is put back.
@@ -467,7 +467,7 @@ def _write_onnx_hf_tokenizer(model, text_cfg: Dict[str, Any], src_dir: Path, out
 
 def preprocess_spec(pp_cfg: Dict[str, Any]) -> Dict[str, Any]:
     """open_clip's eval transform for `pp_cfg` as data: what a runtime without torch does to an image before
-    ``image_encoder.onnx`` (the README's onnxruntime example follows it).
+    ``image_encoder.onnx`` (the onnxruntime example of docs/export.md follows it).
 
     Steps, in order: convert to RGB; resize (``shortest``: the shorter side to ``size`` and the longer to
     ``int(size * long / short)``; ``squash``: to ``crop_size`` exactly; ``longest``: the longer side to ``size``,

@@ -50,7 +50,7 @@ EVAL_RESULTS = "eval_results.json"  # the final evaluation's whole results, by k
 RUN_FILES = (CONFIG, "param_groups.json", "metrics.jsonl", OUT_LOG, EVAL_RESULTS, SKIP_LOG)
 
 # Config keys that may change when a run is resumed: how long it trains, how it logs, saves, reads and evaluates;
-# none of them changes what a step computes. (The README lists them.) A section name means every key in it.
+# none of them changes what a step computes. (docs/reliability.md lists them.) A section name means every key in it.
 RESUME_KEYS = ("train.steps", "train.samples", "train.epochs", "data.train_num_samples", "train.output_dir",
                "train.resume", "train.log_every", "train.save_every", "train.keep_checkpoints", "train.progress", "train.plot", "train.log_with", "track",
                "train.dist_timeout_s", "train.compile", "eval", "data.workers", "data.worker_nice", "data.retries",
