@@ -83,12 +83,26 @@ def _device(name: Optional[str]):
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _config_file(arg: str) -> str:
+    """`mmcl train`'s first argument without '=': the config when it names a YAML file, else a one-line error (a data
+    file there would be read as the config)."""
+    from .errors import ConfigError
+    from .training.open_clip_flags import is_table
+
+    if arg.lower().endswith((".yaml", ".yml")):
+        return arg
+    data = (f"a table becomes shards with mmcl shards --input {arg} --out DIR, then data.train=DIR" if is_table(arg)
+            else f"data as data.train={arg}")
+    raise ConfigError(f"'{arg}' is not a config file (.yaml or .yml) nor key=value: give the config as --config "
+                      f"FILE, and {data}")
+
+
 def cmd_train(args) -> int:
     from .config import load_config, to_yaml
 
     config, overrides = args.config, list(args.overrides)
     if config is None and overrides and "=" not in overrides[0]:
-        config, overrides = overrides[0], overrides[1:]  # `mmcl train CONFIG key=value ...`
+        config, overrides = _config_file(overrides[0]), overrides[1:]  # `mmcl train CONFIG key=value ...`
     cfg = load_config(config, overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
@@ -97,6 +111,35 @@ def cmd_train(args) -> int:
 
     train(cfg)
     return 0
+
+
+def cmd_from_open_clip(args) -> int:
+    from .training.open_clip_flags import write_config
+
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    overrides, left, defaults = write_config(flags, args.out)
+    print(f"mmcl: wrote {args.out} ({len(overrides)} keys); train with: mmcl train --config {args.out}")
+    if defaults:
+        print(f"mmcl: with open_clip_train's defaults for flags not given: {', '.join(defaults)}")
+    if left:
+        print("mmcl: not mapped (docs/migration.md gives the way around):")
+        print("\n".join(f"  {line}" for line in left))
+    return 0
+
+
+def _open_clip_train_args(argv: List[str]) -> Optional[argparse.Namespace]:
+    """For `mmcl train` given open_clip_train's flags: a command that answers, as an error, with the mmcl keys
+    they map to (instead of argparse's "unrecognized arguments")."""
+    from .training.open_clip_flags import FLAGS, explain
+
+    if argv[:1] != ["train"] or not any(a.partition("=")[0] in FLAGS for a in argv[1:]):
+        return None
+
+    def answer(_args):
+        from .errors import ConfigError
+
+        raise ConfigError(explain(argv[1:]))
+    return argparse.Namespace(func=answer)
 
 
 def cmd_launch(args) -> int:
@@ -326,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help=train_help, description=train_help, epilog_fn=_config_keys_help)
     t.add_argument("--config", "-c", help="YAML config file (default: the built-in defaults listed below)")
     t.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides, e.g. data.batch_size=32 (a first argument without '=' is the config)")
+                   help="dotted overrides, e.g. data.batch_size=32 (a first argument ending in .yaml or .yml is "
+                        "the config)")
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config (file, then overrides) as YAML and exit without training")
     t.set_defaults(func=cmd_train)
@@ -486,12 +530,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="plot a run: loss curves, lr/logit scale, alignment-uniformity plane")
     pl.add_argument("run_dir", help="a run folder (train.output_dir)")
     pl.set_defaults(func=cmd_plot)
+
+    oc = sub.add_parser("from-open-clip", help="write an mmcl config file from open_clip_train's flags, listing "
+                                               "those it could not map (docs/migration.md)")
+    oc.add_argument("--out", required=True, help="the config file to write (a new file)")
+    oc.add_argument("flags", nargs=argparse.REMAINDER, metavar="-- FLAGS",
+                    help="open_clip_train's flags after --, e.g. -- --train-data 'shards/{0..9}.tar' --epochs 32")
+    oc.set_defaults(func=cmd_from_open_clip)
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _open_clip_train_args(argv) or parser.parse_args(argv)
     try:
         with warning_lines():
             return int(args.func(args) or 0)
