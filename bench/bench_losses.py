@@ -101,12 +101,13 @@ def features(n: int, dim: int, align: str, generator):
     return img, txt
 
 
-def make_loss(impl: str, n: int, dim: int, chunk: int, kind: str):
-    """The loss as a function of (image, text, scale): the reference for impl "reference", else mmcl's tiled."""
+def make_loss(impl: str, n: int, dim: int, chunk: int, kind: str, device: str = "cpu"):
+    """The loss as a function of (image, text, scale): the reference for impl "reference", else mmcl's tiled
+    (SigLIP's bias and, for mochi and supcon, the queues and labels on `device`)."""
     import torch
     import torch.nn.functional as F
 
-    bias = torch.tensor(-10.0, requires_grad=True)  # SigLIP's learned bias at its usual initial value
+    bias = torch.tensor(-10.0, device=device, requires_grad=True)  # SigLIP's learned bias at its usual initial value
     labels = None
     if kind == "mochi":
         # open_clip has no MoCHi: the reference is mmcl's own dense form. Queues of N past features each, the
@@ -114,7 +115,7 @@ def make_loss(impl: str, n: int, dim: int, chunk: int, kind: str):
         from mmcl.losses import mochi_loss
 
         g0 = torch.Generator().manual_seed(1)
-        queues = [F.normalize(torch.randn(n, dim, generator=g0), dim=1) for _ in range(2)]
+        queues = [F.normalize(torch.randn(n, dim, generator=g0), dim=1).to(device) for _ in range(2)]
         tile = None if impl == "reference" else chunk
 
         def loss_fn(i, t, s):
@@ -143,7 +144,7 @@ def make_loss(impl: str, n: int, dim: int, chunk: int, kind: str):
         from mmcl.losses import supcon_loss
 
         # 100 classes: every pair has about N / 100 positives in each direction.
-        labels = torch.arange(n) % 100
+        labels = torch.arange(n, device=device) % 100
 
         def loss_fn(i, t, s):
             return supcon_loss(i, t, labels[:i.shape[0]], s, chunk_size=chunk)

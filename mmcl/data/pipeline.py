@@ -620,11 +620,13 @@ def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], 
     if torch.utils.data.get_worker_info() is not None:
         # Stacking straight into shared memory saves the copy the DataLoader's queue would make to send it.
         out = torch.empty((len(images),) + tuple(images[0].shape), dtype=images[0].dtype).share_memory_()
-    batch = {"image": torch.stack(images, out=out), "text": text.long(),
+    # Every tensor of a batch contiguous: a cut token batch (`TrimmedTokenizer`, `cut_tokens`) is a view with the
+    # full context's row stride, which pinning and the copy to the device would otherwise carry as strided memory.
+    batch = {"image": torch.stack(images, out=out), "text": text.long().contiguous(),
              "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
     if teacher_view is not None:
         batch["teacher_image"] = torch.stack(teacher_images)
-        batch["teacher_text"] = teacher_view.tokenize(captions)
+        batch["teacher_text"] = torch.as_tensor(teacher_view.tokenize(captions)).contiguous()
     elif teacher_images:  # stored (image, text, scale) per sample: distill.from_shards
         batch["teacher_image_features"] = torch.from_numpy(np.stack([t[0] for t in teacher_images]))
         batch["teacher_text_features"] = torch.from_numpy(np.stack([t[1] for t in teacher_images]))
@@ -633,6 +635,11 @@ def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _pinned(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """`batch` with its tensors in page-locked memory."""
+    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 class TrainStream:
     """An infinite stream of training batches for one process (see `build_train_stream`).
@@ -730,6 +737,8 @@ class TrainStream:
         starts = [_copy_position(p) for p in self._positions]
         if self.workers == 0:
             source: Iterable = role_batches(self._spec(), 0, starts[0], self.batches, 1)
+            if self.pin_memory:  # what the DataLoader's pinning thread does for batches made in workers
+                source = map(_pinned, source)
         else:
             # Workers deliver batches round-robin starting at worker 0; shifting roles by the next expected
             # role makes a new loader continue the exact batch order of the previous one.

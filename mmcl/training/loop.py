@@ -465,6 +465,11 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
         pin_memory=accelerator.device.type == "cuda",
         teacher_view=None if run.teacher is None else run.teacher.view, stored_teacher=cfg.distill.from_shards,
         phases=phases.stream_phases(run.phases, model_size, cfg.train.accum_steps)))
+    # Each batch a data worker sends is a shared-memory segment: a container's small /dev/shm fails mid-run.
+    from .preflight import check_shared_memory
+
+    check_shared_memory(cfg, getattr(image_spec, "size", None) or run.pp_cfg["size"], run.stream.uint8,
+                        int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     run.stream.skip_log = SkipLog(run.out_dir / SKIP_LOG)  # appended to by every process
     run.model, run.optimizer = accelerator.prepare(model, optimizer)
     run.raw_model = accelerator.unwrap_model(run.model)

@@ -160,3 +160,39 @@ def check_inputs(cfg: TrainConfig, processes: int = 1) -> None:
     # Every process of a launched run checks alike; all but rank 0 stay quiet, so the line shows once.
     err.quiet = int(os.environ.get("RANK", "0") or 0) > 0
     raise err
+
+
+# Batches a DataLoader keeps in flight per worker (its default prefetch_factor), each in its own shared-memory segment.
+PREFETCH = 2
+
+
+def shared_memory_problem(batch_size: int, image_size, channels: int, bytes_per_value: int, workers: int,
+                          processes: int = 1, prefetch: int = PREFETCH, path: str = "/dev/shm") -> Optional[str]:
+    """The line to show when `path` (where data workers put each batch they send) has less free space than the
+    batches in flight need: ``workers x prefetch`` batches of ``batch_size`` images per process, for the
+    `processes` training processes of this machine. None when it has enough, when no worker runs, or where there
+    is no such folder. A container's default (Docker: 64 MB) fails with a bus error or a worker killed mid-batch."""
+    if workers <= 0 or not os.path.isdir(path):
+        return None
+    height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+    batch_bytes = batch_size * channels * height * width * bytes_per_value
+    need = batch_bytes * workers * prefetch * max(1, processes)
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free >= need:
+        return None
+    mb = 10 ** 6
+    suggest = -(-int(need * 1.25) // 10 ** 9)  # GB, with a quarter to spare
+    procs = f" x {processes} processes" if processes > 1 else ""
+    return (f"{path} has {free // mb} MB free; data.workers={workers} with batches of {batch_size} images need about "
+            f"{-(-need // mb)} MB ({prefetch} batches of {-(-batch_bytes // mb)} MB per worker{procs}): run docker "
+            f"with --shm-size={suggest}g or lower data.workers/data.batch_size")
+
+
+def check_shared_memory(cfg: TrainConfig, image_size, uint8: bool, processes: int = 1) -> None:
+    """Raise one `ConfigError` with `shared_memory_problem`'s line for this run's data settings."""
+    text = shared_memory_problem(cfg.data.batch_size, image_size, 3, 1 if uint8 else 4, cfg.data.workers, processes)
+    if text:
+        err = ConfigError(text)
+        err.quiet = int(os.environ.get("RANK", "0") or 0) > 0
+        raise err

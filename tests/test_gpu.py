@@ -1,0 +1,129 @@
+"""On a CUDA device: the losses under bf16 autocast against float32, tiled against dense, stream batches pinned,
+and a few training steps with a kill and a resume. Skipped, with the reason, where torch sees no CUDA device;
+bench/gpu/run.sh runs them on a GPU machine (``pytest -m gpu``)."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA device (torch.cuda.is_available() is False)")]
+
+
+def _pairs(n, dim, seed):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    img = F.normalize(torch.randn(n, dim, generator=g), dim=1)
+    txt = F.normalize(img + 0.5 * torch.randn(n, dim, generator=g) / dim ** 0.5, dim=1)
+    return img.cuda().requires_grad_(True), txt.cuda().requires_grad_(True)
+
+
+def _loss_and_grads(fn, img, txt, scale, autocast):
+    img.grad = txt.grad = scale.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = fn(img, txt, scale)
+    loss.backward()
+    return loss.detach().double(), img.grad.double(), txt.grad.double(), scale.grad.double()
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("chunk", [None, 256])
+def test_losses_under_bf16_autocast_give_the_float32_loss_and_gradients(kind, chunk):
+    from mmcl.losses import clip_loss, siglip_loss
+
+    bias = torch.tensor(-10.0, device="cuda", requires_grad=True)
+    fn = ((lambda i, t, s: clip_loss(i, t, s, chunk_size=chunk)) if kind == "clip"
+          else (lambda i, t, s: siglip_loss(i, t, s, bias, chunk_size=chunk)))
+    img, txt = _pairs(1024, 128, seed=1)
+    scale = torch.tensor(14.3, device="cuda", requires_grad=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = _loss_and_grads(fn, img, txt, scale, autocast=False)
+    got = _loss_and_grads(fn, img, txt, scale, autocast=True)
+    for a, b in zip(got, ref):
+        assert torch.isfinite(a).all()
+        assert _rel(a, b) < 1e-5  # the losses run in float32 under autocast
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_tiled_equals_dense_on_cuda(kind):
+    from mmcl.losses import clip_loss, siglip_loss
+
+    bias = torch.tensor(-10.0, device="cuda", requires_grad=True)
+    img, txt = _pairs(3000, 64, seed=2)  # not a multiple of the chunk
+    scale = torch.tensor(30.0, device="cuda", requires_grad=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def fn(chunk):
+        if kind == "clip":
+            return lambda i, t, s: clip_loss(i, t, s, chunk_size=chunk)
+        return lambda i, t, s: siglip_loss(i, t, s, bias, chunk_size=chunk)
+
+    dense = _loss_and_grads(fn(None), img, txt, scale, autocast=False)
+    tiled = _loss_and_grads(fn(512), img, txt, scale, autocast=False)
+    for a, b in zip(tiled, dense):
+        assert _rel(a, b) < 1e-5
+
+
+def test_stream_batches_are_pinned_and_contiguous_on_cuda(tmp_path):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_stream_batches import stream_batch
+
+    from mmcl.data.demo import make_demo_data
+
+    shards = make_demo_data(str(tmp_path), n_train=32, n_val=1, n_zeroshot=1, shard_size=16, progress=False)["train"]
+    for workers in (0, 1):
+        batch = stream_batch(shards, workers, pin_memory=True)
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                assert value.is_contiguous() and value.is_pinned(), (workers, key)
+
+
+def _mmcl(args):
+    return subprocess.Popen([sys.executable, "-m", "mmcl", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_training_on_cuda_killed_and_resumed_gives_the_uninterrupted_weights(demo, tmp_path):
+    from helpers import final_weights, run_args
+
+    from mmcl.storage.checkpoints import latest_checkpoint
+
+    common = ["train.steps=8", "train.save_every=2", "train.keep_checkpoints=2", "data.batch_size=16",
+              "data.workers=2", "train.log_every=2", "train.precision=bf16"]
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    p = _mmcl(run_args(demo, ref, *common))
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+
+    p = _mmcl(run_args(demo, killed, *common))
+    deadline = time.time() + 600
+    while latest_checkpoint(killed / "checkpoints") is None and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (killed / "model").exists(), "the run finished before it could be killed"
+    ckpt = latest_checkpoint(killed / "checkpoints")
+    # The checkpoint holds the CUDA generator's state (accelerate's random states), which the resume restores.
+    states = list(ckpt.glob("random_states_*.pkl"))
+    assert states, sorted(p.name for p in ckpt.iterdir())
+    saved = torch.load(states[0], weights_only=False)
+    assert saved.get("torch_cuda_manual_seed"), sorted(saved)
+
+    p = _mmcl(run_args(demo, killed, *common))
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert sum("resuming from" in ln for ln in out.splitlines()) == 1, out
+    a, b = final_weights(ref), final_weights(killed)
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= 1e-4, worst
