@@ -32,7 +32,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 "$PY" - >>"$OUT/install.log" 2>&1 <<'EOF'
 import importlib.metadata as md, tomllib
 from packaging.requirements import Requirement
-for line in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+reqs = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+reqs += [r for r in md.requires("open-clip-torch") or [] if "extra" not in r]  # timm>=1.0.17 among them
+for line in reqs:
     req = Requirement(line)
     try:
         have = md.version(req.name)
