@@ -12,7 +12,6 @@ augmentation drawn from a per-sample seed so a replayed sample is augmented the 
 from __future__ import annotations
 
 import io
-import json
 import random
 import warnings
 import zlib
@@ -21,6 +20,8 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tup
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+
+from .limits import load_json
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SKIP_REASONS = (
@@ -236,7 +237,7 @@ class SampleKeys:
             if member not in parsed:
                 data = files.get(member)
                 try:
-                    parsed[member] = None if data is None else json.loads(data.decode("utf-8"))
+                    parsed[member] = None if data is None else load_json(data.decode("utf-8"))
                 except (UnicodeDecodeError, ValueError) as err:
                     raise SkipSample("bad_caption", f".{member} is not UTF-8 JSON ({err})")
             value = parsed[member]
@@ -366,7 +367,7 @@ def stored_teacher_features(files: Dict[str, bytes], caption: str, keys: Optiona
         raise SkipSample("no_teacher_features", "no teacher members (shards not written by mmcl reinforce?)")
     try:
         image, text = _npy(files[TEACHER_IMAGE]), _npy(files[TEACHER_TEXT])
-        scale = float(json.loads(files[TEACHER_META].decode("utf-8"))["scale"])
+        scale = float(load_json(files[TEACHER_META].decode("utf-8"))["scale"])
         row = candidate_captions(files, keys).index(caption)
     except (ValueError, KeyError, TypeError, OSError, UnicodeDecodeError) as err:
         raise SkipSample("no_teacher_features", f"unreadable teacher members ({type(err).__name__}: {err})")

@@ -16,21 +16,35 @@ Only local shards have such files to read; URLs and ``pipe:`` commands need ``da
 from __future__ import annotations
 
 import ast
-import json
 import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import DataError
+from .limits import load_json
 from .sources import SHARD_SUFFIXES, SIZES_FILE, _split_spec, expand_sources, has_scheme, redact
+
+
+MAX_COUNT = 10 ** 12  # samples in one shard or folder: more is not a count but a damaged file
 
 
 def _read_json(path: str) -> Any:
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            return load_json(f.read())
     except (OSError, ValueError) as err:
         raise DataError(f"cannot read the shard sizes in {path}: {err}") from None
+
+
+def _count(value: Any, path: str, what: str) -> int:
+    """`value` as a sample count (a whole number, or its digits in a string, as open_clip reads sizes.json), else
+    `DataError` naming `path` and `what` is counted."""
+    if isinstance(value, str) and value.strip().isdecimal() and len(value) < 20:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise DataError(f"{path}: the sample count of {what} must be a whole number from 0 to {MAX_COUNT:,} "
+                        f"(got {repr(value)[:80]})")
+    return value
 
 
 def _folder_total(folder: str) -> Optional[int]:
@@ -39,12 +53,10 @@ def _folder_total(folder: str) -> Optional[int]:
         return None
     try:
         with open(path) as f:
-            value = ast.literal_eval(f.read().strip())  # a number, never code
-    except (OSError, ValueError, SyntaxError) as err:
+            value = ast.literal_eval(f.read(4096).strip())  # a number, never code
+    except (OSError, ValueError, SyntaxError, RecursionError, MemoryError) as err:
         raise DataError(f"cannot read the sample count in {path}: {err}") from None
-    if not isinstance(value, int) or value < 0:
-        raise DataError(f"{path} must hold a sample count, got {value!r}")
-    return value
+    return _count(value, path, "the folder")
 
 
 def _shard_count(url: str, sizes: Dict[str, Dict[str, Any]]) -> Optional[int]:
@@ -57,7 +69,7 @@ def _shard_count(url: str, sizes: Dict[str, Dict[str, Any]]) -> Optional[int]:
             raise DataError(f"{path} must map shard names to sample counts")
         sizes[folder] = table
     if name in sizes[folder]:
-        return int(sizes[folder][name])
+        return _count(sizes[folder][name], os.path.join(folder, SIZES_FILE), name)
     stem = name
     for suffix in SHARD_SUFFIXES:
         if stem.endswith(suffix):
@@ -66,8 +78,8 @@ def _shard_count(url: str, sizes: Dict[str, Dict[str, Any]]) -> Optional[int]:
     stats = os.path.join(folder, f"{stem}_stats.json")
     if os.path.isfile(stats):
         record = _read_json(stats)
-        if isinstance(record, dict) and isinstance(record.get("successes"), int):
-            return record["successes"]
+        if isinstance(record, dict) and record.get("successes") is not None:
+            return _count(record["successes"], stats, "its shard (successes)")
     return None
 
 

@@ -16,16 +16,17 @@ or URL may carry wherever mmcl writes or prints it.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
+import string
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import braceexpand
 import yaml
 
 from ..errors import DataError
+from .limits import MAX_LIST_ENTRIES, bounded, check_entries, load_json
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 SIZES_FILE = "sizes.json"  # each shard's sample count, beside the shards (open_clip's layout; `mmcl shards` writes it)
@@ -93,8 +94,15 @@ def redact_values(obj: Any) -> Any:
     return obj
 
 
-def _split_spec(spec: Any, allow_pipe: bool = False, listed_in: Optional[str] = None) -> List[str]:
-    """Flatten a spec (str, list, YAML list, '::'-joined) into one string per source.
+def _split_spec(spec: Any, allow_pipe: bool = False) -> List[str]:
+    """Flatten a spec (str, list, YAML list, '::'-joined) into one string per source, at most `MAX_LIST_ENTRIES`
+    (a list whose YAML aliases repeat another list is refused after that many, never expanded whole)."""
+    shown = redact(spec if isinstance(spec, str) else repr(spec)[:200])
+    return bounded(_spec_parts(spec, allow_pipe), f"the shard spec {shown!r}")
+
+
+def _spec_parts(spec: Any, allow_pipe: bool = False, listed_in: Optional[str] = None) -> Iterator[str]:
+    """The sources of `spec`, one at a time (`_split_spec`).
 
     Entries read from a shard list file (`listed_in`) are the data's, not the user's: a ``pipe:`` command there is
     refused unless `allow_pipe` (``data.allow_pipe``)."""
@@ -102,37 +110,51 @@ def _split_spec(spec: Any, allow_pipe: bool = False, listed_in: Optional[str] = 
         raise DataError("no training data given (got data.train=None, expected a shard spec such as "
                         "'shards/shard-{000000..000009}.tar')")
     if isinstance(spec, (list, tuple)):
-        out: List[str] = []
         for item in spec:
-            out += _split_spec(item, allow_pipe, listed_in)
-        return out
+            yield from _spec_parts(item, allow_pipe, listed_in)
+        return
     if not isinstance(spec, str):
         raise DataError(f"shard spec must be a string or a list of strings (got {type(spec).__name__}: "
-                        f"{redact(repr(spec))})")
+                        f"{redact(repr(spec))[:200]})")
     text = spec.strip()
     if text.startswith("["):
         try:
             items = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise DataError(f"cannot parse shard spec as a YAML list: {redact(text)!r} "
-                            f"({redact(str(err).splitlines()[0])})")
-        return _split_spec(items, allow_pipe, listed_in)
+        except (yaml.YAMLError, RecursionError) as err:
+            raise DataError(f"cannot parse shard spec as a YAML list: {redact(text)[:200]!r} "
+                            f"({redact(str(err).splitlines()[0] if str(err) else type(err).__name__)})")
+        check_entries(_entries(items, {}), "the shard spec")
+        yield from _spec_parts(items, allow_pipe, listed_in)
+        return
     if text.lower().endswith((".yaml", ".yml")) and os.path.isfile(text):
         try:
             with open(text) as f:
                 items = yaml.safe_load(f)
-        except yaml.YAMLError as err:
-            raise DataError(f"cannot read the shard list {text}: {str(err).splitlines()[0]}")
+        except (yaml.YAMLError, RecursionError) as err:
+            raise DataError(f"cannot read the shard list {text}: "
+                            f"{str(err).splitlines()[0] if str(err) else 'nested too deeply'}")
         if not isinstance(items, list):
             raise DataError(f"{text} must hold a YAML list of shard specs (got {type(items).__name__})")
-        return _split_spec(items, allow_pipe, listed_in=text)
+        check_entries(_entries(items, {}), f"the shard list {text}")
+        yield from _spec_parts(items, allow_pipe, listed_in=text)
+        return
     parts = [part.strip() for part in text.split("::") if part.strip()]
     if listed_in is not None and not allow_pipe:
         for part in parts:
             if part[:5].lower() == "pipe:":  # webdataset reads the scheme in any case
                 raise DataError(f"the shard list {listed_in} runs a command ({redact(part)}); a list that comes "
                                 f"with data may name files and URLs only, set data.allow_pipe=true if you trust it")
-    return parts
+    yield from parts
+
+
+def _entries(items: Any, counted: Dict[int, int]) -> int:
+    """The entries a loaded YAML list flattens to, counted without flattening: a list that YAML aliases repeat is
+    one object, counted once (`counted`, by id), so a small file cannot make this count take long."""
+    if not isinstance(items, list):
+        return 1
+    if id(items) not in counted:
+        counted[id(items)] = sum(_entries(item, counted) for item in items)
+    return counted[id(items)]
 
 
 def has_scheme(url: str) -> bool:
@@ -144,6 +166,50 @@ def _found(paths: List[str]) -> List[str]:
     """Names a glob or a directory listing returned, as absolute paths: a file's name is data, and one that reads
     like a command or URL (``pipe:cmd;#.tar``, ``http:x.tar``) must stay a local path."""
     return sorted(os.path.abspath(p) for p in paths)
+
+
+_INT_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?")  # braceexpand's range forms
+_CHAR_RANGE = re.compile(r"([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?")
+_LETTERS = string.ascii_uppercase + string.ascii_lowercase
+_MAX_BRACE_DEPTH = 8  # braceexpand reads a pattern once per level of nesting
+
+
+def _braces(source: str) -> List[str]:
+    """``braceexpand(source)`` as a list. braceexpand holds each range whole in memory, so the names a pattern
+    expands to are counted from the pattern first, and more than `MAX_LIST_ENTRIES` is refused unexpanded."""
+    shown = f"'{redact(source)[:200]}'"
+    try:
+        check_entries(_brace_count(source), shown)
+        return list(braceexpand.braceexpand(source))
+    except ValueError as err:  # unbalanced, or nested too deep
+        raise DataError(f"cannot expand the braces of {shown} ({err})") from None
+
+
+def _brace_count(pattern: str) -> int:
+    """How many names braceexpand makes of `pattern` (ranges, comma lists, nesting, backslash escapes), in one pass;
+    a count over `MAX_LIST_ENTRIES` is given as `MAX_LIST_ENTRIES` + 1."""
+    cap = MAX_LIST_ENTRIES + 1
+    frames = [[0, 1, 0]]  # per open brace: (sum of the alternatives before the last comma, product since, start)
+    pos = 0
+    while pos < len(pattern):
+        ch = pattern[pos]
+        if ch == "\\":
+            pos += 1
+        elif ch == "{":
+            frames.append([0, 1, pos + 1])
+            if len(frames) > _MAX_BRACE_DEPTH:
+                raise ValueError(f"braces nested more than {_MAX_BRACE_DEPTH} deep")
+        elif ch == "," and len(frames) > 1:
+            frames[-1][:2] = [min(cap, frames[-1][0] + frames[-1][1]), 1]
+        elif ch == "}" and len(frames) > 1:
+            alternatives, product, begin = frames.pop()
+            found = _INT_RANGE.fullmatch(pattern, begin, pos) or _CHAR_RANGE.fullmatch(pattern, begin, pos)
+            if found:
+                ends = [int(v) if v.lstrip("-").isdigit() else _LETTERS.index(v) for v in found.groups()[:2]]
+                product = abs(ends[1] - ends[0]) // (int(found.group(3) or 1) or 1) + 1
+            frames[-1][1] = min(cap, frames[-1][1] * min(cap, alternatives + product if alternatives else product))
+        pos += 1
+    return frames[0][1]
 
 
 def _holes_are_fatal(missing: int, named: int, require_all: bool) -> bool:
@@ -159,10 +225,11 @@ def folder_shards(folder: str) -> List[str]:
     demo-data`` and open_clip's tools for the shards of one set) that does not list some of them (an evaluation or
     retrieval shard copied in beside the set), one warning names those: they are trained on too, and a glob or
     brace range in ``data.train`` is the way to take some shards of a folder only."""
-    shards = _found(p for p in glob.glob(os.path.join(folder, "*")) if p.endswith(SHARD_SUFFIXES))
+    shards = _found(bounded((p for p in glob.iglob(os.path.join(folder, "*")) if p.endswith(SHARD_SUFFIXES)),
+                            f"the folder {folder}"))
     try:
-        with open(os.path.join(folder, SIZES_FILE)) as f:
-            listed = json.load(f)
+        with open(os.path.join(folder, SIZES_FILE), encoding="utf-8") as f:
+            listed = load_json(f.read())
     except (OSError, ValueError):
         return shards  # no sizes.json (or an unreadable one, which the sample count reports where it needs it)
     if not isinstance(listed, dict) or not any(os.path.basename(p) in listed for p in shards):
@@ -179,17 +246,17 @@ def folder_shards(folder: str) -> List[str]:
 def _expand_one(source: str, require_all: bool = False) -> List[str]:
     if source.startswith("pipe:"):
         # Braces in a pipe command address shard names; expand them but never glob a shell command.
-        return list(braceexpand.braceexpand(source))
+        return _braces(source)
     urls: List[str] = []
     missing: List[str] = []
-    for item in braceexpand.braceexpand(source):
+    for item in _braces(source):
         local = item.startswith("file://")
         if local:
             item = item[len("file://"):]
         if has_scheme(item) and not local:
             urls.append(item)
         elif any(ch in item for ch in "*?["):
-            urls += _found(glob.glob(os.path.expanduser(item)))
+            urls += _found(bounded(glob.iglob(os.path.expanduser(item)), f"the glob '{item}'"))
         elif os.path.isdir(os.path.expanduser(item)):
             urls += folder_shards(os.path.expanduser(item))
         elif os.path.isfile(os.path.expanduser(item)):
@@ -198,6 +265,7 @@ def _expand_one(source: str, require_all: bool = False) -> List[str]:
             urls.append(os.path.abspath(path) if has_scheme(path) else path)
         else:
             missing.append(item)
+        check_entries(len(urls), f"'{redact(source)}'")
     if missing and urls:
         if _holes_are_fatal(len(missing), len(missing) + len(urls), require_all):
             raise DataError(f"{len(missing)} of {len(missing) + len(urls)} shards of '{redact(source)}' do not "
@@ -239,16 +307,22 @@ def missing_shards(spec: Any, allow_pipe: bool = False, require_all: bool = True
             return None
         return "dir" if listings[folder][name] else "file"
 
-    problems = []
+    problems, total = [], 0
     for source in sources:
         if has_scheme(source) and not source.startswith("file://"):
             continue
+        try:
+            names = _braces(source)
+            total += len(names)
+            check_entries(total, "the shard spec")
+        except DataError as err:
+            return problems + [str(err)]
         missing, named = [], 0
-        for item in braceexpand.braceexpand(source):
+        for item in names:
             item = os.path.expanduser(item[len("file://"):] if item.startswith("file://") else item)
             named += 1
             if any(ch in item for ch in "*?["):
-                if not glob.glob(item):
+                if next(glob.iglob(item), None) is None:
                     missing.append(f"no file matches {os.path.abspath(item)}")
                 continue
             found = kind(item)
@@ -283,13 +357,15 @@ def expand_sources(spec: Any, allow_pipe: bool = False, require_all: bool = Fals
     if not sources:
         raise DataError(f"empty shard spec (got {redact(repr(spec))}, expected e.g. "
                         f"'shards/shard-{{000000..000009}}.tar')")
-    out = []
+    out, total = [], 0
     for source in sources:
         urls = _expand_one(source, require_all)
         if not urls:
             raise DataError(f"no shards match '{redact(source)}' (expected existing .tar files, a glob, a "
                             f"directory of shards or a pipe:/http URL)")
         out.append(urls)
+        total += len(urls)
+        check_entries(total, "the shard spec")
     return out
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..data.limits import BoundedTokenizer
 from ..errors import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -405,7 +406,8 @@ def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None)
     Built as ``open_clip.get_tokenizer`` builds it for the same config: ``text_cfg.tokenizer_kwargs`` (SigLIP's
     ``clean="canonicalize"``, BERT towers' ``strip_sep_token``) and ``text_cfg.tokenizer_mode`` reach the
     tokenizer, so a published model's captions become the token ids it was trained on. The returned callable
-    maps a list of B strings to a (B, context_length) long tensor.
+    maps a list of B strings to a (B, context_length) long tensor, each string cut first by
+    `mmcl.data.limits.bound_text` (so that no text from a file costs more than its bound to tokenize).
     """
     from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH, HFTokenizer, SimpleTokenizer
 
@@ -415,13 +417,13 @@ def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None)
     hf_name = text_cfg.get("hf_tokenizer_name")
     try:
         if not hf_name:
-            return SimpleTokenizer(context_length=context_length, **kwargs)
+            return BoundedTokenizer(SimpleTokenizer(context_length=context_length, **kwargs))
         if source_dir and (Path(source_dir) / TOKENIZER_CONFIG_FILE).is_file():
             hf_name = source_dir
         # Remote code is never run, whatever the kwargs say.
         kwargs["trust_remote_code"] = False
-        return HFTokenizer(hf_name, context_length=context_length, tokenizer_mode=text_cfg.get("tokenizer_mode"),
-                           **kwargs)
+        return BoundedTokenizer(HFTokenizer(hf_name, context_length=context_length,
+                                            tokenizer_mode=text_cfg.get("tokenizer_mode"), **kwargs))
     except (TypeError, AssertionError) as err:
         # open_clip asserts on an unknown `clean`; an unknown key is a TypeError from a constructor.
         if not text_cfg.get("tokenizer_kwargs"):
