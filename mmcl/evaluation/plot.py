@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import DataError
+from ..storage.layout import RunLayout
 
-METRICS_FILE = "metrics.jsonl"
 PLOTS_DIR = "plots"
 # Below this many points a smoothed curve adds nothing the raw points do not show.
 _SMOOTH_MIN_POINTS = 25
@@ -389,7 +389,7 @@ def plot_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike, 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise DataError(f"run directory {run_dir} does not exist (expected a train.output_dir of `mmcl train`)")
-    records = load_metrics(run_dir / METRICS_FILE)
+    records = load_metrics(RunLayout(run_dir).metrics)
     out = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     title = run_dir.resolve().name

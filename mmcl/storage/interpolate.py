@@ -18,6 +18,7 @@ import torch
 from ..errors import ConfigError
 from . import weights
 from .fsutil import inside
+from .layout import RunLayout
 from .manifest import OutputManifest
 
 # Model-config keys that name where a tower came from or how it was initialised, not what it is.
@@ -100,7 +101,7 @@ def start_weights(run_dir) -> Tuple[torch.nn.Module, Dict[str, Any], str]:
     from .. import models
     from ..config import load_config
 
-    config = Path(run_dir) / "config.yaml"
+    config = RunLayout(run_dir).config
     if not config.is_file():
         raise ConfigError(f"--from is needed: {run_dir} is not an mmcl run folder (no config.yaml), so the weights "
                           f"it started from are unknown")

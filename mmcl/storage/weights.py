@@ -28,6 +28,7 @@ from . import checkpoints, hf_clip
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir
+from .layout import RunLayout
 from ..models import towers
 from ..models.towers import (build_tokenizer, build_transforms, create, hf_custom_code_error, is_local_dir,
                              preprocess_config)
@@ -175,7 +176,7 @@ def _locate(path: Path) -> Optional[Path]:
         return train_ckpt[0]
     if checkpoints.is_checkpoint(path):
         return path
-    for candidate in (path, path / "model", path / "open_clip"):
+    for candidate in (path, RunLayout(path).model, path / "open_clip"):
         if (candidate / CONFIG_FILE).is_file():
             return candidate
     return checkpoints.newest_run_weights(path) if path.is_dir() else None
@@ -188,8 +189,8 @@ def _located(path) -> Path:
         raise CheckpointError(f"model path not found: {path}")
     found = _locate(path)
     if found is None:
-        raise CheckpointError(f"no model in {path} (expected {CONFIG_FILE} there or in {path}/model, or a complete "
-                              f"training checkpoint; train or export one first)")
+        raise CheckpointError(f"no model in {path} (expected {CONFIG_FILE} there or in {RunLayout(path).model}, or a "
+                              f"complete training checkpoint; train or export one first)")
     return found
 
 
@@ -353,7 +354,7 @@ def _run_architecture(ckpt: Path) -> Tuple[Dict[str, Any], Dict[str, Any], Path]
     from ..config import load_config
     from ..models.towers import resolve_model_config
 
-    config = ckpt.parent.parent / "config.yaml"
+    config = RunLayout(ckpt.parent.parent).config
     if ckpt.parent.name != checkpoints.CHECKPOINTS_DIR or not config.is_file():
         raise CheckpointError(f"checkpoint {ckpt} does not record its architecture (no {checkpoints.MODEL_CONFIG}) "
                               f"and has no run's config.yaml two levels up: use it inside its run folder, or the "
@@ -635,12 +636,15 @@ def _newest_open_clip_train(ckpt_dir: Path) -> Optional[Path]:
     return latest if latest.is_file() else None
 
 
+_OPEN_CLIP_CHECKPOINTS = "checkpoints"  # in open_clip_train's run folder (logs/NAME), not mmcl's
+
+
 def open_clip_train_checkpoint(path) -> Optional[Tuple[Path, Path]]:
     """(checkpoint file, params.txt) when `path` is an open_clip_train checkpoint (``logs/NAME/checkpoints/epoch_N.pt``),
     its ``checkpoints/`` folder or its run folder ``logs/NAME`` (the newest checkpoint); else None."""
     path = Path(path).expanduser()
-    if path.is_dir() and (path / "params.txt").is_file() and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    if path.is_dir() and (path / "params.txt").is_file() and (path / _OPEN_CLIP_CHECKPOINTS).is_dir():
+        path = path / _OPEN_CLIP_CHECKPOINTS
     if path.is_dir() and (path.parent / "params.txt").is_file():
         path = _newest_open_clip_train(path) or path
     if path.is_file() and path.suffix == ".pt" and (path.parent.parent / "params.txt").is_file():

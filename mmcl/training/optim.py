@@ -147,8 +147,9 @@ def log_groups(described: List[Dict[str, Any]], log) -> None:
 def write_groups(described: List[Dict[str, Any]], out_dir: Path) -> None:
     """``out_dir/param_groups.json`` (replaced atomically)."""
     from ..storage.fsutil import atomic_write_text
+    from ..storage.layout import RunLayout
 
-    atomic_write_text(Path(out_dir) / "param_groups.json", json.dumps(described, indent=1) + "\n")
+    atomic_write_text(RunLayout(out_dir).param_groups, json.dumps(described, indent=1) + "\n")
 
 
 def _ranges(ids: List[int]) -> str:

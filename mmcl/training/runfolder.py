@@ -38,16 +38,15 @@ from ..data.sources import redact_values
 from ..errors import ConfigError, MmclError, RunStopped
 from ..storage import checkpoints
 from ..storage.fsutil import atomic_write_text, inside, open_inside
+from ..storage.layout import (CHECKPOINTS_DIR, CONFIG, EVAL_RESULTS, METRICS, MODEL, OUT_LOG, PARAM_GROUPS, WISE_FT,
+                              RunLayout)
 from ..storage.manifest import MANIFEST
 
 COMMAND = "train"
-CONFIG = "config.yaml"
-OUT_LOG = "out.log"
 LOCK = ".lock"
 GLOBAL_BATCH = "global_batch"  # recorded in each checkpoint's COMPLETE marker and in the run's record
 # The files of its own that the run writes at the top of its folder (the record lists them)
-EVAL_RESULTS = "eval_results.json"  # the final evaluation's whole results, by kind and set name
-RUN_FILES = (CONFIG, "param_groups.json", "metrics.jsonl", OUT_LOG, EVAL_RESULTS, SKIP_LOG)
+RUN_FILES = (CONFIG, PARAM_GROUPS, METRICS, OUT_LOG, EVAL_RESULTS, SKIP_LOG)
 
 # Config keys that may change when a run is resumed: how long it trains, how it logs, saves, reads and evaluates;
 # none of them changes what a step computes. (docs/reliability.md lists them.) A section name means every key in it.
@@ -125,7 +124,7 @@ def refuse_links(out: Path) -> None:
         return
     for name in os.listdir(out):
         inside(out, name)
-    for sub in ("model", checkpoints.CHECKPOINTS_DIR, "wise_ft"):
+    for sub in (MODEL, CHECKPOINTS_DIR, WISE_FT):
         if (out / sub).is_dir():
             for name in os.listdir(out / sub):
                 inside(out, f"{sub}/{name}")
@@ -136,14 +135,14 @@ def _model_steps(out: Path) -> Optional[int]:
     from ..storage.weights import CONFIG_FILE
 
     try:
-        meta = json.loads((out / "model" / CONFIG_FILE).read_text(encoding="utf-8"))
+        meta = json.loads((RunLayout(out).model / CONFIG_FILE).read_text(encoding="utf-8"))
         return int(meta["mmcl"]["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def _newest_marker(out: Path) -> Optional[Dict[str, Any]]:
-    ckpt = checkpoints.latest_checkpoint(out / checkpoints.CHECKPOINTS_DIR)
+    ckpt = checkpoints.latest_checkpoint(RunLayout(out).checkpoints)
     if ckpt is None:
         return None
     try:
@@ -154,17 +153,17 @@ def _newest_marker(out: Path) -> Optional[Dict[str, Any]]:
 
 def _legacy_run(out: Path) -> bool:
     """A folder written by mmcl train before it kept a record: config.yaml beside an mmcl checkpoint or model/."""
-    return (out / CONFIG).is_file() and (_newest_marker(out) is not None or _model_steps(out) is not None)
+    return RunLayout(out).config.is_file() and (_newest_marker(out) is not None or _model_steps(out) is not None)
 
 
 def saved_config(out: Path) -> Optional[Dict[str, Any]]:
     """The run's config.yaml as a dict, or None when it is missing or unreadable."""
-    if not (out / CONFIG).is_file():
+    if not RunLayout(out).config.is_file():
         return None
     from omegaconf import OmegaConf
 
     try:
-        c = OmegaConf.to_container(OmegaConf.load(out / CONFIG))
+        c = OmegaConf.to_container(OmegaConf.load(RunLayout(out).config))
     except Exception:  # noqa: BLE001 - an unreadable config.yaml is reported by the caller
         return None
     from ..config import moved_keys_carried
@@ -233,7 +232,7 @@ def differences(saved: Dict[str, Any], current: Dict[str, Any], saved_global: Op
 
 def _last_record(out: Path) -> Dict[str, Any]:
     try:
-        lines = [ln for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        lines = [ln for ln in RunLayout(out).metrics.read_text().splitlines() if ln.strip()]
         return json.loads(lines[-1]) if lines else {}
     except (OSError, ValueError):
         return {}
@@ -282,8 +281,8 @@ def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decisio
         total = total()
     if model_steps is not None and model_steps >= total and (marker is None or step <= model_steps):
         return Decision("finished", f"{out} holds this run, finished at step {model_steps} of {total} (the model "
-                                    f"is in {out / 'model'}); nothing to do, nothing was changed: raise train.steps "
-                                    f"to train on, or choose another train.output_dir for a new run",
+                                    f"is in {RunLayout(out).model}); nothing to do, nothing was changed: raise "
+                                    f"train.steps to train on, or choose another train.output_dir for a new run",
                         last=_last_record(out))
     of = f" of {total}" if isinstance(total, int) else ""
     how = (f"{out} holds this run (step {step}{of}): resuming it" if marker
@@ -368,9 +367,9 @@ class ConsoleLog:
                     self.line(tee.pending.rsplit("\r", 1)[-1])
             sys.stdout, sys.stderr = self._saved
             self._saved = None
-        if isinstance(exc, MmclError) and not exc.quiet:
+        if isinstance(exc, MmclError):  # (the main process's log: it says every error)
             self.line(f"mmcl: error: {exc}")
-        elif isinstance(exc, RunStopped) and not exc.quiet:
+        elif isinstance(exc, RunStopped):
             self.line(f"mmcl: {exc}")
         if self.file is not None:
             self.file.close()

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Tuple
 from ..errors import ConfigError
 from ..storage import checkpoints
 from ..storage.fsutil import atomic_write_text, inside, open_inside
+from ..storage.layout import RunLayout
 
 PROJECT = "mmcl"
 
@@ -159,7 +160,7 @@ class MetricsLog:
 
     def __init__(self, out_dir: Path, resume_step: int, enabled: bool, accelerator=None):
         self.enabled = enabled
-        self.path = out_dir / "metrics.jsonl"
+        self.path = RunLayout(out_dir).metrics
         self.accelerator = accelerator
         if not enabled:
             return

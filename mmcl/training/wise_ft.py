@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..storage.fsutil import atomic_write_text
 from ..storage.interpolate import write_alphas, write_interpolations
+from ..storage.layout import RunLayout
 
 RESULTS_FILE = "wise_ft.json"
 
@@ -47,9 +48,6 @@ def wise_ft(init, finetuned, alphas: Sequence[float], out_dir, data: Optional[st
     return out
 
 
-RUN_SUBDIR = "wise_ft"  # in a run folder (train.wise_ft): the alphas' models and wise_ft.json
-
-
 def wise_ft_of_run(init_state, start: str, model, model_cfg: Dict[str, Any], pp_cfg: Dict[str, Any],
                    alphas: Sequence[float], out_dir, evaluate: Callable[[Any], Dict[str, float]]) -> List[str]:
     """``train.wise_ft`` at the end of a run: each alpha between the run's initial weights `init_state` (named by
@@ -58,11 +56,11 @@ def wise_ft_of_run(init_state, start: str, model, model_cfg: Dict[str, Any], pp_
     evaluation, every set); results in ``out_dir/wise_ft/wise_ft.json``. Returns the lines to log."""
     import torch
 
-    folder = Path(out_dir) / RUN_SUBDIR
+    folder = RunLayout(out_dir).wise_ft  # the alphas' models and wise_ft.json
     device = next(model.parameters()).device
     work = copy.deepcopy(model).to("cpu")
     written, manifest = write_alphas(init_state, model_cfg, work, model_cfg, pp_cfg, alphas, folder,
-                                     {"from": start, "to": str(Path(out_dir) / "model")})
+                                     {"from": start, "to": str(RunLayout(out_dir).model)})
     del work
     results, lines = [], []
     for alpha, alpha_dir in written:
