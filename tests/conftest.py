@@ -21,6 +21,19 @@ def _reset_accelerate_state():
     AcceleratorState._reset_state()
 
 
+@pytest.fixture
+def cpu_device(monkeypatch):
+    """The CPU as the training device, whatever the machine has: for tests that build their models on the CPU
+    (accelerate would otherwise pick a visible GPU). The variables reach the subprocesses a test starts."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    AcceleratorState._reset_state(reset_partial_state=True)  # a device chosen by an earlier test is dropped
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     """Each test starts with accelerate's process-wide state cleared, as a new process would (a test may train

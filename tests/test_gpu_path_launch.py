@@ -12,7 +12,7 @@ import torch
 
 from helpers import ROOT, final_weights, metrics, run_args
 
-pytestmark = pytest.mark.gpu_path
+pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("cpu_device")]  # the same with a GPU
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 SHIM = str(Path(__file__).resolve().with_name("fsdp_cpu_shim.py"))

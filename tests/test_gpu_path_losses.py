@@ -37,7 +37,7 @@ from mmcl.losses import tiling
 
 from syncwatch import SyncWatch
 
-pytestmark = pytest.mark.gpu_path
+pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("cpu_device")]  # the same with a GPU
 
 
 @pytest.fixture(autouse=True)

@@ -33,12 +33,20 @@ from mmcl.training.step import objective_from_config, train_step
 from spawned import free_port
 from helpers import MICRO, ROOT, fake_batch, grads_of, metrics, micro_model, run_args
 
-pytestmark = pytest.mark.gpu_path
+pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("cpu_device")]  # the same with a GPU
 
 LAUNCHER = "ACCELERATE_MIXED_PRECISION"
 
 
 # ------------------------------------------------------------------------------------------- precision's home
+def test_the_device_is_the_cpu_with_a_gpu_visible(monkeypatch):
+    """These tests build their models on the CPU: the accelerator must too, where CUDA is available."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert make_accelerator("fp32").device.type == "cpu"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # and in the subprocesses they start
+
+
 def test_auto_precision_takes_the_launchers(monkeypatch):
     from mmcl.config import PRECISIONS
     from mmcl.training.loop import choose_precision
