@@ -1,0 +1,121 @@
+"""DCT-scaled (draft) JPEG decoding: evaluation's resize + centre crop sees the same pixels as from a full decode,
+and the training crop keeps its scale and ratio ranges and is never enlarged."""
+
+import io
+import math
+import random
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmcl.data import decode_image, draft_size_of, random_crop_box
+from mmcl.data.transforms import PyRandomResizedCrop, crop_draft_size
+
+MAX_PIXELS = 10**8
+
+
+def laion_like(rng: np.random.Generator) -> bytes:
+    """A photo-sized JPEG (500-1100 px sides, random aspect, quality 85-95): smooth gradients, texture, noise."""
+    long_side = int(rng.integers(500, 1101))
+    aspect = float(np.exp(rng.uniform(np.log(0.5), np.log(2.0))))
+    short = max(500, int(long_side / max(aspect, 1 / aspect)))
+    w, h = (long_side, short) if aspect >= 1 else (short, long_side)
+    coarse = rng.uniform(0, 255, size=(int(rng.integers(3, 9)), int(rng.integers(3, 9)), 3)).astype(np.uint8)
+    img = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC), dtype=np.float32)
+    texture = rng.integers(88, 168, size=(h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
+    img += np.asarray(Image.fromarray(texture).resize((w, h), Image.BICUBIC), dtype=np.float32) - 128
+    img += rng.normal(0, float(rng.uniform(2.5, 5.5)), size=(h, w, 3)).astype(np.float32)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=int(rng.integers(85, 96)))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def photos():
+    rng = np.random.default_rng(7)
+    return [laion_like(rng) for _ in range(12)]
+
+
+def test_eval_transform_draft_matches_full_decode(photos):
+    import open_clip
+    from torchvision import transforms as T
+
+    evaluate = open_clip.image_transform(224, is_train=False)
+    pil_stage = T.Compose(evaluate.transforms[:-2])  # resize, centre crop, RGB: up to the pixels
+    draft = draft_size_of(evaluate)
+    assert draft == (224, 224)
+    reduced, diffs = 0, []
+    for data in photos:
+        full = decode_image(data, MAX_PIXELS)
+        small = decode_image(data, MAX_PIXELS, draft)
+        assert min(small.size) >= 224  # the resize to 224 on the short side is still a reduction
+        reduced += small.size != full.size
+        a = np.asarray(pil_stage(full), dtype=np.float32)
+        b = np.asarray(pil_stage(small), dtype=np.float32)
+        assert a.shape == b.shape == (224, 224, 3)
+        diffs.append(float(np.abs(a - b).mean()))
+    # Under 2/255 on average over the photos. A photo decoded at 1/4 scale differs most (up to ~4/255 on these
+    # noise-heavy synthetic photos: the 1/4-scale inverse DCT keeps more of the pixel noise); at 1/2, under 1.5/255.
+    assert np.mean(diffs) < 2.0, diffs
+    assert max(diffs) < 5.0, diffs
+    assert reduced >= len(photos) // 2  # most of these photos are decoded at a reduced DCT scale
+
+
+def test_train_draft_size_keeps_every_crop_at_least_the_output():
+    assert crop_draft_size(224, 224, 0.9) == (249, 249)
+    assert crop_draft_size(224, 224, 1.0) == (224, 224)
+    rnd = random.Random(0)
+    for _ in range(3000):
+        # A drafted image: both sides at least the draft size (what Pillow's draft keeps), any aspect.
+        w, h = rnd.randint(249, 900), rnd.randint(249, 900)
+        top, left, ch, cw = random_crop_box(w, h, (0.9, 1.0), (3 / 4, 4 / 3), rnd)
+        assert cw >= 224 and ch >= 224, (w, h, cw, ch)
+
+
+def test_train_crop_covers_the_same_scale_and_ratio_ranges(photos):
+    """The crop drawn on the draft-decoded image covers the same area fractions and aspect ratios as on the full
+    image: the box is drawn relative to the image, whatever its decoded size."""
+    from torchvision import transforms as T
+
+    rnd = random.Random(1)
+    draft = crop_draft_size(224, 224, 0.9)
+    for data in photos[:4]:
+        full = decode_image(data, MAX_PIXELS)
+        small = decode_image(data, MAX_PIXELS, draft)
+        for img in (full, small):
+            scales, ratios = [], []
+            for _ in range(400):
+                top, left, h, w = random_crop_box(img.width, img.height, (0.9, 1.0), (3 / 4, 4 / 3), rnd)
+                scales.append(w * h / (img.width * img.height))
+                ratios.append(w / h)
+            image_ratio = img.width / img.height
+            if 3 / 4 <= image_ratio <= 4 / 3:
+                assert min(scales) >= 0.89 and max(scales) <= 1.0 + 1e-9
+            assert min(ratios) >= 3 / 4 - 0.02 and max(ratios) <= 4 / 3 + 0.02
+        # Same distribution: mean area fraction of the tries on both decoded sizes agree.
+        def mean_scale(img):
+            r = random.Random(2)
+            boxes = [random_crop_box(img.width, img.height, (0.9, 1.0), (3 / 4, 4 / 3), r) for _ in range(400)]
+            return float(np.mean([b[2] * b[3] / (img.width * img.height) for b in boxes]))
+
+        assert math.isclose(mean_scale(full), mean_scale(small), abs_tol=0.01)
+    crop = T.RandomResizedCrop(224, scale=(0.9, 1.0), interpolation=T.InterpolationMode.BICUBIC)
+    assert PyRandomResizedCrop(crop)(decode_image(photos[0], MAX_PIXELS, draft)).size == (224, 224)
+
+
+def test_one_resize_over_the_box_matches_crop_then_resize(photos):
+    """PyRandomResizedCrop resizes over the crop box in one call; torchvision crops, then resizes the copy."""
+    from torchvision import transforms as T
+    from torchvision.transforms import functional as F
+
+    crop = T.RandomResizedCrop(224, scale=(0.9, 1.0), interpolation=T.InterpolationMode.BICUBIC)
+    ours = PyRandomResizedCrop(crop)
+    for data in photos[:6]:
+        img = decode_image(data, MAX_PIXELS, crop_draft_size(224, 224, 0.9))
+        random.seed(3)
+        a = np.asarray(ours(img), dtype=np.float32)
+        random.seed(3)
+        top, left, h, w = random_crop_box(img.width, img.height, crop.scale, crop.ratio)
+        b = np.asarray(F.resized_crop(img, top, left, h, w, crop.size, crop.interpolation), dtype=np.float32)
+        assert np.abs(a - b).mean() < 0.1 and np.abs(a - b).max() <= 8
