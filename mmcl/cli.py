@@ -7,12 +7,13 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import MmclError, RunStopped
+from .errors import MmclError, RunStopped, printable
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -34,7 +35,7 @@ class _WarningLines:
     def __call__(self, message, category, filename, lineno, file=None, line=None):
         if not os.path.abspath(filename).startswith(_PACKAGE_DIR):
             return self.previous(message, category, filename, lineno, file, line)
-        text = " ".join(str(message).split())
+        text = printable(re.sub(r"\s*\n\s*", " ", str(message).strip()))  # one line; other controls escaped
         if text in self.shown:
             return
         self.shown.add(text)
@@ -210,6 +211,7 @@ def cmd_reinforce(args) -> int:
 
 
 def cmd_curate(args) -> int:
+    from .config import is_main_process
     from .curation import Rules, curate
 
     rules = Rules(clip_score_min=args.clip_score_min, clip_score_top=args.clip_score_top, dedup=args.dedup,
@@ -219,7 +221,7 @@ def cmd_curate(args) -> int:
     keys = _sample_keys(args) if (args.image_key or args.caption_key) else None
     summary = curate(args.model, args.data, args.out, rules, batch_size=args.batch_size, device=args.device,
                      keys=keys, progress=not args.no_progress)
-    if int(os.environ.get("RANK", "0") or 0) == 0:
+    if is_main_process():
         print(json.dumps(summary, indent=2))
     return 0
 
@@ -540,6 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _says(err) -> bool:
+    """Whether this process prints `err`: the main process always, the others their own errors only (not one that
+    every process raised alike), so that a multi-process run ends with one line."""
+    from .config import is_main_process
+
+    return not err.everywhere or is_main_process()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -548,12 +558,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         with warning_lines():
             return int(args.func(args) or 0)
     except MmclError as err:
-        if not err.quiet:  # set on all processes but rank 0 of a multi-process run
-            print(f"mmcl: error: {err}", file=sys.stderr)
+        if _says(err):
+            print(f"mmcl: error: {printable(err)}", file=sys.stderr)
         return 2
-    except RunStopped as err:  # a checkpoint was saved; the exit code says whether to requeue (mmcl/preempt.py)
-        if not err.quiet:
-            print(f"mmcl: {err}", file=sys.stderr)
+    except RunStopped as err:  # a checkpoint was saved; the exit code: requeue or not (mmcl/training/preempt.py)
+        if _says(err):
+            print(f"mmcl: {printable(err)}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("mmcl: interrupted", file=sys.stderr)

@@ -24,7 +24,7 @@ import textwrap
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, get_type_hints
+from typing import Any, Dict, List, NamedTuple, Optional, get_type_hints
 
 import yaml
 from omegaconf import OmegaConf
@@ -120,7 +120,7 @@ class DataConfig(_Section):
     train: Any = None  # brace-expanded spec, '::'-separated specs, a glob, or a list of those
     weights: Optional[List[float]] = None  # per-source sampling weights (resampled mode)
     batch_size: int = 64  # samples per batch on each process
-    workers: int = 2  # dataloader workers per process
+    workers: Optional[int] = None  # dataloader workers per process; null: its share of the CPUs less 1 (1 to 8)
     shuffle_buffer: int = 1000  # samples per shuffled block (a seeded permutation within each)
     resampled: bool = False  # draw shards with replacement for ever (open_clip's --dataset-resampled)
     max_image_pixels: int = 89_478_485  # pillow's decompression-bomb limit
@@ -229,11 +229,21 @@ class OptimConfig(_Section):
     # biases and the logit scale/bias; e.g. 'positional_embedding|class_embedding|token_embedding'
     no_decay_pattern: Optional[str] = None
     grad_clip: Optional[float] = 1.0  # clip the global gradient norm to this; null: no clipping
-    # Learning-rate multiplier of each tower, and layer-wise decay within it (1.0: off); see mmcl/optim.py
+    # Learning-rate multiplier of each tower, and layer-wise decay within it (1.0: off); see mmcl/training/optim.py
     image_lr_mult: float = 1.0
     text_lr_mult: float = 1.0  # learning-rate multiplier of the text tower
     image_layer_decay: float = 1.0  # layer-wise learning-rate decay within the image tower
     text_layer_decay: float = 1.0  # layer-wise learning-rate decay within the text tower
+
+
+@dataclass
+class DdpConfig(_Section):
+    """Options given to torch's DistributedDataParallel (accelerate's `DistributedDataParallelKwargs`); null keeps
+    torch's default. open_clip_train's --ddp-static-graph is ``static_graph: true``."""
+
+    gradient_as_bucket_view: Optional[bool] = None  # gradients as views into the all-reduce buckets (less memory)
+    static_graph: Optional[bool] = None  # the same parameters get gradients every step (faster all-reduce)
+    bucket_cap_mb: Optional[float] = None  # all-reduce bucket size (torch: 25 MB)
 
 
 @dataclass
@@ -283,6 +293,7 @@ class TrainSection(_Section):
     # answer"; null: torch's default (10 min for NCCL, 30 min for gloo). Evaluations and the final save do not
     # count against it (eval.timeout_s).
     dist_timeout_s: Optional[float] = None
+    ddp: DdpConfig = field(default_factory=DdpConfig)  # torch DDP's options (multi-process, not FSDP)
     # WiSE-FT (Wortsman et al. 2022): after training, the weights (1 - a) * initial + a * final for each alpha a,
     # each written as a model under output_dir/wise_ft/alpha_<a>/ and evaluated as the final model is (mmcl interpolate)
     wise_ft: Optional[List[float]] = None
@@ -430,8 +441,39 @@ class TrainConfig(_Section):
 
 # train.precision's values and the name accelerate (``mixed_precision``, ACCELERATE_MIXED_PRECISION) gives each.
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+PRECISION_OF = {v: k for k, v in PRECISIONS.items()}  # accelerate's name -> train.precision's
 # train.log_with's values: accelerate's tracker names, each also the name of the package it needs.
 TRACKERS = ("tensorboard", "wandb", "mlflow", "aim")
+
+
+class World(NamedTuple):
+    rank: int
+    local_rank: int
+    size: int  # processes in the run
+    local_size: int  # processes on this machine
+
+
+def world() -> World:
+    """This process's place in its launch, as the launcher (accelerate launch, torchrun) sets it in the environment:
+    read here alone, as it is known before accelerate's state exists (and where it never does). No launcher: one
+    process."""
+    env = os.environ
+    return World(int(env.get("RANK") or 0), int(env.get("LOCAL_RANK") or 0), int(env.get("WORLD_SIZE") or 1),
+                 int(env.get("LOCAL_WORLD_SIZE") or 1))
+
+
+def is_main_process() -> bool:
+    """Whether this is the launch's main process (rank 0), the one that says what every process finds alike."""
+    return world().rank == 0
+
+def data_workers(configured: Optional[int]) -> int:
+    """``data.workers``: a set value as it is; null: the CPUs this process may run on, shared by the processes on
+    its machine (LOCAL_WORLD_SIZE), less one for the training thread, at least 1 and at most 8."""
+    if configured is not None:
+        return int(configured)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus // world().local_size - 1))
+
 
 _CHOICES = {
     "model.text.pooling": ("mean", "cls", "max"),
@@ -446,7 +488,7 @@ _CHOICES = {
 _POSITIVE = (
     "data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size",
     "train.dist_timeout_s", "eval.timeout_s", "data.max_member_bytes", "train.epochs", "data.train_num_samples",
-    "optim.cooldown_power",
+    "optim.cooldown_power", "train.ddp.bucket_cap_mb",
 )
 _NON_NEGATIVE = (
     "data.workers", "data.shuffle_buffer", "data.retries", "data.retry_delay", "data.read_timeout",
@@ -742,7 +784,7 @@ def validate(cfg: TrainConfig) -> List[str]:
             problems.append(f"{key} must be > 0 (got {get(cfg, key)})")
     weight_keys = list(term_keys().values())
     for key in (*_NON_NEGATIVE, *weight_keys):
-        if get(cfg, key) < 0:
+        if (get(cfg, key) or 0) < 0:
             problems.append(f"{key} must be >= 0 (got {get(cfg, key)})")
     if cfg.loss.chunk_size is not None and cfg.loss.chunk_size <= 0:
         problems.append(f"loss.chunk_size must be a positive integer or null (got {cfg.loss.chunk_size})")
@@ -964,8 +1006,8 @@ def _sample_key_problems(data: DataConfig) -> List[str]:
 
 
 def to_yaml(cfg: TrainConfig) -> str:
-    """The config as YAML, every credential a data source carries hidden (`mmcl.data.sources.redact_values`)."""
-    from .data.sources import redact_values  # here, not above: the data package brings torch
+    """The config as YAML, every credential a data source carries hidden (`mmcl.errors.redact_values`)."""
+    from .errors import redact_values
 
     return OmegaConf.to_yaml(OmegaConf.create(redact_values(to_dict(cfg))))
 

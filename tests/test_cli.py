@@ -52,7 +52,7 @@ def test_python_dash_m_prints_no_traceback(tmp_path):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert p.stderr.strip() == ("mmcl: error: override trian.steps: unknown config key 'trian'; "
-                                "did you mean train or track or train.tf32?")
+                                "did you mean train or track or train.ddp?")
 
 
 DOCUMENTED = ["train", "demo-data", "shards", "zeroshot", "retrieval", "export", "linear-probe", "index", "search",

@@ -39,15 +39,19 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..config import world
 from ..data.decode import (TEACHER_IMAGE, TEACHER_META, SampleKeys, SkipSample, candidate_captions, decode_image,
                            image_bytes, stored_teacher_features)
 from ..data.reading import read_raw_samples
 from ..data.skips import SKIP_LOG, SkipLog
 from ..data.skips import record as skip_record
-from ..data.sources import expand_urls, has_scheme
-from ..data.writer import add_tar_member
+from ..data.sources import expand_urls, has_scheme, redact
+from ..data.limits import load_json
+from ..data.sizes import SIZES_FILE
+from ..data.writer import add_tar_member, write_sizes
 from ..errors import ConfigError, DataError, MmclError
 from ..evaluation.embed import MAX_PIXELS, ClipEncoder, embed_image_set, embed_samples
+from ..evaluation.evaluate import shown_path
 from ..storage.fsutil import new_file, os_error_text
 from ..storage.manifest import OutputManifest
 from .report import write_report
@@ -66,8 +70,7 @@ class _Group:
     """This process's place among the curating processes, and the one collective the command needs."""
 
     def __init__(self):
-        self.world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        self.rank = int(os.environ.get("RANK", "0") or 0)
+        self.world, self.rank = world().size, world().rank
         self._dist = None
         if self.world > 1:
             import torch.distributed as dist
@@ -77,7 +80,7 @@ class _Group:
             self._dist = dist
 
     def agree(self, error: Optional[MmclError]) -> None:
-        """Wait for every process; raise the first process's error everywhere (quiet but on rank 0), if any."""
+        """Wait for every process; raise the first process's error everywhere (said by rank 0), if any."""
         if self._dist is None:
             if error is not None:
                 raise error
@@ -87,7 +90,7 @@ class _Group:
         found = next((t for t in texts if t is not None), None)
         if found is not None:
             err = ConfigError(found[1]) if found[0] == "ConfigError" else DataError(found[1])
-            err.quiet = self.rank != 0
+            err.everywhere = True
             raise err
 
     def mine(self, i: int) -> bool:
@@ -107,8 +110,7 @@ def _guarded(group: _Group, fn, *args, **kwargs):
 
 # --------------------------------------------------------------------------------------------- output folder
 def _names(urls: List[str]) -> List[str]:
-    # pipe: commands name their shard in some word ending in .tar (e.g. "pipe:aws s3 cp s3://b/x.tar -")
-    names = [os.path.basename(next((w for w in u.split() if w.endswith(".tar")), u)) for u in urls]
+    names = [os.path.basename(shown_path(u)) for u in urls]  # pipe:aws s3 cp s3://b/x.tar - -> x.tar
     if len(set(names)) != len(names):
         raise DataError("several input shards share a file name; curate them into separate output directories")
     return names
@@ -134,7 +136,7 @@ def _claim(out: Path, identity: Dict[str, Any], names: List[str], inputs: List[s
         shown = json.dumps((recorded or {}).get("rules"), sort_keys=True)
         raise ConfigError(f"--out {out} was curated with other {' and '.join(what) or 'settings'} (rules {shown}); "
                           f"nothing was changed: use another --out for these rules")
-    files = [REPORT_FILE, PLOT_FILE, DROPPED_FILE, DECONTAMINATE_FILE, SKIP_LOG]
+    files = [REPORT_FILE, PLOT_FILE, DROPPED_FILE, DECONTAMINATE_FILE, SKIP_LOG, SIZES_FILE]
     for name in names:
         files += [name, _embed_name(name)]
     manifest.will_write(files + [f + _TEMP for f in files])
@@ -171,7 +173,7 @@ def _stored(files: Dict[str, bytes], keys: Optional[SampleKeys], model_id: str):
     if TEACHER_IMAGE not in files or TEACHER_META not in files:
         return None
     try:
-        if json.loads(files[TEACHER_META].decode("utf-8")).get("teacher") != model_id:
+        if load_json(files[TEACHER_META].decode("utf-8")).get("teacher") != model_id:
             return None
         caption = candidate_captions(files, keys)[0]
         image, text, _ = stored_teacher_features(files, caption, keys)
@@ -330,7 +332,7 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
 
     checked, urls, names = _guarded(group, prepare)
     model_id = model if has_scheme(model) else str(Path(model).resolve())
-    inputs = [u if has_scheme(u) else os.path.abspath(u) for u in urls]  # the same from any working directory
+    inputs = [redact(u) if has_scheme(u) else os.path.abspath(u) for u in urls]  # the same from any working directory
     identity = {"model": model_id, "inputs": inputs, "rules": checked.record(),
                 "keys": None if keys is None else repr(keys)}
     out = Path(out_dir)
@@ -338,7 +340,7 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
     if group.rank != 0:
         group.agree(None)
     if device is None:  # each process on its own GPU under a launcher
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0') or 0)}" if torch.cuda.is_available() else "cpu"
+        device = f"cuda:{world().local_rank}" if torch.cuda.is_available() else "cpu"
     encoder = _guarded(group, ClipEncoder.load, model, device)
 
     # pass 1: embeddings (the evaluation set's first, by rank 0)
@@ -416,6 +418,10 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
                 bar.close()
 
     _guarded(group, write_all)
+    if group.rank == 0 and manifest is not None:  # the kept samples per shard, for train.epochs on the output
+        bounds = np.cumsum([0] + [len(t["key"]) for t in tables])
+        write_sizes(out, {name: int((decision.reason[a:b] == KEPT).sum()) for name, a, b
+                          in zip(names, bounds[:-1], bounds[1:])})
     dropped = {r: int((decision.reason == REASONS.index(r)).sum()) for r in REASONS}
     summary = {"out_dir": str(out), "shards": len(urls), "samples": int(len(cat["key"])),
                "kept": int((decision.reason == KEPT).sum()), "dropped": {k: v for k, v in dropped.items() if v},

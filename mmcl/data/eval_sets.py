@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from ..config import DataConfig
-from ..errors import DataError, MmclError
+from ..errors import DataError, MmclError, printable
 from .decode import SampleKeys, SkipSample, decode_image, needed_members, parse_sample, zero_skips
 from .reading import read_raw_samples
 from .sources import SHARD_SUFFIXES, expand_urls, has_scheme, redact
@@ -76,9 +76,10 @@ def imagenet_classnames(folders: List[str], where: str = "") -> Optional[List[st
     index = {wnid: i for i, wnid in enumerate(wnids)}
     outside = [f for f in folders if f not in index]
     if outside:
-        print(f"mmcl: warning: {len(outside)} class folders{' of ' + where if where else ''} are WordNet ids "
-              f"outside ImageNet-1k (first {outside[0]}): every class is scored by its folder name; give readable "
-              f"names in classnames.txt, one per folder in sorted order", file=sys.stderr, flush=True)
+        print(printable(f"mmcl: warning: {len(outside)} class folders{' of ' + where if where else ''} are "
+                        f"WordNet ids outside ImageNet-1k (first {outside[0]}): every class is scored by its folder "
+                        f"name; give readable names in classnames.txt, one per folder in sorted order"),
+              file=sys.stderr, flush=True)
         return None
     return [IMAGENET_CLASSNAMES[index[f]] for f in folders]
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import numpy as np
 import torch
 
-from ..config import DataConfig, data_weight_problems
+from ..config import DataConfig, data_weight_problems, data_workers
 from ..errors import ConfigError, DataError
 from .decode import (SkipSample, TransformOutputError, caption_draw, decode_sample, needed_members, sample_keys,
                      zero_skips)
@@ -666,7 +666,7 @@ class TrainStream:
         self.cfg, self.preprocess, self.tokenizer = cfg, preprocess, tokenizer
         self.keys = sample_keys(cfg)  # None for the default (first image extension, txt)
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
-        self.workers = int(cfg.workers)
+        self.workers = data_workers(cfg.workers)
         self.n_roles = max(1, self.workers)
         self.pin_memory = pin_memory
         self.worker_nice = int(cfg.worker_nice)

@@ -26,6 +26,7 @@ from ..storage.fsutil import new_file
 from ..storage.manifest import OutputManifest
 from .decode import IMAGE_EXTS, SkipSample, decode_image
 from .eval_sets import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
+from .limits import load_json
 from .sizes import SIZES_FILE
 from .skips import SKIP_LOG, SkipLog, counts_text
 from .skips import record as skip_record
@@ -64,6 +65,26 @@ def add_tar_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+def write_sizes(out_dir, counts: Dict[str, int], manifest=None) -> None:
+    """Record `counts` ({shard name: samples}) in `out_dir`'s sizes.json, as open_clip reads it (what train.epochs
+    needs), keeping the entries of other shards; every command that writes shards writes it here."""
+    sizes: Dict[str, int] = {}
+    path = os.path.join(out_dir, SIZES_FILE)
+    if manifest is not None:
+        manifest.will_write([os.path.relpath(p, manifest.folder) for p in (path, path + ".tmp")])
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+        if isinstance(kept, dict):
+            sizes.update({k: v for k, v in kept.items() if isinstance(v, int)})
+    except (OSError, ValueError):
+        pass
+    sizes.update(counts)
+    with new_file(out_dir, SIZES_FILE + ".tmp") as f:
+        f.write(json.dumps(dict(sorted(sizes.items())), indent=1).encode())
+    os.replace(path + ".tmp", path)
+
+
 class ShardWriter:
     """Write samples into numbered tar shards ``<out_dir>/<prefix>-000000.tar``, ... atomically.
 
@@ -94,22 +115,7 @@ class ShardWriter:
         self._sizes_written = False
 
     def _write_sizes(self) -> None:
-        path = os.path.join(self.out_dir, SIZES_FILE)
-        tmp = path + ".tmp"
-        if self.manifest is not None:
-            self.manifest.will_write([os.path.relpath(p, self.manifest.folder) for p in (path, tmp)])
-        sizes: Dict[str, int] = {}
-        try:
-            with open(path) as f:
-                kept = json.load(f)
-            if isinstance(kept, dict):
-                sizes.update({k: v for k, v in kept.items() if isinstance(v, int)})
-        except (OSError, ValueError):
-            pass
-        sizes.update({os.path.basename(p): n for p, n in zip(self.shards, self.counts)})
-        with new_file(self.out_dir, SIZES_FILE + ".tmp") as f:
-            f.write(json.dumps(dict(sorted(sizes.items())), indent=1).encode())
-        os.replace(tmp, path)
+        write_sizes(self.out_dir, {os.path.basename(p): n for p, n in zip(self.shards, self.counts)}, self.manifest)
         self._sizes_written = True
         self.files.append(SIZES_FILE)
 
@@ -276,8 +282,11 @@ def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[s
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f, delimiter=delimiter)
             _check_columns(path, reader.fieldnames or [], image_col, caption_col, f"{shown}-separated")
-            for row in reader:
-                yield reader.line_num, row
+            try:
+                for row in reader:
+                    yield reader.line_num, row
+            except csv.Error as err:  # e.g. a field over csv's limit of 128 KiB: the rows after it cannot be told
+                raise DataError(f"cannot read {path} at line {reader.line_num + 1}: {err}") from None
         return
     if lower.endswith(".parquet"):
         try:
@@ -298,9 +307,9 @@ def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[s
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield line_no, f"not JSON ({err.msg})"
+                row = load_json(line)
+            except ValueError as err:
+                yield line_no, f"not JSON ({getattr(err, 'msg', err)})"
                 continue
             yield line_no, row if isinstance(row, dict) else f"not a JSON object (got {type(row).__name__})"
 
@@ -388,8 +397,8 @@ def _read_caption_file(path: str) -> Optional[str]:
 def _read_meta_file(path: str) -> Optional[Dict[str, Any]]:
     try:
         with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            meta = load_json(f.read())
+    except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
 

@@ -14,12 +14,13 @@ import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+from urllib.parse import urlsplit
 
 import torch
 
 from .. import data as data_mod
 from ..data.eval_sets import names_for_folders
-from ..errors import DataError, MmclError
+from ..errors import DataError, MmclError, printable
 
 # open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.
 TEMPLATE_SETS = {"openai_imagenet_template": "OPENAI_IMAGENET_TEMPLATES",
@@ -52,10 +53,23 @@ def load_templates(templates) -> List:
         raise DataError(f"unknown templates '{templates}' (expected a file or one of {', '.join(TEMPLATE_SETS)})")
     if not out:
         raise DataError(f"no templates in {templates} (expected at least one line such as 'a photo of a {{}}.')")
-    bad = [t for t in out if isinstance(t, str) and "{}" not in t]
+    bad = [t for t in out if isinstance(t, str) and not _is_template(t)]
     if bad:
-        raise DataError(f"templates {templates}: every template needs '{{}}' for the class name (got {bad[0]!r})")
+        where = templates if isinstance(templates, str) else "the data's templates file"
+        raise DataError(f"templates {where}: every template needs '{{}}' for the class name, and no other "
+                        f"field in braces (write a brace as '{{{{' or '}}}}') (got {bad[0]!r})")
     return out
+
+
+def _is_template(text: str) -> bool:
+    """Whether `text` formats with one class name: it has ``{}`` and no other field (``{0}``, ``{name}``)."""
+    import string
+
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(text) if name is not None]
+    except ValueError:  # a lone brace
+        return False
+    return bool(fields) and all(f == ("", "", None) for f in fields)
 
 
 def is_template_name(templates: str) -> bool:
@@ -87,12 +101,27 @@ def _data_dir(data) -> Path:
 _SHARD_NUMBER = re.compile(r"(shard[-_.]?)?\d+", re.IGNORECASE)
 
 
+def shown_path(source: str) -> str:
+    """The path a source names, as names, records and messages may show it: its credentials hidden
+    (`data_mod.redact`), of a ``pipe:`` command the word that names a shard, of a URL its host and path (no user,
+    password or query). Dataset names and the file names of shards written from a source derive from it."""
+    shown = data_mod.redact(source.strip())
+    if shown.startswith("pipe:"):
+        shown = next((w for w in shown[5:].split() if w.split("?")[0].endswith(data_mod.SHARD_SUFFIXES)), shown)
+    if not data_mod.has_scheme(shown):
+        return shown
+    url = urlsplit(shown)
+    return f"{url.hostname or ''}{url.path}"
+
+
 def _dataset_name(data) -> str:
     """The name results go under: a single file's stem (``coco_val.tar`` -> ``coco_val``), else (a folder, a
     glob or brace range, several files, or a file named by its shard number only) the data's folder, or the
-    folder above a split folder (``test/``, ``val/``, ... as in CLIP_benchmark's ``DIR/test/0.tar``)."""
-    specs = [str(s).strip() for s in (data if isinstance(data, (list, tuple)) else str(data).split("::"))]
+    folder above a split folder (``test/``, ``val/``, ... as in CLIP_benchmark's ``DIR/test/0.tar``). Derived from
+    the data as shown (`shown_path`), so that it holds no credential."""
+    specs = [shown_path(str(s)) for s in (data if isinstance(data, (list, tuple)) else str(data).split("::"))]
     specs = [s for s in specs if s]
+    data = "::".join(specs)
     if len(specs) == 1 and not re.search(r"[{*?\[]", specs[0]) and not os.path.isdir(specs[0]):
         name = Path(specs[0].rstrip("/")).name
         for suffix in data_mod.SHARD_SUFFIXES:
@@ -236,8 +265,8 @@ def encode_images(model, loader, device, progress: bool, desc: str, data: Any = 
         raise DataError(f"the evaluation data{where} holds no readable images{detail}")
     if skips:
         n_read = sum(f.shape[0] for f in feats) + len(skips)
-        print(f"mmcl: warning: {desc}: skipped {len(skips)} of {n_read} images{where} ({_counts_text(counts)}; "
-              f"first {_skip_text(skips[0])})", file=sys.stderr, flush=True)
+        print(printable(f"mmcl: warning: {desc}: skipped {len(skips)} of {n_read} images{where} "
+                        f"({_counts_text(counts)}; first {_skip_text(skips[0])})"), file=sys.stderr, flush=True)
     return torch.cat(feats), torch.cat(labels), captions, keys, {"n_skipped": len(skips), "skipped": counts}
 
 

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from ..storage import checkpoints, weights
-from ..data import ShardEvalDataset
+from ..data import ShardEvalDataset, has_scheme, redact
+from ..data.limits import load_json
 from ..errors import CheckpointError, DataError
 from ..storage.fsutil import atomic_dir, os_error_text, output_dir
 
@@ -96,8 +97,6 @@ def _recorded_sha256(model_dir: Path) -> Optional[str]:
 def _local_url(url: str) -> str:
     """A shard URL as the index keeps it: local paths absolute (the index may move), other URLs with their
     credentials hidden (`mmcl.data.redact`: the index is a file others read)."""
-    from ..data import has_scheme, redact
-
     return redact(url) if has_scheme(url) else os.path.abspath(url)
 
 
@@ -107,7 +106,7 @@ def _sample_url(files: Optional[Dict[str, bytes]]) -> Optional[str]:
     if raw is None:
         return None
     try:
-        meta = json.loads(raw)
+        meta = load_json(raw)
     except (ValueError, UnicodeDecodeError):
         return None
     url = meta.get("url") if isinstance(meta, dict) else None
@@ -176,7 +175,7 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     index, params = make_index(feats.numpy(), exact_max=exact_max)
     out_dir = output_dir(out_dir)
     meta = {"model": str(model_dir), "model_relative": os.path.relpath(model_dir, Path(out_dir).resolve()),
-            "weights": {**_weights_stamp(model_dir), "sha256": _recorded_sha256(model_dir)}, "data": str(data),
+            "weights": {**_weights_stamp(model_dir), "sha256": _recorded_sha256(model_dir)}, "data": redact(str(data)),
             "n": int(feats.shape[0]), "dim": int(feats.shape[1]), "metric": "inner_product",
             "normalized": True, "n_skipped": skips["n_skipped"], "skipped": skips["skipped"], **params}
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():

@@ -55,9 +55,9 @@ def agreed(accelerator, fn: Callable[[], Any]) -> Any:
     if failure is not None and (not isinstance(failure, errors.MmclError) or accelerator.process_index != 0):
         # A bug keeps its traceback on the process where it happened; an MmclError is printed by rank 0 only.
         if isinstance(failure, errors.MmclError):
-            failure.quiet = True
+            failure.everywhere = True
         raise failure
-    agreed_error.quiet = accelerator.process_index != 0
+    agreed_error.everywhere = True
     raise agreed_error
 
 

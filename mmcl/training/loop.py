@@ -26,16 +26,17 @@ import torch
 
 from .. import data as data_mod
 from .. import models
-from ..config import PRECISIONS, TrainConfig, to_dict
+from ..config import PRECISION_OF, PRECISIONS, TrainConfig, is_main_process, to_dict, world
 from ..data.decode import SKIP_REASONS
 from ..data.pipeline import skip_units
 from ..data.sizes import describe_sources
-from ..data.skips import SKIP_LOG, SkipLog
+from ..data.skips import SkipLog
 from ..data.sources import redact_values
-from ..errors import ConfigError, MmclError, RunStopped, TrainingError
+from ..errors import ConfigError, MmclError, RunStopped, TrainingError, printable
 from ..evaluation import sets as eval_sets
 from ..models import flip
 from ..storage import checkpoints, weights
+from ..storage.layout import CONFIG, RunLayout
 from ..storage.checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from ..storage.fsutil import atomic_write_text
 from ..models import phases as model_phases
@@ -117,7 +118,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         try:
             return _train(cfg, held)
         except RuntimeError as err:  # torch.distributed's DistError (NCCL's DistBackendError) included
-            gone = lost_peer(err) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+            gone = lost_peer(err) if world().size > 1 else None
             if gone is None:
                 raise
             if timed_out(gone):
@@ -132,7 +133,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 def _first_missing(out_dir: Path) -> Optional[Path]:
     """The topmost folder of `out_dir` (itself or a parent) that does not exist yet, which the run will create;
     None when `out_dir` exists or on a process other than the main one (which creates nothing)."""
-    if int(os.environ.get("RANK", "0") or 0) != 0 or out_dir.exists():
+    if not is_main_process() or out_dir.exists():
         return None
     top = out_dir.absolute()
     while not top.parent.exists():
@@ -170,7 +171,7 @@ def refuse_deepspeed() -> None:
         return
     err = ConfigError("DeepSpeed is not supported by mmcl train; for sharded training use "
                       "`accelerate launch --config_file launch/fsdp.yaml` (FSDP2 is the sharded path)")
-    err.quiet = int(os.environ.get("RANK", "0")) != 0  # every process refuses alike; one line
+    err.everywhere = True  # every process refuses alike; one line
     raise err
 
 
@@ -186,11 +187,28 @@ def dist_timeout(seconds: Optional[float]) -> list:
     return [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=seconds))]
 
 
+def ddp_options(ddp) -> list:
+    """accelerate's kwargs handlers for ``train.ddp``: the options set (not null) given to torch's DDP."""
+    options = {k: v for k, v in to_dict(ddp).items() if v is not None}
+    if not options:
+        return []
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return [DistributedDataParallelKwargs(**options)]
+
+
+def set_cudnn_benchmark(device: torch.device) -> None:
+    """Let cuDNN pick the fastest convolution algorithms for the shapes it meets (as open_clip_train does): the
+    convolutional towers' inputs keep their shapes from step to step. Nothing changes on other devices."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
 def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     """The run from start to end: check the inputs, build, prepare, resume, loop (step, log, save), finish."""
     from .preflight import check_inputs
 
-    main = int(os.environ.get("RANK", "0") or 0) == 0
+    main = is_main_process()
     cfg = weights.record_pretrained_architecture(cfg)  # config.yaml records the architecture that is built
     folder = decide_folder(cfg)  # the run folder's rule, before anything is read or written
     if folder.action == "finished":
@@ -203,11 +221,11 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         print(f"mmcl: {folder.line}", flush=True)
     # Every missing path in one error, a table given as shards, a global batch (as a resumed run keeps it) larger
     # than the data: before the model, the data workers or any step.
-    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    processes = world().size
     check_inputs(resume.keep_global_batch(cfg, processes)[0], processes)
     run = build_run(cfg, held)
     if main:
-        console.attach(run.out_dir / runfolder.OUT_LOG)
+        console.attach(run.layout.out_log)
         run.console = console
     resume_or_start(run, folder)
     if run.phases:  # each batch's phase follows from its place in the run, whatever the saved stream counted
@@ -247,7 +265,8 @@ class Run:
         self.stop = stop
         self.main = accelerator.is_main_process
         self.out_dir = Path(cfg.train.output_dir)
-        self.ckpt_dir = self.out_dir / checkpoints.CHECKPOINTS_DIR
+        self.layout = RunLayout(self.out_dir)
+        self.ckpt_dir = self.layout.checkpoints
         self.total, self.length_line = run_length(cfg, accelerator.num_processes)
         self.global_batch = global_batch_size(cfg, accelerator.num_processes)
         optim.check_schedule(cfg.optim, self.total)
@@ -273,7 +292,7 @@ class Run:
 
     def log(self, msg: str) -> None:
         if self.main:
-            print(f"mmcl: {msg}", flush=True)
+            print(f"mmcl: {printable(msg)}", flush=True)
 
     def logged_at(self, step: int) -> bool:
         """Whether the metrics of optimiser step `step` (1-based) are written: every ``train.log_every`` steps, the
@@ -321,8 +340,7 @@ def choose_precision(configured: str = "auto") -> Tuple[str, str]:
     Returns (fp32 | bf16 | fp16, a few words on where it came from).
     """
     from_launcher = os.environ.get(LAUNCHER_PRECISION, "").strip().lower() or None
-    accelerate_names = {v: k for k, v in PRECISIONS.items()}
-    launched = accelerate_names.get(from_launcher)
+    launched = PRECISION_OF.get(from_launcher)
     said = f"the launcher ({LAUNCHER_PRECISION}={from_launcher})"
     problem = None
     if from_launcher is not None and launched is None:
@@ -340,7 +358,7 @@ def choose_precision(configured: str = "auto") -> Tuple[str, str]:
                    f"{PRECISIONS[configured]}) to train in {configured}")
     if problem is not None:
         err = ConfigError(problem)
-        err.quiet = int(os.environ.get("RANK", "0") or 0) > 0  # every process finds it; rank 0 says it
+        err.everywhere = True  # every process finds it; rank 0 says it
         raise err
     return configured, f"train.precision and {said}"
 
@@ -378,8 +396,7 @@ def make_accelerator(precision: str = "auto", **tracking_kwargs):
     precision, _ = choose_precision(precision)
     mixed_precision = PRECISIONS[precision]
     if is_initialized() and AcceleratorState().mixed_precision != mixed_precision:
-        held = {v: k for k, v in PRECISIONS.items()}.get(AcceleratorState().mixed_precision,
-                                                         AcceleratorState().mixed_precision)
+        held = PRECISION_OF.get(AcceleratorState().mixed_precision, AcceleratorState().mixed_precision)
         raise ConfigError(f"train.precision={precision}, but this Python process already ran accelerate with "
                           f"train.precision={held}, which accelerate keeps for the life of the process (expected "
                           f"{held}; run the other precision in a new process, e.g. restart the notebook kernel)")
@@ -393,8 +410,9 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
     accelerator = make_accelerator(cfg.train.precision,  # log_with and project_dir: train.log_with's trackers
                                    **tracking.accelerator_kwargs(cfg.train.log_with, Path(cfg.train.output_dir)),
-                                   kwargs_handlers=dist_timeout(cfg.train.dist_timeout_s))
+                                   kwargs_handlers=dist_timeout(cfg.train.dist_timeout_s) + ddp_options(cfg.train.ddp))
     set_tf32(cfg.train.tf32, accelerator.device)
+    set_cudnn_benchmark(accelerator.device)
     run = Run(cfg, accelerator, held.enter_context(StopSignals()))
     run.held = held
 
@@ -469,8 +487,8 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
     from .preflight import check_shared_memory
 
     check_shared_memory(cfg, getattr(image_spec, "size", None) or run.pp_cfg["size"], run.stream.uint8,
-                        int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    run.stream.skip_log = SkipLog(run.out_dir / SKIP_LOG)  # appended to by every process
+                        world().local_size)
+    run.stream.skip_log = SkipLog(run.layout.skipped)  # appended to by every process
     run.model, run.optimizer = accelerator.prepare(model, optimizer)
     run.raw_model = accelerator.unwrap_model(run.model)
     run.step_model, run.loss_fn = run.model, run.objective
@@ -494,12 +512,12 @@ def build_run(cfg: TrainConfig, held: contextlib.ExitStack) -> Run:
 
 def decide_folder(cfg: TrainConfig) -> runfolder.Decision:
     """`runfolder.decide` for this launch (every process alike; rank 0 alone says a refusal)."""
-    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    processes = world().size
     try:
         sized, _ = resume.keep_global_batch(cfg, processes)  # the steps as the resumed run will count them
         return runfolder.decide(cfg, processes, lambda: total_steps(sized, processes))
     except MmclError as err:
-        err.quiet = int(os.environ.get("RANK", "0") or 0) != 0
+        err.everywhere = True
         raise
 
 
@@ -520,11 +538,11 @@ def resume_or_start(run: Run, folder: runfolder.Decision) -> None:
                 # Credentials in a pipe: command or URL never reach the run folder (a colleague's copy of it).
                 from omegaconf import OmegaConf
 
-                atomic_write_text(run.out_dir / "config.yaml",
+                atomic_write_text(run.layout.config,
                                   OmegaConf.to_yaml(OmegaConf.create(redact_values(to_dict(run.cfg)))))
                 optim.write_groups(run.param_groups, run.out_dir)
         except OSError as err:
-            raise (checkpoints.storage_error(err, "config.yaml", run.out_dir) or err) from None
+            raise (checkpoints.storage_error(err, CONFIG, run.out_dir) or err) from None
 
     agreed(run.accelerator, write_config)
     run.ckpt_bytes = checkpoints.state_bytes(run.raw_model)
@@ -550,7 +568,7 @@ def describe_setup(run: Run) -> None:
     dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     precision, source = choose_precision(cfg.train.precision)
     run.log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
-            f"{precision}; global batch {run.global_batch}")
+            f"{precision}; global batch {run.global_batch}; {run.stream.workers} data workers per process")
     run.log(f"precision {precision} from {source}; {tf32_setting(cfg.train.tf32, accelerator.device)}")
     for mode, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
         if os.environ.get(var, "").lower() in ("1", "true") and dist_type != mode:
@@ -603,7 +621,7 @@ def non_finite_step(run: Run, step: int, value: float) -> None:
         good = latest_checkpoint(run.ckpt_dir)
         err = TrainingError(f"loss is {where} at step {step}; last good checkpoint: "
                             f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
-        err.quiet = not run.main  # all processes stop alike; one line
+        err.everywhere = True  # all processes stop alike; one line
         raise err
     run.log(f"skipped step {step}: loss is {where}")
 
@@ -770,7 +788,7 @@ def stop_run(run: Run) -> None:
     how = "interrupted" if received == "SIGINT" else "preempted"
     err = RunStopped(f"{how} ({received}) at step {progress.step}; checkpoint saved to {saved}; "
                      f"re-run the same command to resume", exit_code(received))
-    err.quiet = not accelerator.is_main_process
+    err.everywhere = True
     raise err
 
 
@@ -795,9 +813,9 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
             # At the last phase's size (a copy at that size when it is not the model's own): saved and evaluated.
             final_model, run.model_cfg, run.pp_cfg, run.tokenizer = phases.final_model(
                 run.phases, final_model, run.model_cfg, run.pp_cfg, run.tokenizer)
-            weights.save_model_dir(final_model, run.model_cfg, run.pp_cfg, out_dir / "model",
+            weights.save_model_dir(final_model, run.model_cfg, run.pp_cfg, run.layout.model,
                                    extra={"steps": progress.step, "samples": progress.samples})
-            run.log(f"model saved to {out_dir / 'model'}")
+            run.log(f"model saved to {run.layout.model}")
             # The final evaluation runs after model/ is written, so a failing evaluation never loses the model;
             # the run then ends with an error naming where the model is (exit code 2 from the command line).
             unwritten = last.get("step") == progress.step  # the final step's record, held back by log_record
@@ -809,11 +827,11 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
                 final.update(run_eval(cfg, final_model, run.tokenizer, run.pp_cfg, accelerator, None,
                                       run.global_batch, results))
                 if results:  # every set's whole result by name, as `mmcl zeroshot --out` writes one
-                    atomic_write_text(out_dir / runfolder.EVAL_RESULTS, json.dumps(dict(results, step=progress.step),
+                    atomic_write_text(run.layout.eval_results, json.dumps(dict(results, step=progress.step),
                                                                          indent=2) + "\n")
             except MmclError as err:
                 eval_failure = (f"final evaluation failed: {err}; the trained model is saved in "
-                                f"{out_dir / 'model'} (evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
+                                f"{run.layout.model} (evaluate it with mmcl zeroshot/retrieval --model {out_dir})")
             if unwritten or len(final) > 2:
                 run.metrics.write(final)
                 last = final
@@ -842,7 +860,7 @@ def finish_run(run: Run, last: Dict[str, Any]) -> Dict[str, Any]:
         for line in runfolder.summary_lines(progress.step, progress.samples, time.perf_counter() - run.started[0],
                                             progress.samples - run.started[1],
                                             int(last.get("data/skipped_samples", 0)), progress.skipped_steps, last,
-                                            out_dir / "model", int(last.get("data/skipped_shards", 0)), run.skips):
+                                            run.layout.model, int(last.get("data/skipped_shards", 0)), run.skips):
             run.log(line)
     accelerator.end_training()
     if eval_failure is not None:
@@ -856,7 +874,7 @@ def _cpu_processes() -> bool:
     accelerate only treats processes as a CPU group (gloo) when asked to; otherwise each of them would run as a
     lone single process on its own data, silently training W separate models.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if world().size <= 1:
         return False
     has_device = getattr(torch, "accelerator", None)
     return not (has_device.is_available() if has_device is not None else torch.cuda.is_available())
@@ -882,8 +900,9 @@ def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator, step: Opti
     was_training = model.training
     model.eval()
     try:
-        out.update(eval_sets.run_sets(sets, model, eval_tf, tokenizer, cfg.eval, accelerator.device, keys=keys,
-                                      reading=reading, results=results))
+        with accelerator.autocast():  # the run's mixed precision, as the validation loss and open_clip evaluate
+            out.update(eval_sets.run_sets(sets, model, eval_tf, tokenizer, cfg.eval, accelerator.device, keys=keys,
+                                          reading=reading, results=results))
         if val_due:
             objective = objective_from_config(cfg.loss)
             objective.reseed(cfg.train.seed)  # MoCHi's mixing draws: the same at every evaluation

@@ -132,7 +132,7 @@ FLAGS: Dict[str, Flag] = {
     "--copy-codebase": Flag(None, "not supported: the run folder's config.yaml records the run; pin mmcl's "
                                   "version", nargs=0),
     "--horovod": Flag(None, "not supported: " + _LAUNCH, nargs=0),
-    "--ddp-static-graph": Flag(None, "not supported: accelerate sets up DDP", nargs=0),
+    "--ddp-static-graph": Flag("train.ddp.static_graph=true", nargs=0),
     "--no-set-device-rank": Flag(None, "nothing like it: accelerate gives each process its device", nargs=0),
     "--seed": Flag("train.seed={}"),
     "--grad-clip-norm": Flag("optim.grad_clip={}", "open_clip clips nothing by default, mmcl at 1.0"),

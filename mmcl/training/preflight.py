@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from ..config import TrainConfig
+from ..config import TrainConfig, data_workers
 from ..data import has_scheme, missing_shards
 from ..data.sources import _split_spec, redact
 from ..errors import ConfigError, DataError
@@ -157,8 +157,7 @@ def check_inputs(cfg: TrainConfig, processes: int = 1) -> None:
     if not text:
         return
     err = ConfigError(text)
-    # Every process of a launched run checks alike; all but rank 0 stay quiet, so the line shows once.
-    err.quiet = int(os.environ.get("RANK", "0") or 0) > 0
+    err.everywhere = True  # every process of a launched run checks alike: the line shows once
     raise err
 
 
@@ -191,8 +190,9 @@ def shared_memory_problem(batch_size: int, image_size, channels: int, bytes_per_
 
 def check_shared_memory(cfg: TrainConfig, image_size, uint8: bool, processes: int = 1) -> None:
     """Raise one `ConfigError` with `shared_memory_problem`'s line for this run's data settings."""
-    text = shared_memory_problem(cfg.data.batch_size, image_size, 3, 1 if uint8 else 4, cfg.data.workers, processes)
+    text = shared_memory_problem(cfg.data.batch_size, image_size, 3, 1 if uint8 else 4,
+                                 data_workers(cfg.data.workers), processes)
     if text:
         err = ConfigError(text)
-        err.quiet = int(os.environ.get("RANK", "0") or 0) > 0
+        err.everywhere = True
         raise err

@@ -30,10 +30,12 @@ import torch
 
 from ..data.decode import TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys
 from ..data.reading import read_raw_samples
-from ..data.sources import expand_urls, has_scheme
-from ..data.writer import add_tar_member
-from ..errors import DataError
+from ..data.sources import expand_urls, has_scheme, redact
+from ..data.sizes import SIZES_FILE
+from ..data.writer import add_tar_member, write_sizes
+from ..errors import DataError, printable
 from ..evaluation.embed import embed_samples
+from ..evaluation.evaluate import shown_path
 from ..storage.fsutil import new_file, os_error_text
 from ..storage.manifest import OutputManifest
 
@@ -137,8 +139,7 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
     urls = expand_urls(data)
     if not urls:
         raise DataError(f"no shards match {data}")
-    # pipe: commands name their shard in some word ending in .tar (e.g. "pipe:aws s3 cp s3://b/x.tar -")
-    names = [os.path.basename(next((w for w in u.split() if w.endswith(".tar")), u)) for u in urls]
+    names = [os.path.basename(shown_path(u)) for u in urls]  # pipe:aws s3 cp s3://b/x.tar - -> x.tar
     if len(set(names)) != len(names):
         raise DataError("several input shards share a file name; reinforce them into separate output directories")
     teacher = Teacher.load(teacher_path, device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -164,7 +165,7 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
                 if bar is not None:
                     bar.update(1)
                 continue
-            owned.will_write([name, name + _TEMP_SUFFIX])  # refuses a file of the user's of that name
+            owned.will_write([name, name + _TEMP_SUFFIX, SIZES_FILE, SIZES_FILE + ".tmp"])  # refuses a user's file
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
@@ -172,10 +173,11 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
                 except OSError as err:
                     raise DataError(f"cannot write {dest}: {os_error_text(err)}") from None
             for w in caught[:1]:
-                print(f"mmcl: warning: {w.message}", flush=True)
+                print(f"mmcl: warning: {printable(w.message)}", flush=True)
             for k in totals:
                 totals[k] += counts[k]
-            manifest["shards"][name] = {"source": url, "bytes": dest.stat().st_size, **counts}
+            manifest["shards"][name] = {"source": redact(url), "bytes": dest.stat().st_size, **counts}
+            write_sizes(out, {name: counts["samples"]})  # for train.epochs on the output
             owned.files.discard(name + _TEMP_SUFFIX)  # renamed into `name`
             owned.save()
             if bar is not None:

@@ -30,6 +30,7 @@ from ..config import freeze, to_dict
 from ..data.sources import redact_values
 from ..errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError
 from ..storage import checkpoints
+from ..storage.layout import RunLayout
 from . import runfolder
 from .agree import agreed, broadcast_from_main
 
@@ -113,6 +114,7 @@ def load_weights_and_optimizer(run: Run, resume: Path) -> None:
     run's model are a CheckpointError naming the keys (`weights_mismatch`), not torch's many-line message."""
     try:
         checkpoints.load_accelerate_state(run.accelerator, resume)
+        not_restored = checkpoints.generators_not_restored(resume, run.accelerator.process_index)
     except RuntimeError:
         why = weights_mismatch(run.raw_model, resume / checkpoints.MODEL_WEIGHTS)
         if why is None:
@@ -121,6 +123,8 @@ def load_weights_and_optimizer(run: Run, resume: Path) -> None:
                               f"architecture or loss than the run was started with?): {why}; choose another "
                               f"train.output_dir for a new run, or resume with the settings in its config.yaml"
                               ) from None
+    if not_restored:
+        run.log(not_restored)
 
 
 def weights_mismatch(model, weights_file: Path, shown: int = 3) -> Optional[str]:
@@ -213,7 +217,7 @@ def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]
 def load_checkpoint(run: Run, resume: Path) -> None:
     """Load `resume` into the run on this process (weights, optimiser, RNG, progress, data position, objective)."""
     accelerator = run.accelerator
-    saved_cfg_path = run.out_dir / "config.yaml"
+    saved_cfg_path = RunLayout(run.out_dir).config
     if saved_cfg_path.is_file():
         from omegaconf import OmegaConf
 
