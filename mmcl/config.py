@@ -710,6 +710,36 @@ def parse_overrides(overrides: List[str]) -> List[tuple]:
     return pairs
 
 
+_MAX_CONFIG_NODES = 100_000  # far beyond any config; YAML aliases that expand past it are refused, not expanded
+
+
+def _check_size(path: str) -> None:
+    """Refuse a config file whose YAML aliases expand to more than `_MAX_CONFIG_NODES` values, or that nests deeper
+    than the parser goes: counted on PyYAML's objects, where an alias is one shared object, before OmegaConf copies
+    each alias out (a few lines of YAML can otherwise ask for 10^9 copies)."""
+    sizes: Dict[int, int] = {}
+
+    def size(node: Any) -> int:
+        if not isinstance(node, (list, dict)):
+            return 1
+        if id(node) not in sizes:
+            sizes[id(node)] = 1  # a node that holds itself counts once
+            items = list(node.values()) if isinstance(node, dict) else node
+            sizes[id(node)] = 1 + sum(size(item) for item in items)
+        return sizes[id(node)]
+
+    try:
+        with open(path, "rb") as f:
+            count = size(yaml.safe_load(f))
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
+    except (yaml.YAMLError, ValueError):  # not YAML: OmegaConf.load says where
+        return
+    if count > _MAX_CONFIG_NODES:
+        raise ConfigError(f"{path}: its YAML aliases expand to {count:,} values (at most {_MAX_CONFIG_NODES:,} in a "
+                          f"config); write the values out instead of repeating aliases")
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> TrainConfig:
     """Load a YAML file (optional) and apply ``dotted.key=value`` overrides; validate; return the dataclass tree,
     read-only.
@@ -721,6 +751,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
+        _check_size(path)
         try:
             raw = OmegaConf.load(path)
         except yaml.MarkedYAMLError as err:  # file:line:column, as compilers and YAML linters print it

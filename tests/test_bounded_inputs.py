@@ -251,3 +251,20 @@ def test_a_warning_shows_a_name_from_elsewhere_escaped(capsys):
     err = capsys.readouterr().err
     assert err.startswith("mmcl: warning: caption k\\x1b[31mred\\r\\x07 x\\u202e\\x9b")  # a line break: a space
     assert "\x1b" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("text,says", [
+    # nine levels of nine aliases: 9^9 (387 million) values once OmegaConf copies each alias out
+    ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")) + "model: {name: tiny}\n",
+     "YAML aliases expand to"),
+    ("data:\n  train: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+])
+def test_a_config_file_that_expands_or_nests_without_end_is_one_line(tmp_path, capsys, text, says):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    start = time.perf_counter()
+    assert main(["train", "--config", str(path), "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mmcl: error: {path}: ") and says in err and "\n" not in err, err
+    assert time.perf_counter() - start < 10
