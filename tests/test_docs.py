@@ -71,3 +71,72 @@ def test_mkdocs_builds_in_strict_mode(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (site / "index.html").is_file() and (site / "getting-started" / "index.html").is_file()
     assert had_site or not (ROOT / "site").exists()  # nothing written into the checkout
+
+
+def _shell_commands():
+    """(page, command line) for every command of the ```bash blocks of README.md and docs/*.md, continuation lines
+    joined and comments dropped."""
+    for page in [README, *sorted(DOCS.rglob("*.md"))]:
+        for block in re.findall(r"^```(?:bash|sh|console)\n(.*?)^```", page.read_text(), re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if line.strip() and not line.lstrip().startswith("#"):
+                    yield page.relative_to(ROOT).as_posix(), line
+
+
+def _mmcl_argv(line):
+    """The arguments mmcl gets from a shell line (`mmcl ...`, `python -m mmcl ...`, a launcher's `-m mmcl ...`), or
+    None for a line that does not run mmcl."""
+    import shlex
+
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:
+        return None
+    for i, word in enumerate(words):
+        if word in ("|", "&&", ";"):
+            return None
+        if word == "mmcl" and i == 0:
+            argv = words[1:]
+        elif word == "mmcl" and i > 0 and words[i - 1] == "-m":
+            argv = words[i + 1:]
+        else:
+            continue
+        ends = [j for j, w in enumerate(argv) if w in ("|", "&&", ";", ">", "2>&1")]
+        return None if argv[:1] == ["launch"] else argv[:ends[0]] if ends else argv
+    return None
+
+
+def _placeholder(word: str) -> bool:
+    """A word of a synopsis rather than a command: [--optional], (A | B), CONFIG, DIR, $VAR, <yours>, ..."""
+    value = word.split("=")[-1]
+    return (word[:1] in "[(" or word in ("|",) or "$" in word or "<" in word or "..." in word
+            or (len(value) >= 3 and re.fullmatch(r"[A-Z][A-Z0-9_]*", value) is not None))
+
+
+def test_every_mmcl_command_in_the_docs_parses_and_names_real_config_keys(monkeypatch):
+    """No page goes stale: each `mmcl ...` line of a shell block is a command mmcl's parser takes, and for `mmcl
+    train` its config file exists and its overrides name real keys with values of the right type."""
+    from mmcl.cli import build_parser
+    from mmcl.config import load_config
+
+    monkeypatch.chdir(ROOT)
+    parser = build_parser()
+    seen, problems = 0, []
+    for page, line in _shell_commands():
+        argv = _mmcl_argv(line)
+        if not argv or any(_placeholder(a) for a in argv):
+            continue  # a synopsis, or a placeholder the reader fills in
+        seen += 1
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            problems.append(f"{page}: {line.strip()}")
+            continue
+        if args.command == "train":
+            config = args.config if args.config and Path(args.config).is_file() else None  # one the page writes
+            try:
+                load_config(config, args.overrides)
+            except Exception as err:  # noqa: BLE001 - every problem is listed
+                problems.append(f"{page}: {line.strip()}: {str(err).splitlines()[0]}")
+    assert seen >= 20, seen
+    assert problems == [], "\n".join(problems)
