@@ -57,7 +57,7 @@ def accelerator_kwargs(names: List[str], out_dir: Path) -> Dict[str, Any]:
 
 def hyperparameters(config: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     """The resolved config as flat ``section.key`` scalars (lists, dicts and None as text), as trackers take them,
-    with the credentials a ``pipe:`` command or URL may carry hidden (`mmcl.data.sources.redact`): a tracker's
+    with the credentials a ``pipe:`` command or URL may carry hidden (`mmcl.errors.redact`): a tracker's
     records travel to servers and colleagues."""
     from ..data.sources import redact
 
