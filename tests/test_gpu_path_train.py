@@ -114,7 +114,7 @@ def test_a_run_under_a_bf16_launcher_trains_in_bf16_and_says_so(demo, tmp_path, 
                                      "data.workers=0", "train.save_every=0")[2:]))
     assert seen == [("bf16", torch.bfloat16)] * 2
     lines = capsys.readouterr().out.splitlines()
-    assert "mmcl: 1 process(es), NO on cpu, bf16; global batch 8" in lines
+    assert "mmcl: 1 process(es), NO on cpu, bf16; global batch 8; 0 data workers per process" in lines
     assert "mmcl: precision bf16 from the launcher (ACCELERATE_MIXED_PRECISION=bf16); TF32 n/a on cpu" in lines
     assert all(math.isfinite(r["loss"]) for r in metrics(out))
 

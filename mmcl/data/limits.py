@@ -41,7 +41,7 @@ class BoundedTokenizer:
     process. Picklable, so that data workers can use it; other attributes are the wrapped tokenizer's."""
 
     def __init__(self, tokenizer: Callable):
-        self.tokenizer, self.cut = tokenizer, 0
+        self.wrapped, self.cut = tokenizer, 0
 
     def __call__(self, texts, *args, **kwargs):
         one = isinstance(texts, str)
@@ -53,12 +53,12 @@ class BoundedTokenizer:
                               f"characters, are cut to that before tokenizing (the tokens past the context are "
                               f"dropped anyway)", stacklevel=2)
             self.cut += cut
-        return self.tokenizer(bounded[0] if one else bounded, *args, **kwargs)
+        return self.wrapped(bounded[0] if one else bounded, *args, **kwargs)
 
-    def __getattr__(self, name):  # context_length, the wrapped tokenizer's methods
-        if name == "tokenizer":
+    def __getattr__(self, name):  # context_length, .tokenizer, the wrapped tokenizer's methods
+        if name == "wrapped":  # not yet set (unpickling)
             raise AttributeError(name)
-        return getattr(self.tokenizer, name)
+        return getattr(self.wrapped, name)
 
 
 def load_json(data: Any) -> Any:
