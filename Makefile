@@ -41,7 +41,7 @@ demo-data: install
 	$(BIN)/mmcl demo-data --out $(DEMO_DATA)
 
 train-demo: demo-data
-	$(BIN)/accelerate launch --config_file $(LAUNCH) -m mmcl train --config configs/tiny.yaml \
+	$(BIN)/mmcl launch --config_file $(LAUNCH) -m mmcl train --config configs/tiny.yaml \
 		data.batch_size=32 train.output_dir=$(RUN) \
 		'data.train=$(DEMO_DATA)/train/shard-*.tar' eval.zeroshot=$(DEMO_DATA)/zeroshot/colour
 
