@@ -1,9 +1,9 @@
 """DCT-scaled (draft) JPEG decoding: evaluation's resize + centre crop sees the same pixels as from a full decode,
 and the training crop keeps its scale and ratio ranges and is never enlarged."""
 
-import io
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,28 +13,21 @@ from mmcl.data import decode_image, draft_size_of, random_crop_box
 from mmcl.data.transforms import PyRandomResizedCrop, crop_draft_size
 
 MAX_PIXELS = 10**8
-
-
-def laion_like(rng: np.random.Generator) -> bytes:
-    """A photo-sized JPEG (500-1100 px sides, random aspect, quality 85-95): smooth gradients, texture, noise."""
-    long_side = int(rng.integers(500, 1101))
-    aspect = float(np.exp(rng.uniform(np.log(0.5), np.log(2.0))))
-    short = max(500, int(long_side / max(aspect, 1 / aspect)))
-    w, h = (long_side, short) if aspect >= 1 else (short, long_side)
-    coarse = rng.uniform(0, 255, size=(int(rng.integers(3, 9)), int(rng.integers(3, 9)), 3)).astype(np.uint8)
-    img = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC), dtype=np.float32)
-    texture = rng.integers(88, 168, size=(h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
-    img += np.asarray(Image.fromarray(texture).resize((w, h), Image.BICUBIC), dtype=np.float32) - 128
-    img += rng.normal(0, float(rng.uniform(2.5, 5.5)), size=(h, w, 3)).astype(np.float32)
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=int(rng.integers(85, 96)))
-    return buf.getvalue()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def photos():
-    rng = np.random.default_rng(7)
-    return [laion_like(rng) for _ in range(12)]
+    """The LAION-like photos bench/bench_data.py measures the loader on."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from bench_data import LaionLike
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    make = LaionLike(np.random.default_rng(7))
+    return [make() for _ in range(12)]
 
 
 def test_eval_transform_draft_matches_full_decode(photos):
