@@ -42,20 +42,20 @@ def _patch_accelerate() -> None:
 def _slow_evaluation(seconds: float) -> None:
     import time
 
-    import mmcl.training.loop
+    import mmcl.training.finish
 
-    real_run_eval = mmcl.training.loop.run_eval
+    real_run_eval = mmcl.training.finish.run_eval
 
     def run_eval(cfg, model, tokenizer, pp_cfg, accelerator, *rest):
         if accelerator.is_main_process:
             time.sleep(seconds)
         return real_run_eval(cfg, model, tokenizer, pp_cfg, accelerator, *rest)
 
-    mmcl.training.loop.run_eval = run_eval
+    mmcl.training.finish.run_eval = run_eval
 
 
 def _report_precision() -> None:
-    import mmcl.training.loop
+    import mmcl.training.finish
     from torch.distributed.fsdp import FSDPModule
 
     real_forward = mmcl.training.step._forward

@@ -111,7 +111,7 @@ def test_vit_b_32_is_open_clip_laion_recipe():
     assert cfg.optim.warmup_steps == 2000 and cfg.model.name == "ViT-B-32"
     # 32 epochs of LAION-400M's ~407M pairs, as samples seen, so the length does not depend on the GPU count.
     assert abs(cfg.train.samples - 32 * 407e6) / (32 * 407e6) < 0.01
-    from mmcl.training.loop import total_steps
+    from mmcl.training.runtime import total_steps
 
     assert total_steps(cfg, processes) == -(-cfg.train.samples // 32768)
     model_cfg = models.resolve_model_config(cfg.model)

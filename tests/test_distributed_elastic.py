@@ -205,28 +205,29 @@ def _saved_run(root, world, global_batch):
                                                     (1, 2, 2, (6, 2)), (1, 4, 4, (6, 1))])
 def test_the_global_batch_is_kept_on_another_number_of_processes(tmp_path, saved, now, accum, expect):
     from mmcl.config import load_config
-    from mmcl.training.resume import keep_global_batch
+    from mmcl.training.runtime import batch_plan
 
     out = _saved_run(tmp_path / "run", saved, 24)
     cfg = load_config(None, [f"train.output_dir={out}", f"data.batch_size={24 // saved // accum}",
                              f"train.accum_steps={accum}"])
-    new, line = keep_global_batch(cfg, now)
-    assert (new.data.batch_size, new.train.accum_steps) == expect
-    assert new.data.batch_size * new.train.accum_steps * now == 24
+    new = batch_plan(cfg, now)
+    line = new.line
+    assert (new.batch_size, new.accum_steps) == expect
+    assert new.batch_size * new.accum_steps * now == 24
     assert line.startswith(f"resuming on {now} process(es) a checkpoint written by {saved}: data.batch_size "
                            f"{24 // saved // accum} -> {expect[0]} per process")
     assert line.endswith("keeping the global batch of 24")
     assert ("train.accum_steps" in line) == (expect[1] != accum)
-    same, nothing = keep_global_batch(cfg, saved)
-    assert same is cfg and nothing is None
+    same = batch_plan(cfg, saved)
+    assert (same.batch_size, same.accum_steps, same.line) == (cfg.data.batch_size, cfg.train.accum_steps, None)
 
 
 def test_a_global_batch_that_does_not_divide_among_the_processes_is_one_error(tmp_path):
     from mmcl.config import load_config
-    from mmcl.training.resume import keep_global_batch
+    from mmcl.training.runtime import batch_plan
     from mmcl.errors import ConfigError
 
     out = _saved_run(tmp_path / "run", 2, 16)
     cfg = load_config(None, [f"train.output_dir={out}", "data.batch_size=8"])
     with pytest.raises(ConfigError, match="global batch of 16 samples does not divide among them .* that divides 16"):
-        keep_global_batch(cfg, 3)
+        batch_plan(cfg, 3)

@@ -137,7 +137,7 @@ def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_comm
     """The second example of docs/getting-started.md's command list (data.batch_size=32 on two processes) on the
     first's folder is another run; the first's own command on two processes is the same run (its global batch is
     kept)."""
-    from mmcl.training.resume import keep_global_batch
+    from mmcl.training.runtime import batch_plan
     from mmcl.training.runfolder import decide
 
     out, _ = finished
@@ -145,8 +145,8 @@ def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_comm
     with pytest.raises(ConfigError, match=r"data.batch_size 8 -> 32 \(a global batch of 64, the run's is 8\)"):
         decide(other, 2, 2)
     same = load_config(str(ROOT / "configs" / "tiny.yaml"), run_args(demo, out)[3:])
-    sized, line = keep_global_batch(same, 2)
-    assert sized.data.batch_size == 4 and "keeping the global batch of 8" in line
+    plan = batch_plan(same, 2)
+    assert plan.batch_size == 4 and "keeping the global batch of 8" in plan.line
     assert decide(same, 2, 2).action == "finished"
     # The same global batch split otherwise is the same run too.
     split = load_config(str(ROOT / "configs" / "tiny.yaml"), run_args(demo, out, "data.batch_size=4")[3:])

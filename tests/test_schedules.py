@@ -12,9 +12,9 @@ from mmcl import models
 from mmcl.config import OptimConfig, load_config
 from mmcl.errors import ConfigError, DataError
 from mmcl.training import optim
-from mmcl.training.loop import run_length, total_steps
+from mmcl.training.runtime import run_length, total_steps
 from mmcl.training.optim import lr_at
-from mmcl.training.stepcheck import StepChecks
+from mmcl.training.step import FiniteChecks
 
 MICRO = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
          "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
@@ -190,11 +190,11 @@ def test_an_optimiser_without_found_inf_falls_back_with_one_line():
     model = torch.nn.Linear(4, 4)
     fused = optim.build_optimizer(model, OptimConfig())
     assert fused.defaults["fused"] and optim.host_check_line(fused, None) is None
-    assert StepChecks(accelerator, fused).on_device
+    assert FiniteChecks(accelerator, fused).on_device
     # Parameters bound for a device without a fused kernel (torch itself would fail only at the first step): the
     # per-tensor AdamW, and the reason in the line.
     plain = optim.build_optimizer(model, OptimConfig(), device=torch.device("meta"))
-    assert not plain.defaults.get("fused") and not StepChecks(accelerator, plain).on_device
+    assert not plain.defaults.get("fused") and not FiniteChecks(accelerator, plain).on_device
     line = optim.host_check_line(plain, None)
     assert line.startswith("a step with a non-finite loss is detected on the host (one device sync per step): "
                            "the fused AdamW is not available here (no fused kernel for meta") and "\n" not in line
@@ -203,7 +203,7 @@ def test_an_optimiser_without_found_inf_falls_back_with_one_line():
     wrapped = SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # accelerate's wrapper
     assert "the optimiser (SGD) cannot take found_inf" in optim.host_check_line(wrapped, None)
     scaler = object()
-    assert not StepChecks(SimpleNamespace(num_processes=1, scaler=scaler), fused).on_device
+    assert not FiniteChecks(SimpleNamespace(num_processes=1, scaler=scaler), fused).on_device
     assert "fp16's loss scaler sets found_inf itself" in optim.host_check_line(fused, scaler)
 
 

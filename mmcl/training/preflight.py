@@ -17,14 +17,14 @@ than the data, where its size is known, with the numbers.
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..config import TrainConfig, data_workers
 from ..data import has_scheme, missing_shards
 from ..data.sources import _split_spec, redact
 from ..errors import ConfigError, DataError
 from ..evaluation.evaluate import reading_options
-from ..evaluation.sets import set_problems
+from ..evaluation.in_run import set_problems
 
 _SET_TRAIN = "set it with data.train=... (e.g. data.train='shards/shard-{000000..000009}.tar')"
 
@@ -106,7 +106,7 @@ def input_problems(cfg: TrainConfig) -> List[str]:
 def table_problem(spec) -> Optional[str]:
     """A table (the CSV open_clip trains from, or any table `mmcl shards` reads) named as a training source: the
     line that names the command making shards of it."""
-    from ..data.writer import _TABLE_EXTS
+    from ..data.shard_inputs import _TABLE_EXTS
 
     try:
         sources = _split_spec(spec)
@@ -119,13 +119,14 @@ def table_problem(spec) -> Optional[str]:
     return None
 
 
-def batch_problem(cfg: TrainConfig, processes: int) -> Optional[str]:
+def batch_problem(cfg: TrainConfig, processes: int, batch: Optional[Tuple[int, int]] = None) -> Optional[str]:
     """A global batch larger than the training data, where the data's size is known (``data.train_num_samples``,
-    else the shards' counts, as `mmcl.training.loop.run_length` takes them): a contrastive batch would hold the same
-    sample more than once, each copy a false negative of the other."""
+    else the shards' counts, as `mmcl.training.runtime.run_length` takes them): a contrastive batch would hold the same
+    sample more than once, each copy a false negative of the other. `batch`: the run's (per-process batch,
+    micro-batches) where they are not the config's (`mmcl.training.runtime.batch_plan`)."""
     from ..data.sizes import shard_samples
 
-    batch, accum = cfg.data.batch_size, cfg.train.accum_steps
+    batch, accum = batch or (cfg.data.batch_size, cfg.train.accum_steps)
     if cfg.data.train_num_samples is not None:
         samples, source = cfg.data.train_num_samples, "data.train_num_samples"
     else:
@@ -143,7 +144,7 @@ def batch_problem(cfg: TrainConfig, processes: int) -> Optional[str]:
                                                                              "train.accum_steps, or more data"))
 
 
-def check_inputs(cfg: TrainConfig, processes: int = 1) -> None:
+def check_inputs(cfg: TrainConfig, processes: int = 1, batch: Optional[Tuple[int, int]] = None) -> None:
     """Raise one `ConfigError`: a table given as shards (`table_problem`), every missing input of the run (see
     `input_problems`), or a global batch of `processes` larger than the data (`batch_problem`)."""
     text = table_problem(cfg.data.train)
@@ -153,7 +154,7 @@ def check_inputs(cfg: TrainConfig, processes: int = 1) -> None:
         if any(not p.startswith("data.train is not set") for p in problems):
             text = (f"missing input{'s' if len(problems) > 1 else ''} (relative paths resolve against the current "
                     f"directory, {os.getcwd()}): {text}")
-    text = text or batch_problem(cfg, processes)
+    text = text or batch_problem(cfg, processes, batch)
     if not text:
         return
     err = ConfigError(text)
@@ -188,10 +189,10 @@ def shared_memory_problem(batch_size: int, image_size, channels: int, bytes_per_
             f"with --shm-size={suggest}g or lower data.workers/data.batch_size")
 
 
-def check_shared_memory(cfg: TrainConfig, image_size, uint8: bool, processes: int = 1) -> None:
-    """Raise one `ConfigError` with `shared_memory_problem`'s line for this run's data settings."""
-    text = shared_memory_problem(cfg.data.batch_size, image_size, 3, 1 if uint8 else 4,
-                                 data_workers(cfg.data.workers), processes)
+def check_shared_memory(data_cfg, image_size, uint8: bool, processes: int = 1) -> None:
+    """Raise one `ConfigError` with `shared_memory_problem`'s line for this run's data settings (``data.*``)."""
+    text = shared_memory_problem(data_cfg.batch_size, image_size, 3, 1 if uint8 else 4,
+                                 data_workers(data_cfg.workers), processes)
     if text:
         err = ConfigError(text)
         err.everywhere = True

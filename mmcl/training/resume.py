@@ -7,9 +7,9 @@ processes it was written with or on another.
 architecture (`ARCH_KEYS`) is an error (`check_resumable`); whether the folder holds this run at all is the run
 folder's rule (`mmcl.training.runfolder`), applied before anything is built.
 
-On another number of processes: before the data stream is built, `keep_global_batch` sets ``data.batch_size`` (and, when it must, ``train.accum_steps``)
-so that the global batch stays what it was: the schedule, ``train.samples`` and the number of steps then stay as
-they were. `load_resized` loads the checkpoint on the new processes: the weights and optimiser state (the same
+On another number of processes: the run's `Runtime` keeps the global batch (`mmcl.training.runtime.batch_plan`
+sets the per-process ``data.batch_size`` and, when it must, ``train.accum_steps``), so the schedule,
+``train.samples`` and the number of steps stay as they were. `load_resized` loads the checkpoint on the new processes: the weights and optimiser state (the same
 on every process), the loss's state (its queues hold features gathered over all processes, so they are the same
 on every process) and the data positions of every saved process, from which the stream continues so that every
 sample of the epochs under way is read exactly once (`mmcl.data.pipeline.resized_positions`).
@@ -22,65 +22,36 @@ rest is dealt by shard or shared by sample: each sample once, other batches.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
-from ..config import freeze, to_dict
+from ..config import to_dict
 from ..data.sources import redact_values
 from ..errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError
 from ..storage import checkpoints
-from ..storage.layout import RunLayout
 from . import runfolder
 from .agree import agreed, broadcast_from_main
-
-if TYPE_CHECKING:  # the run object is the loop's; resume only reads and fills it
-    from .loop import Run
 
 GLOBAL_BATCH = runfolder.GLOBAL_BATCH  # recorded in each checkpoint's COMPLETE marker and the run's record
 
 
-def keep_global_batch(cfg, processes: int) -> Tuple[Any, Optional[str]]:
-    """When the run under ``cfg.train.output_dir`` is resumed with the per-process values it started with
-    (``data.batch_size``, ``train.accum_steps`` as in its config.yaml) on another number of processes: (a copy of
-    `cfg` whose per-process batch keeps the run's global batch, the one line that says what was adjusted); else
-    (`cfg`, None). Other per-process values are the run folder's rule's to judge (`runfolder.decide`). ConfigError
-    when no per-process batch gives that global batch."""
-    out_dir = Path(cfg.train.output_dir)
-    ckpt = checkpoints.latest_checkpoint(out_dir / checkpoints.CHECKPOINTS_DIR)
-    if ckpt is None:
-        return cfg, None
-    try:
-        marker = checkpoints.read_marker(ckpt)
-    except (ValueError, OSError):
-        return cfg, None  # resume sets it aside as damaged, or refuses, with its own line
-    saved = int(marker.get("world_size", processes))
-    run_cfg = runfolder.saved_config(out_dir)
-    total = runfolder.saved_global_batch(out_dir, run_cfg, runfolder.read_record(out_dir))
-    if total is None or total == cfg.data.batch_size * processes * cfg.train.accum_steps:
-        return cfg, None
-    if run_cfg is not None:
-        started = (run_cfg.get("data", {}).get("batch_size"), run_cfg.get("train", {}).get("accum_steps", 1))
-        if started != (cfg.data.batch_size, cfg.train.accum_steps):
-            return cfg, None  # asked for another batch: refused by the rule, or kept under train.resume=force
-    accum = cfg.train.accum_steps
-    before = (cfg.data.batch_size, accum)
-    if total % (processes * accum) != 0:
-        accum = 1
-    if total % processes != 0:
-        raise ConfigError(f"cannot resume {ckpt} on {processes} processes: its global batch of {total} samples "
-                          f"does not divide among them (it was written by {saved}); use a number of processes "
-                          f"that divides {total}")
-    cfg = freeze(replace(cfg, data=replace(cfg.data, batch_size=total // (processes * accum)),
-                         train=replace(cfg.train, accum_steps=accum)))
-    what = f"data.batch_size {before[0]} -> {cfg.data.batch_size} per process"
-    if accum != before[1]:
-        what += f", train.accum_steps {before[1]} -> {accum}"
-    return cfg, (f"resuming on {processes} process(es) a checkpoint written by {saved}: {what}, keeping the global "
-            f"batch of {total}")
+@dataclasses.dataclass
+class Restorable:
+    """What a checkpoint restores on this process: accelerate's state (through `accelerator`: the weights of
+    `raw_model`, the optimiser, scaler and RNG), the objective's state, the weight average, the data position and
+    the progress. `log` says what happened."""
+
+    accelerator: Any
+    raw_model: Any
+    objective: Any
+    ema: Any
+    stream: Any
+    progress: Any
+    log: Callable[[str], None]
 
 
-def load_resized(run, resume: Path, saved_processes: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def load_resized(run: Restorable, resume: Path, saved_processes: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Load `resume`, written by `saved_processes` processes, into `run` on this process (another count).
 
     Returns (the rank state this process continues from, rank 0's), for the progress and EMA they hold. Every
@@ -109,7 +80,7 @@ ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context
              "model.text_cfg", "model.text")
 
 
-def load_weights_and_optimizer(run: Run, resume: Path) -> None:
+def load_weights_and_optimizer(run: Restorable, resume: Path) -> None:
     """accelerate's state of `resume` (weights, optimiser, scaler, RNG) into the run; weights that do not fit the
     run's model are a CheckpointError naming the keys (`weights_mismatch`), not torch's many-line message."""
     try:
@@ -214,15 +185,15 @@ def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]
                 accelerator.wait_for_everyone()
 
 
-def load_checkpoint(run: Run, resume: Path) -> None:
-    """Load `resume` into the run on this process (weights, optimiser, RNG, progress, data position, objective)."""
+def load_checkpoint(run: Restorable, resume: Path, cfg, layout) -> None:
+    """Load `resume` into `run` on this process (weights, optimiser, RNG, progress, data position, objective),
+    after checking that the run folder's config.yaml (`layout`, a `RunLayout`) has the architecture of `cfg`."""
     accelerator = run.accelerator
-    saved_cfg_path = RunLayout(run.out_dir).config
-    if saved_cfg_path.is_file():
+    if layout.config.is_file():
         from omegaconf import OmegaConf
 
-        check_resumable(OmegaConf.to_container(OmegaConf.load(saved_cfg_path)),
-                        redact_values(to_dict(run.cfg)), run.log)  # config.yaml holds no credentials
+        check_resumable(OmegaConf.to_container(OmegaConf.load(layout.config)),
+                        redact_values(to_dict(cfg)), run.log)  # config.yaml holds no credentials
     saved_processes = int(checkpoints.read_marker(resume).get("world_size", accelerator.num_processes))
     if saved_processes != accelerator.num_processes:
         own, first = load_resized(run, resume, saved_processes)
@@ -245,7 +216,7 @@ def load_checkpoint(run: Run, resume: Path) -> None:
     run.objective.load_state_dict(rank_state["objective"])
 
 
-def restore_progress(run: Run, resume: Path, own: Dict[str, Any], first: Dict[str, Any]) -> None:
+def restore_progress(run: Restorable, resume: Path, own: Dict[str, Any], first: Dict[str, Any]) -> None:
     """Set the run's progress from this process's rank state `own` and its EMA from rank 0's (`first`); a
     checkpoint written when both were registered with accelerate has them in ``custom_checkpoint_<i>.pkl``
     files instead, read as plain data (any such file present is read, so one that is not plain data is refused)."""

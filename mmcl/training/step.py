@@ -1,22 +1,41 @@
-"""One optimiser step's forward and backward, and the update after it.
+"""One optimiser step, top to bottom: `Step.__call__` runs the forward and the loss (`forward_loss`), decides
+whether the step is applied (the loss finite on every process: on the device or on the host, `FiniteChecks`), runs
+the backward (`backward`), the update with the clip and the temperature's clamp (`apply_update`) and the weight
+average, and returns what it measured (`StepResult`). The loop (`mmcl.training.loop`) logs, saves, evaluates and
+stops; `objective_from_config` builds the objective from ``loss.*``.
 
-`train_step` runs the towers and the objective over a step's micro-batches (one contrastive problem over all of
-them: GradCache when there are several) and returns the loss, its logged terms and the backward to run;
-`apply_update` clips, steps the optimiser and clamps the temperature. `objective_from_config` builds the objective
-from ``loss.*``. The loop (`mmcl.training.loop`) decides when a step is applied, logged and saved.
+The finite-loss decision stays on the device where it can. Reading a per-step flag on the host (``.item()``) waits
+for the device on a GPU and, with several processes, for the all-reduce that makes them agree: a stall on every
+step. So each step's flag stays a tensor:
+
+* every process's "this loss is not finite" flag (0 or 1) is reduced to its maximum over the processes on the
+  device (one all-reduce of one number, not read), so every process holds the same decision, 0 or 1;
+* the fused AdamW takes it as ``found_inf`` (the mechanism of `torch.amp.GradScaler`): where it is 1 the kernel
+  leaves the parameters, both moments and the step count exactly as they were, as a skipped step did when it was
+  decided on the host. It must be exactly 0 or 1: the kernel skips only on 1 and takes ``found_inf`` off the
+  step count, so a count of the non-finite processes (2 where two are poisoned) would apply the step, NaN
+  gradients and all, and move the step count back (to 0 and below: NaN from the bias correction next);
+* the flags of the steps since the last read are read together on the next logged or saved step
+  (`FiniteChecks.resolve`, one host read), where a non-finite step is counted and reported (``nan_policy=skip``)
+  or ends the run (``stop``) before any checkpoint is written.
+
+An optimiser without that mechanism (no fused kernel for the device or dtype), or a loss scaler (fp16), which sets
+``found_inf`` itself, leaves the decision to the host every step (`agree_on_step`: one all-reduce that also agrees
+on a stop signal).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import losses, models
 from ..config import LossConfig, get, term_keys
 from ..errors import DataError
+from .optim import takes_found_inf
 
 
 def _forward(model, images, texts):
@@ -137,21 +156,36 @@ def replayed_rng(state: Tuple[torch.Tensor, Optional[torch.Tensor]], device: tor
             on_device.set_rng_state(found[1], device)
 
 
-def train_step(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
-               teacher=None):
-    """One optimiser step's forward/backward over ``batches`` (a list of micro-batches).
 
-    With several micro-batches the features of all of them form one contrastive problem (GradCache, Gao et al.
-    2021): features are computed without autograd, the loss and its gradient w.r.t. the features are taken on the
-    concatenation, then each micro-batch is re-run with autograd and back-propagated with its slice of that
-    gradient. Loss and parameter gradients equal those of the single large batch. `finish_images` turns a
-    batch's images into model input on the device (`TrainStream.finish_images`: uint8 -> normalised float).
-    `with_metrics` is passed to the objective (its align/uniform metrics, needed only on logged steps).
-    `teacher` (a `mmcl.training.teacher.Teacher`, distillation) scores the micro-batches' teacher views without gradient;
-    with several micro-batches its features join the one contrastive problem like the student's.
+@dataclasses.dataclass
+class GradCache:
+    """What the second pass of a step over several micro-batches needs (GradCache, Gao et al. 2021): the features
+    and the temperature held as leaves that collect the loss's gradient, and each micro-batch's RNG states."""
+
+    image_features: torch.Tensor
+    text_features: torch.Tensor
+    logit_scale: torch.Tensor
+    logit_bias: Optional[torch.Tensor]
+    rng_states: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def forward_loss(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
+                 teacher=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[GradCache]]:
+    """The forward and the loss of one optimiser step over ``batches`` (a list of micro-batches): (loss, its logged
+    terms, None for one micro-batch or the `GradCache` the backward re-runs them from).
+
+    With several micro-batches the features of all of them form one contrastive problem (GradCache): features are
+    computed without autograd and the loss taken on their concatenation; `backward` then re-runs each micro-batch
+    with autograd and back-propagates its slice of the loss's gradient. Loss and parameter gradients equal those of
+    the single large batch. `finish_images` turns a batch's images into model input on the device
+    (`TrainStream.finish_images`: uint8 -> normalised float). `with_metrics` is passed to the objective (its
+    align/uniform metrics, needed only on logged steps). `teacher` (a `mmcl.training.teacher.Teacher`,
+    distillation) scores the micro-batches' teacher views without gradient; with several micro-batches its
+    features join the one contrastive problem like the student's.
     """
     device = accelerator.device
     teacher_features = _teacher_features(teacher, batches, device, accelerator.autocast)
+    ids = _sample_ids(batches, device)
     if len(batches) == 1:
         b = batches[0]
         with accelerator.autocast():
@@ -159,13 +193,11 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
                 model, _images(b, device, finish_images), _moved(b["text"], device))
             loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
                                 None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics, teacher_features, _sample_ids(batches, device))
-        return loss, terms, lambda: accelerator.backward(loss)
-
-    feats = []
+                                with_metrics, teacher_features, ids)
+        return loss, terms, None
+    feats, rng_states = [], []
     # Each micro-batch replays the same RNG states, the CPU's and the device's, on its second pass (dropout and
     # drop-path masks identical).
-    rng_states = []
     with torch.no_grad():
         for b in batches:
             rng_states.append(rng_state(device))
@@ -173,41 +205,42 @@ def train_step(model, objective, batches, accelerator, finish_images=None, with_
                 image_features, text_features, logit_scale, logit_bias = _forward(
                     model, _images(b, device, finish_images), _moved(b["text"], device))
             feats.append((image_features.float(), text_features.float()))
-    all_image_features = torch.cat([f[0] for f in feats]).requires_grad_(True)
-    all_text_features = torch.cat([f[1] for f in feats]).requires_grad_(True)
     # The scale and bias as the model's forward returns them (the same for every micro-batch), held like the
-    # features: the loss's gradient with respect to them reaches the parameters through the last re-run below.
-    logit_scale = _leaf(logit_scale)
-    logit_bias = None if logit_bias is None else _leaf(logit_bias)
+    # features: the loss's gradient with respect to them reaches the parameters through the last re-run.
+    cache = GradCache(torch.cat([f[0] for f in feats]).requires_grad_(True),
+                      torch.cat([f[1] for f in feats]).requires_grad_(True), _leaf(logit_scale),
+                      None if logit_bias is None else _leaf(logit_bias), rng_states)
     # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
     labels = torch.cat([_moved(b["label"], device) for b in batches])
-    loss, terms = score(objective, all_image_features, all_text_features, logit_scale, logit_bias, labels,
-                        with_metrics, teacher_features, _sample_ids(batches, device))
+    loss, terms = score(objective, cache.image_features, cache.text_features, cache.logit_scale, cache.logit_bias,
+                        labels, with_metrics, teacher_features, ids)
+    return loss, terms, cache
 
-    def backward():
-        accelerator.backward(loss)  # grads for the features, logit scale and bias
-        grad_image, grad_text = all_image_features.grad, all_text_features.grad
-        grad_scale = logit_scale.grad
-        grad_bias = None if logit_bias is None else logit_bias.grad
-        start = 0
-        for i, b in enumerate(batches):
-            n = b["image"].shape[0]
-            last = i == len(batches) - 1
-            cm = contextlib.nullcontext() if last else accelerator.no_sync(model)
-            with cm:
-                with replayed_rng(rng_states[i], device), accelerator.autocast():
-                    image_features, text_features, scale_out, bias_out = _forward(
-                        model, _images(b, device, finish_images), _moved(b["text"], device))
-                surrogate = ((image_features.float() * grad_image[start:start + n]).sum()
-                             + (text_features.float() * grad_text[start:start + n]).sum())
-                if last:  # once, inside the backward DDP averages across processes
-                    surrogate = surrogate + _through(scale_out, grad_scale)
-                    if bias_out is not None:
-                        surrogate = surrogate + _through(bias_out, grad_bias)
-                surrogate.backward()
-            start += n
 
-    return loss, terms, backward
+def backward(accelerator, model, loss: torch.Tensor, batches, cache: Optional[GradCache],
+             finish_images=None) -> None:
+    """The backward of `loss` (`forward_loss`); with several micro-batches, each is then re-run with autograd from
+    its saved RNG states and back-propagated with its slice of the features' gradient (DDP all-reduces once, in
+    the last micro-batch's backward)."""
+    accelerator.backward(loss)  # with a GradCache: grads for the features, logit scale and bias
+    if cache is None:
+        return
+    device, start = accelerator.device, 0
+    for i, b in enumerate(batches):
+        n = b["image"].shape[0]
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            with replayed_rng(cache.rng_states[i], device), accelerator.autocast():
+                image_features, text_features, scale_out, bias_out = _forward(
+                    model, _images(b, device, finish_images), _moved(b["text"], device))
+            surrogate = ((image_features.float() * cache.image_features.grad[start:start + n]).sum()
+                         + (text_features.float() * cache.text_features.grad[start:start + n]).sum())
+            if last:  # once, inside the backward DDP averages across processes
+                surrogate = surrogate + _through(scale_out, cache.logit_scale.grad)
+                if bias_out is not None:
+                    surrogate = surrogate + _through(bias_out, cache.logit_bias.grad)
+            surrogate.backward()
+        start += n
 
 
 def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[float], max_logit_scale: float):
@@ -220,3 +253,104 @@ def apply_update(accelerator, model, raw_model, optimizer, grad_clip: Optional[f
     optimizer.zero_grad(set_to_none=True)
     models.clamp_logit_scale(raw_model, max_logit_scale)
     return grad_norm
+
+
+class FiniteChecks:
+    """The device-side finite-loss flags of the steps not yet read (see the module's notes)."""
+
+    def __init__(self, accelerator, optimizer):
+        self.accelerator = accelerator
+        self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        self.on_device = takes_found_inf(self.inner) and getattr(accelerator, "scaler", None) is None
+        self.pending: List[Tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, flag, loss)
+
+    def not_finite_anywhere(self, loss: torch.Tensor) -> torch.Tensor:
+        """A float32 0-d tensor, the same on every process: 1.0 where `loss` is not finite on some process, else
+        0.0 (a flag, never a count: see the module's notes on ``found_inf``)."""
+        bad = (~torch.isfinite(loss.detach())).reshape(()).to(torch.float32)
+        if self.accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # in place; nothing is read on the host
+        return bad
+
+    def arm(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Before this step's backward (device path): the coming optimiser step is skipped where the loss is not
+        finite on some process. `step` is the 1-based number of the step. Returns the flag."""
+        bad = self.not_finite_anywhere(loss)
+        self.inner.found_inf = bad
+        self.pending.append((step, bad, loss.detach()))
+        return bad
+
+    def resolve(self) -> List[Tuple[int, float]]:
+        """The steps since the last call whose loss was not finite on some process, as (step, this process's loss);
+        one host read of all their flags."""
+        if not self.pending:
+            return []
+        pending, self.pending = self.pending, []
+        flags = torch.stack([flag for _, flag, _ in pending]).tolist()
+        return [(step, float(loss)) for (step, _, loss), f in zip(pending, flags) if f > 0]
+
+
+
+
+def agree_on_step(accelerator, loss: torch.Tensor, stop_requested: bool) -> Tuple[bool, bool]:
+    """The host's decision (an optimiser without the device path): (the loss is finite on every process, a stop
+    signal came to some process), from one all-reduce.
+
+    All processes must take the same branch: one skipping backward while the others run it would pair their
+    gradient all-reduces with the wrong steps (and end in a hang); and all must stop after the same step,
+    whichever of them got the signal.
+    """
+    flags = torch.stack([torch.isfinite(loss.detach()).reshape(()).float(),
+                         torch.tensor(float(stop_requested), device=loss.device)])
+    if accelerator.num_processes > 1:
+        flags = accelerator.reduce(flags, reduction="sum")
+    finite_count, stop_count = flags.tolist()
+    return finite_count >= accelerator.num_processes, stop_count > 0
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step measured. `applied` is False only where the host decided to skip it (a step the device skips
+    is found later, by `FiniteChecks.resolve`); `stop` is the agreed stop signal where the host decided (None:
+    not asked this step)."""
+
+    loss: torch.Tensor
+    terms: Dict[str, torch.Tensor]
+    grad_norm: Optional[torch.Tensor]
+    applied: bool
+    stop: Optional[bool]
+
+
+class Step:
+    """One optimiser step of a run, from its micro-batches to the updated weights (`__call__`)."""
+
+    def __init__(self, accelerator, model, raw_model, optimizer, objective, *, grad_clip: Optional[float],
+                 max_logit_scale: float, ema=None, teacher=None, finish_images=None):
+        self.accelerator, self.model, self.raw_model = accelerator, model, raw_model
+        self.optimizer, self.objective = optimizer, objective
+        self.grad_clip, self.max_logit_scale = grad_clip, max_logit_scale
+        self.ema, self.teacher, self.finish_images = ema, teacher, finish_images
+        self.checks = FiniteChecks(accelerator, optimizer)
+
+    def __call__(self, batches: List[Dict[str, Any]], step: int, with_metrics: bool,
+                 stop_requested: bool) -> StepResult:
+        """Optimiser step `step` (1-based) over `batches`: forward and loss, the finite-loss decision, backward, the
+        update and the weight average."""
+        loss, terms, cache = forward_loss(self.model, self.objective, batches, self.accelerator,
+                                          self.finish_images, with_metrics, self.teacher)
+        flag, stop = None, None
+        if self.checks.on_device:  # the update runs; the optimiser leaves everything as it was where flag is 1
+            flag = self.checks.arm(loss, step)
+        else:
+            finite, stop = agree_on_step(self.accelerator, loss, stop_requested)
+            if not finite:
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepResult(loss, terms, None, False, stop)
+        backward(self.accelerator, self.model, loss, batches, cache, self.finish_images)
+        grad_norm = apply_update(self.accelerator, self.model, self.raw_model, self.optimizer, self.grad_clip,
+                                 self.max_logit_scale)
+        if self.ema is not None:  # not moved on a step the optimiser skipped (the device's flag is not read)
+            self.ema.update(self.raw_model, skipped=flag)
+        return StepResult(loss, terms, grad_norm, True, stop)

@@ -1,0 +1,228 @@
+"""Building a run's parts, once, in the order they depend on each other: the run folder taken (`take_folder`), the
+model with its locks, sharding, patch dropout and phases (`build_model`), the objective and optimiser, the teacher,
+the data stream (`build_stream`), then accelerate's ``prepare`` and the compiled forms (`build_trainee`). User errors
+end every process alike (`agreed`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .. import data as data_mod
+from .. import models
+from ..config import TrainConfig, is_main_process, world
+from ..data.sizes import describe_sources
+from ..data.skips import SkipLog
+from ..errors import ConfigError
+from ..models import phases as model_phases
+from ..storage import checkpoints, weights
+from ..storage.layout import RunLayout
+from . import fsdp, optim, phases
+from .agree import agreed
+from .ema import WeightEMA
+from .runlock import LOCK_NAME, RunLock
+from .runtime import Runtime, choose_precision, tf32_setting
+from .step import Step, objective_from_config
+
+
+@dataclasses.dataclass
+class Trainee:
+    """The model and what trains it: the prepared and unwrapped model, optimiser and objective (and the forms a step
+    calls, compiled under ``train.compile``), the architecture and preprocessing, the weight average, the teacher,
+    the masking modules, the phases and the parameter groups as param_groups.json describes them."""
+
+    model: torch.nn.Module
+    raw_model: torch.nn.Module
+    optimizer: Any
+    objective: Any
+    model_cfg: Dict[str, Any]
+    pp_cfg: Dict[str, Any]
+    tokenizer: Any
+    ema: Optional[WeightEMA] = None
+    teacher: Any = None  # distill.teacher: a frozen `mmcl.training.teacher.Teacher`, never saved
+    patch_dropout: List[torch.nn.Module] = dataclasses.field(default_factory=list)
+    phases: List[phases.Phase] = dataclasses.field(default_factory=list)
+    param_groups: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    wise_init: Optional[Dict[str, torch.Tensor]] = None  # train.wise_ft: the initial weights (main process)
+
+    def meta(self) -> Dict[str, Any]:
+        """The architecture and preprocessing each checkpoint records beside its weights (a checkpoint is a model)."""
+        return {"model_cfg": self.model_cfg, "preprocess_cfg": self.pp_cfg}
+
+
+def log_line(accelerator, msg: str) -> None:
+    from ..errors import printable
+
+    if accelerator.is_main_process:
+        print(f"mmcl: {printable(msg)}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ the folder
+def _first_missing(out_dir: Path) -> Optional[Path]:
+    """The topmost folder of `out_dir` (itself or a parent) that does not exist yet, which the run will create;
+    None when `out_dir` exists or on a process other than the main one (which creates nothing)."""
+    if not is_main_process() or out_dir.exists():
+        return None
+    top = out_dir.absolute()
+    while not top.parent.exists():
+        top = top.parent
+    return top
+
+
+def _remove_unused(out_dir: Path, made: Optional[Path], locked: bool) -> None:
+    """After a run that failed: remove the folders it created (`made` and below, down to `out_dir`) when they hold
+    nothing, or nothing but the lock file it holds (`locked`; another run's lock is never removed)."""
+    if made is None or not out_dir.is_dir():
+        return
+    if any(entry.name != LOCK_NAME or not locked for entry in out_dir.iterdir()):
+        return
+    with contextlib.suppress(OSError):
+        (out_dir / LOCK_NAME).unlink(missing_ok=True)
+        folder = out_dir.absolute()
+        while True:
+            folder.rmdir()  # only an empty folder; stops at the first that is not
+            if folder == made:
+                break
+            folder = folder.parent
+
+
+def take_folder(accelerator, layout: RunLayout, held: contextlib.ExitStack) -> None:
+    """The main process locks the run folder for the run's life (`RunLock`). A run that fails before it writes
+    anything (a full disk, a wrong model.name) leaves no folder behind; one refused by the lock removes nothing of
+    the holder's."""
+    def take():
+        if not accelerator.is_main_process:
+            return
+        made, lock = _first_missing(layout.root), RunLock(layout.root)
+        held.callback(lock.release)
+        held.push(lambda *exc: _remove_unused(layout.root, made, lock.held) if exc[0] is not None else None)
+        checkpoints.check_output_dir(layout.root, layout.checkpoints)
+        warning = lock.acquire()
+        if warning:
+            log_line(accelerator, warning)
+
+    agreed(accelerator, take)
+
+
+# ------------------------------------------------------------------------------------------------- the model
+def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
+    """The model as configured (pretrained or built, ``model.init_from``'s weights, the locks, FSDP's sharding),
+    with its architecture, preprocessing, tokenizer, the masking modules and the run's phases. Returns
+    (model, model_cfg, pp_cfg, tokenizer, patch_dropout, phases, wise_init)."""
+    log = lambda msg: log_line(accelerator, msg)  # noqa: E731
+    if cfg.model.pretrained:  # by name: architecture (where the source has one), preprocessing and weights
+        model, model_cfg, pp_cfg, tokenizer, report = agreed(accelerator, lambda: weights.build_pretrained(cfg.model))
+        log(report)
+    else:
+        model, model_cfg, pp_cfg, _, _, tokenizer = models.build(cfg.model)
+    if cfg.model.init_from:  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
+        log(weights.init_from(model, cfg.model.init_from))
+    models.apply_locks(model, cfg.model)
+    wise_init = None
+    if cfg.train.wise_ft and accelerator.is_main_process:  # WiSE-FT's start point, on the CPU until the end
+        wise_init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if fsdp.in_effect(accelerator):  # fully_shard takes no 0-dim parameter: before the optimiser sees them
+        if cfg.train.ema_decay is not None:
+            raise ConfigError("train.ema_decay is not supported with FSDP (the average would need the full "
+                              "weights on every step); unset it or launch without FSDP")
+        fsdp.vector_scalars(model)
+        fsdp.shard_with_precision(accelerator, model)  # bf16/fp16: float32 reduction, temperature and bias
+    masking = []
+    if cfg.model.patch_dropout or phases.uses_patch_dropout(cfg):
+        masking = models.set_patch_dropout(model, cfg.model.patch_dropout, cfg.train.seed, accelerator.process_index,
+                                           accelerator.num_processes, rt.accum_steps)
+    planned = agreed(accelerator, lambda: phases.plan(cfg, model, model_cfg, rt.total_steps))
+    model_size, _, model_length = model_phases.full_sizes(model_cfg)
+    for p in planned:
+        log(f"phase {p.describe(model_size, model_length)}")
+    return model, model_cfg, pp_cfg, tokenizer, masking, planned, wise_init
+
+
+def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, trainee: "Trainee", layout: RunLayout):
+    """The training stream at the run's per-process batch (`Runtime`), the training transform from the model's
+    preprocessing and ``data.aug``, the teacher's view and the phases' input sizes; /dev/shm checked for its
+    batches; skipped samples named in skipped.jsonl by every process."""
+    from .preflight import check_shared_memory
+
+    image_spec = data_mod.train_image_input(trainee.pp_cfg, cfg.data.aug)
+    model_size = model_phases.full_sizes(trainee.model_cfg)[0]
+    data_cfg = dataclasses.replace(cfg.data, batch_size=rt.batch_size)  # the run's batch (`Runtime`)
+    teacher = trainee.teacher
+    stream = agreed(accelerator, lambda: data_mod.build_train_stream(
+        data_cfg, image_spec, models.training_tokenizer(model, trainee.tokenizer), seed=cfg.train.seed,
+        rank=accelerator.process_index, world_size=accelerator.num_processes,
+        pin_memory=accelerator.device.type == "cuda",
+        teacher_view=None if teacher is None else teacher.view, stored_teacher=cfg.distill.from_shards,
+        phases=phases.stream_phases(trainee.phases, model_size, rt.accum_steps)))
+    # Each batch a data worker sends is a shared-memory segment: a container's small /dev/shm fails mid-run.
+    check_shared_memory(data_cfg, getattr(image_spec, "size", None) or trainee.pp_cfg["size"], stream.uint8,
+                        world().local_size)
+    stream.skip_log = SkipLog(layout.skipped)  # appended to by every process
+    return stream
+
+
+def build_trainee(cfg: TrainConfig, rt: Runtime, accelerator, layout: RunLayout):
+    """The model, objective, optimiser, teacher and data stream, prepared by accelerate; the `Step` that trains
+    them. Returns (trainee, stream, step)."""
+    log = lambda msg: log_line(accelerator, msg)  # noqa: E731
+    model, model_cfg, pp_cfg, tokenizer, masking, planned, wise_init = build_model(cfg, rt, accelerator)
+    objective = objective_from_config(cfg.loss)
+    objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
+    groups = optim.param_groups(model, cfg.optim)
+    optimizer = optim.build_optimizer(model, cfg.optim, groups, device=accelerator.device)
+    described = []
+    if accelerator.is_main_process:
+        described = optim.describe(model, groups, cfg.optim)  # printed once; param_groups.json at the start
+        optim.log_groups(described, log)
+    teacher = None
+    if cfg.distill.teacher:  # frozen, on the device; not prepared, not optimised, never saved
+        from .teacher import Teacher
+
+        teacher = agreed(accelerator, lambda: Teacher.load(cfg.distill.teacher, accelerator.device))
+        log(f"distilling from {cfg.distill.teacher} (logit scale {float(teacher.scale):.2f})")
+    trainee = Trainee(model, model, optimizer, objective, model_cfg, pp_cfg, tokenizer, teacher=teacher,
+                      patch_dropout=masking, phases=planned, param_groups=described, wise_init=wise_init)
+    stream = build_stream(cfg, rt, accelerator, model, trainee, layout)
+    trainee.model, trainee.optimizer = accelerator.prepare(model, optimizer)
+    trainee.raw_model = accelerator.unwrap_model(trainee.model)
+    step_model, loss_fn = trainee.model, objective
+    if cfg.train.compile:
+        # After prepare: dynamo then compiles the DDP-wrapped model in pieces cut at DDP's gradient buckets, so each
+        # bucket's all-reduce overlaps the rest of the backward (compiled before wrapping, one graph would finish
+        # its backward before any all-reduce starts). The objective (tiled losses included) is compiled too;
+        # checkpoints, the EMA and evaluation keep using the modules themselves.
+        step_model, loss_fn = torch.compile(trainee.model), torch.compile(objective)
+    objective.to(accelerator.device)
+    if cfg.train.ema_decay:  # after the locks: locked parameters get no average
+        trainee.ema = WeightEMA(trainee.raw_model, cfg.train.ema_decay)
+    step = Step(accelerator, step_model, trainee.raw_model, trainee.optimizer, loss_fn, grad_clip=cfg.optim.grad_clip,
+                max_logit_scale=cfg.model.max_logit_scale, ema=trainee.ema, teacher=teacher,
+                finish_images=stream.finish_images)
+    if not step.checks.on_device:  # one line: what the run does instead, and why
+        log(optim.host_check_line(trainee.optimizer, getattr(accelerator, "scaler", None))
+            or "a step with a non-finite loss is detected on the host (one device sync per step)")
+    return trainee, stream, step
+
+
+def describe_setup(cfg: TrainConfig, rt: Runtime, accelerator, workers: int) -> None:
+    """Log the processes, distribution, device, precision and global batch, and launch settings not in effect."""
+    log = lambda msg: log_line(accelerator, msg)  # noqa: E731
+    dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    precision, source = choose_precision(cfg.train.precision)
+    log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
+        f"{precision}; global batch {rt.global_batch}; {workers} data workers per process")
+    log(f"precision {precision} from {source}; {tf32_setting(cfg.train.tf32, accelerator.device)}")
+    for mode, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
+        if os.environ.get(var, "").lower() in ("1", "true") and dist_type != mode:
+            log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
+                f"the model is replicated on every process")
+    log(rt.length_line)
+    if accelerator.is_main_process:  # what each source of data.train resolved to: its shards and, where known, counts
+        for line in describe_sources(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards,
+                                     cfg.data.train_num_samples):
+            log(line)
