@@ -52,7 +52,7 @@ def _imports(name, path):
 
 def test_the_top_level_is_a_table_of_contents():
     top = sorted(p.name for p in PACKAGE.iterdir() if not p.name.startswith((".", "__pycache__")))
-    assert top == ["__init__.py", "__main__.py", "cli.py", "config.py", "curation", "data", "errors.py",
+    assert top == ["__init__.py", "__main__.py", "cli.py", "config", "curation", "data", "errors.py",
                    "evaluation", "losses", "models", "storage", "training"]
 
 

@@ -49,7 +49,7 @@ def _misplaced(rel, text):
         elif (DIR_HOMES.get(node.value, rel) != rel and (rel, node.value) not in DIR_ELSEWHERE
               and _in_path(node, parents)):
             yield f"{rel}:{node.lineno}: {node.value!r} (its home is {DIR_HOMES[node.value]})"
-        elif node.value in LAUNCH_VARS and rel != "config.py":
+        elif node.value in LAUNCH_VARS and rel != "config/process.py":
             yield f"{rel}:{node.lineno}: {node.value!r} read outside mmcl.config.world"
 
 

@@ -1,0 +1,39 @@
+"""The process world: this process's place in its launch, read from the launcher's environment (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE) here and nowhere else, and what follows from it before any distributed state exists
+(the main process; the data workers a process may start)."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+
+class World(NamedTuple):
+    rank: int
+    local_rank: int
+    size: int  # processes in the run
+    local_size: int  # processes on this machine
+
+
+def world() -> World:
+    """This process's place in its launch, as the launcher (accelerate launch, torchrun) sets it in the environment:
+    read here alone, as it is known before accelerate's state exists (and where it never does). No launcher: one
+    process."""
+    env = os.environ
+    return World(int(env.get("RANK") or 0), int(env.get("LOCAL_RANK") or 0), int(env.get("WORLD_SIZE") or 1),
+                 int(env.get("LOCAL_WORLD_SIZE") or 1))
+
+
+def is_main_process() -> bool:
+    """Whether this is the launch's main process (rank 0), the one that says what every process finds alike."""
+    return world().rank == 0
+
+
+def data_workers(configured: Optional[int]) -> int:
+    """``data.workers``: a set value as it is; null: the CPUs this process may run on, shared by the processes on
+    its machine (LOCAL_WORLD_SIZE), less one for the training thread, at least 1 and at most 8."""
+    if configured is not None:
+        return int(configured)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus // world().local_size - 1))
+
