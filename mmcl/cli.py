@@ -335,7 +335,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 class _Parser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose epilog may be made only when help is shown (`epilog_fn`): the config keys'
-    table reads config.py's source, which other commands never need."""
+    table reads every field's declared help, which other commands never need."""
 
     def __init__(self, *args, epilog_fn=None, **kwargs):
         kwargs.setdefault("formatter_class", _HelpFormatter)

@@ -1,0 +1,43 @@
+"""`Runtime`: the world a run trains in, derived once and frozen; the config is never rewritten for a resumed run's
+batch."""
+
+import dataclasses
+import json
+
+import pytest
+
+from mmcl.config import load_config
+from mmcl.training.runtime import Runtime, batch_plan, global_batch_size
+
+
+def _saved_run(root, world, global_batch):
+    ckpt = root / "checkpoints" / "step-00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": 4, "samples": 4 * global_batch, "world_size": world,
+                                               "global_batch": global_batch, "files": {}}))
+    return root
+
+
+def test_a_new_run_trains_with_the_config_batch(tmp_path):
+    cfg = load_config(None, [f"train.output_dir={tmp_path / 'run'}", "data.batch_size=8", "train.accum_steps=2",
+                             "train.samples=100"])
+    rt = Runtime.plan(cfg, 3)
+    assert (rt.processes, rt.batch_size, rt.accum_steps, rt.global_batch) == (3, 8, 2, 48)
+    assert rt.global_batch == global_batch_size(cfg, 3)
+    assert rt.total_steps == 3 and rt.length_line == "train.samples=100: 3 steps of 48 samples"
+    assert rt.resized_line is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rt.batch_size = 4
+
+
+def test_a_resumed_run_keeps_its_global_batch_and_its_config(tmp_path):
+    """Written by 1 process at 24 a step; resumed on 4 with the same config: 6 per process, the steps counted at
+    24 a step, and the config object itself unchanged."""
+    out = _saved_run(tmp_path / "run", 1, 24)
+    cfg = load_config(None, [f"train.output_dir={out}", "data.batch_size=24", "train.samples=240"])
+    before = dataclasses.asdict(cfg)
+    rt = Runtime.plan(cfg, 4)
+    assert (rt.batch_size, rt.accum_steps, rt.global_batch, rt.total_steps) == (6, 1, 24, 10)
+    assert rt.resized_line.endswith("data.batch_size 24 -> 6 per process, keeping the global batch of 24")
+    assert dataclasses.asdict(cfg) == before and cfg.data.batch_size == 24
+    assert batch_plan(cfg, 1).line is None  # on the processes that wrote it: nothing to keep

@@ -1,0 +1,118 @@
+"""`Step`, one optimiser step top to bottom: what it returns, the finite-loss decision on the host and on the
+device, and accumulation against the single large batch, each checked against a reference computed here."""
+
+import copy
+
+import pytest
+import torch
+
+from mmcl.config import LossConfig
+from mmcl.training import optim
+from mmcl.training.step import FiniteChecks, Step, agree_on_step, objective_from_config
+from helpers import fake_batch, micro_model
+
+
+def _step(model, fused: bool, **kw):
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1) if kw.pop("sgd", False)
+                 else torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused))
+    model, optimizer = acc.prepare(model, optimizer)
+    return Step(acc, model, acc.unwrap_model(model), optimizer, objective_from_config(LossConfig()),
+                grad_clip=kw.pop("grad_clip", 1.0), max_logit_scale=4.6052, **kw), model
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _nan_loss(monkeypatch):
+    import mmcl.training.step as step_mod
+
+    real = step_mod.forward_loss
+
+    def poisoned(*args):
+        loss, terms, cache = real(*args)
+        return loss * float("nan"), terms, cache
+
+    monkeypatch.setattr(step_mod, "forward_loss", poisoned)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["device-decision", "host-decision"])
+def test_a_finite_step_updates_the_weights_and_reports_what_it_measured(fused):
+    step, model = _step(micro_model(), fused)
+    assert step.checks.on_device == fused
+    before = _weights(model)
+    result = step([fake_batch(8, seed=1)], 1, True, False)
+    assert result.applied and torch.isfinite(result.loss) and result.grad_norm is not None
+    assert result.stop is (None if fused else False)  # the host's all-reduce also agrees on a stop signal
+    assert any(not torch.equal(before[k], v) for k, v in _weights(model).items())
+    assert float(step.raw_model.logit_scale.detach().exp()) <= 100.0 + 1e-3  # the clamp ran
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["device-decision", "host-decision"])
+def test_a_non_finite_loss_leaves_weights_and_optimiser_state_untouched(fused, monkeypatch):
+    step, model = _step(micro_model(), fused)
+    step([fake_batch(8, seed=1)], 1, False, False)  # one real step: the optimiser has state
+    before, state = _weights(model), copy.deepcopy(step.optimizer.optimizer.state_dict()["state"])
+    _nan_loss(monkeypatch)
+    result = step([fake_batch(8, seed=2)], 2, False, False)
+    assert result.applied == fused  # the device path runs the update, which the optimiser itself skips
+    for k, v in _weights(model).items():
+        assert torch.equal(before[k], v), k
+    after = step.optimizer.optimizer.state_dict()["state"]
+    for i in state:
+        for name in state[i]:
+            assert torch.equal(torch.as_tensor(state[i][name]), torch.as_tensor(after[i][name])), (i, name)
+    if fused:
+        assert step.checks.resolve() == [(2, pytest.approx(float("nan"), nan_ok=True))]
+        assert step.checks.resolve() == []  # read once
+
+
+def test_the_ema_does_not_move_on_a_step_the_device_skipped(monkeypatch):
+    from mmcl.training.ema import WeightEMA
+
+    model = micro_model()
+    ema = WeightEMA(model, 0.5)
+    step, model = _step(model, True, ema=ema)
+    step([fake_batch(8, seed=1)], 1, False, False)
+    moved = {k: v.clone() for k, v in ema.state_dict().items() if torch.is_tensor(v)}
+    _nan_loss(monkeypatch)
+    step([fake_batch(8, seed=2)], 2, False, False)
+    for k, v in ema.state_dict().items():
+        if torch.is_tensor(v) and v.is_floating_point():
+            assert torch.equal(moved[k], v), k
+
+
+def test_two_micro_batches_make_the_update_of_the_one_large_batch():
+    big = fake_batch(12, seed=3)
+    halves = [{k: v[:6] for k, v in big.items()}, {k: v[6:] for k, v in big.items()}]
+    # SGD: the update is the gradient itself (AdamW's first step is about lr * sign(g), which float32 noise in a
+    # near-zero gradient can flip).
+    one, _ = _step(micro_model(), False, grad_clip=None, sgd=True)
+    two, _ = _step(micro_model(), False, grad_clip=None, sgd=True)
+    a, b = one([big], 1, True, False), two(halves, 1, True, False)
+    assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-5)
+    wa, wb = _weights(one.raw_model), _weights(two.raw_model)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-6)
+
+
+def test_the_host_decision_agrees_on_finiteness_and_a_stop_signal():
+    from types import SimpleNamespace
+
+    acc = SimpleNamespace(num_processes=1)
+    assert agree_on_step(acc, torch.tensor(1.0), False) == (True, False)
+    assert agree_on_step(acc, torch.tensor(float("inf")), True) == (False, True)
+
+
+def test_the_device_flag_is_exactly_zero_or_one():
+    from types import SimpleNamespace
+
+    checks = FiniteChecks(SimpleNamespace(num_processes=1, scaler=None),
+                          torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True))
+    assert checks.on_device and optim.takes_found_inf(checks.inner)
+    assert float(checks.arm(torch.tensor(float("nan")), 1)) == 1.0
+    assert float(checks.arm(torch.tensor(2.0), 2)) == 0.0
+    assert [s for s, _ in checks.resolve()] == [1]
