@@ -399,7 +399,7 @@ def test_classnames_txt_listing_the_folders_in_another_order_scores_as_the_right
 
 
 def test_classnames_txt_naming_another_folder_at_a_line_is_refused(tmp_path):
-    from mmcl.data.eval_sets import folder_classnames
+    from mmcl.data.eval_data import folder_classnames
 
     for cls in ("blue", "green", "red"):
         (tmp_path / cls).mkdir()

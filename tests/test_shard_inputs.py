@@ -10,7 +10,7 @@ from PIL import Image
 
 from mmcl import data
 from mmcl.cli import main
-from mmcl.data.eval_sets import folder_classnames
+from mmcl.data.eval_data import folder_classnames
 
 
 def _png(seed):

@@ -320,17 +320,7 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
     start = time.perf_counter()
     group = _Group()
     progress = progress and group.rank == 0
-
-    def prepare():
-        if batch_size <= 0:
-            raise DataError(f"--batch-size must be > 0 (got {batch_size})")
-        checked = rules.check()
-        urls = expand_urls(data)
-        if not urls:
-            raise DataError(f"no shards match {data}")
-        return checked, urls, _names(urls)
-
-    checked, urls, names = _guarded(group, prepare)
+    checked, urls, names = _guarded(group, _prepare, data, rules, batch_size)
     model_id = model if has_scheme(model) else str(Path(model).resolve())
     inputs = [redact(u) if has_scheme(u) else os.path.abspath(u) for u in urls]  # the same from any working directory
     identity = {"model": model_id, "inputs": inputs, "rules": checked.record(),
@@ -344,57 +334,14 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
     encoder = _guarded(group, ClipEncoder.load, model, device)
 
     # pass 1: embeddings (the evaluation set's first, by rank 0)
-    def embed_eval_set():
-        path = out / DECONTAMINATE_FILE
-        if checked.decontaminate is not None and group.rank == 0 and not path.is_file():
-            _save_npz(path, **_embed_decontamination_set(encoder, checked.decontaminate, batch_size, device,
-                                                         progress))
-
-    _guarded(group, embed_eval_set)
-
-    def embed_all():
-        bar = _bar(progress, sum(group.mine(i) for i in range(len(urls))), "curate: embed")
-        try:
-            for i, (url, name) in enumerate(zip(urls, names)):
-                path = out / _embed_name(name)
-                if group.mine(i) and not path.is_file():
-                    _save_npz(path, **_embed_shard(url, encoder, batch_size, keys, model_id))
-                if group.mine(i) and bar is not None:
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-
-    _guarded(group, embed_all)
+    _guarded(group, _embed_eval_set, group, out, checked, encoder, batch_size, device, progress)
+    _guarded(group, _embed_all, group, out, urls, names, encoder, batch_size, keys, model_id, progress)
 
     # pass 2: the decision, over every sample in shard order
-    def decide_all():
-        tables = [_load_npz(out / _embed_name(name)) for name in names]
-        for t in tables:  # embedding files written before digests were stored: no byte-identical match
-            t.setdefault("sha", np.full(len(t["key"]), "", dtype=str))
-        cat = {k: np.concatenate([t[k] for t in tables]) if tables else np.zeros(0)
-               for k in ("key", "caption", "readable", "caption_len", "score", "stored", "sha")}
-        dims = {t["image"].shape[1] for t in tables if len(t["image"])}
-        if len(dims) > 1:
-            raise DataError(f"the embedding files in {out / EMBED_DIR} disagree in width ({sorted(dims)}); "
-                            f"curate into a new --out")
-        images = np.concatenate([t["image"] for t in tables if len(t["image"])]).astype(np.float32) if dims \
-            else np.zeros((0, 0), dtype=np.float32)
-        eval_set = _load_npz(out / DECONTAMINATE_FILE) if checked.decontaminate is not None else None
-        if eval_set is not None and dims and eval_set["image"].shape[1] not in dims:
-            raise DataError(f"{checked.decontaminate} embeds to width {eval_set['image'].shape[1]}, the data to "
-                            f"{sorted(dims)}")
-        languages = caption_languages(cat["caption"].tolist()) if checked.language is not None else None
-        if languages is not None:
-            cat["language"] = languages
-        decision = decide(checked, cat["readable"], cat["caption_len"], cat["score"], images,
-                          None if eval_set is None else eval_set["image"].astype(np.float32), languages, cat["sha"])
-        return tables, cat, eval_set, decision
-
-    tables, cat, eval_set, decision = _guarded(group, decide_all)
-    shard_of = np.concatenate([np.full(len(t["key"]), i) for i, t in enumerate(tables)]) if tables else \
-        np.zeros(0, dtype=np.int64)
+    tables, cat, eval_set, decision = _guarded(group, _decide_all, out, names, checked)
     if group.rank == 0:
+        shard_of = np.concatenate([np.full(len(t["key"]), i) for i, t in enumerate(tables)]) if tables else \
+            np.zeros(0, dtype=np.int64)
         _guarded(group, write_report, out, identity, names, tables, cat, shard_of, decision,
                  None if eval_set is None else eval_set["key"], _TEMP)
         _write_skip_log(out, urls, tables)
@@ -402,29 +349,11 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
         group.agree(None)
 
     # pass 3: the filtered shards
-    def write_all():
-        bar = _bar(progress, sum(group.mine(i) for i in range(len(urls))), "curate: write")
-        offset = 0
-        try:
-            for i, (url, name, table) in enumerate(zip(urls, names, tables)):
-                keep = decision.reason[offset:offset + len(table["key"])] == KEPT
-                offset += len(table["key"])
-                if group.mine(i) and not (out / name).is_file():
-                    _write_shard(url, out / name, table, keep)
-                if group.mine(i) and bar is not None:
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-
-    _guarded(group, write_all)
+    _guarded(group, _write_all, group, out, urls, names, tables, decision, progress)
     if group.rank == 0 and manifest is not None:  # the kept samples per shard, for train.epochs on the output
-        bounds = np.cumsum([0] + [len(t["key"]) for t in tables])
-        write_sizes(out, {name: int((decision.reason[a:b] == KEPT).sum()) for name, a, b
-                          in zip(names, bounds[:-1], bounds[1:])})
-    dropped = {r: int((decision.reason == REASONS.index(r)).sum()) for r in REASONS}
+        _write_kept_sizes(out, names, tables, decision)
     summary = {"out_dir": str(out), "shards": len(urls), "samples": int(len(cat["key"])),
-               "kept": int((decision.reason == KEPT).sum()), "dropped": {k: v for k, v in dropped.items() if v},
+               "kept": int((decision.reason == KEPT).sum()), "dropped": _dropped_counts(decision),
                "from_stored_embeddings": int(cat["stored"].sum()), "processes": group.world,
                "seconds": round(time.perf_counter() - start, 1)}
     if group.rank == 0 and manifest is not None:
@@ -432,6 +361,99 @@ def curate(model: str, data: str, out_dir: str, rules: Rules, batch_size: int = 
         manifest.data["summary"] = {k: v for k, v in summary.items() if k not in ("seconds", "processes")}
         manifest.save()
     return summary
+
+
+def _prepare(data: str, rules: Rules, batch_size: int) -> Tuple[Rules, List[str], List[str]]:
+    """The checked rules, the input shards' URLs and their output names; `DataError` for a bad batch size or no
+    shards."""
+    if batch_size <= 0:
+        raise DataError(f"--batch-size must be > 0 (got {batch_size})")
+    checked = rules.check()
+    urls = expand_urls(data)
+    if not urls:
+        raise DataError(f"no shards match {data}")
+    return checked, urls, _names(urls)
+
+
+def _embed_eval_set(group: _Group, out: Path, checked: Rules, encoder: ClipEncoder, batch_size: int, device,
+                    progress: bool) -> None:
+    """With ``--decontaminate``, the evaluation set's embeddings (rank 0, unless an earlier run stored them)."""
+    path = out / DECONTAMINATE_FILE
+    if checked.decontaminate is not None and group.rank == 0 and not path.is_file():
+        _save_npz(path, **_embed_decontamination_set(encoder, checked.decontaminate, batch_size, device, progress))
+
+
+def _embed_all(group: _Group, out: Path, urls: List[str], names: List[str], encoder: ClipEncoder, batch_size: int,
+               keys: Optional[SampleKeys], model_id: str, progress: bool) -> None:
+    """Pass 1: the embedding file of each of this process's shards that an earlier run did not finish."""
+    bar = _bar(progress, sum(group.mine(i) for i in range(len(urls))), "curate: embed")
+    try:
+        for i, (url, name) in enumerate(zip(urls, names)):
+            path = out / _embed_name(name)
+            if group.mine(i) and not path.is_file():
+                _save_npz(path, **_embed_shard(url, encoder, batch_size, keys, model_id))
+            if group.mine(i) and bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _decide_all(out: Path, names: List[str], checked: Rules):
+    """Pass 2: every shard's embedding table, their columns end to end (``cat``), the evaluation set's embeddings
+    (None without ``--decontaminate``) and the decision over every sample in shard order."""
+    tables = [_load_npz(out / _embed_name(name)) for name in names]
+    for t in tables:  # embedding files written before digests were stored: no byte-identical match
+        t.setdefault("sha", np.full(len(t["key"]), "", dtype=str))
+    cat = {k: np.concatenate([t[k] for t in tables]) if tables else np.zeros(0)
+           for k in ("key", "caption", "readable", "caption_len", "score", "stored", "sha")}
+    dims = {t["image"].shape[1] for t in tables if len(t["image"])}
+    if len(dims) > 1:
+        raise DataError(f"the embedding files in {out / EMBED_DIR} disagree in width ({sorted(dims)}); "
+                        f"curate into a new --out")
+    images = np.concatenate([t["image"] for t in tables if len(t["image"])]).astype(np.float32) if dims \
+        else np.zeros((0, 0), dtype=np.float32)
+    eval_set = _load_npz(out / DECONTAMINATE_FILE) if checked.decontaminate is not None else None
+    if eval_set is not None and dims and eval_set["image"].shape[1] not in dims:
+        raise DataError(f"{checked.decontaminate} embeds to width {eval_set['image'].shape[1]}, the data to "
+                        f"{sorted(dims)}")
+    languages = caption_languages(cat["caption"].tolist()) if checked.language is not None else None
+    if languages is not None:
+        cat["language"] = languages
+    decision = decide(checked, cat["readable"], cat["caption_len"], cat["score"], images,
+                      None if eval_set is None else eval_set["image"].astype(np.float32), languages, cat["sha"])
+    return tables, cat, eval_set, decision
+
+
+def _write_all(group: _Group, out: Path, urls: List[str], names: List[str], tables: List[Dict[str, np.ndarray]],
+               decision: Decision, progress: bool) -> None:
+    """Pass 3: the output shard of each of this process's inputs that an earlier run did not finish."""
+    bar = _bar(progress, sum(group.mine(i) for i in range(len(urls))), "curate: write")
+    offset = 0
+    try:
+        for i, (url, name, table) in enumerate(zip(urls, names, tables)):
+            keep = decision.reason[offset:offset + len(table["key"])] == KEPT
+            offset += len(table["key"])
+            if group.mine(i) and not (out / name).is_file():
+                _write_shard(url, out / name, table, keep)
+            if group.mine(i) and bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _dropped_counts(decision: Decision) -> Dict[str, int]:
+    """The samples dropped per reason, the reasons that dropped none left out."""
+    dropped = {r: int((decision.reason == REASONS.index(r)).sum()) for r in REASONS}
+    return {k: v for k, v in dropped.items() if v}
+
+
+def _write_kept_sizes(out: Path, names: List[str], tables: List[Dict[str, np.ndarray]], decision: Decision) -> None:
+    """sizes.json of the output shards: each one's kept samples."""
+    bounds = np.cumsum([0] + [len(t["key"]) for t in tables])
+    write_sizes(out, {name: int((decision.reason[a:b] == KEPT).sum()) for name, a, b
+                      in zip(names, bounds[:-1], bounds[1:])})
 
 
 def dropped_reasons(decision: Decision) -> List[Optional[str]]:

@@ -15,7 +15,8 @@ One concern per module, imported in this order (each uses only those above it)::
                    (`ImageFinish`; `split_transform` for a caller's own transform), the cheaper random crop
     pipeline.py    the resumable training stream (`build_train_stream`, `TrainStream`): shard plan, block
                    shuffle, workers, batching
-    eval_sets.py   evaluation datasets (`build_eval_dataset`): ImageFolder or shards, each sample once
+    eval_data.py   evaluation datasets (`build_eval_dataset`): ImageFolder or shards, each sample once
+    shard_inputs.py  `mmcl shards`'s inputs (caption folders, ImageFolders, tables) -> the images they name
     writer.py      writing shards (`write_shards`, `ShardWriter`) and `mmcl shards` (`shards_from_input`)
     demo.py        the synthetic coloured-shapes set (`make_demo_data`)
 
@@ -25,7 +26,7 @@ The names below are the package's public interface; import them from ``mmcl.data
 from .decode import (IMAGE_EXTS, SKIP_REASONS, SampleKeys, SkipSample, TransformOutputError, caption_draw,
                      decode_image, decode_sample, image_bytes, parse_caption, parse_label, parse_sample, pil_to_uint8,
                      sample_keys, to_rgb, zero_skips)
-from .eval_sets import (EvalFailure, EvalSkip, ImageFolderDataset, ShardEvalDataset, build_eval_dataset,
+from .eval_data import (EvalFailure, EvalSkip, ImageFolderDataset, ShardEvalDataset, build_eval_dataset,
                         eval_collate, is_image_folder, open_rgb)
 from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, collate, epoch_shard_plan,
                        role_batches, shuffle_block)

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import torch
 
 from .. import data as data_mod
-from ..data.eval_sets import names_for_folders
+from ..data.eval_data import names_for_folders
 from ..errors import DataError, MmclError, printable
 
 # open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.

@@ -253,7 +253,7 @@ def explain(argv: List[str]) -> Optional[str]:
 
 def is_table(path: str) -> bool:
     """Whether `path` names a table that `mmcl shards` reads (CSV, TSV, JSONL, parquet), not shards."""
-    from ..data.writer import _TABLE_EXTS
+    from ..data.shard_inputs import _TABLE_EXTS
 
     return path.lower().endswith(_TABLE_EXTS)
 

@@ -1,9 +1,9 @@
-"""Evaluation sets: an ImageFolder or WebDataset shards, each sample exactly once.
+"""Reading evaluation data: an ImageFolder or WebDataset shards, each sample exactly once.
 
 `build_eval_dataset` picks `ImageFolderDataset` for a directory of class folders and `ShardEvalDataset` for a
 shard spec. A sample that cannot be used travels through the DataLoader as an `EvalSkip` item and a user error
 raised in a worker as an `EvalFailure`; `eval_collate` sets both aside so evaluation counts them. The folder
-walking helpers here (hidden names ignored, sorted class folders) also serve `mmcl shards` (writer.py).
+walking helpers here (hidden names ignored, sorted class folders) also serve `mmcl shards` (shard_inputs.py).
 """
 
 from __future__ import annotations
