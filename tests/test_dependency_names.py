@@ -108,22 +108,23 @@ def test_open_clip_encode_text_runs_on_a_cut_view_of_the_model():
 
 
 def test_open_clip_safetensors_alternatives_are_its_download_order():
-    """mmcl looks for published weights in the Hugging Face cache in the order open_clip's download tries them
-    (`storage.weights._weight_alternatives`): the order comes from ``open_clip.pretrained._get_safe_alternatives``,
-    which ``download_pretrained_from_hf`` must still follow."""
+    """mmcl checks the Hugging Face cache through open_clip's own downloads and names, in the one error line of a
+    miss, the files that download looks for, in its order (`storage.pretrained._weight_alternatives`): the order
+    comes from ``open_clip.pretrained._get_safe_alternatives``, which ``download_pretrained_from_hf`` must still
+    follow."""
     from open_clip import pretrained
     from open_clip.constants import HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
 
-    from mmcl.storage import weights
+    from mmcl.storage import pretrained as mmcl_pretrained
 
     fn = getattr(pretrained, "_get_safe_alternatives", None)
-    where = "mmcl.storage.weights._weight_alternatives"
+    where = "mmcl.storage.pretrained._weight_alternatives"
     assert callable(fn), _name("open_clip.pretrained._get_safe_alternatives", where)
     assert "_get_safe_alternatives(" in inspect.getsource(pretrained.download_pretrained_from_hf), _name(
         "open_clip's download_pretrained_from_hf (no longer tries _get_safe_alternatives)", where)
-    assert weights._weight_alternatives(None) == (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)
-    assert weights._weight_alternatives("epoch_3.pth") == ("epoch_3.safetensors", "epoch_3.pth")
-    assert weights._weight_alternatives("model.safetensors") == ("model.safetensors",)
+    assert mmcl_pretrained._weight_alternatives(None) == (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)
+    assert mmcl_pretrained._weight_alternatives("epoch_3.pth") == ("epoch_3.safetensors", "epoch_3.pth")
+    assert mmcl_pretrained._weight_alternatives("model.safetensors") == ("model.safetensors",)
 
 
 # ---------------------------------------------------------------------------------------------------------- torch
@@ -167,6 +168,70 @@ def test_torch_assert_async_raises_on_the_cpu():
     _check_on_device(torch.tensor(True), "unused")
     with pytest.raises(LossInputError, match="the message"):
         _check_on_device(torch.tensor(False), "the message")
+
+
+def test_torch_foreach_ops_keep_the_ema_update_one_kernel_per_op():
+    """The weight average updates all its tensors with torch's multi-tensor ops (``torch._foreach_lerp_``, and
+    ``_foreach_sub`` / ``_foreach_mul_`` / ``_foreach_add_`` where the device-side skip flag weighs the step:
+    `training.ema.WeightEMA.update`), as torch's own optimisers do; torch publishes no other multi-tensor update."""
+    where = "mmcl.training.ema.WeightEMA.update"
+    for name in ("_foreach_lerp_", "_foreach_sub", "_foreach_mul_", "_foreach_add_"):
+        assert callable(getattr(torch, name, None)), _name(f"torch.{name}", where)
+    a, b = [torch.zeros(3), torch.zeros(2)], [torch.ones(3), torch.full((2,), 2.0)]
+    torch._foreach_lerp_(a, b, 0.25)
+    assert torch.equal(a[0], torch.full((3,), 0.25)) and torch.equal(a[1], torch.full((2,), 0.5)), _name(
+        "torch._foreach_lerp_", where)
+    delta = torch._foreach_sub(b, a)
+    torch._foreach_mul_(delta, torch.tensor(2.0))
+    torch._foreach_add_(a, delta)
+    assert torch.equal(a[0], torch.full((3,), 1.75)) and torch.equal(a[1], torch.full((2,), 3.5)), _name(
+        "torch._foreach_sub / _foreach_mul_ (tensor) / _foreach_add_", where)
+
+
+def test_torch_fused_kernel_devices_are_listed():
+    """Whether the fused AdamW runs on the training device is known before the first step through
+    ``torch.utils._foreach_utils._get_fused_kernels_supported_devices`` (`training.optim._fused_problem`; torch
+    checks only at the first step, where the run would end). Without it mmcl lets torch check."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        pytest.fail(_name("torch.utils._foreach_utils._get_fused_kernels_supported_devices",
+                          "mmcl.training.optim._fused_problem"))
+    devices = _get_fused_kernels_supported_devices()
+    assert "cuda" in devices and all(isinstance(d, str) for d in devices), _name(
+        f"_get_fused_kernels_supported_devices() ({devices})", "mmcl.training.optim._fused_problem")
+
+
+def test_torch_default_store_is_reachable():
+    """A warning is shown once per distributed run through the process group's key-value store
+    (``torch.distributed.distributed_c10d._get_default_store``, `cli._first_in_run`); where it is missing every
+    process shows its own."""
+    from torch.distributed import distributed_c10d
+
+    assert callable(getattr(distributed_c10d, "_get_default_store", None)), _name(
+        "torch.distributed.distributed_c10d._get_default_store", "mmcl.cli._first_in_run")
+
+
+def test_torch_multi_worker_iterator_shuts_its_workers_down():
+    """An evaluation pass left early stops its data workers through the iterator's own ``_shutdown_workers``
+    (`evaluation.evaluate`), the clean-up torch runs when the iterator ends; without it they stop when collected."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    assert callable(getattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", None)), _name(
+        "torch's _MultiProcessingDataLoaderIter._shutdown_workers", "mmcl.evaluation.evaluate")
+
+
+# --------------------------------------------------------------------------------------------------------- tarfile
+def test_tarfile_reads_each_header_through_proc_member():
+    """The tar reader bounds the extended headers (pax, GNU long names) that ``tarfile`` reads whole into memory by
+    overriding ``TarInfo._proc_member`` (`data.reading._CheckedTarInfo`): ``TarInfo.fromtarfile`` must still hand
+    every header to it (the bound of requires-python in pyproject.toml)."""
+    import tarfile
+
+    where = "mmcl.data.reading._CheckedTarInfo"
+    assert callable(getattr(tarfile.TarInfo, "_proc_member", None)), _name("tarfile.TarInfo._proc_member", where)
+    assert "._proc_member(" in inspect.getsource(tarfile.TarInfo.fromtarfile), _name(
+        "tarfile.TarInfo.fromtarfile (no longer calls _proc_member)", where)
 
 
 # ----------------------------------------------------------------------------------------------------- accelerate

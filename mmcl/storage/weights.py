@@ -1,5 +1,4 @@
-"""Weights apart from building: saving and loading model directories, reading checkpoints, ``init_from`` and
-``model.pretrained`` (published weights by open_clip tag, hub name, local path or open_clip_train run).
+"""Weights apart from building: saving and loading model directories, reading checkpoints, ``init_from``.
 
 A saved model directory is open_clip's local-dir layout (``open_clip_config.json`` + ``open_clip_model.safetensors``),
 so open_clip, CLIP_benchmark and `mmcl.load` all read the same files. With a Hugging Face text tower the directory
@@ -8,13 +7,20 @@ config records the weights' size and SHA-256, checked on every load.
 
 Weights are read from files (.pt/.pth/.bin/.safetensors), open_clip local dirs, mmcl runs (their newest verified
 training checkpoint, through `mmcl.storage.checkpoints`), mmcl exports and transformers CLIP directories (keys mapped by
-`mmcl.storage.hf_clip`). Towers are built by `mmcl.models`; directories are written through `mmcl.storage.fsutil.atomic_dir`.
+`mmcl.storage.hf_clip`). Which model a path names is `mmcl.storage.locate`'s to say; ``model.pretrained`` (published
+weights by open_clip tag or hub name) is `mmcl.storage.pretrained`, whose names stay reachable from this module too.
+Towers are built by `mmcl.models`; directories are written through `mmcl.storage.fsutil.atomic_dir`.
+
+open_clip's ``load_checkpoint`` and ``create_model("local-dir:...")`` load the same layout; mmcl reads it itself for
+what they do not do: the size and SHA-256 check, a Hugging Face text tower rebuilt from the directory's own
+``config.json`` (no download, no remote code), training checkpoints and runs as sources, and every damaged or
+misfitting file as one `CheckpointError` line naming the file. open_clip's own layout fixes (custom-text keys,
+resized position grids) are called, not copied (`_adapt_to_model`).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import shutil
@@ -29,12 +35,14 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir
 from .layout import RunLayout
+from .locate import (CONFIG_FILE, damaged, find_model_dir, locate, located, open_clip_train_arch, read_json_file,
+                     read_model_meta)
 from ..models import towers
 from ..models.towers import (build_tokenizer, build_transforms, create, hf_custom_code_error, is_local_dir,
                              preprocess_config)
 
-# The model directory's files (open_clip's local-dir layout), read by open_clip, CLIP_benchmark and `mmcl.load`.
-CONFIG_FILE = "open_clip_config.json"
+# The model directory's files (open_clip's local-dir layout), read by open_clip, CLIP_benchmark and `mmcl.load`;
+# its config file (`CONFIG_FILE`) is named in `mmcl.storage.locate`, which finds model directories by it.
 WEIGHTS_FILE = "open_clip_model.safetensors"
 HF_CONFIG_FILE = "config.json"  # a Hugging Face tower's own config, kept beside the weights
 # A Hugging Face tokenizer saved beside the weights (named where the towers read it).
@@ -164,43 +172,6 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     return out_dir
 
 
-def _locate(path: Path) -> Optional[Path]:
-    """The one resolver of a model path, for every command's ``--model``, ``model.init_from``, ``model.pretrained``,
-    ``distill.teacher`` and ``mmcl interpolate --from/--to``. In this order: the ``epoch_N.pt`` file of an
-    open_clip_train run, checkpoint or ``checkpoints/`` folder; a training checkpoint folder (``checkpoints/step-N``,
-    checked when it is read: `checkpoints.model_of_checkpoint`); the folder holding ``open_clip_config.json`` (`path`,
-    its ``model/`` or its ``open_clip/``: a model directory, an export, a run folder); a run folder's newest
-    checkpoint whose weights are intact. None when `path` is none of these."""
-    train_ckpt = open_clip_train_checkpoint(path)
-    if train_ckpt is not None:
-        return train_ckpt[0]
-    if checkpoints.is_checkpoint(path):
-        return path
-    for candidate in (path, RunLayout(path).model, path / "open_clip"):
-        if (candidate / CONFIG_FILE).is_file():
-            return candidate
-    return checkpoints.newest_run_weights(path) if path.is_dir() else None
-
-
-def _located(path) -> Path:
-    """`_locate(path)`; a path that does not exist or holds no model is one `CheckpointError` line."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"model path not found: {path}")
-    found = _locate(path)
-    if found is None:
-        raise CheckpointError(f"no model in {path} (expected {CONFIG_FILE} there or in {RunLayout(path).model}, or a "
-                              f"complete training checkpoint; train or export one first)")
-    return found
-
-
-def find_model_dir(path) -> Path:
-    """The folder holding the model that `path` names (`_locate`): a model directory or export, a training
-    checkpoint, or open_clip_train's ``checkpoints/`` folder."""
-    found = _located(path)
-    return found.parent if found.is_file() else found
-
-
 def weights_record(weights: Path) -> Dict[str, Any]:
     """Size and SHA-256 of a weights file, kept in the config file beside it so that damage is found at load."""
     return {"file": weights.name, "size": weights.stat().st_size, "sha256": file_sha256(weights)}
@@ -214,43 +185,6 @@ def recorded_weights(meta: Any) -> Optional[Dict[str, Any]]:
     return record if isinstance(record, dict) else None
 
 
-def _damaged(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"{path} is damaged ({what}); save, export or copy the model again")
-
-
-def read_json_file(path: Path, error: Callable[[str], Exception] = CheckpointError) -> Any:
-    """A JSON file's content; a truncated, non-UTF-8 or unreadable file raises `error` naming it and the cause."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise error(f"{path} is damaged (not valid JSON: {err.msg} at line {err.lineno} column {err.colno})"
-                    ) from None
-    except UnicodeDecodeError:
-        raise error(f"{path} is damaged (not UTF-8 text)") from None
-    except OSError as err:
-        raise error(f"cannot read {path} ({os_error_text(err)})") from None
-
-
-def _read_model_meta(config: Path) -> Dict[str, Any]:
-    """The parsed ``open_clip_config.json`` of a model directory (or ``model_config.json`` of a training
-    checkpoint), checked for the fields loading needs."""
-    meta = read_json_file(config)
-    if not isinstance(meta, dict):
-        raise _damaged(config, f"expected a JSON object, got {type(meta).__name__}")
-    model_cfg = meta.get("model_cfg", meta)
-    problems = [] if isinstance(model_cfg, dict) else [f"model_cfg is a {type(model_cfg).__name__}"]
-    if not problems:
-        problems += [f"no {key}" for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in model_cfg]
-        problems += [f"{key} is not an object" for key in ("vision_cfg", "text_cfg")
-                     if key in model_cfg and not isinstance(model_cfg[key], dict)]
-    pp = meta.get("preprocess_cfg")
-    if pp is not None and not isinstance(pp, dict):
-        problems.append(f"preprocess_cfg is a {type(pp).__name__}")
-    if problems:
-        raise _damaged(config, f"expected an open_clip model config: {', '.join(problems)}")
-    return meta
-
-
 def _check_weights_record(weights: Path, meta: Dict[str, Any]) -> None:
     """Compare the weights file with the size and SHA-256 recorded when it was written (models saved without a
     record are loaded unchecked)."""
@@ -260,9 +194,9 @@ def _check_weights_record(weights: Path, meta: Dict[str, Any]) -> None:
     size = weights.stat().st_size
     if record.get("size") is not None and size != record["size"]:
         cut = "truncated" if size < record["size"] else "longer than written"
-        raise _damaged(weights, f"{size} bytes, {record['size']} were written: {cut}")
+        raise damaged(weights, f"{size} bytes, {record['size']} were written: {cut}")
     if record.get("sha256") and weights_record(weights)["sha256"] != record["sha256"]:
-        raise _damaged(weights, "its SHA-256 differs from the one recorded when it was written")
+        raise damaged(weights, "its SHA-256 differs from the one recorded when it was written")
 
 
 def _fit_state(model: nn.Module, state: Dict[str, torch.Tensor], weights: Path, config: Path) -> None:
@@ -293,13 +227,13 @@ def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     A missing, truncated or altered file (config, weights; checked against the size and SHA-256 recorded when
     mmcl wrote them) and weights that do not fit the config are `CheckpointError` naming the file and the cause.
     """
-    found = _located(path)
+    found = located(path)
     if found.is_file():
         return _load_open_clip_train(found, found.parent.parent / "params.txt")
     if checkpoints.is_checkpoint(found):
         return _load_checkpoint(found)
     model_dir, config = found, found / CONFIG_FILE
-    meta = _read_model_meta(config)
+    meta = read_model_meta(config)
     model_cfg = copy.deepcopy(meta.get("model_cfg", meta))
     text_cfg = model_cfg.get("text_cfg", {})
     if text_cfg.get("hf_model_name"):
@@ -339,7 +273,7 @@ def _load_checkpoint(ckpt: Path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, A
     state, meta = checkpoints.model_of_checkpoint(ckpt)
     config = ckpt / checkpoints.MODEL_CONFIG
     if meta is not None:
-        meta = _read_model_meta(config)
+        meta = read_model_meta(config)
         model_cfg, pp = copy.deepcopy(meta.get("model_cfg", meta)), meta.get("preprocess_cfg")
     else:
         model_cfg, pp, config = _run_architecture(ckpt)
@@ -373,7 +307,7 @@ def _load_open_clip_train(ckpt: Path, params: Path) -> Tuple[nn.Module, Dict[str
     preprocessing of the tag it started from (``--pretrained``), the weights of ``state_dict`` loaded strictly."""
     from ..models.towers import resolve_model_config
 
-    arch, tag_pp = _open_clip_train_arch(params)
+    arch, tag_pp = open_clip_train_arch(params)
     try:
         model_cfg = resolve_model_config(ModelConfig(name=arch))
         model = create(model_cfg)
@@ -408,7 +342,7 @@ def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as err:  # safetensors raises its own error types for bad headers
-            raise _damaged(path, f"not a readable safetensors file: {str(err).splitlines()[0]}") from None
+            raise damaged(path, f"not a readable safetensors file: {str(err).splitlines()[0]}") from None
     try:
         obj = checkpoints.load_plain(path)  # a pickled object is refused by name (CheckpointError)
     except CheckpointError:
@@ -430,7 +364,7 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
     """Weights from any supported source, in open_clip key layout; returns (state_dict, description).
 
     Sources: a file (.pt/.pth/.bin torch checkpoint, open_clip_train's ``{'state_dict': ...}`` included, or
-    .safetensors); whatever `_locate` resolves (an open_clip local-dir, an mmcl export, an mmcl run: its ``model/``,
+    .safetensors); whatever `locate` resolves (an open_clip local-dir, an mmcl export, an mmcl run: its ``model/``,
     else its newest intact training checkpoint; a training checkpoint, as `checkpoints.model_of_checkpoint` reads
     it); a transformers CLIP directory (``config.json`` with model_type clip).
     """
@@ -439,7 +373,7 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
         raise CheckpointError(f"init_from path not found: {path}")
     if path.is_file():
         state, what = _read_weight_file(path), f"{path.suffix.lstrip('.')} file"
-    elif (found := _locate(path)) is not None and found.is_file():  # open_clip_train's epoch_N.pt
+    elif (found := locate(path)) is not None and found.is_file():  # open_clip_train's epoch_N.pt
         state, what = _read_weight_file(found), f"open_clip_train checkpoint {found.name}"
     elif found is not None and checkpoints.is_checkpoint(found):
         state, what = checkpoints.model_of_checkpoint(found)[0], f"mmcl training checkpoint {found.name}"
@@ -550,264 +484,15 @@ def init_from(model: nn.Module, path, label: Optional[str] = None) -> str:
     return "; ".join(parts)
 
 
-# ----------------------------------------------------------------------------------------------- pretrained
-# `model.pretrained` is the name-based front door: it resolves to files on this machine (downloading them through
-# open_clip and huggingface_hub into the usual caches when allowed), which then go through the same loader as
-# `model.init_from`. A source that carries its architecture (hf-hub:, a model directory, an open_clip_train run)
-# builds that architecture; an open_clip tag and a bare weights file build model.name's.
-HUB_PREFIX = "hf-hub:"
-_TAG_PREPROCESS = ("mean", "std", "interpolation", "resize_mode")  # what an open_clip tag says about its images
-_WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
+# ``model.pretrained`` lives in `mmcl.storage.pretrained`, which loads through `init_from` above; its names are
+# reachable here as well (``weights.build_pretrained``), looked up when first used.
+_PRETRAINED_NAMES = ("HUB_PREFIX", "Pretrained", "build_pretrained", "pretrained_architecture", "pretrained_problem",
+                     "record_pretrained_architecture", "resolve_pretrained")
 
 
-@dataclasses.dataclass
-class Pretrained:
-    """`model.pretrained` resolved: the weights to load, the architecture and preprocessing they come with."""
+def __getattr__(name: str):
+    if name in _PRETRAINED_NAMES:
+        from . import pretrained
 
-    weights: Path  # a file or directory that `read_checkpoint` reads
-    arch: Optional[str]  # the model name to build (``local-dir:DIR`` for a directory's config); None: model.name
-    preprocess: Dict[str, Any]  # preprocessing the weights were trained with, over the architecture's defaults
-    what: str  # where the architecture and weights came from, for the run's log
-    quick_gelu: Optional[bool] = None  # an open_clip tag's activation (its weights were trained with QuickGELU)
-
-
-def _hf_cache_dir() -> str:
-    from huggingface_hub import constants
-
-    return str(constants.HF_HUB_CACHE)
-
-
-def _hf_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def _hub_cached(repo: str, filenames: Tuple[str, ...]) -> Optional[str]:
-    """The cached path of the first of `filenames` in `repo` that is in the Hugging Face cache, else None."""
-    from huggingface_hub import try_to_load_from_cache
-
-    for name in filenames:
-        found = try_to_load_from_cache(repo, name)
-        if isinstance(found, str):
-            return found
-    return None
-
-
-def _weight_alternatives(filename: Optional[str]) -> Tuple[str, ...]:
-    """The files open_clip's ``download_pretrained_from_hf`` tries for `filename`, in its order (safetensors first)."""
-    from open_clip.constants import HF_WEIGHTS_NAME
-    from open_clip.pretrained import _get_safe_alternatives  # the order open_clip's download follows
-
-    filename = filename or HF_WEIGHTS_NAME
-    return tuple(_get_safe_alternatives(filename)) + (filename,)
-
-
-def _tag_repo(arch: str, tag: str) -> Tuple[str, Optional[str]]:
-    """(hub repo, weights file or None for open_clip's default) of an open_clip tag; ('', None) for a tag
-    published by URL only (open_clip downloads those into ~/.cache/clip)."""
-    from open_clip.pretrained import get_pretrained_cfg
-
-    repo, filename = os.path.split(get_pretrained_cfg(arch, tag).get("hf_hub") or "")
-    return repo, filename or None
-
-
-def _not_cached(what: str, repo: str, files: Tuple[str, ...]) -> str:
-    return (f"{what}: {' or '.join(files)} of {repo} is not in the Hugging Face cache {_hf_cache_dir()} and "
-            f"HF_HUB_OFFLINE=1 forbids downloading it (run once with network access, or point HF_HUB_CACHE at a "
-            f"cache that holds it)")
-
-
-def _looks_like_path(name: str) -> bool:
-    return (name.startswith(("/", "./", "../", "~", "local-dir:")) or os.sep in name or "/" in name
-            or name.endswith(_WEIGHT_SUFFIXES))
-
-
-def _newest_open_clip_train(ckpt_dir: Path) -> Optional[Path]:
-    """The newest ``epoch_N.pt`` (else ``epoch_latest.pt``) of an open_clip_train ``checkpoints/`` folder."""
-    numbered = []
-    for f in ckpt_dir.glob("epoch_*.pt"):
-        stem = f.stem[len("epoch_"):]
-        if stem.isdigit():
-            numbered.append((int(stem), f))
-    if numbered:
-        return max(numbered)[1]
-    latest = ckpt_dir / "epoch_latest.pt"
-    return latest if latest.is_file() else None
-
-
-_OPEN_CLIP_CHECKPOINTS = "checkpoints"  # in open_clip_train's run folder (logs/NAME), not mmcl's
-
-
-def open_clip_train_checkpoint(path) -> Optional[Tuple[Path, Path]]:
-    """(checkpoint file, params.txt) when `path` is an open_clip_train checkpoint (``logs/NAME/checkpoints/epoch_N.pt``),
-    its ``checkpoints/`` folder or its run folder ``logs/NAME`` (the newest checkpoint); else None."""
-    path = Path(path).expanduser()
-    if path.is_dir() and (path / "params.txt").is_file() and (path / _OPEN_CLIP_CHECKPOINTS).is_dir():
-        path = path / _OPEN_CLIP_CHECKPOINTS
-    if path.is_dir() and (path.parent / "params.txt").is_file():
-        path = _newest_open_clip_train(path) or path
-    if path.is_file() and path.suffix == ".pt" and (path.parent.parent / "params.txt").is_file():
-        return path, path.parent.parent / "params.txt"
-    return None
-
-
-def read_params_txt(params: Path) -> Dict[str, str]:
-    """open_clip_train's ``params.txt`` (one ``name: value`` line per argument) as a dict of strings."""
-    try:
-        lines = params.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as err:
-        raise CheckpointError(f"cannot read {params} ({os_error_text(err)})") from None
-    return dict((k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines) if k.strip())
-
-
-def _open_clip_train_arch(params: Path) -> Tuple[str, Dict[str, Any]]:
-    """The architecture (``--model``) of an open_clip_train run and the preprocessing of the tag it started from."""
-    from open_clip.pretrained import get_pretrained_cfg
-
-    args = read_params_txt(params)
-    arch = args.get("model", "")
-    if not arch or arch == "None":
-        raise CheckpointError(f"{params} names no model (expected a 'model: NAME' line, as open_clip_train writes)")
-    tag_cfg = get_pretrained_cfg(arch, args.get("pretrained", "")) if args.get("pretrained") else {}
-    return arch, {k: tag_cfg[k] for k in _TAG_PREPROCESS if k in tag_cfg}
-
-
-def pretrained_problem(name: str, arch: str) -> Optional[str]:
-    """Why `model.pretrained=name` (for architecture `arch`) cannot be resolved on this machine, without
-    downloading anything; None when it can (or may be downloaded)."""
-    from open_clip.pretrained import is_pretrained_cfg, list_pretrained_models_by_tag, list_pretrained_tags_by_model
-
-    if name.startswith(HUB_PREFIX):
-        repo = name[len(HUB_PREFIX):]
-        if repo.count("/") != 1 or not all(repo.split("/")):
-            return f"{name} is not a hub name (expected hf-hub:ORG/NAME, e.g. hf-hub:timm/ViT-B-16-SigLIP)"
-        if _hf_offline() and _hub_cached(repo, (CONFIG_FILE,)) is None:
-            return _not_cached(name, repo, (CONFIG_FILE,))
-        if _hf_offline() and _hub_cached(repo, _weight_alternatives(None)) is None:
-            return _not_cached(name, repo, _weight_alternatives(None))
-        return None
-    local = Path(name[len("local-dir:"):] if name.startswith("local-dir:") else name).expanduser()
-    if local.exists():
-        return None
-    if _looks_like_path(name):
-        return f"{os.path.abspath(local)} does not exist (expected an open_clip tag, hf-hub:ORG/NAME, or a file or " \
-               f"directory of weights)"
-    arch = arch.replace("/", "-")  # as open_clip names architectures
-    if not is_pretrained_cfg(arch, name):
-        tags = list_pretrained_tags_by_model(arch)
-        if tags:
-            return f"'{name}' is not a published tag of {arch}; open_clip knows: {', '.join(tags)}"
-        others = list_pretrained_models_by_tag(name)
-        hint = f" ('{name}' is published for {_preview(others, 6)})" if others else ""
-        return (f"open_clip publishes no weights for model.name={arch}{hint}; set model.name to one that has "
-                f"them, or give hf-hub:ORG/NAME, a file or a directory")
-    repo, filename = _tag_repo(arch, name)
-    if repo and _hf_offline() and _hub_cached(repo, _weight_alternatives(filename)) is None:
-        return _not_cached(f"{arch} '{name}'", repo, _weight_alternatives(filename))
-    return None
-
-
-def _download(what: str, repo: str, fetch: Callable[[], str]) -> Path:
-    """`fetch()` (open_clip's download into the Hugging Face cache); a failure is one line naming what and where."""
-    try:
-        return Path(fetch())
-    except Exception as err:  # noqa: BLE001 - huggingface_hub and open_clip raise many types
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CheckpointError(f"model.pretrained: cannot get {what} of {repo} into the Hugging Face cache "
-                              f"{_hf_cache_dir()} ({detail[:300]})") from None
-
-
-def resolve_pretrained(name: str, arch: str) -> Pretrained:
-    """Resolve `model.pretrained` to local files, downloading them through open_clip's own functions (into the
-    Hugging Face cache; with HF_HUB_OFFLINE=1 only the cache is read). Raises `CheckpointError` in one line."""
-    from open_clip.pretrained import download_pretrained, download_pretrained_from_hf, get_pretrained_cfg
-
-    problem = pretrained_problem(name, arch)
-    if problem:
-        raise CheckpointError(f"model.pretrained: {problem}")
-    if name.startswith(HUB_PREFIX):
-        repo = name[len(HUB_PREFIX):]
-        config = _download(CONFIG_FILE, repo, lambda: download_pretrained_from_hf(repo, filename=CONFIG_FILE))
-        file = _download("the weights", repo, lambda: download_pretrained_from_hf(repo))
-        meta = read_json_file(config)
-        pp = meta.get("preprocess_cfg") if isinstance(meta, dict) else None
-        return Pretrained(file, f"local-dir:{config.parent}", dict(pp or {}),
-                          f"{name}: architecture and preprocessing from its {CONFIG_FILE}, weights {file}")
-    local = Path(name[len("local-dir:"):] if name.startswith("local-dir:") else name).expanduser()
-    if local.exists():
-        found = _locate(local)
-        brought = pretrained_architecture(name)
-        if found is not None and found.is_file():
-            _, pp = _open_clip_train_arch(found.parent.parent / "params.txt")
-            return Pretrained(found, brought, pp, f"{local}: open_clip_train checkpoint {found.name}, architecture "
-                                                  f"{brought} from {found.parent.parent / 'params.txt'}")
-        if brought is not None:
-            config = found / checkpoints.MODEL_CONFIG if checkpoints.is_checkpoint(found) else found / CONFIG_FILE
-            return Pretrained(found, brought, dict(_read_model_meta(config).get("preprocess_cfg") or {}),
-                              f"{local}: architecture and preprocessing from its {config.name}")
-        return Pretrained(local, None, {}, f"{local}: weights for model.name={arch}")
-    arch = arch.replace("/", "-")
-    tag_cfg = get_pretrained_cfg(arch, name)
-    repo = _tag_repo(arch, name)[0] or tag_cfg.get("url", "")
-    file = _download(f"the weights of {arch} '{name}'", repo, lambda: download_pretrained(tag_cfg))
-    return Pretrained(file, None, {k: tag_cfg[k] for k in _TAG_PREPROCESS if k in tag_cfg},
-                      f"open_clip tag {arch} '{name}' ({repo}: {file}), preprocessing of the tag",
-                      quick_gelu=bool(tag_cfg.get("quick_gelu")))
-
-
-def pretrained_architecture(name: str) -> Optional[str]:
-    """The architecture `model.pretrained=name` brings, spelled as a ``model.name``, without downloading anything:
-    ``hf-hub:ORG/NAME`` itself, ``local-dir:DIR`` for a model directory, export or run folder (`_locate`), the
-    ``model_config.json`` of a training checkpoint that records one, an open_clip_train run's ``--model``. None for
-    an open_clip tag, a weights file or anything else: those are loaded into model.name's architecture."""
-    if name.startswith(HUB_PREFIX):
-        return name
-    local = Path(name[len("local-dir:"):] if name.startswith("local-dir:") else name).expanduser()
-    found = _locate(local) if local.exists() else None
-    if found is None:
-        return None
-    if found.is_file():
-        return _open_clip_train_arch(found.parent.parent / "params.txt")[0]
-    if checkpoints.is_checkpoint(found):
-        config = found / checkpoints.MODEL_CONFIG
-        return str(config.resolve()) if config.is_file() else None
-    return f"local-dir:{found.resolve()}"
-
-
-def record_pretrained_architecture(cfg):
-    """The training config `cfg` with ``model.name`` set to the architecture ``model.pretrained`` brings
-    (`pretrained_architecture`), where it brings one: that architecture is the one built, so it is the one the run
-    folder's config.yaml records, and a resumed run spelled as the first one is the same run."""
-    brought = pretrained_architecture(cfg.model.pretrained) if cfg.model.pretrained else None
-    if brought is None or brought == cfg.model.name:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=brought))
-
-
-def build_pretrained(cfg: ModelConfig):
-    """The model `cfg.pretrained` names, with its weights loaded: ``(model, model_cfg, preprocess_cfg, tokenizer,
-    report)``. The architecture is the source's own (hf-hub:, a model directory, an open_clip_train run) or
-    model.name's (a tag, a bare weights file); model.* overrides apply on top, as without pretrained."""
-    from open_clip.transformer import QuickGELU
-
-    from .. import models
-
-    source = resolve_pretrained(cfg.pretrained, cfg.name)
-    section = cfg
-    if source.arch:
-        section = dataclasses.replace(cfg, name=source.arch)
-        if models.resolve_model_config(section)["text_cfg"].get("hf_model_name"):
-            # The source holds the Hugging Face text tower's weights too: build it from its config alone, as
-            # open_clip does for pretrained weights, rather than downloading weights that are then replaced.
-            section = dataclasses.replace(section, text_cfg={**section.text_cfg, "hf_model_pretrained": False})
-    model, model_cfg, pp, _, _, tokenizer = models.build(section)
-    # The image size stays the model's (model.image_size may change it); the rest is what the weights saw.
-    pp = {**pp, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in source.preprocess.items() if k != "size"}}
-    report = f"{init_from(model, source.weights, label=f'model.pretrained={cfg.pretrained}')}; {source.what}"
-    has_quick = any(isinstance(m, QuickGELU) for m in model.modules())
-    if source.quick_gelu is not None and source.quick_gelu != has_quick:
-        want = f"{cfg.name}-quickgelu" if source.quick_gelu else cfg.name.replace("-quickgelu", "")
-        report += (f"; WARNING: these weights were trained {'with' if source.quick_gelu else 'without'} QuickGELU "
-                   f"and the model {'lacks' if source.quick_gelu else 'has'} it (use model.name={want})")
-    return model, model_cfg, pp, tokenizer, report
+        return getattr(pretrained, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

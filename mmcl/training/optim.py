@@ -14,6 +14,19 @@ bias belong to neither tower (scale 1).
 Parameters with the same scale and weight decay share one group, so the defaults give the two groups of the plain
 weight-decay split (decayed matrices, then gains, biases and the logit scale/bias without decay). The scheduler
 sets ``lr = scheduled_lr * group["lr_scale"]`` on every group (`set_lr`).
+
+The schedule is a function, not a scheduler object: before each optimiser step the loop sets
+``lr_at(step, cfg, total_steps)`` on every group, with the step the run's progress counts (saved in every
+checkpoint). A ``torch.optim.lr_scheduler.LambdaLR`` handed to accelerate (``prepare`` wraps it in its
+``AcceleratedScheduler``, whose state each checkpoint then saves) would give the same rates on a fixed number of
+processes, and neither reads a device value (both set Python floats). It is not used because of resuming: accelerate
+steps a prepared scheduler once per process at each optimiser step (``split_batches=False``, mmcl's setting), so its
+saved ``last_epoch`` counts optimiser steps times the process count of the run that saved it, and a run resumed on
+another number of processes would continue from a position that no longer matches its own step (nor its total
+steps, which depend on the processes) unless mmcl converted that state. `lr_at` has no state: the rate after a
+resume, on any number of processes, is the rate for the resumed step by construction, and a checkpoint holds one
+file fewer to load. The per-group scale stays one multiplication in `set_lr` (a LambdaLR would keep it as each
+group's ``initial_lr``).
 """
 
 from __future__ import annotations
