@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from helpers import TINY_TOWERS
 from mmcl.cli import main
 from mmcl.config import ModelConfig, load_config
-from mmcl.storage import checkpoints, weights
+from mmcl.storage import checkpoints, pretrained, weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_init_from_and_pretrained_start_from_exactly_the_checkpoint(run, small_d
     assert "mmcl training checkpoint step-00000002" in weights.init_from(model, ckpt)
     assert _same(_state(model), expected)
     # model.pretrained: the checkpoint brings its architecture (not model.name's ViT-B-32) and its weights.
-    built, model_cfg, *_ = weights.build_pretrained(ModelConfig(name="ViT-B-32", pretrained=str(ckpt)))
+    built, model_cfg, *_ = pretrained.build_pretrained(ModelConfig(name="ViT-B-32", pretrained=str(ckpt)))
     assert _same(_state(built), expected) and model_cfg["embed_dim"] == 16
 
 

@@ -15,7 +15,7 @@ from mmcl import models
 from mmcl.cli import main
 from mmcl.config import ModelConfig, load_config
 from mmcl.errors import CheckpointError, ConfigError
-from mmcl.storage import weights
+from mmcl.storage import pretrained, weights
 
 ROOT = Path(__file__).resolve().parents[1]
 # ViT-B-32's layout at a test's size: the tag's weights in the cache are of this model.
@@ -53,11 +53,11 @@ def test_hf_hub_name_gives_exactly_the_saved_weights_architecture_and_preprocess
                           preprocess={"mean": [0.5, 0.25, 0.125], "interpolation": "bilinear"})
     snapshot = hf_cache(HUB_REPO, {"open_clip_config.json": saved / "open_clip_config.json",
                                    "open_clip_model.safetensors": saved / "open_clip_model.safetensors"})
-    source = weights.resolve_pretrained(f"hf-hub:{HUB_REPO}", "tiny")
+    source = pretrained.resolve_pretrained(f"hf-hub:{HUB_REPO}", "tiny")
     assert source.weights == snapshot / "open_clip_model.safetensors"  # read from the cache, as downloaded
     # model.name is the default; the hub's config brings the architecture (embed_dim 24, not tiny's) and its
     # preprocessing.
-    model, model_cfg, pp, tokenizer, report = weights.build_pretrained(ModelConfig(pretrained=f"hf-hub:{HUB_REPO}"))
+    model, model_cfg, pp, tokenizer, report = pretrained.build_pretrained(ModelConfig(pretrained=f"hf-hub:{HUB_REPO}"))
     assert model_cfg["embed_dim"] == 24
     _assert_same(model, state)
     assert pp["mean"] == [0.5, 0.25, 0.125] and pp["interpolation"] == "bilinear"
@@ -67,7 +67,7 @@ def test_hf_hub_name_gives_exactly_the_saved_weights_architecture_and_preprocess
 
 def test_hf_hub_name_not_cached_is_one_line_naming_repo_and_cache(hf_cache):
     with pytest.raises(CheckpointError) as err:
-        weights.build_pretrained(ModelConfig(pretrained="hf-hub:mmcl-test/absent"))
+        pretrained.build_pretrained(ModelConfig(pretrained="hf-hub:mmcl-test/absent"))
     text = str(err.value)
     assert "\n" not in text and "open_clip_config.json of mmcl-test/absent" in text
     assert str(hf_cache.cache) in text and "HF_HUB_OFFLINE=1" in text
@@ -78,7 +78,7 @@ def test_open_clip_tag_reads_the_cached_download(tmp_path, hf_cache):
     # open_clip's download for this tag prefers the safetensors file of the tag's hub repo.
     hf_cache(TAG_REPO, {"open_clip_model.safetensors": saved / "open_clip_model.safetensors"})
     cfg = ModelConfig(**SMALL_B32, pretrained="laion2b_s34b_b79k")
-    model, model_cfg, pp, _, report = weights.build_pretrained(cfg)
+    model, model_cfg, pp, _, report = pretrained.build_pretrained(cfg)
     _assert_same(model, state)
     assert model_cfg["vision_cfg"]["width"] == 64  # model.name's architecture with its overrides
     assert "ViT-B-32 'laion2b_s34b_b79k'" in report and "WARNING" not in report
@@ -88,7 +88,7 @@ def test_openai_tag_warns_of_quickgelu(tmp_path, hf_cache):
     saved, _ = _saved(tmp_path, ModelConfig(**SMALL_B32))
     hf_cache("timm/vit_base_patch32_clip_224.openai", {"open_clip_model.safetensors":
                                                        saved / "open_clip_model.safetensors"})
-    *_, report = weights.build_pretrained(ModelConfig(**SMALL_B32, pretrained="openai"))
+    *_, report = pretrained.build_pretrained(ModelConfig(**SMALL_B32, pretrained="openai"))
     assert "WARNING: these weights were trained with QuickGELU" in report and "ViT-B-32-quickgelu" in report
 
 
@@ -110,7 +110,7 @@ def test_unknown_tag_lists_the_tags_open_clip_knows(tmp_path, hf_cache, capsys):
     assert "'laion2b_nope' is not a published tag of ViT-B-32; open_clip knows: openai, laion400m_e31" in err
     assert "laion2b_s34b_b79k" in err and "metaclip_fullcc" in err
     # An architecture without published weights says so, and names where the tag is published.
-    problem = weights.pretrained_problem("openai", "tiny")
+    problem = pretrained.pretrained_problem("openai", "tiny")
     assert "no weights for model.name=tiny" in problem and "ViT-B-32" in problem
 
 
@@ -140,7 +140,7 @@ def test_open_clip_train_checkpoint_is_a_model(tmp_path, hf_cache):
     run = _open_clip_train_run(tmp_path, "tiny", state)
     ckpt = run / "checkpoints" / "epoch_2.pt"
     # model.pretrained: the architecture from params.txt (not model.name's ViT-B-32), the weights exact.
-    model, model_cfg, pp, _, report = weights.build_pretrained(ModelConfig(name="ViT-B-32", pretrained=str(ckpt)))
+    model, model_cfg, pp, _, report = pretrained.build_pretrained(ModelConfig(name="ViT-B-32", pretrained=str(ckpt)))
     _assert_same(model, state)
     assert model_cfg["embed_dim"] == 128 and "architecture tiny from" in report
     assert "open_clip_train checkpoint epoch_2.pt" in report
@@ -158,7 +158,7 @@ def test_open_clip_train_checkpoint_is_a_model(tmp_path, hf_cache):
 
 def test_mmcl_model_directory_brings_its_architecture(tmp_path, hf_cache):
     saved, state = _saved(tmp_path, ModelConfig(name="tiny", embed_dim=24))
-    model, model_cfg, *_ = weights.build_pretrained(ModelConfig(pretrained=str(saved)))
+    model, model_cfg, *_ = pretrained.build_pretrained(ModelConfig(pretrained=str(saved)))
     assert model_cfg["embed_dim"] == 24
     _assert_same(model, state)
 

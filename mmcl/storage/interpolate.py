@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ConfigError
-from . import weights
+from . import pretrained, weights
 from .fsutil import inside
 from .layout import RunLayout
 from .manifest import OutputManifest
@@ -112,7 +112,7 @@ def start_weights(run_dir) -> Tuple[torch.nn.Module, Dict[str, Any], str]:
                           f"model.pretrained nor model.init_from is set in its config.yaml)")
     torch.manual_seed(cfg.train.seed)
     if cfg.model.pretrained:
-        model, model_cfg, *_ = weights.build_pretrained(cfg.model)
+        model, model_cfg, *_ = pretrained.build_pretrained(cfg.model)
     else:
         model, model_cfg, *_ = models.build(cfg.model)
         weights.init_from(model, cfg.model.init_from)

@@ -483,16 +483,3 @@ def init_from(model: nn.Module, path, label: Optional[str] = None) -> str:
         parts.append(note)
     return "; ".join(parts)
 
-
-# ``model.pretrained`` lives in `mmcl.storage.pretrained`, which loads through `init_from` above; its names are
-# reachable here as well (``weights.build_pretrained``), looked up when first used.
-_PRETRAINED_NAMES = ("HUB_PREFIX", "Pretrained", "build_pretrained", "pretrained_architecture", "pretrained_problem",
-                     "record_pretrained_architecture", "resolve_pretrained")
-
-
-def __getattr__(name: str):
-    if name in _PRETRAINED_NAMES:
-        from . import pretrained
-
-        return getattr(pretrained, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

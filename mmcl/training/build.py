@@ -19,8 +19,9 @@ from ..config import TrainConfig, is_main_process, world
 from ..data.sizes import describe_sources
 from ..data.skips import SkipLog
 from ..errors import ConfigError
-from ..models import phases as model_phases
-from ..storage import checkpoints, weights
+from ..models import lora
+from ..models import resize as model_phases
+from ..storage import checkpoints, pretrained, weights
 from ..storage.layout import RunLayout
 from . import fsdp, optim, phases
 from .agree import agreed
@@ -49,10 +50,13 @@ class Trainee:
     phases: List[phases.Phase] = dataclasses.field(default_factory=list)
     param_groups: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
     wise_init: Optional[Dict[str, torch.Tensor]] = None  # train.wise_ft: the initial weights (main process)
+    lora: Optional[Dict[str, Any]] = None  # model.lora's settings when adapters train (`mmcl.models.lora.settings`)
 
     def meta(self) -> Dict[str, Any]:
-        """The architecture and preprocessing each checkpoint records beside its weights (a checkpoint is a model)."""
-        return {"model_cfg": self.model_cfg, "preprocess_cfg": self.pp_cfg}
+        """The architecture and preprocessing each checkpoint records beside its weights (a checkpoint is a model),
+        and the LoRA settings its adapters were made with, by which a loader merges them."""
+        meta = {"model_cfg": self.model_cfg, "preprocess_cfg": self.pp_cfg}
+        return {**meta, "lora": self.lora} if self.lora else meta
 
 
 def log_line(accelerator, msg: str) -> None:
@@ -116,7 +120,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     (model, model_cfg, pp_cfg, tokenizer, patch_dropout, phases, wise_init)."""
     log = lambda msg: log_line(accelerator, msg)  # noqa: E731
     if cfg.model.pretrained:  # by name: architecture (where the source has one), preprocessing and weights
-        model, model_cfg, pp_cfg, tokenizer, report = agreed(accelerator, lambda: weights.build_pretrained(cfg.model))
+        model, model_cfg, pp_cfg, tokenizer, report = agreed(accelerator, lambda: pretrained.build_pretrained(cfg.model))
         log(report)
     else:
         model, model_cfg, pp_cfg, _, _, tokenizer = models.build(cfg.model)
@@ -126,7 +130,12 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     wise_init = None
     if cfg.train.wise_ft and accelerator.is_main_process:  # WiSE-FT's start point, on the CPU until the end
         wise_init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if cfg.model.lora.r:  # after WiSE-FT's start point, which is the plain model's
+        log(lora.apply_lora(model, cfg.model.lora))
     if fsdp.in_effect(accelerator):  # fully_shard takes no 0-dim parameter: before the optimiser sees them
+        if cfg.model.lora.r:
+            raise ConfigError("model.lora is not supported with FSDP (peft's attention layer swaps its weights in "
+                              "each forward); set model.lora.r=0 or launch without FSDP")
         if cfg.train.ema_decay is not None:
             raise ConfigError("train.ema_decay is not supported with FSDP (the average would need the full "
                               "weights on every step); unset it or launch without FSDP")
@@ -186,7 +195,8 @@ def build_trainee(cfg: TrainConfig, rt: Runtime, accelerator, layout: RunLayout)
         teacher = agreed(accelerator, lambda: Teacher.load(cfg.distill.teacher, accelerator.device))
         log(f"distilling from {cfg.distill.teacher} (logit scale {float(teacher.scale):.2f})")
     trainee = Trainee(model, model, optimizer, objective, model_cfg, pp_cfg, tokenizer, teacher=teacher,
-                      patch_dropout=masking, phases=planned, param_groups=described, wise_init=wise_init)
+                      patch_dropout=masking, phases=planned, param_groups=described, wise_init=wise_init,
+                      lora=lora.settings(cfg.model.lora) if cfg.model.lora.r else None)
     stream = build_stream(cfg, rt, accelerator, model, trainee, layout)
     trainee.model, trainee.optimizer = accelerator.prepare(model, optimizer)
     trainee.raw_model = accelerator.unwrap_model(trainee.model)

@@ -27,7 +27,7 @@ from ..data.sources import redact_values
 from ..errors import MmclError, RunStopped, TrainingError, printable
 from ..evaluation import in_run as eval_sets
 from ..models import flip
-from ..storage import checkpoints, weights
+from ..storage import checkpoints, pretrained
 from ..storage.checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from ..storage.fsutil import atomic_write_text
 from ..storage.layout import CONFIG, RunLayout
@@ -87,7 +87,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     from .preflight import check_inputs
 
     main = is_main_process()
-    cfg = weights.record_pretrained_architecture(cfg)  # config.yaml records the architecture that is built
+    cfg = pretrained.record_pretrained_architecture(cfg)  # config.yaml records the architecture that is built
     folder = decide_folder(cfg)  # the run folder's rule, before anything is read or written
     if folder.action == "finished":
         if main:

@@ -90,7 +90,7 @@ def input_problems(cfg: TrainConfig) -> List[str]:
         except ConfigError as err:
             problems.append(str(err))
     if cfg.model.pretrained:  # a tag of model.name, a hub name cached when offline, or a local path
-        from ..storage.weights import pretrained_problem
+        from ..storage.pretrained import pretrained_problem
 
         problem = pretrained_problem(cfg.model.pretrained, cfg.model.name)
         problems += [f"model.pretrained: {problem}"] if problem else []
