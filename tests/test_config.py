@@ -107,7 +107,7 @@ def test_loaded_config_is_read_only():
 def test_data_weights_rule_is_checked_with_the_config_and_again_with_the_sources(tmp_path):
     """data.weights has one rule (`config.data_weight_problems`): what the config alone decides is reported by
     load_config with every other problem, before any data is opened; the count of sources by the data stream."""
-    from mmcl.data.pipeline import TrainStream
+    from mmcl.data.stream import TrainStream
 
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.weights=[1,-1]", "data.resampled=false", "optim.lr=-1"])

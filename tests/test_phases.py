@@ -99,7 +99,7 @@ def test_a_tower_following_its_input_equals_a_tower_built_at_that_size():
 def test_cut_tokens_equal_open_clip_tokenizer_at_the_shorter_length():
     from open_clip.tokenizer import SimpleTokenizer
 
-    from mmcl.data.pipeline import cut_tokens
+    from mmcl.data.batching import cut_tokens
 
     tok = SimpleTokenizer(context_length=32)
     texts = ["a photo of a small red square on a large blue field with a green border around it", "a cat", ""]
@@ -176,8 +176,8 @@ def _stream(demo, workers, batch_size=4, accum=1):
 
 
 def test_the_stream_settings_are_a_frozen_picklable_dataclass(demo):
-    """What each data worker receives: a read-only `StreamSpec` that survives pickling (spawned workers), phases
-    included, each batch's phase looked up by its process batch."""
+    """What each data worker receives: a read-only `StreamSpec` that survives pickling (spawned workers), the
+    phases' input sizes included, each batch's sizes looked up by its process batch."""
     import dataclasses
     import pickle
 
@@ -185,9 +185,9 @@ def test_the_stream_settings_are_a_frozen_picklable_dataclass(demo):
 
     spec = _stream(demo, 0, accum=2)._spec()
     copy = pickle.loads(pickle.dumps(spec))
-    assert isinstance(copy, StreamSpec) and copy.seed == spec.seed and len(copy.phases) == 3
-    assert [copy.phase_at(b).context_length for b in (0, 5, 6, 11, 12, 99)] == [6, 6, None, None, None, None]
-    assert [copy.phase_at(b).start for b in (0, 5, 6, 11, 12, 99)] == [0, 0, 6, 6, 12, 12]
+    assert isinstance(copy, StreamSpec) and copy.seed == spec.seed and len(copy.sizes) == 3
+    assert [copy.sizes_at(b).context_length for b in (0, 5, 6, 11, 12, 99)] == [6, 6, None, None, None, None]
+    assert [copy.sizes_at(b).start for b in (0, 5, 6, 11, 12, 99)] == [0, 0, 6, 6, 12, 12]
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.seed = 1
 

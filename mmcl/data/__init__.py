@@ -13,8 +13,12 @@ One concern per module, imported in this order (each uses only those above it)::
     transforms.py  decoded image -> tensor: the training transform built from a model's image numbers
                    (`ImageSpec`, `train_image_stages`), seeded per-sample transforms, the uint8 hand-off
                    (`ImageFinish`; `split_transform` for a caller's own transform), the cheaper random crop
-    pipeline.py    the resumable training stream (`build_train_stream`, `TrainStream`): shard plan, block
-                   shuffle, workers, batching
+    pipeline.py    the resumable training stream's plan: its settings (`StreamSpec`, `InputSizes`), the shard
+                   plan per slot, the block shuffle, positions and their carrying over to another layout
+    batching.py    a data worker's side: samples decoded at their input sizes, batched (`role_batches`,
+                   `collate`), each batch sent in a `WorkerOutput` with the worker's position
+    stream.py      the training process's side (`build_train_stream`, `TrainStream`): workers, the positions
+                   of the batches consumed, a saved state and resuming from one
     eval_data.py   evaluation datasets (`build_eval_dataset`): ImageFolder or shards, each sample once
     shard_inputs.py  `mmcl shards`'s inputs (caption folders, ImageFolders, tables) -> the images they name
     writer.py      writing shards (`write_shards`, `ShardWriter`) and `mmcl shards` (`shards_from_input`)
@@ -23,16 +27,17 @@ One concern per module, imported in this order (each uses only those above it)::
 The names below are the package's public interface; import them from ``mmcl.data``.
 """
 
+from .batching import WorkerOutput, collate, role_batches
 from .decode import (IMAGE_EXTS, SKIP_REASONS, SampleKeys, SkipSample, TransformOutputError, caption_draw,
                      decode_image, decode_sample, image_bytes, parse_caption, parse_label, parse_sample, pil_to_uint8,
                      sample_keys, to_rgb, zero_skips)
 from .eval_data import (EvalFailure, EvalSkip, ImageFolderDataset, ShardEvalDataset, build_eval_dataset,
                         eval_collate, is_image_folder, open_rgb)
-from .pipeline import (WORKER_STOP_GRACE_S, TrainStream, build_train_stream, collate, epoch_shard_plan,
-                       role_batches, shuffle_block)
+from .pipeline import InputSizes, epoch_shard_plan, shuffle_block
 from .reading import RawSample, TarFormatError, TarReader, read_raw_samples
 from .sources import (SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard,
                       redact)
+from .stream import WORKER_STOP_GRACE_S, TrainStream, build_train_stream
 from .transforms import (TRAIN_CROP_SCALE, ImageFinish, ImageSpec, PyRandomResizedCrop, aug_dict, draft_size_of,
                          random_crop_box, split_transform, train_draft_size, train_image_input, train_image_stages,
                          training_sample_transform)
@@ -43,7 +48,7 @@ __all__ = [
     "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "ImageSpec",
     "PyRandomResizedCrop", "RawSample",
     "ShardEvalDataset", "ShardWriter", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
-    "TransformOutputError",
+    "TransformOutputError", "InputSizes", "WorkerOutput",
     "build_eval_dataset", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",

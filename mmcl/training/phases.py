@@ -106,12 +106,15 @@ def patch_dropout_at(phases: Sequence[Phase], step: int, default: float) -> Opti
     return default if p.patch_dropout is None else float(p.patch_dropout)
 
 
-def stream_phases(phases: Sequence[Phase], model_size: Optional[int],
-                  accum_steps: int) -> List[Tuple[int, Optional[int], Optional[int]]]:
-    """The phases as the data stream takes them: (first process batch, image size or None for the model's own,
-    context length or None)."""
+def input_sizes(phases: Sequence[Phase], model_size: Optional[int],
+                accum_steps: int) -> List[Tuple[int, Optional[int], Optional[int]]]:
+    """The input sizes of the phases as the data stream takes them (`mmcl.data.InputSizes`): (first process batch,
+    image size or None for the model's own, context length or None)."""
     return [(p.start * accum_steps, None if p.image_size == model_size else p.image_size, p.context_length)
             for p in phases]
+
+
+stream_phases = input_sizes  # the former name
 
 
 def final_model(phases: Sequence[Phase], model: nn.Module, model_cfg: Dict[str, Any], pp_cfg: Dict[str, Any],
