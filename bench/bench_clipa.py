@@ -43,7 +43,7 @@ def phase_sizes(cfg):
     """[(fraction of the steps, image size, context length, patch dropout)] of the config's phases, resolved."""
     from mmcl import models
     from mmcl.config import phase_lengths
-    from mmcl.models.phases import full_sizes
+    from mmcl.models.resize import full_sizes
 
     size, _, length = full_sizes(models.resolve_model_config(cfg.model))
     steps = phase_lengths(cfg.train.phases, cfg.train.steps)
@@ -61,14 +61,14 @@ class PhaseStep:
 
         from mmcl import data, models
         from mmcl.config import DataConfig
-        from mmcl.models import flip, phases
+        from mmcl.models import flip, resize
         from mmcl.training.optim import build_optimizer
         from mmcl.training.step import objective_from_config
 
         torch.manual_seed(0)
         self.acc = Accelerator(cpu=True)
         model, model_cfg, pp_cfg, _, _, tokenizer = models.build(cfg.model)
-        phases.follow_input_size(model)
+        resize.follow_input_size(model)
         self.mods = models.set_patch_dropout(model, prob, seed=0) if prob else []
         self.model, self.flip = model.train(), flip
         self.optimizer = build_optimizer(model, cfg.optim)

@@ -20,14 +20,14 @@ def _name(what: str, where: str) -> str:
 # ------------------------------------------------------------------------------------------------------ open_clip
 def test_open_clip_build_vision_tower_keeps_its_signature():
     """open_clip builds a CLIP's image tower in ``_build_vision_tower``; the Hugging Face text CLIP of
-    `models.towers._hf_text_clip_class` calls it, as open_clip's CustomTextCLIP does, for the same weights."""
+    `models.clip_classes.HFTextCLIP` calls it, as open_clip's CustomTextCLIP does, for the same weights."""
     from open_clip import model
 
     fn = getattr(model, "_build_vision_tower", None)
-    assert callable(fn), _name("open_clip.model._build_vision_tower", "mmcl.models.towers._hf_text_clip_class")
+    assert callable(fn), _name("open_clip.model._build_vision_tower", "mmcl.models.clip_classes.HFTextCLIP")
     params = list(inspect.signature(fn).parameters)
     assert params[:4] == ["embed_dim", "vision_cfg", "quick_gelu", "cast_dtype"], _name(
-        f"open_clip.model._build_vision_tower's parameters ({params})", "mmcl.models.towers._hf_text_clip_class")
+        f"open_clip.model._build_vision_tower's parameters ({params})", "mmcl.models.clip_classes.HFTextCLIP")
 
 
 def _own_state(module: torch.nn.Module):
@@ -61,34 +61,37 @@ def test_hf_text_clip_sets_what_open_clip_init_sets():
         mine, open_clips = _own_state(a), _own_state(b)
         assert mine == open_clips, _name(
             f"what open_clip's {label}.__init__ sets (open_clip only: {sorted(open_clips - mine)}; mmcl only: "
-            f"{sorted(mine - open_clips)})", "mmcl.models.towers._hf_text_clip_class / _hf_text_tower_class")
+            f"{sorted(mine - open_clips)})", "mmcl.models.clip_classes.HFTextCLIP / HFTextTower")
 
 
 def test_open_clip_hf_arch_table_agrees_with_the_public_width():
     """``open_clip.hf_configs.arch_dict`` gives the default pooler of a Hugging Face model type (read where a model
-    config leaves ``hf_pooler_type`` null, `models.towers._hf_pooler`); the width mmcl reads is transformers'
+    config leaves ``hf_pooler_type`` null, `models.clip_classes._hf_pooler`); the width mmcl reads is transformers'
     public ``hidden_size``, which equals open_clip's per-type attribute for every type in the table."""
     from transformers import AutoConfig
 
     try:
         from open_clip.hf_configs import arch_dict
     except ImportError:
-        pytest.fail(_name("open_clip.hf_configs.arch_dict", "mmcl.models.towers._hf_pooler"))
+        pytest.fail(_name("open_clip.hf_configs.arch_dict", "mmcl.models.clip_classes._hf_pooler"))
     assert isinstance(arch_dict, dict) and arch_dict, _name("open_clip.hf_configs.arch_dict",
-                                                            "mmcl.models.towers._hf_pooler")
+                                                            "mmcl.models.clip_classes._hf_pooler")
+    from mmcl.models import clip_classes
+
     known_poolers = {"mean_pooler", "max_pooler", "cls_pooler", "cls_last_hidden_state_pooler"}
     for model_type, entry in arch_dict.items():
         assert entry.get("pooler") in known_poolers, _name(f"arch_dict[{model_type!r}]['pooler']",
-                                                           "mmcl.models.towers._hf_pooler")
+                                                           "mmcl.models.clip_classes._hf_pooler")
         config = AutoConfig.for_model(model_type)
         width = getattr(config, entry["config_names"]["width"])
-        assert models.towers._hf_width(config) == width, model_type
+        assert clip_classes._hf_width(config) == width, model_type
 
 
-def test_open_clip_encode_text_runs_on_a_cut_view_of_the_model():
-    """In training, mmcl's CLIP runs open_clip's own ``CLIP.encode_text`` on a batch cut after its last end-of-text
-    token, through a view of the model whose position table and causal mask are cut to the same width
-    (`models.towers._CutText`): open_clip's method must read those two from the object it is called on."""
+def test_open_clip_encode_text_is_the_cut_text_path_on_the_full_context():
+    """In training, mmcl's CLIP runs a batch cut after its last end-of-text token through
+    `models.clip_classes.ShortTextCLIP._encode_cut_text`, open_clip's ``CLIP.encode_text`` written out with the
+    position table and the causal mask cut to the batch's width: open_clip's own method on the full context must
+    give the same features."""
     from open_clip.model import CLIP
 
     from mmcl.config import load_config
@@ -99,12 +102,10 @@ def test_open_clip_encode_text_runs_on_a_cut_view_of_the_model():
     n = int(tokens.argmax(-1).max()) + 1
     assert n < tokens.shape[1]
     with torch.no_grad():
-        try:
-            cut = CLIP.encode_text(models.towers._CutText(model.eval(), n), tokens[:, :n])
-        except (AttributeError, RuntimeError) as err:
-            pytest.fail(_name(f"open_clip's CLIP.encode_text ({err})", "mmcl.models.towers._CutText"))
+        cut = model.eval()._encode_cut_text(tokens[:, :n], normalize=False)
         full = CLIP.encode_text(model, tokens)
-    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5, msg=lambda m: _name(
+        f"open_clip's CLIP.encode_text ({m})", "mmcl.models.clip_classes.ShortTextCLIP._encode_cut_text"))
 
 
 def test_open_clip_safetensors_alternatives_are_its_download_order():

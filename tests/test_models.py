@@ -617,3 +617,39 @@ def test_tokens_cut_in_the_data_loader_give_the_full_context_features():
     # A tower that reads the padding keeps the tokenizer as it is.
     model.text_pool_type = "last"
     assert models.training_tokenizer(model, tokenizer) is tokenizer
+
+
+def test_mmcl_model_classes_equal_open_clips_for_the_same_config_and_weights():
+    """`ShortTextCLIP`, with its image tower made to follow its input's size (`GridFollowingVisionTransformer`), has
+    the state-dict keys of open_clip's own CLIP built from the same config, and with the same weights gives its
+    outputs bit for bit at the model's own sizes (evaluation, and training on full-context tokens); at a smaller
+    image size it gives the features of open_clip's CLIP built at that size, loaded through open_clip's
+    ``resize_pos_embed``."""
+    from open_clip.model import resize_pos_embed
+
+    from mmcl.config import load_config
+    from mmcl.models.clip_classes import GridFollowingVisionTransformer, ShortTextCLIP
+    from mmcl.models.resize import follow_input_size
+
+    torch.manual_seed(0)
+    model, model_cfg, *_, tokenizer = models.build(load_config(None, []).model)
+    theirs = CLIP(**model_cfg, output_dict=True)
+    theirs.load_state_dict(model.state_dict())
+    follow_input_size(model)
+    assert type(model) is ShortTextCLIP and type(model.visual) is GridFollowingVisionTransformer
+    assert list(model.state_dict()) == list(theirs.state_dict())
+    pixels, tokens = images(3), tokenizer(SENTENCES)
+    for mode in ("eval", "train"):
+        with torch.no_grad():
+            ours, ref = getattr(model, mode)()(pixels, tokens), getattr(theirs, mode)()(pixels, tokens)
+        assert ours.keys() == ref.keys()
+        for key in ours:
+            assert torch.equal(ours[key], ref[key]), (mode, key)
+    small_cfg = copy.deepcopy(model_cfg)
+    small_cfg["vision_cfg"]["image_size"] = 40
+    small = CLIP(**small_cfg, output_dict=True)
+    state = model.state_dict()
+    resize_pos_embed(state, small)
+    small.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(model.eval().encode_image(images(3, size=40)), small.eval().encode_image(images(3, size=40)))

@@ -105,9 +105,8 @@ def test_ordinary_steps_make_no_host_sync_in_one_process(demo, tmp_path, recipe)
 def test_the_watch_sees_a_sync_in_the_step(demo, tmp_path, monkeypatch):
     """The same harness catches a device read in the model's forward (the text tower's former read of the longest
     caption, put back here), so an empty report above is not an unwatched step."""
-    from mmcl.models import towers
+    from mmcl.models.clip_classes import ShortTextCLIP as cls
 
-    cls = towers._clip_class()
     real = cls._encode_text
 
     def reading(self, text, normalize):

@@ -119,6 +119,44 @@ def _coefficient_floor(coef: Tensor, unit: Tensor, width: int) -> Tuple[Tensor, 
     return coef.masked_fill(floor > cap, 0), floor.clamp_(max=cap)
 
 
+def _scaled_exp(x: Tensor, g: float, last: bool) -> Tensor:
+    """exp(g * x) (`_exp_`), in x's own storage when `last` (the caller reads x no more), else in a new tensor."""
+    if g != 1.0:
+        return _exp_(x.mul_(g) if last else torch.mul(x, g))
+    return _exp_(x if last else x.clone())
+
+
+def _online_sums(sums: Tensor, run_max: Tensor, tile: Tensor, gammas: Tuple[float, ...], dim: int,
+                 reuse_tile: bool) -> Tensor:
+    """One tile's step of the online log-sum-exp along `dim` of the tile (1: its rows, 0: its columns): each
+    ``sums[gi]``, the sum of exp(g * (L - run_max)) so far, is rescaled to the new maximum and the tile's terms
+    are added, in place. Returns the new maximum. With `reuse_tile` the tile's storage holds the shifted logits
+    and the last gamma's exp afterwards (the caller reads it no more)."""
+    new_max = torch.maximum(run_max, tile.amax(dim=dim))
+    shift = _finite_or_zero(new_max)
+    d = tile.sub_(shift.unsqueeze(dim)) if reuse_tile else torch.sub(tile, shift.unsqueeze(dim))
+    for gi, g in enumerate(gammas):
+        e = _scaled_exp(d, g, gi == len(gammas) - 1)
+        sums[gi] = sums[gi] * torch.exp(g * (run_max - shift)) + e.sum(dim=dim)
+    return new_max
+
+
+def _merge_topk(best: Optional[Tuple[Tensor, Tensor]], tile: Tensor, j0: int, topk: int,
+                skip: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """(values, column indices) of each row's `topk` largest logits: those in `best` (None before a row block's
+    first tile) and this tile's, whose first column is `j0`; the tile's entries j = i + `skip` are left out
+    (set to -inf in the tile) when `skip` is not None."""
+    if skip is not None:
+        _tile_positives(tile, skip)[0].fill_(-math.inf)
+    tile_top = tile.topk(min(topk, tile.shape[1]), dim=1)
+    if best is None:
+        return tile_top.values, tile_top.indices
+    vals = torch.cat([best[0], tile_top.values], dim=1)
+    idx = torch.cat([best[1], tile_top.indices + j0], dim=1)
+    merged = vals.topk(min(topk, vals.shape[1]), dim=1)
+    return merged.values, idx.gather(1, merged.indices)
+
+
 class TiledLogSumExp(torch.autograd.Function):
     """Row (and optionally column) log-sum-exp of ``L = s * queries @ keys.T`` without materialising L.
 
@@ -187,17 +225,11 @@ class TiledLogSumExp(torch.autograd.Function):
         # The positive logits L[i, offset + i], read from the tiles themselves: lse_i - L_ii is then formed from
         # the same rounded number on both sides, exactly 0 + log(sum) when the positive is the row's maximum.
         positive = torch.zeros(n if positive_offset is not None else 0, dtype=acc, device=q32.device)
-
-        def scaled_exp(x, g, last):
-            # exp(g * x), reusing x's storage for the last gamma
-            if g != 1.0:
-                return _exp_(x.mul_(g) if last else torch.mul(x, g))
-            return _exp_(x if last else x.clone())
-
         for i0 in range(0, n, chunk_size):
             qs = q32[i0:i0 + chunk_size] * scale  # (c, D): the scale folded into the smaller operand
             r_max = minus_inf.expand(qs.shape[0]).clone()
             r_sum = torch.zeros(n_g, qs.shape[0], dtype=acc, device=q32.device)
+            best = None  # the row block's largest logits so far (topk)
             for j0 in range(0, m, width):
                 j1 = min(m, j0 + width)
                 logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0,
@@ -205,36 +237,15 @@ class TiledLogSumExp(torch.autograd.Function):
                 if positive_offset is not None:
                     diag, lo, hi = _tile_positives(logits, positive_offset + i0 - j0)
                     positive[i0 + lo:i0 + hi] = diag
-                new_max = torch.maximum(r_max, logits.amax(dim=1))
-                shift = _finite_or_zero(new_max)
-                d = torch.sub(logits, shift[:, None])
-                for gi, g in enumerate(gammas):
-                    e = scaled_exp(d, g, gi == n_g - 1)
-                    r_sum[gi] = r_sum[gi] * torch.exp(g * (r_max - shift)) + e.sum(dim=1)
-                r_max = new_max
-                if topk:  # the row's largest logits, leaving out L[i, topk_skip + i]; logits is not read again
-                    if topk_skip is not None:
-                        _tile_positives(logits, topk_skip + i0 - j0)[0].fill_(-math.inf)
-                    tile_top = logits.topk(min(topk, j1 - j0), dim=1)
-                    if j0 == 0:
-                        best_val, best_idx = tile_top.values, tile_top.indices
-                    else:
-                        vals = torch.cat([best_val, tile_top.values], dim=1)
-                        idx = torch.cat([best_idx, tile_top.indices + j0], dim=1)
-                        merged = vals.topk(min(topk, vals.shape[1]), dim=1)
-                        best_val, best_idx = merged.values, idx.gather(1, merged.indices)
+                r_max = _online_sums(r_sum, r_max, logits, gammas, dim=1, reuse_tile=False)
+                if topk:  # logits is not read again
+                    best = _merge_topk(best, logits, j0, topk, None if topk_skip is None else topk_skip + i0 - j0)
                 if with_cols:
-                    c_max = col_max[j0:j1]
-                    new_c = torch.maximum(c_max, logits.amax(dim=0))
-                    shift_c = _finite_or_zero(new_c)
-                    d = logits.sub_(shift_c)
-                    for gi, g in enumerate(gammas):
-                        e = scaled_exp(d, g, gi == n_g - 1)
-                        col_sum[gi, j0:j1] = col_sum[gi, j0:j1] * torch.exp(g * (c_max - shift_c)) + e.sum(dim=0)
-                    col_max[j0:j1] = new_c
-                del logits, d, e
+                    col_max[j0:j1] = _online_sums(col_sum[:, j0:j1], col_max[j0:j1], logits, gammas, dim=0,
+                                                  reuse_tile=True)
+                del logits
             if topk:
-                top_val[i0:i0 + chunk_size], top_idx[i0:i0 + chunk_size] = best_val, best_idx
+                top_val[i0:i0 + chunk_size], top_idx[i0:i0 + chunk_size] = best
             for gi, g in enumerate(gammas):
                 row_lse[gi, i0:i0 + chunk_size] = g * r_max + torch.log(r_sum[gi])
                 if positive_offset is not None:  # (max - positive) + log(sum): no cancellation of two large terms

@@ -1,4 +1,5 @@
-"""The towers: open_clip architectures and Hugging Face text towers (`towers`), and FLIP's patch dropout (`flip`).
+"""The towers: open_clip architectures and Hugging Face text towers (`towers`, with mmcl's subclasses of open_clip's
+model classes in `clip_classes`), FLIP's patch dropout (`flip`), and towers that follow their input's size (`resize`).
 
 The names below are the package's interface (``from mmcl import models; models.build(cfg)``)."""
 

@@ -4,7 +4,9 @@ A model config is open_clip's own dict (``embed_dim``, ``vision_cfg``, ``text_cf
 data: ``mmcl/models/model_configs/*.json`` first, then any architecture open_clip ships (ViT, ResNet, timm
 ConvNeXt, ...).
 A Hugging Face text tower (``model.text.hf``) is open_clip's adapter built with its width, pooler and projection given
-explicitly (`_hf_text_tower_class`), so no open_clip table is written.
+explicitly (`mmcl.models.clip_classes.HFTextTower`), so no open_clip table is written. The model classes, mmcl's
+subclasses of open_clip's, live in `mmcl.models.clip_classes`, imported where a model is built (open_clip is slow
+to import).
 
 Saving and loading model directories (and the names of their files) and ``init_from`` live in
 `mmcl.storage.weights`.
@@ -19,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import functools
 import json
 import math
 import os
@@ -159,71 +160,7 @@ class MaskedMaxPooler(nn.Module):
         return hidden.masked_fill(pad, torch.finfo(hidden.dtype).min).max(dim=1).values
 
 
-TEXT_WIDTH_STEP = 8  # a cut token batch runs at its width rounded up to a multiple of this (`_clip_class`)
-
-
-@functools.lru_cache(maxsize=None)
-def _clip_class():
-    """open_clip's CLIP whose text tower, in training, skips the padding after the longest caption of a batch.
-
-    With a causal attention mask and pooling at the end-of-text token (the highest token id, open_clip's
-    ``argmax`` pooling), no position sees the positions after it, so the tokens after the last end-of-text token
-    of a batch cannot change any output: running the text transformer on the batch cut there is exact, and
-    captions are usually far shorter than the context length. Either way the text path is open_clip's own
-    ``CLIP.encode_text``, on the cut batch through `_CutText`.
-    """
-    from open_clip.model import CLIP
-
-    class ShortTextCLIP(CLIP):
-        text_frozen = False  # set by apply_locks when every text parameter is locked
-
-        def encode_text(self, text, normalize: bool = False):
-            if not self.text_frozen:
-                return self._encode_text(text, normalize)
-            for module in _clip_text_modules(self):  # a locked tower: eval mode, no autograd state
-                module.eval()
-            with torch.no_grad():
-                return self._encode_text(text, normalize)
-
-        def _encode_text(self, text, normalize: bool):
-            full = self.positional_embedding.shape[0]
-            # Only while training: evaluation and exports keep open_clip's exact full-context numbers, and a traced
-            # graph (ONNX, TorchScript) must not bake in a data-dependent cut.
-            tracing = torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
-            cut_safe = self.attn_mask is not None and self.text_pool_type == "argmax"
-            if text.shape[1] < full and (tracing or not self.training or not cut_safe):
-                # Tokens already cut after the batch's last end-of-text (`TrimmedTokenizer`): padded back.
-                text = F.pad(text, (0, full - text.shape[1]))
-            if tracing or not self.training or not cut_safe or text.shape[1] > full:
-                return super().encode_text(text, normalize=normalize)
-            n = text.shape[1]  # cut by the data loader, on the host (`TrimmedTokenizer`): no device read here
-            if n >= full:
-                # A caption fills the context, or the tokens were not cut: the full context, with no read of the
-                # longest caption from the device (it would stall the host on every such batch).
-                return super().encode_text(text, normalize=normalize)
-            # The width rounded up to a multiple of 8 (`TEXT_WIDTH_STEP`): a compiled tower then meets a few widths,
-            # not one per batch, and matmuls keep an aligned shape; the added padding columns come after every
-            # end-of-text token, where the causal mask keeps them from changing any output.
-            n = min(full, -(-n // TEXT_WIDTH_STEP) * TEXT_WIDTH_STEP)
-            if n > text.shape[1]:
-                text = F.pad(text, (0, n - text.shape[1]))
-            return CLIP.encode_text(_CutText(self, n), text, normalize=normalize)
-
-    return ShortTextCLIP
-
-
-class _CutText:
-    """A CLIP model as open_clip's ``CLIP.encode_text`` reads it, with the position table and the causal mask cut to
-    their first `n` positions (views: the gradient reaches the model's table); every other attribute is the model's.
-    `_clip_class` runs open_clip's own text path on a cut batch through it, instead of a copy of that path."""
-
-    def __init__(self, model: nn.Module, n: int):
-        self._model = model
-        self.positional_embedding = model.positional_embedding[:n]
-        self.attn_mask = model.attn_mask[:n, :n]
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
+TEXT_WIDTH_STEP = 8  # a cut token batch runs at its width rounded up to a multiple of this (`ShortTextCLIP`)
 
 
 def create(model_cfg: Dict[str, Any]) -> nn.Module:
@@ -234,6 +171,8 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     """
     from open_clip.model import CustomTextCLIP
 
+    from .clip_classes import HFTextCLIP, ShortTextCLIP
+
     model_cfg = copy.deepcopy(model_cfg)
     model_cfg.pop("preprocess_cfg", None)  # an architecture file's preprocessing (`arch_file_config`)
     text_cfg = model_cfg.get("text_cfg", {})
@@ -241,7 +180,7 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     custom_text = model_cfg.pop("custom_text", False) or bool(hf_name)
     if hf_name:
         text_cfg.setdefault("hf_model_pretrained", True)
-    model_cls = _hf_text_clip_class() if hf_name else CustomTextCLIP if custom_text else _clip_class()
+    model_cls = HFTextCLIP if hf_name else CustomTextCLIP if custom_text else ShortTextCLIP
     try:
         model = model_cls(**model_cfg)
     except TypeError as err:
@@ -258,32 +197,6 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     return model
 
 
-def _hf_width(config) -> int:
-    """The hidden width of a Hugging Face model config: ``hidden_size``, which transformers' ``attribute_map`` maps to
-    a model type's own name (``d_model`` for MT5 and M2M-100: the attribute open_clip reads for the types it knows),
-    else the first of the other usual attribute names."""
-    names = ["hidden_size", "d_model", "dim", "n_embd"]
-    attr = next((a for a in names if hasattr(config, a)), None)
-    if attr is None:
-        raise ConfigError(f"cannot find the width of Hugging Face model type '{config.model_type}' "
-                          f"(expected one of hidden_size, d_model, dim in its config)")
-    return int(getattr(config, attr))
-
-
-def _hf_pooler(pooler_type: Optional[str], model_type: str) -> nn.Module:
-    """The pooler named in the model config (open_clip's names), with mmcl's padding-aware max pooling."""
-    from open_clip import hf_model
-    from open_clip.hf_configs import arch_dict
-
-    if pooler_type is None:  # open_clip's default for the model type (its table; tests/test_dependency_names.py)
-        pooler_type = arch_dict.get(model_type, {}).get("pooler", "mean_pooler")
-    poolers = {"mean_pooler": hf_model.MeanPooler, "max_pooler": MaskedMaxPooler, "cls_pooler": hf_model.ClsPooler,
-               "cls_last_hidden_state_pooler": hf_model.ClsLastHiddenStatePooler}
-    if pooler_type not in poolers:
-        raise ConfigError(f"unknown Hugging Face pooler '{pooler_type}' (expected one of {', '.join(poolers)})")
-    return poolers[pooler_type]()
-
-
 def hf_custom_code_error(err: ValueError, source: str) -> Optional[ConfigError]:
     """The one-line error for transformers' refusal of a model, config or tokenizer whose ``auto_map`` points to
     Python code shipped with it (every load passes ``trust_remote_code=False``: such code is never run, and the
@@ -292,81 +205,6 @@ def hf_custom_code_error(err: ValueError, source: str) -> Optional[ConfigError]:
         return None
     return ConfigError(f"refusing the Hugging Face model '{source}': its files map to custom Python code "
                        f"(auto_map), which mmcl never runs; use a model that transformers implements")
-
-
-@functools.lru_cache(maxsize=None)
-def _hf_text_tower_class():
-    """open_clip's Hugging Face text adapter (its forward, pooling and projection layout), constructed with the
-    width and pooler given explicitly: open_clip's own constructor looks them up in its module-level table of
-    model types, which would have to be written for a type it lacks (e.g. MPNet)."""
-    from open_clip.hf_model import HFTextEncoder
-
-    class HFTextTower(HFTextEncoder):
-        def __init__(self, source: str, output_dim: int, pooler_type: Optional[str] = None,
-                     proj_type: Optional[str] = None, pretrained: bool = True, output_tokens: bool = False):
-            nn.Module.__init__(self)
-            from transformers import AutoConfig, AutoModel
-
-            self.output_tokens = output_tokens
-            self.output_dim = output_dim
-            try:  # trust_remote_code=False: a config's auto_map is an error, never a prompt or an import
-                self.config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-            except ValueError as err:
-                raise (hf_custom_code_error(err, source) or err) from None
-            # The same construction calls, in the same order, as open_clip's adapter: the random projection's
-            # initial weights then equal those of a tower built by open_clip for the same seed.
-            pooler = _hf_pooler(pooler_type, self.config.model_type)
-            load = (lambda: AutoModel.from_pretrained(source, **extra)) if pretrained else (
-                lambda: AutoModel.from_config(self.config, **extra))
-            if getattr(self.config, "is_encoder_decoder", False):
-                extra = {"trust_remote_code": False}
-                self.transformer = load().encoder
-            else:
-                extra = {"add_pooling_layer": pooler_type == "cls_pooler", "trust_remote_code": False}
-                self.transformer = load()
-            self.vocab_size = getattr(self.config, "vocab_size", 0)
-            self.context_length = getattr(self.config, "max_position_embeddings", 0)
-            self.pooler = pooler
-            width = _hf_width(self.config)
-            if width == output_dim and proj_type is None:
-                self.proj = nn.Identity()
-            elif proj_type == "linear":
-                self.proj = nn.Linear(width, output_dim, bias=False)
-            elif proj_type == "mlp":
-                hidden = (width + output_dim) // 2
-                self.proj = nn.Sequential(nn.Linear(width, hidden, bias=False), nn.GELU(),
-                                          nn.Linear(hidden, output_dim, bias=False))
-            # else no projection: `_check_hf_tower` reports the width mismatch
-
-    return HFTextTower
-
-
-@functools.lru_cache(maxsize=None)
-def _hf_text_clip_class():
-    """open_clip's CustomTextCLIP with its Hugging Face text tower built by `_hf_text_tower_class` (towers,
-    then the logit scale and bias, in open_clip's order)."""
-    from open_clip.model import CLIPTextCfg, CustomTextCLIP, _build_vision_tower
-
-    class HFTextCLIP(CustomTextCLIP):
-        def __init__(self, embed_dim: int, vision_cfg, text_cfg, quick_gelu: bool = False,
-                     init_logit_scale: float = math.log(1 / 0.07), init_logit_bias: Optional[float] = None,
-                     nonscalar_logit_scale: bool = False, cast_dtype: Optional[torch.dtype] = None,
-                     output_dict: bool = False):
-            nn.Module.__init__(self)
-            text_cfg = CLIPTextCfg(**text_cfg) if isinstance(text_cfg, dict) else text_cfg
-            self.output_dict = output_dict
-            self.visual = _build_vision_tower(embed_dim, vision_cfg, quick_gelu, cast_dtype)
-            self.text = _hf_text_tower_class()(
-                text_cfg.hf_model_name, output_dim=embed_dim, pooler_type=text_cfg.hf_pooler_type,
-                proj_type=text_cfg.hf_proj_type, pretrained=text_cfg.hf_model_pretrained,
-                output_tokens=text_cfg.output_tokens)
-            self.context_length = self.text.context_length
-            self.vocab_size = self.text.vocab_size
-            shape = [1] if nonscalar_logit_scale else []
-            self.logit_scale = nn.Parameter(torch.ones(shape) * init_logit_scale)
-            self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.ones(shape) * init_logit_bias)
-
-    return HFTextCLIP
 
 
 def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:
@@ -440,7 +278,7 @@ def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None)
 class TrimmedTokenizer:
     """A tokenizer whose batches end after the last column holding a token of any caption.
 
-    For a text tower that reads nothing after the end-of-text token (``ShortTextCLIP``: causal mask, ``argmax``
+    For a text tower that reads nothing after the end-of-text token (`ShortTextCLIP`: causal mask, ``argmax``
     pooling) the cut changes no output, and made here, in the data loader's workers, it spares the training
     loop a device read of the longest caption per step (the tower pads a cut batch back where it needs the full
     context). Picklable, so that worker processes can use it.
@@ -463,7 +301,9 @@ class TrimmedTokenizer:
 def training_tokenizer(model: nn.Module, tokenizer: Callable[[List[str]], torch.Tensor]):
     """The tokenizer the training data loader uses: cut batches (`TrimmedTokenizer`) for the towers that take
     them exactly (open_clip's own text transformer with a causal mask and ``argmax`` pooling), else unchanged."""
-    if (isinstance(model, _clip_class()) and getattr(model, "attn_mask", None) is not None
+    from .clip_classes import ShortTextCLIP
+
+    if (isinstance(model, ShortTextCLIP) and getattr(model, "attn_mask", None) is not None
             and getattr(model, "text_pool_type", None) == "argmax"):
         return TrimmedTokenizer(tokenizer)
     return tokenizer
@@ -555,7 +395,8 @@ def _run_frozen(module: nn.Module) -> None:
 
 def is_frozen_call(owner: Any, method: str = "forward") -> bool:
     """Whether `apply_locks` made ``owner.<method>`` run without autograd: a module's ``forward``, or the
-    ``encode_text`` of open_clip's CLIP class (whose text parts live on the model, see `_clip_class`)."""
+    ``encode_text`` of open_clip's CLIP class (whose text parts live on the model,
+    `mmcl.models.clip_classes.ShortTextCLIP`)."""
     if method == "encode_text":
         return bool(getattr(owner, "text_frozen", False))
     return method == "forward" and bool(getattr(owner, FROZEN_ATTR, False))
@@ -616,6 +457,8 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
     from open_clip.modified_resnet import ModifiedResNet
     from open_clip.transformer import lock_text_tower
 
+    from .clip_classes import ShortTextCLIP
+
     if cfg.lock_image:
         groups = cfg.lock_image_unlocked_groups
         if groups < 0:
@@ -640,7 +483,7 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
             if not freeze_ln:
                 _unfreeze_layer_norms(_clip_text_modules(model))
             if _all_frozen(_clip_text_params(model)):
-                if isinstance(model, _clip_class()):
+                if isinstance(model, ShortTextCLIP):
                     model.text_frozen = True  # read by its encode_text
                 else:  # another CLIP instance: each part of the text tower runs without autograd
                     for module in _clip_text_modules(model):

@@ -7,7 +7,7 @@ A phase is a function of the step alone:
   by the stream from its saved position), so the early phase decodes and resizes small images in the workers, which
   is part of what makes it cheap, and a resumed or re-batched stream makes the batches an uninterrupted one makes;
 - the model keeps its parameters at full size and derives each phase's position embeddings from them in the forward
-  (`mmcl.models.phases`): nothing in the optimiser, DDP, FSDP, the EMA or a checkpoint changes shape at a phase
+  (`mmcl.models.resize`): nothing in the optimiser, DDP, FSDP, the EMA or a checkpoint changes shape at a phase
   change, which is what makes resume, 2 processes = 1 and accumulation hold across it with no code of their own;
 - patch dropout takes the phase's rate through the masking modules' step hook (`mmcl.models.flip.begin_step`).
 
@@ -25,7 +25,7 @@ from torch import nn
 from ..config import TrainConfig, phase_lengths
 from ..errors import ConfigError
 from ..models import build_tokenizer
-from ..models import phases as model_phases
+from ..models import resize as model_phases
 
 
 @dataclasses.dataclass(frozen=True)

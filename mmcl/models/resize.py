@@ -1,5 +1,6 @@
-"""The model's side of token-reduction phases (CLIPA, Li et al. 2023): towers that train at a smaller image size
-and a shorter text than they are built for, and a model at another size from the same weights.
+"""Towers at other input sizes than they are built for, through resized position embeddings: the model's side of
+token-reduction phases (CLIPA, Li et al. 2023), towers that train at a smaller image size and a shorter text, and a
+model at another size from the same weights.
 
 The parameters stay at the model's full size for the whole run. A phase's position embeddings are derived from them
 in each forward: the image tower's patch grid is resized (bicubic, antialiased, the class token kept: open_clip's
@@ -17,7 +18,6 @@ counter. `at_size` builds the model a run ends with when its last phase is small
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -42,37 +42,6 @@ def resize_grid_embedding(pos: torch.Tensor, grid: Tuple[int, int], prefix: int 
     return torch.cat([tok, img.to(tok.dtype)], dim=0)
 
 
-def _record_input_grid(module: nn.Module, args) -> None:
-    """Forward pre-hook of a grid-following image tower: the patch grid of this forward's images."""
-    h, w = args[0].shape[-2:]
-    ph, pw = module.conv1.kernel_size
-    module.__dict__["_input_grid"] = (h // ph, w // pw)
-
-
-def _forget_input_grid(module: nn.Module, args, output) -> None:
-    """Forward hook: outside a forward the attribute is the parameter itself (optimisers, exports, EMA read it)."""
-    module.__dict__["_input_grid"] = None
-
-
-class _GridFollowing:
-    """Mixed into an open_clip ``VisionTransformer``'s class: ``positional_embedding`` read during a forward is the
-    parameter resized to the forward's patch grid (the parameter itself at the tower's own size, and outside a
-    forward). The parameter, the state dict and every other attribute are the tower's own."""
-
-    def __getattr__(self, name: str):
-        value = super().__getattr__(name)
-        if name == "positional_embedding":
-            grid = self.__dict__.get("_input_grid")
-            if grid is not None and grid[0] * grid[1] + 1 != value.shape[0]:
-                return resize_grid_embedding(value, grid)
-        return value
-
-
-@functools.lru_cache(maxsize=None)
-def _grid_following_class(cls: type) -> type:
-    return type(f"GridFollowing{cls.__name__}", (_GridFollowing, cls), {"__module__": cls.__module__})
-
-
 def vit_tower(model: nn.Module) -> Optional[nn.Module]:
     """`model`'s image tower when it is an open_clip ViT with a class token and a learned position embedding."""
     visual = getattr(model, "visual", None)
@@ -83,18 +52,21 @@ def vit_tower(model: nn.Module) -> Optional[nn.Module]:
 
 
 def follow_input_size(model: nn.Module) -> None:
-    """Make `model`'s image tower take images of any size its patch size divides (in place; idempotent). Raises
-    ConfigError for an image tower without patch tokens (a ResNet, a timm trunk)."""
+    """Make `model`'s image tower take images of any size its patch size divides (in place; idempotent): the tower
+    becomes a `mmcl.models.clip_classes.GridFollowingVisionTransformer`, with the same parameters and state dict.
+    Raises ConfigError for an image tower without patch tokens (a ResNet, a timm trunk)."""
+    from open_clip.transformer import VisionTransformer
+
+    from .clip_classes import GridFollowingVisionTransformer
+
     visual = vit_tower(model)
-    if visual is None:
+    if isinstance(visual, GridFollowingVisionTransformer):
+        return
+    if visual is None or type(visual) is not VisionTransformer:
         raise ConfigError(f"train.phases with an image_size needs an open_clip ViT image tower (patch tokens and a "
                           f"learned position embedding); this model's image tower is "
                           f"{type(getattr(model, 'visual', None)).__name__}: leave image_size out of the phases")
-    if isinstance(visual, _GridFollowing):
-        return
-    visual.__class__ = _grid_following_class(type(visual))
-    visual.register_forward_pre_hook(_record_input_grid)
-    visual.register_forward_hook(_forget_input_grid)
+    visual.__class__ = GridFollowingVisionTransformer
 
 
 def full_sizes(model_cfg: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optional[int]]:

@@ -1,0 +1,218 @@
+"""mmcl's subclasses of open_clip's model classes: the CLIP that `mmcl.models.towers.create` builds
+(`ShortTextCLIP`), the CLIP with a Hugging Face text tower (`HFTextCLIP`, `HFTextTower`), and the ViT image tower
+that follows its input's size (`GridFollowingVisionTransformer`, made by `mmcl.models.resize.follow_input_size`).
+
+Each keeps open_clip's parameters, attribute names and state-dict keys, so checkpoints, exports and open_clip's own
+code read them as open_clip's classes. This module imports open_clip (seconds), so the rest of `mmcl.models` imports
+it only where a model is built or changed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from open_clip import hf_model
+from open_clip.hf_model import HFTextEncoder
+from open_clip.model import CLIP, CLIPTextCfg, CustomTextCLIP, _build_vision_tower
+from open_clip.transformer import VisionTransformer, _expand_token, text_global_pool
+from torch import nn
+
+from ..errors import ConfigError
+from .resize import resize_grid_embedding
+from .towers import TEXT_WIDTH_STEP, MaskedMaxPooler, _clip_text_modules, hf_custom_code_error
+
+
+# ------------------------------------------------------------------------------------------ open_clip's text
+class ShortTextCLIP(CLIP):
+    """open_clip's CLIP whose text tower, in training, skips the padding after the longest caption of a batch.
+
+    With a causal attention mask and pooling at the end-of-text token (the highest token id, open_clip's
+    ``argmax`` pooling), no position sees the positions after it, so the tokens after the last end-of-text token
+    of a batch cannot change any output: running the text transformer on the batch cut there is exact, and
+    captions are usually far shorter than the context length. Evaluation, exports and every other text tower run
+    open_clip's own ``CLIP.encode_text``; the cut batch runs `_encode_cut_text`, the same computation on the first
+    positions of the position table and the causal mask.
+    """
+
+    text_frozen = False  # set by apply_locks when every text parameter is locked
+
+    def encode_text(self, text, normalize: bool = False):
+        if not self.text_frozen:
+            return self._encode_text(text, normalize)
+        for module in _clip_text_modules(self):  # a locked tower: eval mode, no autograd state
+            module.eval()
+        with torch.no_grad():
+            return self._encode_text(text, normalize)
+
+    def _encode_text(self, text, normalize: bool):
+        full = self.positional_embedding.shape[0]
+        # Only while training: evaluation and exports keep open_clip's exact full-context numbers, and a traced
+        # graph (ONNX, TorchScript) must not bake in a data-dependent cut.
+        tracing = torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+        cut_safe = self.attn_mask is not None and self.text_pool_type == "argmax"
+        if text.shape[1] < full and (tracing or not self.training or not cut_safe):
+            # Tokens already cut after the batch's last end-of-text (`TrimmedTokenizer`): padded back.
+            text = F.pad(text, (0, full - text.shape[1]))
+        if tracing or not self.training or not cut_safe or text.shape[1] > full:
+            return super().encode_text(text, normalize=normalize)
+        n = text.shape[1]  # cut by the data loader, on the host (`TrimmedTokenizer`): no device read here
+        if n >= full:
+            # A caption fills the context, or the tokens were not cut: the full context, with no read of the
+            # longest caption from the device (it would stall the host on every such batch).
+            return super().encode_text(text, normalize=normalize)
+        # The width rounded up to a multiple of 8 (`TEXT_WIDTH_STEP`): a compiled tower then meets a few widths,
+        # not one per batch, and matmuls keep an aligned shape; the added padding columns come after every
+        # end-of-text token, where the causal mask keeps them from changing any output.
+        n = min(full, -(-n // TEXT_WIDTH_STEP) * TEXT_WIDTH_STEP)
+        if n > text.shape[1]:
+            text = F.pad(text, (0, n - text.shape[1]))
+        return self._encode_cut_text(text, normalize)
+
+    def _encode_cut_text(self, text, normalize: bool):
+        """open_clip's ``CLIP.encode_text`` for a batch of width n below the context length, with the position table
+        and the causal mask cut to their first n positions (views: the gradient reaches the model's table). Only
+        with ``argmax`` pooling (`_encode_text`), which open_clip's releases pool alike; tests/test_models.py
+        checks the features against open_clip's own on the full context."""
+        n = text.shape[1]
+        cast_dtype = self.transformer.get_cast_dtype()
+        x = self.token_embedding(text).to(cast_dtype)  # (B, n, width)
+        x = x + self.positional_embedding[:n].to(cast_dtype)
+        x = self.transformer(x, attn_mask=self.attn_mask[:n, :n])
+        x = self.ln_final(x)
+        x = text_global_pool(x, text, self.text_pool_type)
+        if self.text_projection is not None:
+            if isinstance(self.text_projection, nn.Linear):
+                x = self.text_projection(x)
+            else:
+                x = x @ self.text_projection
+        return F.normalize(x, dim=-1) if normalize else x
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face text
+def _hf_width(config) -> int:
+    """The hidden width of a Hugging Face model config: ``hidden_size``, which transformers' ``attribute_map`` maps to
+    a model type's own name (``d_model`` for MT5 and M2M-100: the attribute open_clip reads for the types it knows),
+    else the first of the other usual attribute names."""
+    names = ["hidden_size", "d_model", "dim", "n_embd"]
+    attr = next((a for a in names if hasattr(config, a)), None)
+    if attr is None:
+        raise ConfigError(f"cannot find the width of Hugging Face model type '{config.model_type}' "
+                          f"(expected one of hidden_size, d_model, dim in its config)")
+    return int(getattr(config, attr))
+
+
+def _hf_pooler(pooler_type: Optional[str], model_type: str) -> nn.Module:
+    """The pooler named in the model config (open_clip's names), with mmcl's padding-aware max pooling."""
+    if pooler_type is None:  # open_clip's default for the model type (its table; tests/test_dependency_names.py)
+        from open_clip.hf_configs import arch_dict
+
+        pooler_type = arch_dict.get(model_type, {}).get("pooler", "mean_pooler")
+    poolers = {"mean_pooler": hf_model.MeanPooler, "max_pooler": MaskedMaxPooler, "cls_pooler": hf_model.ClsPooler,
+               "cls_last_hidden_state_pooler": hf_model.ClsLastHiddenStatePooler}
+    if pooler_type not in poolers:
+        raise ConfigError(f"unknown Hugging Face pooler '{pooler_type}' (expected one of {', '.join(poolers)})")
+    return poolers[pooler_type]()
+
+
+class HFTextTower(HFTextEncoder):
+    """open_clip's Hugging Face text adapter (its forward, pooling and projection layout), constructed with the
+    width and pooler given explicitly.
+
+    open_clip's own constructor is not run: it looks the width and pooler up in its module-level table of model
+    types, which would have to be written for a type it lacks (e.g. MPNet), and loads without
+    ``trust_remote_code=False``. This one sets what that constructor sets, no more and no less
+    (tests/test_dependency_names.py), in the same order of construction calls.
+    """
+
+    def __init__(self, source: str, output_dim: int, pooler_type: Optional[str] = None,
+                 proj_type: Optional[str] = None, pretrained: bool = True, output_tokens: bool = False):
+        nn.Module.__init__(self)  # not HFTextEncoder.__init__ (see the class docstring)
+        from transformers import AutoConfig, AutoModel
+
+        self.output_tokens = output_tokens
+        self.output_dim = output_dim
+        try:  # trust_remote_code=False: a config's auto_map is an error, never a prompt or an import
+            self.config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        except ValueError as err:
+            raise (hf_custom_code_error(err, source) or err) from None
+        # The same construction calls, in the same order, as open_clip's adapter: the random projection's
+        # initial weights then equal those of a tower built by open_clip for the same seed.
+        pooler = _hf_pooler(pooler_type, self.config.model_type)
+        load = (lambda: AutoModel.from_pretrained(source, **extra)) if pretrained else (
+            lambda: AutoModel.from_config(self.config, **extra))
+        if getattr(self.config, "is_encoder_decoder", False):
+            extra = {"trust_remote_code": False}
+            self.transformer = load().encoder
+        else:
+            extra = {"add_pooling_layer": pooler_type == "cls_pooler", "trust_remote_code": False}
+            self.transformer = load()
+        self.vocab_size = getattr(self.config, "vocab_size", 0)
+        self.context_length = getattr(self.config, "max_position_embeddings", 0)
+        self.pooler = pooler
+        width = _hf_width(self.config)
+        if width == output_dim and proj_type is None:
+            self.proj = nn.Identity()
+        elif proj_type == "linear":
+            self.proj = nn.Linear(width, output_dim, bias=False)
+        elif proj_type == "mlp":
+            hidden = (width + output_dim) // 2
+            self.proj = nn.Sequential(nn.Linear(width, hidden, bias=False), nn.GELU(),
+                                      nn.Linear(hidden, output_dim, bias=False))
+        # else no projection: `mmcl.models.towers.create` reports the width mismatch (`_check_hf_tower`)
+
+
+class HFTextCLIP(CustomTextCLIP):
+    """open_clip's CustomTextCLIP with an `HFTextTower` text tower: the image tower, the text tower, then the logit
+    scale and bias, in open_clip's order (so the same seed gives the same initial weights).
+
+    CustomTextCLIP's constructor is not run: it would build open_clip's own Hugging Face adapter. This one sets
+    what that constructor sets (tests/test_dependency_names.py); every method is CustomTextCLIP's.
+    """
+
+    def __init__(self, embed_dim: int, vision_cfg, text_cfg, quick_gelu: bool = False,
+                 init_logit_scale: float = math.log(1 / 0.07), init_logit_bias: Optional[float] = None,
+                 nonscalar_logit_scale: bool = False, cast_dtype: Optional[torch.dtype] = None,
+                 output_dict: bool = False):
+        nn.Module.__init__(self)  # not CustomTextCLIP.__init__ (see the class docstring)
+        text_cfg = CLIPTextCfg(**text_cfg) if isinstance(text_cfg, dict) else text_cfg
+        self.output_dict = output_dict
+        self.visual = _build_vision_tower(embed_dim, vision_cfg, quick_gelu, cast_dtype)
+        self.text = HFTextTower(text_cfg.hf_model_name, output_dim=embed_dim, pooler_type=text_cfg.hf_pooler_type,
+                                proj_type=text_cfg.hf_proj_type, pretrained=text_cfg.hf_model_pretrained,
+                                output_tokens=text_cfg.output_tokens)
+        self.context_length = self.text.context_length
+        self.vocab_size = self.text.vocab_size
+        shape = [1] if nonscalar_logit_scale else []
+        self.logit_scale = nn.Parameter(torch.ones(shape) * init_logit_scale)
+        self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.ones(shape) * init_logit_bias)
+
+
+# ------------------------------------------------------------------------------------------ image size
+class GridFollowingVisionTransformer(VisionTransformer):
+    """open_clip's ViT image tower whose position embedding follows the patch grid of its input: the parameter
+    resized to that grid (`resize_grid_embedding`) where the grid has another number of patches, the parameter
+    itself otherwise. Every parameter, the state dict and every other method are the tower's own.
+
+    Never built directly: `mmcl.models.resize.follow_input_size` turns a built ``VisionTransformer`` into one, in
+    place (same class layout, only `_embeds` differs), so a run keeps its model, optimiser and EMA.
+    """
+
+    def grid_embedding(self, grid: Tuple[int, int]) -> torch.Tensor:
+        """The position embedding for a patch grid of `grid` (rows, columns), the class token first."""
+        pos = self.positional_embedding
+        if grid[0] * grid[1] + 1 != pos.shape[0]:
+            return resize_grid_embedding(pos, grid)
+        return pos
+
+    def _embeds(self, x: torch.Tensor) -> torch.Tensor:
+        # open_clip's VisionTransformer._embeds, with the position embedding of the input's grid.
+        x = self.conv1(x)  # (B, width, rows, columns)
+        grid = (x.shape[-2], x.shape[-1])
+        x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)  # (B, rows * columns, width)
+        x = torch.cat([_expand_token(self.class_embedding, x.shape[0]).to(x.dtype), x], dim=1)
+        x = x + self.grid_embedding(grid).to(x.dtype)
+        x = self.patch_dropout(x)
+        return self.ln_pre(x)
