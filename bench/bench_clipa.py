@@ -82,13 +82,13 @@ class PhaseStep:
         self.step_no = 0
 
     def step(self) -> None:
-        from mmcl.training.step import apply_update, train_step
+        from mmcl.training.step import apply_update, backward, forward_loss
 
         self.flip.begin_step(self.mods, self.step_no, True)
         self.step_no += 1
-        _, _, backward = train_step(self.model, self.objective, [self.batch], self.acc, self.finish,
-                                    with_metrics=False)
-        backward()
+        loss, _, cache = forward_loss(self.model, self.objective, [self.batch], self.acc, self.finish,
+                                      with_metrics=False)
+        backward(self.acc, self.model, loss, [self.batch], cache, self.finish)
         apply_update(self.acc, self.model, self.model, self.optimizer, 1.0, 4.6052)
 
     def loader_samples_per_s(self, workers: int, batches: int) -> float:

@@ -6,7 +6,7 @@ the class token, width 128, 4 blocks) and the tiny text tower (32 tokens). Measu
 
 - the image tower's forward+backward (encode_image, then backward of a sum of its features);
 - the whole training step: both towers, the CLIP loss, backward, gradient clipping and the AdamW step
-  (mmcl.training.step.train_step and apply_update, the code a run executes);
+  (mmcl.training.step.forward_loss, backward and apply_update, the code a run executes);
 - FLOPs of both, from torch.utils.flop_counter.FlopCounterMode;
 - memory: the bytes autograd saves for backward in the step (activations; counted per storage through
   saved_tensors_hooks), and from it the largest batch whose masked step saves no more than the unmasked step at
@@ -76,13 +76,13 @@ class Setup:
         self.model.zero_grad(set_to_none=True)
 
     def train_step(self):
-        from mmcl.training.step import apply_update, train_step
+        from mmcl.training.step import apply_update, backward, forward_loss
 
         for m in self.mods:
             m.begin_step(self.step_no)
         self.step_no += 1
-        _, _, backward = train_step(self.model, self.objective, [self.batch], self.acc, with_metrics=False)
-        backward()
+        loss, _, cache = forward_loss(self.model, self.objective, [self.batch], self.acc, with_metrics=False)
+        backward(self.acc, self.model, loss, [self.batch], cache)
         apply_update(self.acc, self.model, self.model, self.optimizer, 1.0, 4.6052)
 
 

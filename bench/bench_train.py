@@ -451,22 +451,22 @@ def pure_step_child(args) -> None:
         models.clamp_logit_scale(model, cfg.model.max_logit_scale)
 
     # mmcl's own step on the same batches: the training loop's code path (Accelerator-prepared model and
-    # optimiser, train_step with the uint8 -> float finish, finiteness check, accelerate's clipping), no data
+    # optimiser, forward_loss with the uint8 -> float finish, finiteness check, accelerate's clipping), no data
     # loading. Its time over full_step's is the step's code overhead.
     from accelerate import Accelerator
 
-    from mmcl.training.step import apply_update, train_step
+    from mmcl.training.step import apply_update, backward, forward_loss
 
     accelerator = Accelerator(cpu=not cuda, mixed_precision={"fp32": "no"}.get(args.precision, args.precision))
     acc_model, acc_optimizer = accelerator.prepare(model, optimizer)
 
     def mmcl_step():
-        loss, _, backward = train_step(acc_model, objective, [raw[step_no[0] % len(raw)]], accelerator,
-                                       stream.finish_images)
+        batches = [raw[step_no[0] % len(raw)]]
+        loss, _, cache = forward_loss(acc_model, objective, batches, accelerator, stream.finish_images)
         step_no[0] += 1
         if not torch.isfinite(loss.detach()):
             raise SystemExit("non-finite loss in the step benchmark")
-        backward()
+        backward(accelerator, acc_model, loss, batches, cache, stream.finish_images)
         apply_update(accelerator, acc_model, model, acc_optimizer, cfg.optim.grad_clip, cfg.model.max_logit_scale)
 
     for _ in range(3):  # allocator and kernel warm-up

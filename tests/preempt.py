@@ -1,16 +1,16 @@
-"""A preemption at a chosen training step, for the resume tests: ``mmcl.training.step.train_step`` is wrapped so that
-the process sends itself SIGTERM during its `step`-th call, as a scheduler would during that step."""
+"""A preemption at a chosen training step, for the resume tests: ``mmcl.training.step.forward_loss`` is wrapped so
+that the process sends itself SIGTERM during its `step`-th call, as a scheduler would during that step."""
 
 import os
 import signal
 
 
 def sigterm_during_step(step: int, monkeypatch=None, rank=None):
-    """Wrap ``mmcl.training.step.train_step`` (through `monkeypatch` when given, else for the life of the process); with
-    `rank`, only the process whose RANK is `rank` is signalled. Returns the real ``train_step``."""
-    import mmcl.training.loop as train_mod
+    """Wrap ``mmcl.training.step.forward_loss`` (through `monkeypatch` when given, else for the life of the process);
+    with `rank`, only the process whose RANK is `rank` is signalled. Returns the real ``forward_loss``."""
+    import mmcl.training.step as step_mod
 
-    real, calls = train_mod.train_step, [0]
+    real, calls = step_mod.forward_loss, [0]
 
     def signalled(*args, **kwargs):
         calls[0] += 1
@@ -19,7 +19,7 @@ def sigterm_during_step(step: int, monkeypatch=None, rank=None):
         return real(*args, **kwargs)
 
     if monkeypatch is not None:
-        monkeypatch.setattr(train_mod, "train_step", signalled)
+        monkeypatch.setattr(step_mod, "forward_loss", signalled)
     else:
-        train_mod.train_step = signalled
+        step_mod.forward_loss = signalled
     return real

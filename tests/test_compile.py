@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounter
 from mmcl.models import flip
 from mmcl import models
 from mmcl.config import LossConfig, load_config
-from mmcl.training.step import objective_from_config, train_step
+from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from helpers import fake_batch, micro_model, run_args
 
@@ -101,8 +101,9 @@ def compiled_steps(widths, chunk_size=None):
     loss_fn = torch.compile(objective_from_config(LossConfig(chunk_size=chunk_size)), backend=loss_frames)
     for step, width in enumerate(widths):
         flip.begin_step(mods, step, True)
-        loss, _, backward = train_step(step_model, loss_fn, [cut_batch(8, step, width)], acc, with_metrics=False)
-        backward()
+        batches = [cut_batch(8, step, width)]
+        loss, _, cache = forward_loss(step_model, loss_fn, batches, acc, with_metrics=False)
+        backward(acc, step_model, loss, batches, cache)
         assert torch.isfinite(loss)
         counts.append((model_frames.frame_count, loss_frames.frame_count))
     return counts

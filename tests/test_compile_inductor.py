@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmcl.config import LossConfig
-from mmcl.training.step import objective_from_config, train_step
+from mmcl.training.step import backward, forward_loss, objective_from_config
 from helpers import fake_batch, grads_of, micro_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
@@ -50,8 +50,9 @@ def _step(model, batches, compiled: bool):
     model.train()
     step_model = Recorder(torch.compile(model, backend="inductor") if compiled else model)
     torch.manual_seed(5)
-    loss, _, backward = train_step(step_model, objective_from_config(LossConfig()), batches, Accelerator(cpu=True))
-    backward()
+    acc = Accelerator(cpu=True)
+    loss, _, cache = forward_loss(step_model, objective_from_config(LossConfig()), batches, acc)
+    backward(acc, step_model, loss, batches, cache)
     return float(loss.detach()), grads_of(model), step_model.seen
 
 

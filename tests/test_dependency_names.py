@@ -131,11 +131,11 @@ def test_open_clip_safetensors_alternatives_are_its_download_order():
 # ---------------------------------------------------------------------------------------------------------- torch
 def test_fused_adamw_skips_a_step_on_found_inf():
     """The finite-loss decision stays on the device by setting ``found_inf`` on torch's fused AdamW, the contract
-    between `torch.amp.GradScaler` and optimisers marked ``_step_supports_amp_scaling`` (`training.stepcheck`,
+    between `torch.amp.GradScaler` and optimisers marked ``_step_supports_amp_scaling`` (`training.step`,
     `training.optim.takes_found_inf`): 1 leaves parameters, moments and step count as they were, 0 steps."""
     from mmcl.training.optim import takes_found_inf
 
-    where = "mmcl.training.stepcheck / optim.takes_found_inf"
+    where = "mmcl.training.step / optim.takes_found_inf"
     weight = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([weight], lr=0.1, fused=True)
     assert takes_found_inf(opt)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mmcl.config import LossConfig, load_config
 from mmcl.losses import ContrastiveObjective, TeacherFeatures, distill_loss
-from mmcl.training.step import objective_from_config, train_step
+from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from helpers import fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from preempt import sigterm_during_step
@@ -217,8 +217,8 @@ def test_accumulation_with_a_teacher_equals_the_large_batch():
     results = []
     for batches in ([big], halves):
         model = micro_model()
-        loss, terms, backward = train_step(model, objective, batches, acc, None, True, teacher)
-        backward()
+        loss, terms, cache = forward_loss(model, objective, batches, acc, None, True, teacher)
+        backward(acc, model, loss, batches, cache)
         results.append((loss.item(), terms, grads_of(model)))
     (l1, t1, g1), (l2, t2, g2) = results
     assert t1["loss/distill"] > 0.01 and t2["loss/distill"] == pytest.approx(t1["loss/distill"], rel=1e-5)
@@ -271,7 +271,7 @@ def test_a_teacher_in_the_loop_trains_and_is_never_saved(demo, teacher_run, tmp_
 
 
 def test_resume_with_a_teacher_is_exact(demo, teacher_run, tmp_path, monkeypatch):
-    import mmcl.training.loop as train_mod
+    import mmcl.training.step as step_mod
     from mmcl.cli import main
 
     ref = tmp_path / "ref"
@@ -279,7 +279,7 @@ def test_resume_with_a_teacher_is_exact(demo, teacher_run, tmp_path, monkeypatch
     real = sigterm_during_step(4, monkeypatch)
     out = tmp_path / "run"
     assert main(_student_args(demo, out, teacher_run)) == 75
-    monkeypatch.setattr(train_mod, "train_step", real)
+    monkeypatch.setattr(step_mod, "forward_loss", real)
     assert main(_student_args(demo, out, teacher_run)) == 0
     a, b = final_weights(ref), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -467,8 +467,8 @@ def _ddp_teacher_worker(rank, world, port, out_path, micro_batches):
     local = {k: v[rank * n:(rank + 1) * n] for k, v in big.items()}
     m = n // micro_batches
     parts = [{k: v[i * m:(i + 1) * m] for k, v in local.items()} for i in range(micro_batches)]
-    _, terms, backward = train_step(model, objective, parts, acc, None, True, _FakeTeacher())
-    backward()
+    loss, terms, cache = forward_loss(model, objective, parts, acc, None, True, _FakeTeacher())
+    backward(acc, model, loss, parts, cache)
     if rank == 0:
         torch.save({"terms": terms, "grads": grads_of(acc.unwrap_model(model))}, out_path)
     end_worker()
@@ -496,8 +496,9 @@ def test_two_training_processes_with_a_teacher_equal_one(tmp_path, micro_batches
     acc = Accelerator(cpu=True)
     model = micro_model()
     objective = objective_from_config(LossConfig(clip=1.0, distill=2.0, chunk_size=4))
-    _, terms, backward = train_step(model, objective, [_teacher_batch()], acc, None, True, _FakeTeacher())
-    backward()
+    batches = [_teacher_batch()]
+    loss, terms, cache = forward_loss(model, objective, batches, acc, None, True, _FakeTeacher())
+    backward(acc, model, loss, batches, cache)
     single = grads_of(model)
     assert terms["loss/distill"] > 0.01
     for key in ("loss/clip", "loss/distill", "loss"):

@@ -55,17 +55,16 @@ def test_no_host_sync_on_steps_that_are_neither_logged_nor_saved(demo, tmp_path,
     """Counts the training loop's reads of tensors on the host (`.item()`, `.tolist()`, `bool(t)`, ...) per step
     of a 1-process run with a non-finite loss on an ordinary step (skipped all the same); the host-side fallback
     (no device-side skip) shows that the counter sees them."""
-    import mmcl.training.stepcheck as stepcheck
-    import mmcl.training.loop as train_mod
+    import mmcl.training.step as step_mod
 
-    real_step, current, syncs = train_mod.train_step, [0], []
+    real_loss, current, syncs = step_mod.forward_loss, [0], []
 
     def counted_step(*a):
         current[0] += 1
-        loss, terms, backward = real_step(*a)
+        loss, terms, cache = real_loss(*a)
         if current[0] == 3:
             loss = loss * float("nan")  # the step's update must be skipped (train.nan_policy=skip)
-        return loss, terms, backward
+        return loss, terms, cache
 
     for name in SYNCS:
         real = getattr(torch.Tensor, name)
@@ -76,15 +75,15 @@ def test_no_host_sync_on_steps_that_are_neither_logged_nor_saved(demo, tmp_path,
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, wrapper)
-    monkeypatch.setattr(train_mod, "train_step", counted_step)
+    monkeypatch.setattr(step_mod, "forward_loss", counted_step)
     if not on_device:
-        real_init = stepcheck.StepChecks.__init__
+        real_init = step_mod.FiniteChecks.__init__
 
         def host_only(self, *a):
             real_init(self, *a)
             self.on_device = False
 
-        monkeypatch.setattr(stepcheck.StepChecks, "__init__", host_only)
+        monkeypatch.setattr(step_mod.FiniteChecks, "__init__", host_only)
     out = tmp_path / "run"
     # data.workers=1: the samples are decoded in a worker process, so only the training loop is counted here.
     cfg = load_config(None, run_args(demo, out, "train.steps=8", "train.save_every=4", "train.log_every=4",

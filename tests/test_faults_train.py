@@ -68,9 +68,9 @@ def reference(demo, tmp_path_factory):
                                            (signal.SIGINT, 130, "interrupted")])
 def test_signal_mid_step_saves_then_a_rerun_finishes_with_the_same_weights(demo, reference, tmp_path, monkeypatch,
                                                                           capsys, sig, code, word):
-    import mmcl.training.loop as train_mod
+    import mmcl.training.step as step_mod
 
-    real, calls = train_mod.train_step, [0]
+    real, calls = step_mod.forward_loss, [0]
 
     def signalled(*a):
         calls[0] += 1
@@ -78,7 +78,7 @@ def test_signal_mid_step_saves_then_a_rerun_finishes_with_the_same_weights(demo,
             os.kill(os.getpid(), sig)
         return real(*a)
 
-    monkeypatch.setattr(train_mod, "train_step", signalled)
+    monkeypatch.setattr(step_mod, "forward_loss", signalled)
     before = signal.getsignal(sig)  # SIG_IGN for SIGINT when the suite itself runs in the background
     out = tmp_path / "run"
     assert main(args(demo, out)) == code
@@ -89,7 +89,7 @@ def test_signal_mid_step_saves_then_a_rerun_finishes_with_the_same_weights(demo,
     assert not (out / "model").exists()
     assert signal.getsignal(sig) == before  # handlers restored
 
-    monkeypatch.setattr(train_mod, "train_step", real)
+    monkeypatch.setattr(step_mod, "forward_loss", real)
     assert main(args(demo, out)) == 0
     assert "resuming from" in capsys.readouterr().out
     same_weights(reference, out)
@@ -481,11 +481,11 @@ def test_a_user_error_on_one_of_two_processes_ends_the_launch_with_one_line(demo
 
 FAIL_ON_RANK_1_MID_RUN = """\
 import os, sys
-import mmcl.training.loop as train_mod
+import mmcl.training.step as step_mod
 from mmcl.cli import main
 from mmcl.errors import DataError
 
-real, calls = train_mod.train_step, [0]
+real, calls = step_mod.forward_loss, [0]
 
 
 def failing(*args):
@@ -495,7 +495,7 @@ def failing(*args):
     return real(*args)
 
 
-train_mod.train_step = failing
+step_mod.forward_loss = failing
 sys.exit(main(sys.argv[1:]))
 """
 

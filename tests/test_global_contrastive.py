@@ -424,7 +424,7 @@ def test_gradient_accumulation_gives_the_gradients_and_estimates_of_the_whole_ba
 
     from helpers import fake_batch, grads_of, micro_model
     from mmcl.config import GlobalContrastiveConfig, LossConfig
-    from mmcl.training.step import objective_from_config, train_step
+    from mmcl.training.step import backward, forward_loss, objective_from_config
 
     batch = dict(fake_batch(12, seed=1), sample_id=torch.tensor([3, 40, 7, 81, 5, 9, 11, 13, 17, 19, 23, 29]))
     halves = [{k: v[:6] for k, v in batch.items()}, {k: v[6:] for k, v in batch.items()}]
@@ -435,8 +435,9 @@ def test_gradient_accumulation_gives_the_gradients_and_estimates_of_the_whole_ba
             weight=1.0, gamma=0.3, table_size=32)))
         for _ in range(2):  # the second step divides by the estimates the first one wrote
             model.zero_grad()
-            _, terms, backward = train_step(model, objective, batches, Accelerator(cpu=True))
-            backward()
+            acc = Accelerator(cpu=True)
+            loss, terms, cache = forward_loss(model, objective, batches, acc)
+            backward(acc, model, loss, batches, cache)
         results.append((terms["loss"], grads_of(model), objective.global_estimates.state_dict()))
     (loss_a, grads_a, est_a), (loss_b, grads_b, est_b) = results
     assert loss_b == pytest.approx(loss_a, rel=1e-5)

@@ -27,8 +27,9 @@ import torch
 
 from mmcl import models
 from mmcl.config import LossConfig, MochiConfig, load_config
-from mmcl.training.loop import make_accelerator, train
-from mmcl.training.step import objective_from_config, train_step
+from mmcl.training.loop import train
+from mmcl.training.runtime import make_accelerator
+from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from spawned import free_port
 from helpers import MICRO, ROOT, fake_batch, grads_of, metrics, micro_model, run_args
@@ -49,7 +50,7 @@ def test_the_device_is_the_cpu_with_a_gpu_visible(monkeypatch):
 
 def test_auto_precision_takes_the_launchers(monkeypatch):
     from mmcl.config import PRECISIONS
-    from mmcl.training.loop import choose_precision
+    from mmcl.training.runtime import choose_precision
 
     monkeypatch.delenv(LAUNCHER, raising=False)
     assert choose_precision("auto") == ("fp32", "the default (train.precision=auto, no launcher setting)")
@@ -63,7 +64,7 @@ def test_auto_precision_takes_the_launchers(monkeypatch):
 
 def test_a_set_precision_the_launcher_contradicts_is_an_error_naming_both(monkeypatch):
     from mmcl.errors import ConfigError
-    from mmcl.training.loop import choose_precision
+    from mmcl.training.runtime import choose_precision
 
     monkeypatch.setenv(LAUNCHER, "bf16")
     with pytest.raises(ConfigError) as err:
@@ -90,7 +91,7 @@ def test_each_launch_file_trains_in_the_precision_it_names(monkeypatch, launch_f
     assert make_accelerator(load_config(None, []).train.precision).mixed_precision == said
 
     from mmcl.config import PRECISIONS
-    from mmcl.training.loop import choose_precision
+    from mmcl.training.runtime import choose_precision
 
     assert choose_precision("auto") == ({v: k for k, v in PRECISIONS.items()}[said],
                                         f"the launcher (ACCELERATE_MIXED_PRECISION={said})")
@@ -98,16 +99,16 @@ def test_each_launch_file_trains_in_the_precision_it_names(monkeypatch, launch_f
 
 def test_a_run_under_a_bf16_launcher_trains_in_bf16_and_says_so(demo, tmp_path, monkeypatch, capsys):
     """As `accelerate launch --config_file launch/gpu-1.yaml` sets it: no train.precision, bf16 autocast."""
-    import mmcl.training.loop as train_mod
+    import mmcl.training.step as step_mod
 
-    real, seen = train_mod.train_step, []
+    real, seen = step_mod.forward_loss, []
 
     def watched(model, objective, batches, accelerator, *a):
         with accelerator.autocast():
             seen.append((accelerator.mixed_precision, (torch.ones(2, 2) @ torch.ones(2, 2)).dtype))
         return real(model, objective, batches, accelerator, *a)
 
-    monkeypatch.setattr(train_mod, "train_step", watched)
+    monkeypatch.setattr(step_mod, "forward_loss", watched)
     monkeypatch.setenv(LAUNCHER, "bf16")
     out = tmp_path / "run"
     train(load_config(None, run_args(demo, out, "train.steps=2", "train.log_every=1", "data.batch_size=8",
@@ -133,7 +134,7 @@ def test_a_run_with_fp32_under_a_bf16_launcher_is_one_error_line(demo, tmp_path,
 
 
 def test_tf32_follows_the_key_on_cuda_and_leaves_other_devices_alone():
-    from mmcl.training.loop import set_tf32, tf32_setting
+    from mmcl.training.runtime import set_tf32, tf32_setting
 
     before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
     try:
@@ -191,8 +192,9 @@ def _two_steps(precision, name, chunk, accum, fresh_state):
     objective.reseed(0)
     out = []
     for step in range(2):
-        loss, terms, backward = train_step(model, objective, _step_batches(step, accum), acc)
-        backward()
+        batches = _step_batches(step, accum)
+        loss, terms, cache = forward_loss(model, objective, batches, acc)
+        backward(acc, model, loss, batches, cache)
         out.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
         model.zero_grad(set_to_none=True)
     return out
@@ -270,7 +272,7 @@ def test_a_loss_non_finite_on_every_process_skips_the_fused_step(monkeypatch, wo
     import torch.distributed as dist
 
     from mmcl.config import OptimConfig
-    from mmcl.training.stepcheck import StepChecks
+    from mmcl.training.step import FiniteChecks
     from mmcl.training.optim import build_optimizer
 
     class Accelerator:
@@ -280,7 +282,7 @@ def test_a_loss_non_finite_on_every_process_skips_the_fused_step(monkeypatch, wo
     monkeypatch.setattr(dist, "all_reduce", _SameOnEveryRank(world))
     model = micro_model()
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
-    checks = StepChecks(Accelerator(), optimizer)
+    checks = FiniteChecks(Accelerator(), optimizer)
     assert checks.on_device
     objective = objective_from_config(LossConfig())
 
@@ -311,11 +313,10 @@ def test_a_loss_non_finite_on_every_process_skips_the_fused_step(monkeypatch, wo
 POISON_EVERY_RANK = """\
 import json, os, sys
 import torch
-import mmcl.training.loop as train_mod
-import mmcl.training.stepcheck as stepcheck
+import mmcl.training.step as step_mod
 from mmcl.cli import main
 
-real_step, real_update, real_arm = train_mod.train_step, train_mod.apply_update, stepcheck.StepChecks.arm
+real_loss, real_update, real_arm = step_mod.forward_loss, step_mod.apply_update, step_mod.FiniteChecks.arm
 seen = {"weights_finite": [], "steps": [], "armed": 0, "equal_after_skip": None}
 held = {}
 
@@ -328,11 +329,10 @@ def poisoned(model, objective, batches, accelerator, *a):
         held["before"] = weights
     if calls == 4:  # after the skipped step 3
         seen["equal_after_skip"] = all(torch.equal(v, held["before"][k]) for k, v in weights.items())
-    loss, terms, backward = real_step(model, objective, batches, accelerator, *a)
-    if calls == 3:  # every process: a NaN loss and NaN gradients
+    loss, terms, cache = real_loss(model, objective, batches, accelerator, *a)
+    if calls == 3:  # every process: a NaN loss and, from its backward (one micro-batch), NaN gradients
         loss = loss * float("nan")
-        backward = lambda: accelerator.backward(loss)
-    return loss, terms, backward
+    return loss, terms, cache
 
 
 def update(accelerator, model, raw_model, optimizer, *a):
@@ -347,7 +347,7 @@ def arm(self, loss, step):
     return real_arm(self, loss, step)
 
 
-train_mod.train_step, train_mod.apply_update, stepcheck.StepChecks.arm = poisoned, update, arm
+step_mod.forward_loss, step_mod.apply_update, step_mod.FiniteChecks.arm = poisoned, update, arm
 code = main(sys.argv[1:])
 with open(os.environ["SEEN"] + os.environ["RANK"], "w") as f:
     json.dump(seen, f)
@@ -375,7 +375,7 @@ def test_a_loss_non_finite_on_both_processes_skips_the_step_and_the_run_goes_on(
     assert [r["step"] for r in rows] == [1, 2, 4, 5] and [r["samples"] for r in rows] == [8, 16, 24, 32]
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"seen-{rank}").read_text())
-        assert seen["armed"] == 5  # the device-side decision (mmcl/stepcheck.py) ran every step
+        assert seen["armed"] == 5  # the device-side decision (mmcl/training/step.py) ran every step
         assert seen["weights_finite"] == [True] * 5 and seen["equal_after_skip"] is True, seen
         assert seen["steps"] == [[1.0], [2.0], [2.0], [3.0], [4.0]], seen
     from safetensors.torch import load_file
@@ -426,8 +426,9 @@ def _noisy_grads(batches, noise=None, seed=5):
     torch.manual_seed(seed)
     if noise is not None:
         noise.manual_seed(seed + 1)
-    loss, _, backward = train_step(model, objective_from_config(LossConfig()), batches, Accelerator(cpu=True))
-    backward()
+    acc = Accelerator(cpu=True)
+    loss, _, cache = forward_loss(model, objective_from_config(LossConfig()), batches, acc)
+    backward(acc, model, loss, batches, cache)
     return loss.item(), grads_of(model)
 
 

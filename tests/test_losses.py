@@ -1008,7 +1008,7 @@ def test_train_step_with_mochi_queue_backpropagates(chunk):
 
     from mmcl import models
     from mmcl.config import load_config
-    from mmcl.training.step import train_step
+    from mmcl.training.step import backward, forward_loss
 
     torch.manual_seed(0)
     model_cfg = load_config(None, ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
@@ -1021,8 +1021,9 @@ def test_train_step_with_mochi_queue_backpropagates(chunk):
         batch = {"image": torch.randn(6, 3, 64, 64, generator=g), "text": torch.randint(1, 1000, (6, 32), generator=g),
                  "label": torch.full((6,), -1, dtype=torch.long)}
         model.zero_grad()
-        loss, terms, backward = train_step(model, obj, [batch], acc)
-        backward()  # raised "modified by an inplace operation" once the queue held a batch
+        loss, terms, cache = forward_loss(model, obj, [batch], acc)
+        # raised "modified by an inplace operation" once the queue held a batch
+        backward(acc, model, loss, [batch], cache)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(gr).all() for gr in grads) and math.isfinite(terms["loss/mochi"])
     assert len(obj.text_queue) == 12

@@ -1,11 +1,11 @@
 """No host sync on ordinary training steps, counted by torch's dispatcher (`syncwatch.SyncWatch`).
 
 Every op of a step passes through the dispatcher on a CPU exactly as on a GPU, so a dispatch mode held from the
-start of `train_step` (forward, loss) to the end of `finish_step` (backward, all-reduces, the optimiser,
-the EMA) sees each read of a device value, each data-dependent op and each blocking copy the step would make on a
-GPU. Ordinary steps are those neither logged nor saved; the first step (optimiser state, DDP's buckets) and the
-logged ones read on purpose and are left out. Each recipe runs end to end through `mmcl.training.loop.train`, in one
-process and (slow) in two gloo processes.
+start of `Step.__call__` (forward, loss, the finite-loss decision, backward, all-reduces, the optimiser, the EMA)
+to the end of the loop's `after_step` (progress, logging, saving, stopping) sees each read of a device value, each
+data-dependent op and each blocking copy the step would make on a GPU. Ordinary steps are those neither logged
+nor saved; the first step (optimiser state, DDP's buckets) and the logged ones read on purpose and are left out.
+Each recipe runs end to end through `mmcl.training.loop.train`, in one process and (slow) in two gloo processes.
 """
 
 import json
@@ -41,46 +41,47 @@ RECIPES = {
 
 def watched_train(cfg, long_caption: bool = False):
     """Train `cfg` with a `SyncWatch` over each ordinary step; returns {step: [(op, where), ...]}."""
-    import mmcl.training.loop as train_mod
+    import mmcl.training.loop as loop_mod
+    from mmcl.training.step import Step
 
-    real_step, real_rest, real_next = train_mod.train_step, train_mod.finish_step, train_mod.next_batches
+    real_step, real_after, real_next = Step.__call__, loop_mod.after_step, loop_mod.next_batches
     events, current, watch = {}, [0], [None]
 
     def next_batches(run, data_iter):
         batches = real_next(run, data_iter)
         if long_caption:  # the batch as the data loader gives it when one caption fills the context
-            full = run.tokenizer(["word " * 200])
+            full = run.trainee.tokenizer(["word " * 200])
             for b in batches:
                 text = F.pad(b["text"], (0, full.shape[1] - b["text"].shape[1]))
                 text[0] = full[0]
                 b["text"] = text
         return batches
 
-    def train_step(*a, **k):
+    def step(self, *a, **k):
         current[0] += 1
         if current[0] in ORDINARY:
             watch[0] = SyncWatch()
             watch[0].__enter__()
-        return real_step(*a, **k)
+        return real_step(self, *a, **k)
 
-    def finish_step(*a, **k):
+    def after_step(*a, **k):
         try:
-            return real_rest(*a, **k)
+            return real_after(*a, **k)
         finally:
             if watch[0] is not None:
                 watch[0].__exit__(None, None, None)
                 events[current[0]] = list(watch[0].events)
                 watch[0] = None
 
-    patches = {"train_step": train_step, "finish_step": finish_step, "next_batches": next_batches}
-    saved = {name: getattr(train_mod, name) for name in patches}
-    for name, fn in patches.items():
-        setattr(train_mod, name, fn)
+    patches = [(Step, "__call__", step, real_step), (loop_mod, "after_step", after_step, real_after),
+               (loop_mod, "next_batches", next_batches, real_next)]
+    for owner, name, fn, _ in patches:
+        setattr(owner, name, fn)
     try:
         train(cfg)
     finally:
-        for name, fn in saved.items():
-            setattr(train_mod, name, fn)
+        for owner, name, _, fn in patches:
+            setattr(owner, name, fn)
     return events
 
 

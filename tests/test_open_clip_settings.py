@@ -11,26 +11,26 @@ import torch
 from helpers import MICRO, ROOT
 from mmcl import models
 from mmcl.config import DataConfig, data_workers, load_config
-from mmcl.training import loop
+from mmcl.training import finish, runtime
 from spawned import free_port
 from test_evaluate import COLOURS, write_folder
 
 
 def test_cudnn_benchmark_is_on_for_a_cuda_device_only(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    loop.set_cudnn_benchmark(torch.device("cpu"))
+    runtime.set_cudnn_benchmark(torch.device("cpu"))
     assert torch.backends.cudnn.benchmark is False
-    loop.set_cudnn_benchmark(torch.device("cuda"))
+    runtime.set_cudnn_benchmark(torch.device("cuda"))
     assert torch.backends.cudnn.benchmark is True
 
 
 def test_ddp_options_reach_the_accelerator(fresh_accelerate_state):
     cfg = load_config(None, ["train.ddp.static_graph=true", "train.ddp.gradient_as_bucket_view=true",
                              "train.ddp.bucket_cap_mb=50"])
-    accelerator = loop.make_accelerator("fp32", kwargs_handlers=loop.ddp_options(cfg.train.ddp))
+    accelerator = runtime.make_accelerator("fp32", kwargs_handlers=runtime.ddp_options(cfg.train.ddp))
     assert accelerator.ddp_handler.to_kwargs() == {"static_graph": True, "gradient_as_bucket_view": True,
                                                    "bucket_cap_mb": 50}
-    assert loop.ddp_options(load_config(None, []).train.ddp) == []  # unset: torch's defaults
+    assert runtime.ddp_options(load_config(None, []).train.ddp) == []  # unset: torch's defaults
     fresh_accelerate_state()
 
 
@@ -58,9 +58,9 @@ def test_evaluation_runs_under_the_run_mixed_precision(tmp_path, fresh_accelerat
     results = {}
     for precision in ("fp32", "bf16"):
         fresh_accelerate_state()
-        accelerator = loop.make_accelerator(precision)
+        accelerator = runtime.make_accelerator(precision)
         results[precision] = {}
-        loop.run_eval(cfg, model, tokenizer, pp, accelerator, None, 4, results[precision])
+        finish.run_eval(cfg, model, tokenizer, pp, accelerator, None, 4, results[precision])
     fresh_accelerate_state()
     assert seen[0] is False and seen[-1] is True, seen
     fp32, bf16 = (results[p]["zeroshot"]["zs"]["metrics"] for p in ("fp32", "bf16"))

@@ -11,7 +11,7 @@ import torch
 from mmcl import models
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
-from mmcl.models.resize import at_size, follow_input_size, resize_grid_embedding
+from mmcl.models.phases import at_size, follow_input_size, resize_grid_embedding
 from helpers import MICRO, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from preempt import sigterm_during_step
 from spawned import end_worker, free_port
@@ -134,7 +134,7 @@ def test_phases_as_fractions_or_the_rest_follow_the_run_length(demo):
     """A phase given as a fraction of the run, or a last phase that takes the rest, keeps the schedule when the
     run's length changes, whichever key sets it (train.steps, train.samples, train.epochs)."""
     from mmcl.config import phase_lengths
-    from mmcl.training import loop, phases
+    from mmcl.training import phases, runtime
 
     spec = "train.phases=[{fraction: 0.9, image_size: 32}, {}]"
     for steps, lengths in ((150, [135, 15]), (4, [3, 1]), (2, [1, 1]), (10, [9, 1])):
@@ -155,7 +155,7 @@ def test_phases_as_fractions_or_the_rest_follow_the_run_length(demo):
     model, model_cfg, *_ = models.build(load_config(None, MICRO).model)
     for length in ("train.samples=800", "train.epochs=2"):
         cfg = load_config(None, [*MICRO, f"data.train={demo['train']}", "data.batch_size=8", length, spec])
-        total = loop.total_steps(cfg, 1)
+        total = runtime.total_steps(cfg, 1)
         plan = phases.plan(cfg, model, model_cfg, total)
         assert [(p.start, p.steps, p.image_size) for p in plan] == [
             (0, math.floor(0.9 * total), 32), (math.floor(0.9 * total), total - math.floor(0.9 * total), 64)]
@@ -245,13 +245,13 @@ RECIPE = ["train.accum_steps=2", "data.batch_size=4", "train.ema_decay=0.7", "da
 @pytest.mark.parametrize("stop_at", [2, 4, 6], ids=["first-phase", "boundary", "second-phase"])
 def test_a_run_stopped_in_either_phase_or_at_the_boundary_resumes_exactly(demo, reference, tmp_path, monkeypatch,
                                                                           stop_at, capsys):
-    import mmcl.training.loop as loop
+    import mmcl.training.step as step_mod
 
     out = tmp_path / "run"
     real = sigterm_during_step(stop_at, monkeypatch)
     assert _train(demo, out, *RECIPE) == 75
     assert f"preempted (SIGTERM) at step {stop_at}" in capsys.readouterr().err
-    monkeypatch.setattr(loop, "train_step", real)
+    monkeypatch.setattr(step_mod, "forward_loss", real)
     assert _train(demo, out, *RECIPE) == 0
     a, b = final_weights(reference), final_weights(out)
     assert a.keys() == b.keys()
@@ -287,14 +287,14 @@ def test_a_phase_run_equals_itself_without_accumulation_and_saves_the_last_phase
 def _phase_step(model, acc, rank, world, batch):
     from mmcl.config import LossConfig
     from mmcl.models import flip
-    from mmcl.training.step import objective_from_config, train_step
+    from mmcl.training.step import backward, forward_loss, objective_from_config
 
     follow_input_size(model)
     modules = models.set_patch_dropout(model, 0.0, seed=3, rank=rank, world_size=world)
     flip.begin_step(modules, 5, True, 0.5)  # a phase's rate, set by the step hook
     model = acc.prepare(model)
-    loss, terms, backward = train_step(model, objective_from_config(LossConfig()), [batch], acc)
-    backward()
+    loss, terms, cache = forward_loss(model, objective_from_config(LossConfig()), [batch], acc)
+    backward(acc, model, loss, [batch], cache)
     return terms["loss/clip"], grads_of(acc.unwrap_model(model))
 
 

@@ -9,7 +9,7 @@ from mmcl import models
 from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.training.ema import WeightEMA
 from mmcl.training.step import objective_from_config as build_objective
-from mmcl.training.step import apply_update, train_step
+from mmcl.training.step import apply_update, backward, forward_loss
 from mmcl.training.optim import build_optimizer
 
 from helpers import MICRO, fake_batch, metrics, run_args
@@ -32,8 +32,8 @@ def train_steps(model, acc, batches, ema=None, optim=None):
     raw = acc.unwrap_model(model)
     seen = []
     for b in batches:
-        _, _, backward = train_step(model, objective, [b], acc)
-        backward()
+        loss, _, cache = forward_loss(model, objective, [b], acc)
+        backward(acc, model, loss, [b], cache)
         apply_update(acc, model, raw, optimizer, 1.0, 4.6)
         if ema is not None:
             ema.update(raw)
@@ -270,8 +270,8 @@ def test_accumulation_with_patch_dropout_equals_its_reference():
     model = micro_model(0)
     mods = models.set_patch_dropout(model, 0.5, seed=2, accum_steps=2)
     mods[0].begin_step(4)
-    loss_acc, _, backward = train_step(model, objective, halves, acc)
-    backward()
+    loss_acc, _, cache = forward_loss(model, objective, halves, acc)
+    backward(acc, model, loss_acc, halves, cache)
     g_acc = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model = micro_model(0)
@@ -611,7 +611,7 @@ def test_a_run_stopped_by_a_signal_closes_its_trackers(demo, tmp_path, monkeypat
     import yaml
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import mmcl.training.loop as train_mod
+    import mmcl.training.step as step_mod
     from mmcl.cli import main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -631,6 +631,6 @@ def test_a_run_stopped_by_a_signal_closes_its_trackers(demo, tmp_path, monkeypat
     from mlflow.entities import RunStatus
 
     assert statuses() == [(RunStatus.KILLED, True)]
-    monkeypatch.setattr(train_mod, "train_step", real)
+    monkeypatch.setattr(step_mod, "forward_loss", real)
     assert main(["train", *args]) == 0
     assert statuses() == sorted([(RunStatus.KILLED, True), (RunStatus.FINISHED, True)])

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY_TOWERS
+from mmcl import models
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
-from mmcl.training import loop
 from mmcl.training.preflight import check_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def no_model(monkeypatch):
     def build(*_, **__):
         raise AssertionError("the model was built")
 
-    monkeypatch.setattr(loop.models, "build", build)
+    monkeypatch.setattr(models, "build", build)
 
 
 def test_a_table_given_as_shards_names_mmcl_shards_before_the_model_is_built(tmp_path, capsys, no_model):

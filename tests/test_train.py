@@ -17,7 +17,7 @@ from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.errors import TrainingError
 from mmcl.storage.checkpoints import latest_checkpoint, list_checkpoints
 from mmcl.training.optim import lr_at
-from mmcl.training.step import objective_from_config, train_step
+from mmcl.training.step import backward, forward_loss, objective_from_config
 from mmcl.training import optim
 from mmcl.training.loop import train
 from helpers import ROOT, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
@@ -55,13 +55,13 @@ def test_accumulation_equals_the_large_batch():
     halves = [{k: v[:6] for k, v in big.items()}, {k: v[6:] for k, v in big.items()}]
 
     model = micro_model()
-    loss_big, _, backward = train_step(model, objective, [big], acc)
-    backward()
+    loss_big, _, cache = forward_loss(model, objective, [big], acc)
+    backward(acc, model, loss_big, [big], cache)
     g_big = grads_of(model)
 
     model = micro_model()
-    loss_acc, _, backward = train_step(model, objective, halves, acc)
-    backward()
+    loss_acc, _, cache = forward_loss(model, objective, halves, acc)
+    backward(acc, model, loss_acc, halves, cache)
     g_acc = grads_of(model)
 
     # float32 reductions run in a different order (two forwards of 6 vs one of 12): agreement to ~1e-6 relative.
@@ -118,8 +118,8 @@ def test_accumulation_reads_the_scale_and_bias_from_the_forward():
     runs = []
     for batches in ([big], thirds):
         model = _HalfScale(micro_model())
-        loss, terms, backward = train_step(model, objective, batches, acc)
-        backward()
+        loss, terms, cache = forward_loss(model, objective, batches, acc)
+        backward(acc, model, loss, batches, cache)
         runs.append((loss.item(), terms, grads_of(model)))
     (loss_big, terms_big, g_big), (loss_acc, terms_acc, g_acc) = runs
     # float32 reductions in another order (three forwards of 4 vs one of 12): agreement to ~1e-6 relative.
@@ -144,8 +144,8 @@ def _ddp_worker(rank, world, port, out_path, micro_batches=1):
     local = {k: v[rank * n:(rank + 1) * n] for k, v in big.items()}
     m = n // micro_batches
     parts = [{k: v[i * m:(i + 1) * m] for k, v in local.items()} for i in range(micro_batches)]
-    loss, terms, backward = train_step(model, objective, parts, acc)
-    backward()
+    loss, terms, cache = forward_loss(model, objective, parts, acc)
+    backward(acc, model, loss, parts, cache)
     if rank == 0:
         torch.save({"loss": terms["loss/clip"], "grads": grads_of(acc.unwrap_model(model))}, out_path)
     end_worker()
@@ -162,8 +162,9 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, micro_b
 
     acc = Accelerator(cpu=True)
     model = micro_model()
-    _, terms, backward = train_step(model, objective_from_config(LossConfig()), [fake_batch(12, seed=1)], acc)
-    backward()
+    batches = [fake_batch(12, seed=1)]
+    loss, terms, cache = forward_loss(model, objective_from_config(LossConfig()), batches, acc)
+    backward(acc, model, loss, batches, cache)
     single = grads_of(model)
     # Same math, different float32 summation order across the all-gather: agreement to ~1e-6 relative.
     assert ddp["loss"] == pytest.approx(terms["loss/clip"], rel=1e-5)
@@ -300,19 +301,19 @@ def test_samples_budget_sets_the_number_of_steps(demo, tmp_path, capsys):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
-    import mmcl.training.loop as train_mod
+    import mmcl.training.step as step_mod
 
-    real = train_mod.train_step
+    real = step_mod.forward_loss
     calls = {"n": 0}
 
     def poisoned(*args):
-        loss, terms, backward = real(*args)
+        loss, terms, cache = real(*args)
         calls["n"] += 1
         if calls["n"] == 3:
             loss = loss * float("nan")
-        return loss, terms, backward
+        return loss, terms, cache
 
-    monkeypatch.setattr(train_mod, "train_step", poisoned)
+    monkeypatch.setattr(step_mod, "forward_loss", poisoned)
     out = tmp_path / "run"
     cfg = load_config(None, run_args(demo, out, "train.steps=4", "train.save_every=2", "data.batch_size=8",
                                      "data.workers=0", "train.log_every=1", f"train.nan_policy={policy}")[2:])
@@ -332,21 +333,21 @@ def test_non_finite_loss(demo, tmp_path, monkeypatch, policy):
 
 POISON_ONE_RANK = """\
 import os, sys
-import mmcl.training.loop as train_mod
+import mmcl.training.step as step_mod
 from mmcl.cli import main
 
-real, calls = train_mod.train_step, [0]
+real, calls = step_mod.forward_loss, [0]
 
 
 def poisoned(*args):
-    loss, terms, backward = real(*args)
+    loss, terms, cache = real(*args)
     calls[0] += 1
     if calls[0] == 3 and os.environ.get("RANK") == "1":
         loss = loss * float("nan")
-    return loss, terms, backward
+    return loss, terms, cache
 
 
-train_mod.train_step = poisoned
+step_mod.forward_loss = poisoned
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -421,8 +422,8 @@ def test_bf16_autocast_and_gradient_checkpointing(demo, tmp_path, fresh_accelera
     for checkpointing in (False, True):
         model = micro_model()
         model.set_grad_checkpointing(checkpointing)
-        _, _, backward = train_step(model, objective_from_config(LossConfig()), [batch], acc)
-        backward()
+        loss, _, cache = forward_loss(model, objective_from_config(LossConfig()), [batch], acc)
+        backward(acc, model, loss, [batch], cache)
         grads.append(grads_of(model))
     for name in grads[0]:
         # Recomputation runs the same float32 kernels in the same order: identical up to rounding of reductions.
@@ -466,11 +467,11 @@ def test_final_evaluation_failure_keeps_the_model(demo, tmp_path, capsys):
 def test_a_failing_periodic_evaluation_warns_and_training_goes_on(demo, tmp_path, capsys, monkeypatch):
     """An evaluation set that breaks during the run (removed, unreadable) costs a warning line at each periodic
     evaluation, not the steps since the last checkpoint."""
-    import mmcl.training.loop as train_mod
+    import mmcl.training.finish as finish_mod
     from mmcl.cli import main
     from mmcl.errors import DataError
 
-    real, calls = train_mod.run_eval, []
+    real, calls = finish_mod.run_eval, []
 
     def broken_until_final(cfg, model, *a):
         calls.append(1)
@@ -478,7 +479,7 @@ def test_a_failing_periodic_evaluation_warns_and_training_goes_on(demo, tmp_path
             raise DataError("cannot read /gone/eval-set")
         return real(cfg, model, *a)
 
-    monkeypatch.setattr(train_mod, "run_eval", broken_until_final)
+    monkeypatch.setattr(finish_mod, "run_eval", broken_until_final)
     out = tmp_path / "run"
     code = main(["train", *run_args(demo, out, "train.steps=5", "data.batch_size=8", "data.workers=0",
                                     f"eval.zeroshot={demo['zeroshot_colour']}", "eval.every=2",
@@ -550,7 +551,7 @@ def test_a_second_run_in_one_process_with_another_precision_is_one_config_error(
     """accelerate keeps its precision for the life of the process: the same precision again is fine, another one
     is a ConfigError naming both; in a fresh process (here: fresh state) bf16 autocasts."""
     from mmcl.errors import ConfigError
-    from mmcl.training.loop import make_accelerator
+    from mmcl.training.runtime import make_accelerator
 
     assert make_accelerator("fp32").mixed_precision == "no"
     assert make_accelerator("fp32").mixed_precision == "no"

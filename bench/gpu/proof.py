@@ -4,12 +4,12 @@ Stages, in order; each gets a share of the time left and is skipped, with the re
 is left; a stage that runs past its share is cut and records what it had:
 
 a. tests: ``pytest -m "gpu or gpu_path"`` over tests/test_gpu.py and tests/test_gpu_path_*.py, on CUDA.
-b. train_step: mmcl's training step (Accelerator-prepared model, ``train_step`` + ``apply_update``, uint8 images
-   finished on the device, its trimmed tokens) against open_clip's own model + ClipLoss step (autocast, AdamW, the
-   gradient clip and logit-scale clamp of open_clip_train), the same architecture (ViT-B-32), bf16, per-GPU batches
-   256 and 1024, synthetic batches held on the device: samples/s and peak memory, each plain and compiled
-   (``train.compile``: model and objective through torch.compile; open_clip: ``--torchcompile``'s torch.compile of
-   the model), in rounds that alternate the order.
+b. train_step: mmcl's training step (Accelerator-prepared model, ``forward_loss`` + ``backward`` +
+   ``apply_update``, uint8 images finished on the device, its trimmed tokens) against open_clip's own model +
+   ClipLoss step (autocast, AdamW, the gradient clip and logit-scale clamp of open_clip_train), the same
+   architecture (ViT-B-32), bf16, per-GPU batches 256 and 1024, synthetic batches held on the device: samples/s and
+   peak memory, each plain and compiled (``train.compile``: model and objective through torch.compile;
+   open_clip: ``--torchcompile``'s torch.compile of the model), in rounds that alternate the order.
 c. losses: mmcl's tiled InfoNCE (``clip_loss(chunk_size=1024)``) against open_clip's ClipLoss, and mmcl's chunked
    SigLIP against SigLipLoss, at N = 32k, 64k, 256k pairs of 512-d features under bf16 autocast: fwd+bwd time and
    peak memory; an out-of-memory reference is caught and recorded.
@@ -239,7 +239,7 @@ def build_variants(cfg: Dict[str, Any], device: str, batch: int, compiled: bool,
     from mmcl.config import load_config
     from mmcl.data.transforms import ImageSpec, train_image_stages
     from mmcl.training.optim import build_optimizer
-    from mmcl.training.step import apply_update, objective_from_config, train_step
+    from mmcl.training.step import apply_update, backward, forward_loss, objective_from_config
 
     dev = torch.device(device)
     bf16 = cfg["precision"] == "bf16"
@@ -295,9 +295,9 @@ def build_variants(cfg: Dict[str, Any], device: str, batch: int, compiled: bool,
     last = {}
 
     def mmcl_step():
-        loss, _, backward = train_step(step_model, loss_fn, [mmcl_batch], m["accelerator"], m["finish"],
-                                       with_metrics=False)
-        backward()
+        loss, _, cache = forward_loss(step_model, loss_fn, [mmcl_batch], m["accelerator"], m["finish"],
+                                      with_metrics=False)
+        backward(m["accelerator"], step_model, loss, [mmcl_batch], cache, m["finish"])
         apply_update(m["accelerator"], m["acc_model"], m["model"], m["optimizer"], c.optim.grad_clip,
                      c.model.max_logit_scale)
         last["mmcl"] = loss
