@@ -284,8 +284,14 @@ def cmd_interpolate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .storage.export import export
+    from .errors import ConfigError
+    from .storage.export import export, export_adapters
 
+    if args.adapters_only == bool(args.format):
+        raise ConfigError("mmcl export takes --format, or --adapters-only for a LoRA run's adapters (not both)")
+    if args.adapters_only:
+        print(f"mmcl: exported the LoRA adapters (peft's format) to {export_adapters(args.model, args.out)}")
+        return 0
     out = export(args.model, args.format, args.out)
     print(f"mmcl: exported {args.format} to {out}")
     return 0
@@ -506,8 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="export the encoders")
     e.add_argument("--model", required=True, help="run dir, its model/, an export, or a checkpoint (RUN/checkpoints/step-N)")
-    e.add_argument("--format", required=True, choices=["open_clip", "hf", "onnx", "safetensors"],
+    e.add_argument("--format", choices=["open_clip", "hf", "onnx", "safetensors"],
                    help="open_clip local-dir, Hugging Face CLIPModel directory, ONNX encoders, or safetensors weights")
+    e.add_argument("--adapters-only", action="store_true",
+                   help="instead of --format: a LoRA run's adapters alone, in peft's format (from its newest checkpoint)")
     e.add_argument("--out", required=True, help="output folder")
     e.set_defaults(func=cmd_export)
 

@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 
 from ..errors import ConfigError
 from .keys import get, term_keys
-from .schema import PRECISIONS, TRACKERS, AugConfig, DataConfig, EvalConfig, PhaseConfig, TrainConfig
+from .schema import PRECISIONS, TRACKERS, AugConfig, DataConfig, EvalConfig, ModelConfig, PhaseConfig, TrainConfig
 
 
 _CHOICES = {
@@ -100,6 +100,7 @@ def validate(cfg: TrainConfig) -> List[str]:
         problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     problems += _distill_problems(cfg)
     problems += _eval_problems(cfg)
+    problems += _lora_problems(cfg.model)
     if cfg.model.pretrained and cfg.model.init_from:
         problems.append("model.pretrained and model.init_from are both set: model.pretrained names a model (its "
                         "weights, and its architecture where it has one), model.init_from loads weights into "
@@ -108,6 +109,31 @@ def validate(cfg: TrainConfig) -> List[str]:
     problems += aug_problems(cfg.data.aug)
     if cfg.train.wise_ft is not None and (not cfg.train.wise_ft or any(not 0 <= a <= 1 for a in cfg.train.wise_ft)):
         problems.append(f"train.wise_ft must be a list of alphas in [0, 1] (got {list(cfg.train.wise_ft)})")
+    return problems
+
+
+def _lora_problems(model: ModelConfig) -> List[str]:
+    """``model.lora``'s values; a tower both locked and given adapters (a locked tower runs without autograd, so
+    its adapters would never learn)."""
+    lora, problems = model.lora, []
+    if lora.r < 0:
+        problems.append(f"model.lora.r must be >= 0 (got {lora.r}; 0: no LoRA)")
+    if not lora.r:
+        return problems
+    if not lora.alpha > 0:
+        problems.append(f"model.lora.alpha must be > 0 (got {lora.alpha})")
+    if not 0.0 <= lora.dropout < 1.0:
+        problems.append(f"model.lora.dropout must be in [0, 1) (got {lora.dropout})")
+    if not lora.target_modules or not all(isinstance(t, str) and t for t in lora.target_modules):
+        problems.append(f"model.lora.target_modules must name at least one layer (got {list(lora.target_modules)})")
+    towers = list(lora.towers)
+    if not towers or any(t not in ("image", "text") for t in towers) or len(set(towers)) < len(towers):
+        problems.append(f"model.lora.towers must list image and/or text, once each (got {towers})")
+    for tower, lock in (("image", model.lock_image), ("text", model.lock_text)):
+        if lock and tower in towers:
+            problems.append(f"model.lora.towers includes {tower} but model.lock_{tower} freezes that tower (its "
+                            f"adapters would get no gradient): drop {tower} from model.lora.towers or unset "
+                            f"model.lock_{tower}")
     return problems
 
 

@@ -54,6 +54,22 @@ class TextTowerConfig(_Section):
 
 
 @dataclass
+class LoraConfig(_Section):
+    """LoRA fine-tuning (Hu et al. 2021) with peft: low-rank adapters on the chosen towers' layers; every other
+    weight is frozen. ``r`` 0 leaves the model as it is."""
+
+    r: int = described(0, "rank of the LoRA adapters; 0: no LoRA (the model trains as configured)")
+    alpha: float = described(16.0, "LoRA's scaling numerator: an adapter's update is scaled by alpha / r")
+    dropout: float = described(0.0, "dropout on each adapter's input in training, in [0, 1)")
+    target_modules: List[str] = described(
+        factory=lambda: ["attn", "c_fc", "c_proj"],
+        help="Layers that get adapters, by name or name suffix as peft matches them. The default adapts open_clip's "
+             "attention (attn, an nn.MultiheadAttention: its packed q/k/v projection) and MLP (c_fc, c_proj) in "
+             "every block")
+    towers: List[str] = described(factory=lambda: ["image", "text"], help="towers given adapters: image, text")
+
+
+@dataclass
 class ModelConfig(_Section):
     name: str = described(
         "tiny",
@@ -87,6 +103,7 @@ class ModelConfig(_Section):
     patch_dropout: float = described(
         0.0,
         "FLIP (Li et al. 2023): fraction of image patches dropped in training (ViT towers; evaluation is unmasked)")
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

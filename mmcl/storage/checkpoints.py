@@ -264,9 +264,11 @@ def is_checkpoint(path: Path) -> bool:
         path.parent.name == CHECKPOINTS_DIR and bool(_STEP_NAME.match(path.name))))
 
 
-def model_of_checkpoint(ckpt: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+def model_of_checkpoint(ckpt: Path, merge_lora: bool = True) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
     """The model a complete training checkpoint holds: (state dict, its ``model_config.json`` or None when the
-    checkpoint records none, as those written before it did).
+    checkpoint records none, as those written before it did). A LoRA run's weights (its ``model_config.json``
+    records ``lora``) come with the adapters merged in, as the plain model's state dict, unless `merge_lora` is
+    False.
 
     The weights are the ones the run's ``model/`` would hold at this step: with ``train.ema_decay`` the weight
     average (saved in rank 0's state) in place of the trained weights, else the trained weights. The marker, the
@@ -307,6 +309,10 @@ def model_of_checkpoint(ckpt: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, 
         except (OSError, ValueError) as err:
             raise CheckpointError(f"checkpoint {ckpt} is damaged: {MODEL_CONFIG} is unreadable "
                                   f"({type(err).__name__})") from None
+    if merge_lora and isinstance(meta, dict) and meta.get("lora"):  # a LoRA run's: the adapters merged in
+        from ..models.lora import merge_state
+
+        state = merge_state(state, meta["lora"])
     return state, meta
 
 

@@ -108,6 +108,38 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
     return out_dir
 
 
+def export_adapters(model_path, out_dir) -> Path:
+    """The LoRA adapters of a run trained with ``model.lora`` (its newest intact checkpoint's, or the checkpoint
+    `model_path`'s) written into `out_dir` in peft's format (`mmcl.models.lora.save_adapters`) as `export` writes."""
+    from ..models import lora
+    from . import checkpoints
+
+    path = Path(model_path)
+    run = path.parent if path.name == "model" and path.parent.is_dir() else path
+    ckpt = path if checkpoints.is_checkpoint(path) else checkpoints.newest_run_weights(run)
+    if ckpt is None:
+        raise ConfigError(f"--adapters-only reads a LoRA run's checkpoints: {path} is not a run folder with an "
+                          f"intact checkpoint, nor a checkpoint (a run's model/ holds the merged weights only)")
+    state, meta = checkpoints.model_of_checkpoint(ckpt, merge_lora=False)
+    if not (isinstance(meta, dict) and meta.get("lora")):
+        raise ConfigError(f"--adapters-only: {ckpt} was not trained with LoRA (its {checkpoints.MODEL_CONFIG} "
+                          f"records no lora settings; set model.lora.r to train adapters)")
+    arch = meta["model_cfg"]  # a Hugging Face text tower's weights come from the checkpoint
+    model = models.create(dict(arch, text_cfg=dict(arch["text_cfg"], hf_model_pretrained=False)))
+    lora.apply_lora(model, meta["lora"])
+    model.load_state_dict(state)
+    out_dir = output_dir(out_dir)
+    previous = _check_out_dir(out_dir)
+    marker = {"format": "peft-lora", "source": str(ckpt.resolve()), "lora": meta["lora"]}
+    try:
+        with atomic_dir(out_dir, previous) as tmp:
+            marker["files"] = sorted(set(lora.save_adapters(model, tmp)) | {MARKER_FILE})
+            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    except (OSError, SafetensorError) as err:
+        raise ConfigError(f"cannot write the export to {out_dir}: {os_error_text(err)}") from None
+    return out_dir
+
+
 # Names the exporters write, for telling mmcl's files from the user's in an export made before mmcl listed its
 # files in the marker: the model directory's files, transformers' (config, weights, processor, tokenizer), ONNX.
 _EXPORT_FILE_PREFIXES = ("model.safetensors", "model-0", "pytorch_model", "preprocessor_config", "processor_config",

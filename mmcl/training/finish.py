@@ -12,6 +12,7 @@ import torch
 
 from .. import data as data_mod
 from .. import models
+from ..models import lora
 from ..config import TrainConfig
 from ..data.decode import SKIP_REASONS
 from ..data.pipeline import skip_units
@@ -130,6 +131,8 @@ def _final_model_and_eval(run: Run, final_model, last: Dict[str, Any]):
     """model/ at the last phase's size, then the final evaluation (after model/ is written, so a failing evaluation
     never loses the model) and WiSE-FT's blends. Returns (the last record, the evaluation's failure or None)."""
     t, progress, accelerator, cfg = run.trainee, run.progress, run.accelerator, run.cfg
+    if t.lora:  # model/ holds plain weights, the adapters merged in; the final evaluation runs them
+        final_model = lora.merged(final_model)
     # At the last phase's size (a copy at that size when it is not the model's own): saved and evaluated.
     final_model, t.model_cfg, t.pp_cfg, t.tokenizer = phases.final_model(t.phases, final_model, t.model_cfg,
                                                                          t.pp_cfg, t.tokenizer)
