@@ -114,7 +114,6 @@ def input_sizes(phases: Sequence[Phase], model_size: Optional[int],
             for p in phases]
 
 
-stream_phases = input_sizes  # the former name
 
 
 def final_model(phases: Sequence[Phase], model: nn.Module, model_cfg: Dict[str, Any], pp_cfg: Dict[str, Any],
