@@ -172,7 +172,7 @@ def _stream(demo, workers, batch_size=4, accum=1):
     # phases: steps 0-2 at 32 px and 6 tokens, then steps 3-5 at 48 px, then the model's own 64 px and 32 tokens
     plan = [(0, 32, 6), (3 * accum, 48, None), (6 * accum, None, None)]
     return data.build_train_stream(dc, data.ImageSpec.from_config(pp_cfg), models.training_tokenizer(model, tokenizer),
-                                   seed=0, phases=plan)
+                                   seed=0, sizes=plan)
 
 
 def test_the_stream_settings_are_a_frozen_picklable_dataclass(demo):

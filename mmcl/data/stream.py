@@ -116,7 +116,7 @@ class TrainStream:
 
     def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False, teacher_view=None,
-                 stored_teacher: bool = False, phases: Sequence[Tuple[int, Optional[int], Optional[int]]] = ()):
+                 stored_teacher: bool = False, sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = ()):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.sources = expand_sources(cfg.train, allow_pipe=bool(cfg.allow_pipe),
@@ -145,7 +145,7 @@ class TrainStream:
             self.draft_size = None
         self.uint8 = finish is not None
         self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
-        self.sizes = tuple(self._input_sizes(start, size, length) for start, size, length in phases)
+        self.sizes = tuple(self._input_sizes(start, size, length) for start, size, length in sizes)
         self._positions = [fresh_position() for _ in range(self.n_roles)]
         self._next_role = 0
         self.batches = 0
@@ -307,7 +307,7 @@ class TrainStream:
 def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                        rank: int = 0, world_size: int = 1, pin_memory: bool = False,
                        teacher_view=None, stored_teacher: bool = False,
-                       phases: Sequence[Tuple[int, Optional[int], Optional[int]]] = ()) -> TrainStream:
+                       sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = ()) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
@@ -326,12 +326,12 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
         stored_teacher: batches carry the teacher embeddings `mmcl reinforce` stored in the shards
             (``teacher_image_features``, ``teacher_text_features``, ``teacher_scale``); samples without them
             are skipped and counted (``no_teacher_features``).
-        phases: token-reduction phases (``train.phases``), as (first process batch, image size or None,
-            context length or None) in order: the batches from each start on are made at that size in the workers,
+        sizes: the input sizes of the token-reduction phases (``train.phases``), as (first process batch, image
+            size or None, context length or None) in order: the batches from each start on are made at that size in the workers,
             captions cut to that many tokens (`InputSizes`). The process batch of a step is step * accum_steps.
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
                        pin_memory=pin_memory, teacher_view=teacher_view, stored_teacher=stored_teacher,
-                       phases=phases)
+                       sizes=sizes)

@@ -167,7 +167,7 @@ def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, trainee: "Tr
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         pin_memory=accelerator.device.type == "cuda",
         teacher_view=None if teacher is None else teacher.view, stored_teacher=cfg.distill.from_shards,
-        phases=phases.input_sizes(trainee.phases, model_size, rt.accum_steps)))
+        sizes=phases.input_sizes(trainee.phases, model_size, rt.accum_steps)))
     # Each batch a data worker sends is a shared-memory segment: a container's small /dev/shm fails mid-run.
     check_shared_memory(data_cfg, getattr(image_spec, "size", None) or trainee.pp_cfg["size"], stream.uint8,
                         world().local_size)
