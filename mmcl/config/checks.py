@@ -5,6 +5,8 @@ here too, so each rule is spelled once."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import re
 from dataclasses import dataclass
@@ -88,6 +90,7 @@ def validate(cfg: TrainConfig) -> List[str]:
         if not 0.0 < get(cfg, key) <= 1.0:
             problems.append(f"{key} must be in (0, 1] (got {get(cfg, key)})")
     problems += _sample_key_problems(cfg.data)
+    problems += optimizer_problems(cfg.optim)
     problems += _length_problems(cfg)
     problems += _phase_problems(cfg)
     unknown = [t for t in cfg.train.log_with if t not in TRACKERS]
@@ -229,6 +232,52 @@ def phase_lengths(phases: List[PhaseConfig], total: int) -> List[int]:
         raise ConfigError(f"train.phases' steps are {' + '.join(map(str, lengths))} = {sum(lengths)}, not the run's "
                           f"{total} with at least one step each: {way}")
     return lengths
+
+
+# optim.kwargs that mmcl sets from its own keys: for every optimiser, and for AdamW besides
+_OWN_KWARGS = {"params": "the parameter groups", "lr": "optim.lr", "weight_decay": "optim.weight_decay"}
+_ADAMW_KWARGS = {"betas": "optim.beta1 and optim.beta2", "eps": "optim.eps",
+                 "fused": "mmcl, which fuses where the device has the kernel"}
+
+
+def optimizer_problems(optim: OptimConfig) -> List[str]:
+    """``optim.name``: adamw or a name of timm's optimiser factory (with the close ones where it is neither);
+    ``optim.kwargs``: keyword arguments of that optimiser's constructor that no mmcl key sets. timm is imported
+    only for a name other than adamw (it takes about a second), torch only where kwargs are given."""
+    if not isinstance(optim.kwargs, dict) or not all(isinstance(k, str) for k in optim.kwargs):
+        return [f"optim.kwargs must be a mapping of keyword arguments, e.g. {{momentum: 0.9}} (got {optim.kwargs!r})"]
+    own = dict(_OWN_KWARGS, **(_ADAMW_KWARGS if optim.name == "adamw" else {}))
+    problems = [f"optim.kwargs: {k} is set by {own[k]}; leave it out of optim.kwargs"
+                for k in optim.kwargs if k in own]
+    if optim.name == "adamw":
+        if not optim.kwargs:
+            return problems
+        import torch
+
+        cls = torch.optim.AdamW
+    else:
+        import timm.optim
+
+        names = timm.optim.list_optimizers()
+        if optim.name not in names:
+            close = difflib.get_close_matches(optim.name, ["adamw", *names], n=4, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            return [f"optim.name: unknown optimiser {optim.name!r} (adamw, or one of "
+                    f"timm.optim.list_optimizers()){hint}"]
+        try:
+            cls = timm.optim.get_optimizer_class(optim.name, bind_defaults=False)
+        except Exception as err:  # a name whose package is not installed (apex's fused*, bitsandbytes' bnb*)
+            why = (str(err).splitlines() or [type(err).__name__])[0]
+            return [f"optim.name={optim.name} cannot be built here: {why}"]
+    takes = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        return problems
+    known = [n for n, p in takes.items() if n not in ("self", *own) and p.kind is not p.VAR_POSITIONAL]
+    for k in optim.kwargs:
+        if k not in own and k not in known:
+            problems.append(f"optim.kwargs: {cls.__name__} (optim.name={optim.name}) takes no {k!r}; it takes "
+                            f"{', '.join(known)}")
+    return problems
 
 
 def _length_problems(cfg: TrainConfig) -> List[str]:

@@ -237,11 +237,25 @@ class LossConfig(_Section):
 
 @dataclass
 class OptimConfig(_Section):
-    lr: float = described(5e-4, "peak learning rate (AdamW)")
-    weight_decay: float = described(0.2, "AdamW's decoupled weight decay (not on gains, biases and the logit scale)")
-    beta1: float = described(0.9, "AdamW's first-moment decay")
-    beta2: float = described(0.98, "AdamW's second-moment decay")
-    eps: float = described(1e-6, "AdamW's epsilon")
+    name: str = described(
+        "adamw",
+        "The optimiser: adamw (torch's AdamW, fused where the device has the kernel), or any name of timm's "
+        "optimiser factory (timm.optim.list_optimizers(): lamb, lion, adafactor, muon, adamuon, sgd, ...), over the "
+        "same parameter groups (weight-decay split, per-tower and layer-wise rates); docs/training.md, Optimizers")
+    lr: float = described(5e-4, "peak learning rate")
+    weight_decay: float = described(
+        0.2, "weight decay, not on gains, biases and the logit scale (AdamW's is decoupled; each of timm's optimisers "
+             "applies it its own way)")
+    beta1: float = described(0.9, "AdamW's first-moment decay (optim.name=adamw only; others: optim.kwargs)")
+    beta2: float = described(0.98, "AdamW's second-moment decay (optim.name=adamw only; others: optim.kwargs)")
+    eps: float = described(1e-6, "AdamW's epsilon (optim.name=adamw only; others: optim.kwargs)")
+    kwargs: Dict[str, Any] = described(
+        factory=dict,
+        help="Further keyword arguments of the optimiser's constructor, e.g. {momentum: 0.9} for sgd, {betas: [0.9, "
+             "0.99]} for lion. optim.beta1/beta2/eps are adamw's alone: they mean other things elsewhere (Lion's "
+             "betas, Adafactor's eps of 1e-30, Muon's eps of Newton-Schulz and its AdamW fallback), so any other "
+             "optimiser keeps its own defaults unless set here. lr and weight_decay are mmcl's keys (per group); "
+             "with adamw, so are betas, eps and fused")
     warmup_steps: int = described(10, "steps of linear warm-up from 0 to optim.lr")
     schedule: str = described(
         "cosine",

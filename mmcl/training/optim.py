@@ -15,6 +15,13 @@ Parameters with the same scale and weight decay share one group, so the defaults
 weight-decay split (decayed matrices, then gains, biases and the logit scale/bias without decay). The scheduler
 sets ``lr = scheduled_lr * group["lr_scale"]`` on every group (`set_lr`).
 
+The optimiser is ``optim.name``: ``adamw`` (the default) is torch's AdamW, fused where the device has the kernel;
+any other name is one of timm's (``timm.optim.create_optimizer_v2``, ``timm.optim.list_optimizers()`` lists them:
+lamb, lion, adafactor, muon, adamuon, sgd, ...), built over the same groups (handed to timm as a list of groups,
+which it does not regroup), with ``optim.kwargs`` as its further keyword arguments and its own defaults otherwise
+(`build_optimizer`). The Muon family updates 2-d parameters by Newton-Schulz orthogonalisation and the rest by its
+AdamW fallback; mmcl sends the 2-d embedding tables and the head's matrices to the fallback too (`muon_fallback`).
+
 The schedule is a function, not a scheduler object: before each optimiser step the loop sets
 ``lr_at(step, cfg, total_steps)`` on every group, with the step the run's progress counts (saved in every
 checkpoint). A ``torch.optim.lr_scheduler.LambdaLR`` handed to accelerate (``prepare`` wraps it in its
@@ -193,19 +200,27 @@ def _fused_problem(groups: List[Dict[str, Any]], device: Optional[torch.device])
     return None
 
 
+ADAMW = "adamw"  # optim.name of torch's (fused) AdamW; every other name is timm's
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None,
                     device: Optional[torch.device] = None) -> torch.optim.Optimizer:
-    """AdamW over `groups` (`mmcl.param_groups(model, cfg)` when not given), for parameters that will train on
-    `device` (default: where they are now).
+    """The optimiser ``optim.name`` over `groups` (`mmcl.param_groups(model, cfg)` when not given), for parameters
+    that will train on `device` (default: where they are now).
 
-    The fused kernel is the default; where the device or dtype has none, the per-tensor AdamW runs instead, with
-    the reason kept as its ``fused_unavailable`` for the one line `host_check_line` gives at the start: that
-    optimiser cannot take ``found_inf``, so the finite-loss decision moves to the host (`mmcl.training.stepcheck`).
+    ``adamw`` is torch's AdamW with ``optim.beta1``/``beta2``/``eps``. The fused kernel is the default; where the
+    device or dtype has none, the per-tensor AdamW runs instead, with the reason kept as its ``fused_unavailable``
+    for the one line `host_check_line` gives at the start: that optimiser cannot take ``found_inf``, so the
+    finite-loss decision moves to the host (`mmcl.training.stepcheck`). Any other name is timm's (`timm_optimizer`),
+    which takes the host path too.
     """
-    groups = optimizer_groups(groups if groups is not None else param_groups(model, cfg))
+    named = groups if groups is not None else param_groups(model, cfg)
+    groups = optimizer_groups(named)
     if not any(g["params"] for g in groups):
         raise ConfigError("no trainable parameters: both towers are locked")
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.name != ADAMW:
+        return timm_optimizer(model, cfg, groups)
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **extra_kwargs(cfg))
     problem = _fused_problem(groups, device)
     if problem is None:
         try:
@@ -217,6 +232,59 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None,
     optimizer = torch.optim.AdamW(groups, **kwargs)
     optimizer.fused_unavailable = problem
     return optimizer
+
+
+def extra_kwargs(cfg: OptimConfig) -> Dict[str, Any]:
+    """``optim.kwargs`` as the optimiser's keyword arguments: a list (as YAML gives ``betas: [0.9, 0.99]``) becomes
+    a tuple. `mmcl.config.checks` has checked the names against the optimiser's constructor."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in (cfg.kwargs or {}).items()}
+
+
+def timm_optimizer(model: nn.Module, cfg: OptimConfig, groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:
+    """timm's optimiser ``optim.name`` over mmcl's `groups` (as `optimizer_groups` gives them): each keeps its
+    ``weight_decay`` and ``lr_scale``; for the Muon family each group is split in two (`muon_fallback_groups`).
+
+    The learning rate is ``optim.lr`` (`set_lr` sets each group's before every step). AdamW's ``optim.beta1``,
+    ``beta2`` and ``eps`` are not passed: the same names mean other things here (Lion's betas interpolate its
+    momentum, Adafactor's eps is 1e-30 under a squared gradient, Muon's eps guards its Newton-Schulz normalisation
+    and its AdamW fallback), so the optimiser's own defaults hold unless ``optim.kwargs`` sets them. timm's factory
+    adds its own defaults (momentum 0.9 where the optimiser takes one, Nesterov for ``sgd``). The name is kept as
+    the optimiser's ``timm_name`` for `host_check_line`."""
+    from timm.optim import Muon, create_optimizer_v2, get_optimizer_class
+
+    if issubclass(get_optimizer_class(cfg.name, bind_defaults=False), Muon):
+        groups = muon_fallback_groups(groups, muon_fallback(model, cfg))
+    optimizer = create_optimizer_v2(groups, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                    **extra_kwargs(cfg))
+    optimizer.timm_name = cfg.name
+    return optimizer
+
+
+def muon_fallback(model: nn.Module, cfg: OptimConfig) -> List[torch.Tensor]:
+    """The 2-d parameters a Muon-family optimiser should leave to its AdamW fallback although their shape would
+    take Newton-Schulz: those of a tower's embeddings (layer 0: the token embedding and the positional embeddings;
+    the patch-embedding conv is 4-d and stays with Muon) and of its head (after the last block: the projections to
+    the shared embedding), as the Muon authors keep embeddings and output heads on AdamW. timm's own rule sends
+    every parameter of fewer than 2 non-unit dimensions (gains, biases, the class embedding, the logit scale) there
+    already, and a 2-d one only for its shape (a side under 4, an aspect ratio over 128: the token embedding of a
+    narrow tower but not of a wide one)."""
+    depth = {t: depth_of(model, t) for t in ("image", "text")}
+    params = dict(model.named_parameters())
+    return [params[n] for n, (_, tower, lid) in lr_scales(model, cfg).items()
+            if tower is not None and params[n].ndim == 2 and lid in (0, depth[tower] + 1)]
+
+
+def muon_fallback_groups(groups: List[Dict[str, Any]], fallback: List[torch.Tensor]) -> List[Dict[str, Any]]:
+    """Each group split in two where it holds parameters of `fallback`: the rest, then those (``use_fallback``:
+    timm's Muon updates them with AdamW), both keeping the group's other entries; empty parts are left out."""
+    marked = {id(p) for p in fallback}
+    out = []
+    for g in groups:
+        for flag in (False, True):
+            part = [p for p in g["params"] if (id(p) in marked) == flag]
+            if part:
+                out.append({**g, "params": part, **({"use_fallback": True} if flag else {})})
+    return out
 
 
 def takes_found_inf(optimizer) -> bool:
@@ -235,6 +303,9 @@ def host_check_line(optimizer, scaler) -> Optional[str]:
     (`takes_found_inf`), and no loss scaler, which sets ``found_inf`` itself)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     name = type(inner).__name__
+    given = getattr(inner, "timm_name", None)  # timm's name where it is not the class's (adamuon: Muon)
+    if given is not None and given != name.lower():
+        name = f"{name}, timm's {given}"
     if scaler is not None:
         why = "fp16's loss scaler sets found_inf itself"
     elif getattr(inner, "fused_unavailable", None):
