@@ -123,7 +123,8 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
                             run.progress.step < rt.total_steps - cfg.train.unmasked_steps,
                             phases.patch_dropout_at(run.trainee.phases, run.progress.step, cfg.model.patch_dropout))
         batches = next_batches(run, data_iter)
-        result = run.step(batches, run.progress.step + 1, run.logged_at(run.progress.step + 1), run.stop.requested)
+        result = run.step(batches, run.progress.step + 1, run.logged_at(run.progress.step + 1),
+                          lambda: run.stop.requested)
         last = after_step(run, result, lr, last)
     return finish_run(run, last)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -335,16 +335,17 @@ class Step:
         self.checks = FiniteChecks(accelerator, optimizer)
 
     def __call__(self, batches: List[Dict[str, Any]], step: int, with_metrics: bool,
-                 stop_requested: bool) -> StepResult:
+                 stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
         """Optimiser step `step` (1-based) over `batches`: forward and loss, the finite-loss decision, backward, the
-        update and the weight average."""
+        update and the weight average. `stop_requested` reads this process's stop flag where the host decides (after
+        the forward, so a signal that came during it stops the run after this step)."""
         loss, terms, cache = forward_loss(self.model, self.objective, batches, self.accelerator,
                                           self.finish_images, with_metrics, self.teacher)
         flag, stop = None, None
         if self.checks.on_device:  # the update runs; the optimiser leaves everything as it was where flag is 1
             flag = self.checks.arm(loss, step)
         else:
-            finite, stop = agree_on_step(self.accelerator, loss, stop_requested)
+            finite, stop = agree_on_step(self.accelerator, loss, stop_requested())
             if not finite:
                 self.optimizer.zero_grad(set_to_none=True)
                 return StepResult(loss, terms, None, False, stop)

@@ -44,7 +44,7 @@ def test_a_finite_step_updates_the_weights_and_reports_what_it_measured(fused):
     step, model = _step(micro_model(), fused)
     assert step.checks.on_device == fused
     before = _weights(model)
-    result = step([fake_batch(8, seed=1)], 1, True, False)
+    result = step([fake_batch(8, seed=1)], 1, True)
     assert result.applied and torch.isfinite(result.loss) and result.grad_norm is not None
     assert result.stop is (None if fused else False)  # the host's all-reduce also agrees on a stop signal
     assert any(not torch.equal(before[k], v) for k, v in _weights(model).items())
@@ -54,10 +54,10 @@ def test_a_finite_step_updates_the_weights_and_reports_what_it_measured(fused):
 @pytest.mark.parametrize("fused", [True, False], ids=["device-decision", "host-decision"])
 def test_a_non_finite_loss_leaves_weights_and_optimiser_state_untouched(fused, monkeypatch):
     step, model = _step(micro_model(), fused)
-    step([fake_batch(8, seed=1)], 1, False, False)  # one real step: the optimiser has state
+    step([fake_batch(8, seed=1)], 1, False)  # one real step: the optimiser has state
     before, state = _weights(model), copy.deepcopy(step.optimizer.optimizer.state_dict()["state"])
     _nan_loss(monkeypatch)
-    result = step([fake_batch(8, seed=2)], 2, False, False)
+    result = step([fake_batch(8, seed=2)], 2, False)
     assert result.applied == fused  # the device path runs the update, which the optimiser itself skips
     for k, v in _weights(model).items():
         assert torch.equal(before[k], v), k
@@ -76,10 +76,10 @@ def test_the_ema_does_not_move_on_a_step_the_device_skipped(monkeypatch):
     model = micro_model()
     ema = WeightEMA(model, 0.5)
     step, model = _step(model, True, ema=ema)
-    step([fake_batch(8, seed=1)], 1, False, False)
+    step([fake_batch(8, seed=1)], 1, False)
     moved = {k: v.clone() for k, v in ema.state_dict().items() if torch.is_tensor(v)}
     _nan_loss(monkeypatch)
-    step([fake_batch(8, seed=2)], 2, False, False)
+    step([fake_batch(8, seed=2)], 2, False)
     for k, v in ema.state_dict().items():
         if torch.is_tensor(v) and v.is_floating_point():
             assert torch.equal(moved[k], v), k
@@ -92,7 +92,7 @@ def test_two_micro_batches_make_the_update_of_the_one_large_batch():
     # near-zero gradient can flip).
     one, _ = _step(micro_model(), False, grad_clip=None, sgd=True)
     two, _ = _step(micro_model(), False, grad_clip=None, sgd=True)
-    a, b = one([big], 1, True, False), two(halves, 1, True, False)
+    a, b = one([big], 1, True), two(halves, 1, True)
     assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-5)
     wa, wb = _weights(one.raw_model), _weights(two.raw_model)
     for k in wa:
@@ -116,3 +116,19 @@ def test_the_device_flag_is_exactly_zero_or_one():
     assert float(checks.arm(torch.tensor(float("nan")), 1)) == 1.0
     assert float(checks.arm(torch.tensor(2.0), 2)) == 0.0
     assert [s for s, _ in checks.resolve()] == [1]
+
+
+def test_the_host_decision_reads_a_stop_signal_that_came_during_the_forward(monkeypatch):
+    """A signal during the forward (its handler sets the flag) stops the run after this step, not the next."""
+    import mmcl.training.step as step_mod
+
+    step, _ = _step(micro_model(), False)
+    flag, real = [False], step_mod.forward_loss
+
+    def signalled(*args):
+        out = real(*args)
+        flag[0] = True  # as StopSignals' handler does
+        return out
+
+    monkeypatch.setattr(step_mod, "forward_loss", signalled)
+    assert step([fake_batch(8, seed=1)], 1, False, lambda: flag[0]).stop is True
