@@ -288,7 +288,7 @@ def cmd_export(args) -> int:
     from .storage.export import export, export_adapters
 
     if args.adapters_only == bool(args.format):
-        raise ConfigError("mmcl export takes --format, or --adapters-only for a LoRA run's adapters (not both)")
+        raise ConfigError("mmcl export takes one of --format and --adapters-only (a LoRA run's adapters alone)")
     if args.adapters_only:
         print(f"mmcl: exported the LoRA adapters (peft's format) to {export_adapters(args.model, args.out)}")
         return 0
