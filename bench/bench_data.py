@@ -46,9 +46,8 @@ import warnings
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
-
 from harness import tree_cpu_seconds  # bench/harness.py
+from PIL import Image, ImageDraw
 
 
 def photo_like(rng: np.random.Generator, width: int, height: int) -> bytes:
@@ -165,9 +164,9 @@ def mmcl_train_loader(spec, batch, workers, shuffle, finish_on_device=False):
     """mmcl's stream as training builds it: the transform made from the model's image numbers, defaults. Its
     batches hold uint8 images; with `finish_on_device` they are what is measured (in training the float
     conversion and normalisation run on the GPU), otherwise they are finished here, on the CPU (counted)."""
+    import open_clip
     from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
-    import open_clip
     from mmcl.config import DataConfig
     from mmcl.data import ImageSpec, build_train_stream
 

@@ -42,11 +42,11 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from syncwatch import SyncWatch  # noqa: E402
-
 from mmcl import models  # noqa: E402
 from mmcl.config import load_config  # noqa: E402
 from mmcl.training.ema import WeightEMA  # noqa: E402
+
+from syncwatch import SyncWatch  # noqa: E402
 
 DECAY = 0.999
 

@@ -58,8 +58,8 @@ class Setup:
         from accelerate import Accelerator
 
         from mmcl.config import LossConfig, OptimConfig
-        from mmcl.training.step import objective_from_config as build_objective
         from mmcl.training.optim import build_optimizer
+        from mmcl.training.step import objective_from_config as build_objective
 
         self.acc = Accelerator(cpu=True)
         self.model, self.mods = build(args, prob)

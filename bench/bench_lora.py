@@ -78,7 +78,8 @@ def step_costs(arm: str, args) -> dict:
 
 
 def _train(cmd_extra, out: Path, args, log: Path) -> float:
-    cmd = [sys.executable, "-m", "mmcl", "train", "--config", "configs/tiny.yaml", f"model.image_size={args.image_size}",
+    cmd = [sys.executable, "-m", "mmcl", "train", "--config", "configs/tiny.yaml",
+           f"model.image_size={args.image_size}",
            "model.context_length=16", f"data.batch_size={args.batch_size}", "data.workers=1",
            f"train.output_dir={out}", "train.log_every=10", "train.plot=false", "train.progress=false",
            "eval.zeroshot=null", *cmd_extra]

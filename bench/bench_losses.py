@@ -277,11 +277,11 @@ def count_ops(kind: str, n: int, world: int, chunk: int, tile: int, full_size: b
     import torch.nn.functional as F
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from syncwatch import SyncWatch
-
     import mmcl
     from mmcl import losses
     from mmcl.losses import tiling
+
+    from syncwatch import SyncWatch
 
     m = n * world
     width = min(m, max(chunk, tile // chunk))

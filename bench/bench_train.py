@@ -74,8 +74,15 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from harness import (Run, Slicer, common_interval, on_own_clock, running_time, signal_group,  # bench/harness.py
-                     steady_rate)
+from harness import (  # bench/harness.py
+    Run,
+    Slicer,
+    common_interval,
+    on_own_clock,
+    running_time,
+    signal_group,
+    steady_rate,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peak per GPU (NVIDIA datasheets), for MFU; fp32 needs --peak-tflops

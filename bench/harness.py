@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-
 # ------------------------------------------------------------------------------------------- CPU accounting
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

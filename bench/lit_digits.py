@@ -5,8 +5,8 @@ The same towers, data split, captions, optimiser and schedule are trained twice:
   1. through mmcl's real training path (WebDataset shards + ``python -m mmcl train --config configs/lit-minilm.yaml``);
   2. through open_clip's own trainer (``python -m open_clip_train.main --lock-text ...`` on a CSV dataset, with a
      ``local-dir:`` model config naming the same Hugging Face tower).
-Both trained models are evaluated by the same code (`mmcl.evaluation.evaluate.zeroshot`) on the same held-out images, with
-class names "zero" .. "nine" that never occur in a training caption as words alone.
+Both trained models are evaluated by the same code (`mmcl.evaluation.evaluate.zeroshot`) on the same held-out images,
+with class names "zero" .. "nine" that never occur in a training caption as words alone.
 
     nice .venv/bin/python bench/lit_digits.py --work-dir /tmp/lit-digits [--epochs 10] [--seeds 0] [--reuse]
 

@@ -339,6 +339,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return f"{text} (default: %(default)s)"
 
 
+MODEL_HELP = "run dir, its model/, an export, or a checkpoint (RUN/checkpoints/step-N)"  # every --model
+
+
 class _Parser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose epilog may be made only when help is shown (`epilog_fn`): the config keys'
     table reads every field's declared help, which other commands never need."""
@@ -459,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     cu.set_defaults(func=cmd_curate)
 
     def eval_args(x, data_help):
-        x.add_argument("--model", required=True, help="run dir, its model/, an export, or a checkpoint (RUN/checkpoints/step-N)")
+        x.add_argument("--model", required=True, help=MODEL_HELP)
         x.add_argument("--data", required=True, help=data_help)
         x.add_argument("--out", help="results JSON (default: printed only)")
         x.add_argument("--batch-size", type=int, default=128, help="images per batch")
@@ -484,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_retrieval)
 
     lp = sub.add_parser("linear-probe", help="logistic regression on frozen image features")
-    lp.add_argument("--model", required=True, help="run dir, its model/, an export, or a checkpoint (RUN/checkpoints/step-N)")
+    lp.add_argument("--model", required=True, help=MODEL_HELP)
     lp.add_argument("--train", required=True, help="labelled training set: ImageFolder or shards with .cls")
     lp.add_argument("--test", required=True, help="labelled test set: ImageFolder or shards with .cls")
     lp.add_argument("--out", help="results JSON (default: printed only)")
@@ -496,8 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("interpolate", help="WiSE-FT: weights (1-a)*FROM + a*TO for each alpha a, each written as "
                                            "a model (and evaluated zero-shot with --data)")
     w.add_argument("--from", dest="init", default=None,
-                   help="the initial model (run dir, its model/, an export, a checkpoint); default: the weights the run --to "
-                        "started from (its config.yaml's model.pretrained or model.init_from)")
+                   help="the initial model (run dir, its model/, an export, a checkpoint); default: the weights "
+                        "the run --to started from (its config.yaml's model.pretrained or model.init_from)")
     w.add_argument("--to", dest="finetuned", required=True, help="the fine-tuned model (a run dir, its model/, an "
                                                                  "export), of the same architecture")
     w.add_argument("--alpha", type=float, nargs="+", required=True, help="one or more alphas in [0, 1]")
@@ -511,16 +514,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_interpolate)
 
     e = sub.add_parser("export", help="export the encoders")
-    e.add_argument("--model", required=True, help="run dir, its model/, an export, or a checkpoint (RUN/checkpoints/step-N)")
+    e.add_argument("--model", required=True, help=MODEL_HELP)
     e.add_argument("--format", choices=["open_clip", "hf", "onnx", "safetensors"],
                    help="open_clip local-dir, Hugging Face CLIPModel directory, ONNX encoders, or safetensors weights")
     e.add_argument("--adapters-only", action="store_true",
-                   help="instead of --format: a LoRA run's adapters alone, in peft's format (from its newest checkpoint)")
+                   help="instead of --format: a LoRA run's adapters alone, in peft's format (from its newest "
+                        "checkpoint)")
     e.add_argument("--out", required=True, help="output folder")
     e.set_defaults(func=cmd_export)
 
     i = sub.add_parser("index", help="build an image embedding index")
-    i.add_argument("--model", required=True, help="run dir, its model/, an export, or a checkpoint (RUN/checkpoints/step-N)")
+    i.add_argument("--model", required=True, help=MODEL_HELP)
     i.add_argument("--data", required=True, help="shards whose images are indexed")
     i.add_argument("--out", required=True, help="index folder (for mmcl search --index)")
     i.add_argument("--batch-size", type=int, default=128, help="images per batch")

@@ -20,8 +20,8 @@ e. report: summary.json (rewritten after every measurement, so a killed run stil
 
     python bench/gpu/proof.py --out DIR [--budget-s 480] [--device cuda|cpu] [--tiny]
 
-``--device cpu`` (or ``--tiny``) runs every stage at tiny sizes (the tiny model in float32, batches of 4 and 8, N of a few
-thousand, 2 workers): the rehearsal tests/test_gpu_proof.py runs on a CPU.
+``--device cpu`` (or ``--tiny``) runs every stage at tiny sizes (the tiny model in float32, batches of 4 and 8, N of a
+few thousand, 2 workers): the rehearsal tests/test_gpu_proof.py runs on a CPU.
 """
 
 from __future__ import annotations
@@ -146,9 +146,10 @@ def environment(device: str) -> Dict[str, Any]:
 def sizes(tiny: bool) -> Dict[str, Any]:
     if tiny:
         # float32 on a CPU: its bf16 matrix products are emulated, four times slower than float32 here.
-        return {"model": "tiny", "precision": "fp32", "batches": [4, 8], "warmup": 1, "steps": 1, "rounds": 2, "loss_n": [512, 1024, 2048],
-                "loss_dim": 64, "chunk": 256, "loss_repeats": 1, "workers": 2, "data_batch": 16, "data_samples": 96,
-                "data_batches": 4, "image_px": (96, 128), "test_files": ["tests/test_gpu.py"]}
+        return {"model": "tiny", "precision": "fp32", "batches": [4, 8], "warmup": 1, "steps": 1, "rounds": 2,
+                "loss_n": [512, 1024, 2048], "loss_dim": 64, "chunk": 256, "loss_repeats": 1, "workers": 2,
+                "data_batch": 16, "data_samples": 96, "data_batches": 4, "image_px": (96, 128),
+                "test_files": ["tests/test_gpu.py"]}
     return {"model": "ViT-B-32", "precision": "bf16", "batches": [256, 1024], "warmup": 3, "steps": 10, "rounds": 2,
             "loss_n": [32768, 65536, 262144], "loss_dim": 512, "chunk": 1024, "loss_repeats": 2, "workers": 16,
             "data_batch": 256, "data_samples": 8192, "data_batches": 24, "image_px": (420, 640),
@@ -267,7 +268,9 @@ def build_variants(cfg: Dict[str, Any], device: str, batch: int, compiled: bool,
         open_clip.add_model_config(str(REPO / "mmcl" / "models" / "model_configs"))
         oc = open_clip.create_model(cfg["model"], precision="fp32", device=dev).train()
         # open_clip_train's AdamW: no weight decay on gains, biases, embeddings and the logit scale.
-        exclude = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n
+        def exclude(n, p):
+            return p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n
+
         named = list(oc.named_parameters())
         oc_opt = torch.optim.AdamW(
             [{"params": [p for n, p in named if exclude(n, p)], "weight_decay": 0.0},
@@ -353,7 +356,6 @@ def measure_variant(v: Variant, cfg: Dict[str, Any], device: str, warm: Dict[str
 
 
 def stage_train_step(summary: Summary, cfg: Dict[str, Any], device: str, budget_end: float) -> None:
-    import torch
 
     held: Dict[str, Any] = {}
     warm: Dict[str, bool] = {}
@@ -422,7 +424,6 @@ def train_table(stage: Dict[str, Any]) -> List[Dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------- c. losses
 def stage_losses(summary: Summary, cfg: Dict[str, Any], device: str, budget_end: float) -> None:
     import torch
-
     from bench_losses import REFERENCE, features, make_loss
 
     summary.update("losses", dim=cfg["loss_dim"], chunk=cfg["chunk"], autocast="bf16" if device == "cuda" else None,
@@ -481,7 +482,7 @@ def stage_losses(summary: Summary, cfg: Dict[str, Any], device: str, budget_end:
                            "error": str(err).splitlines()[0][:200],
                            "dense_logits_gib": n * n * 2 / 2 ** 30}
                 finally:
-                    del img, txt, scale
+                    img = txt = scale = None  # freed before the next size (the closure keeps the names)
                     free_memory(device)
                 if "tiled" in values and "reference" in values:
                     res["abs_diff_vs_tiled"] = abs(values["tiled"] - values["reference"])
@@ -505,10 +506,11 @@ def stage_data(summary: Summary, cfg: Dict[str, Any], device: str, budget_end: f
 
     import open_clip
 
-    from bench_data import measure, ours_loader
     from mmcl import models
     from mmcl.data import write_shards
     from mmcl.data.transforms import ImageSpec
+
+    from bench_data import measure, ours_loader
 
     n = cfg["data_samples"]
     lo, hi = cfg["image_px"]
@@ -582,8 +584,9 @@ def markdown(data: Dict[str, Any]) -> str:
                   + (f"; failed: {', '.join(r['failed'])}" if r["failed"] else "")]
     tb = st["train_step"].get("table") or []
     if tb:
-        lines += ["", f"**Training step**, {st['train_step'].get('model')}, {st['train_step'].get('precision')}, one device, synthetic batches on the "
-                  "device (median of rounds; peak = CUDA allocator peak during the timed steps):", "",
+        step = st["train_step"]
+        lines += ["", f"**Training step**, {step.get('model')}, {step.get('precision')}, one device, synthetic "
+                  "batches on the device (median of rounds; peak = CUDA allocator peak during the timed steps):", "",
                   "| batch | variant | samples/s | vs open_clip | peak GiB | first warm-up s |",
                   "| ---: | --- | ---: | ---: | ---: | ---: |"]
         for row in tb:

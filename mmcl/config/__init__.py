@@ -20,14 +20,41 @@ Its modules, whose public names are all importable from here:
   variables.
 """
 
-from .checks import (EVAL_SET_KEYS, EvalSet, aug_problems, data_weight_problems, duplicate_set_names, eval_sets,
-                     phase_lengths, validate)
+from .checks import (
+    EVAL_SET_KEYS,
+    EvalSet,
+    aug_problems,
+    data_weight_problems,
+    duplicate_set_names,
+    eval_sets,
+    phase_lengths,
+    validate,
+)
 from .keys import KeyInfo, describe_keys, get, keys_help, term_keys, valid_keys
 from .load import MOVED_KEYS, from_dict, load_config, moved_keys_carried, parse_overrides, to_dict, to_yaml
 from .process import World, data_workers, is_main_process, world
-from .schema import (PRECISION_OF, PRECISIONS, TRACKERS, AugConfig, DataConfig, DdpConfig, DistillConfig, EvalConfig,
-                     GlobalContrastiveConfig, LossConfig, MochiConfig, ModelConfig, OptimConfig, PhaseConfig,
-                     TextTowerConfig, TrackConfig, TrainConfig, TrainSection, described, freeze)
+from .schema import (
+    PRECISION_OF,
+    PRECISIONS,
+    TRACKERS,
+    AugConfig,
+    DataConfig,
+    DdpConfig,
+    DistillConfig,
+    EvalConfig,
+    GlobalContrastiveConfig,
+    LossConfig,
+    MochiConfig,
+    ModelConfig,
+    OptimConfig,
+    PhaseConfig,
+    TextTowerConfig,
+    TrackConfig,
+    TrainConfig,
+    TrainSection,
+    described,
+    freeze,
+)
 
 __all__ = [
     "AugConfig", "DataConfig", "DdpConfig", "DistillConfig", "EVAL_SET_KEYS", "EvalConfig", "EvalSet",

@@ -14,8 +14,17 @@ from typing import Any, List, Optional
 
 from ..errors import ConfigError
 from .keys import get, term_keys
-from .schema import PRECISIONS, TRACKERS, AugConfig, DataConfig, EvalConfig, ModelConfig, PhaseConfig, TrainConfig
-
+from .schema import (
+    PRECISIONS,
+    TRACKERS,
+    AugConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    PhaseConfig,
+    TrainConfig,
+)
 
 _CHOICES = {
     "model.text.pooling": ("mean", "cls", "max"),

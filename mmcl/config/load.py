@@ -17,7 +17,6 @@ from .checks import validate
 from .keys import _fields, _nearest, _section_keys
 from .schema import TrainConfig, freeze
 
-
 # Keys that moved to where they act: the old key is an error naming the new one in what the user writes, and is
 # carried to its new place in what mmcl wrote itself (a run's config.yaml, a model's config), by `moved_keys_carried`.
 MOVED_KEYS = {"loss.max_logit_scale": "model.max_logit_scale"}

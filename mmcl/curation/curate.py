@@ -40,14 +40,22 @@ import numpy as np
 import torch
 
 from ..config import world
-from ..data.decode import (TEACHER_IMAGE, TEACHER_META, SampleKeys, SkipSample, candidate_captions, decode_image,
-                           image_bytes, stored_teacher_features)
+from ..data.decode import (
+    TEACHER_IMAGE,
+    TEACHER_META,
+    SampleKeys,
+    SkipSample,
+    candidate_captions,
+    decode_image,
+    image_bytes,
+    stored_teacher_features,
+)
+from ..data.limits import load_json
 from ..data.reading import read_raw_samples
+from ..data.sizes import SIZES_FILE
 from ..data.skips import SKIP_LOG, SkipLog
 from ..data.skips import record as skip_record
 from ..data.sources import expand_urls, has_scheme, redact
-from ..data.limits import load_json
-from ..data.sizes import SIZES_FILE
 from ..data.writer import add_tar_member, write_sizes
 from ..errors import ConfigError, DataError, MmclError
 from ..evaluation.embed import MAX_PIXELS, ClipEncoder, embed_image_set, embed_samples

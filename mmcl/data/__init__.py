@@ -28,19 +28,52 @@ The names below are the package's public interface; import them from ``mmcl.data
 """
 
 from .batching import WorkerOutput, collate, role_batches
-from .decode import (IMAGE_EXTS, SKIP_REASONS, SampleKeys, SkipSample, TransformOutputError, caption_draw,
-                     decode_image, decode_sample, image_bytes, parse_caption, parse_label, parse_sample, pil_to_uint8,
-                     sample_keys, to_rgb, zero_skips)
-from .eval_data import (EvalFailure, EvalSkip, ImageFolderDataset, ShardEvalDataset, build_eval_dataset,
-                        eval_collate, is_image_folder, open_rgb)
+from .decode import (
+    IMAGE_EXTS,
+    SKIP_REASONS,
+    SampleKeys,
+    SkipSample,
+    TransformOutputError,
+    caption_draw,
+    decode_image,
+    decode_sample,
+    image_bytes,
+    parse_caption,
+    parse_label,
+    parse_sample,
+    pil_to_uint8,
+    sample_keys,
+    to_rgb,
+    zero_skips,
+)
+from .eval_data import (
+    EvalFailure,
+    EvalSkip,
+    ImageFolderDataset,
+    ShardEvalDataset,
+    build_eval_dataset,
+    eval_collate,
+    is_image_folder,
+    open_rgb,
+)
 from .pipeline import InputSizes, epoch_shard_plan, shuffle_block
 from .reading import RawSample, TarFormatError, TarReader, read_raw_samples
-from .sources import (SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard,
-                      redact)
+from .sources import SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard, redact
 from .stream import WORKER_STOP_GRACE_S, TrainStream, build_train_stream
-from .transforms import (TRAIN_CROP_SCALE, ImageFinish, ImageSpec, PyRandomResizedCrop, aug_dict, draft_size_of,
-                         random_crop_box, split_transform, train_draft_size, train_image_input, train_image_stages,
-                         training_sample_transform)
+from .transforms import (
+    TRAIN_CROP_SCALE,
+    ImageFinish,
+    ImageSpec,
+    PyRandomResizedCrop,
+    aug_dict,
+    draft_size_of,
+    random_crop_box,
+    split_transform,
+    train_draft_size,
+    train_image_input,
+    train_image_stages,
+    training_sample_transform,
+)
 from .writer import ShardWriter, shards_from_input, write_shards
 
 __all__ = [
@@ -53,7 +86,8 @@ __all__ = [
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
     "SampleKeys", "caption_draw", "sample_keys",
-    "pil_to_uint8", "random_crop_box", "read_raw_samples", "redact", "role_batches", "shards_from_input", "shuffle_block",
+    "pil_to_uint8", "random_crop_box", "read_raw_samples", "redact", "role_batches", "shards_from_input",
+    "shuffle_block",
     "split_transform", "to_rgb", "train_draft_size", "train_image_input", "train_image_stages",
     "aug_dict", "training_sample_transform",
     "write_shards", "zero_skips",

@@ -19,7 +19,8 @@ import torch
 from .decode import SkipSample, TransformOutputError, caption_draw, decode_sample, zero_skips
 from .pipeline import InputSizes, StreamSpec, epoch_shard_plan, sample_id, shuffle_block
 from .reading import RawSample, read_raw_samples
-from .skips import member_of, record as skip_record
+from .skips import member_of
+from .skips import record as skip_record
 
 
 @dataclasses.dataclass(frozen=True)

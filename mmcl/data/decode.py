@@ -396,16 +396,16 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
                   caption_draw: int = 0, teacher_view=None, stored_teacher: bool = False):
     """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
 
-    Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When
-    `aug_seed` is given, random transforms in `preprocess` draw from torch's RNG seeded with it, so a sample
-    gets the same augmentation when it is replayed after a resume; outside a DataLoader worker the caller's RNG
-    state is restored (a worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a
-    split transform (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad
-    samples and `TransformOutputError` when the PIL stage gives no RGB image. `keys` (a `SampleKeys`) and
-    `caption_draw` choose the members and the caption (`parse_sample`). With `teacher_view` (a
-    `mmcl.training.teacher.TeacherView`) a fourth element is the teacher's uint8 view of the same decoded image, before any
-    augmentation. With `stored_teacher` (``distill.from_shards``) it is the sample's stored teacher embeddings
-    (image, drawn caption, scale), or `SkipSample` ``no_teacher_features``.
+    Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When `aug_seed` is
+    given, random transforms in `preprocess` draw from torch's RNG seeded with it, so a sample gets the same
+    augmentation when it is replayed after a resume; outside a DataLoader worker the caller's RNG state is restored (a
+    worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a split transform
+    (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad samples and
+    `TransformOutputError` when the PIL stage gives no RGB image. `keys` (a `SampleKeys`) and `caption_draw` choose the
+    members and the caption (`parse_sample`). With `teacher_view` (a `mmcl.training.teacher.TeacherView`) a fourth
+    element is the teacher's uint8 view of the same decoded image, before any augmentation. With `stored_teacher`
+    (``distill.from_shards``) it is the sample's stored teacher embeddings (image, drawn caption, scale), or
+    `SkipSample` ``no_teacher_features``.
     """
     data, caption, label = parse_sample(files, keys=keys, draw=caption_draw)  # keys: data.image_key/caption_key
     stored = stored_teacher_features(files, caption, keys) if stored_teacher else None

@@ -326,7 +326,8 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
             yield self.preprocess(img), label, caption, self.item_key(item)
 
     def item_key(self, item) -> str:
-        """The key an item carries: the sample's key (`mmcl.evaluation.index` adds the shard URL and the sample's url)."""
+        """The key an item carries: the sample's key (`mmcl.evaluation.index` adds the shard URL and the sample's
+        url)."""
         return item.key
 
 

@@ -24,7 +24,6 @@ from ..errors import DataError
 from .limits import load_json
 from .sources import SHARD_SUFFIXES, SIZES_FILE, _split_spec, expand_sources, has_scheme, redact
 
-
 MAX_COUNT = 10 ** 12  # samples in one shard or folder: more is not a count but a damaged file
 
 

@@ -20,11 +20,25 @@ from ..config import DataConfig, data_weight_problems, data_workers
 from ..errors import ConfigError, DataError
 from .batching import WorkerOutput, role_batches
 from .decode import needed_members, sample_keys
-from .pipeline import (InputSizes, StreamSpec, copy_position, fresh_position, resized_positions, shard_split,
-                       skip_units, summed_skips)
+from .pipeline import (
+    InputSizes,
+    StreamSpec,
+    copy_position,
+    fresh_position,
+    resized_positions,
+    shard_split,
+    skip_units,
+    summed_skips,
+)
 from .sources import expand_sources, has_scheme
-from .transforms import (ImageSpec, draft_size_of, split_transform, train_draft_size, train_image_stages,
-                         training_sample_transform)
+from .transforms import (
+    ImageSpec,
+    draft_size_of,
+    split_transform,
+    train_draft_size,
+    train_image_stages,
+    training_sample_transform,
+)
 
 _STATE_VERSION = 1
 
@@ -327,8 +341,8 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
             (``teacher_image_features``, ``teacher_text_features``, ``teacher_scale``); samples without them
             are skipped and counted (``no_teacher_features``).
         sizes: the input sizes of the token-reduction phases (``train.phases``), as (first process batch, image
-            size or None, context length or None) in order: the batches from each start on are made at that size in the workers,
-            captions cut to that many tokens (`InputSizes`). The process batch of a step is step * accum_steps.
+            size or None, context length or None) in order: the batches from each start on are made at that size in the
+            workers, captions cut to that many tokens (`InputSizes`). The process batch of a step is step * accum_steps.
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """

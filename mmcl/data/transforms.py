@@ -24,7 +24,6 @@ import torch
 from PIL import Image
 
 
-
 def crop_draft_size(width: int, height: int, min_scale: float) -> Tuple[int, int]:
     """The draft size of a random resized crop to `width` x `height` whose area fraction is at least `min_scale`:
     ``(ceil(width / min_scale), ceil(height / min_scale))``.

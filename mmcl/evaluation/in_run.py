@@ -22,8 +22,17 @@ from .. import data as data_mod
 from ..config import EvalConfig, EvalSet, duplicate_set_names, eval_sets
 from ..data.sources import redact_values
 from ..errors import ConfigError, DataError
-from .evaluate import (_batches, _dataset_name, _input_dtype, _resolve_classnames, eval_loader, is_template_name,
-                       load_templates, retrieval, zeroshot)
+from .evaluate import (
+    _batches,
+    _dataset_name,
+    _input_dtype,
+    _resolve_classnames,
+    eval_loader,
+    is_template_name,
+    load_templates,
+    retrieval,
+    zeroshot,
+)
 
 VAL_PREFIX = "val/"  # the validation loss's metric keys: val/loss, val/loss/<term>, val/<metric>
 # The top-level keys of the end-of-run results (eval_results.json): one per kind of evaluation, then set names

@@ -31,10 +31,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..storage import checkpoints, weights
 from ..data import ShardEvalDataset, has_scheme, redact
 from ..data.limits import load_json
 from ..errors import CheckpointError, DataError
+from ..storage import checkpoints, weights
 from ..storage.fsutil import atomic_dir, os_error_text, output_dir
 
 INDEX_FILE = "index.faiss"

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._precision import float32_math, scaled_products
 from ._inputs import Gathered, _check_chunk, _check_pair, _columns
+from ._precision import float32_math, scaled_products
 from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _coefficient_floor, _exp_, _finite_or_zero, _unit, _upcast
 
 

@@ -8,11 +8,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ._precision import float32_math
 from ._inputs import Gathered, _check_chunk, _check_pair, _columns
+from ._precision import float32_math
+from .clip import DenseLogSumExp, _dense_logits
 from .errors import LossInputError
 from .tiling import TiledLogSumExp, _as_scale, _exp_, _upcast, tile_elements
-from .clip import DenseLogSumExp, _dense_logits
 
 
 class TeacherFeatures(NamedTuple):

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ._precision import float32_math
 from ._inputs import Gathered, _check_chunk, _check_pair, _columns
+from ._precision import float32_math
 from .errors import LossInputError
 from .reweighted import _negative_lse
 from .tiling import _as_scale, _upcast

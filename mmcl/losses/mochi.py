@@ -8,11 +8,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ._precision import float32_math
 from ._inputs import Gathered, _check_chunk, _check_pair, _columns
+from ._precision import float32_math
+from .clip import DenseInfoNCE, _dense_logits, _positive_logits
 from .errors import LossInputError
 from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _upcast
-from .clip import DenseInfoNCE, _dense_logits, _positive_logits
 
 
 def _to_device(draws: Tensor, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:

@@ -25,16 +25,16 @@ from torch import Tensor, nn
 
 from ._inputs import Gathered, _check_labels, _check_pair
 from ._precision import float32_math
-from .errors import LossInputError
-from .tiling import _acc_dtype, _as_scale
 from .clip import clip_loss
-from .supcon import supcon_loss
-from .siglip import siglip_loss
-from .reweighted import debiased_clip_loss, hard_negative_clip_loss
-from .mochi import FeatureQueue, mochi_loss
-from .geometry import _uniform_log_partial, align_loss, uniform_loss
 from .distill import TeacherFeatures, distill_loss
+from .errors import LossInputError
+from .geometry import _uniform_log_partial, align_loss, uniform_loss
 from .global_contrastive import GlobalEstimates
+from .mochi import FeatureQueue, mochi_loss
+from .reweighted import debiased_clip_loss, hard_negative_clip_loss
+from .siglip import siglip_loss
+from .supcon import supcon_loss
+from .tiling import _acc_dtype, _as_scale
 
 # Logged metrics only need a sample of the batch; pairwise uniformity is quadratic in it.
 _METRIC_MAX_ITEMS = 4096
@@ -121,14 +121,15 @@ class ContrastiveObjective(nn.Module):
             (`GlobalEstimates`; kept only with a positive ``global_contrastive`` weight).
 
     ``forward(image_features, text_features, logit_scale, logit_bias=None, labels=None, with_metrics=True,
-    gathered=None, teacher=None)`` returns ``(total_loss, terms)``. With ``gathered`` (`gather_batch` of this rank's features
-    and labels, several ranks) each rank's rows are scored against the global columns and ``total_loss`` is this
-    rank's 0-dim loss to backpropagate: after DDP averages parameter gradients they equal a single process's on
-    the global batch (see the package docstring). ``terms`` holds floats, averaged over ranks so they describe
-    the global batch: ``loss`` (weighted total), ``loss/<name>`` for every active term, and the metrics
-    ``align``, ``uniform_image``, ``uniform_text`` (no gradient; each rank's first 4096 items, then averaged
-    over ranks). With ``with_metrics=False`` (a trainer's steps that are not logged) there are no metrics, and
-    ``loss`` and ``loss/<name>`` stay 0-dim tensors of this rank's rows: no collective and no host read. The scale is used as given: the limit on it is the model's (its parameter is clamped).
+    gathered=None, teacher=None)`` returns ``(total_loss, terms)``. With ``gathered`` (`gather_batch` of this rank's
+    features and labels, several ranks) each rank's rows are scored against the global columns and ``total_loss`` is
+    this rank's 0-dim loss to backpropagate: after DDP averages parameter gradients they equal a single process's on the
+    global batch (see the package docstring). ``terms`` holds floats, averaged over ranks so they describe the global
+    batch: ``loss`` (weighted total), ``loss/<name>`` for every active term, and the metrics ``align``,
+    ``uniform_image``, ``uniform_text`` (no gradient; each rank's first 4096 items, then averaged over ranks). With
+    ``with_metrics=False`` (a trainer's steps that are not logged) there are no metrics, and ``loss`` and
+    ``loss/<name>`` stay 0-dim tensors of this rank's rows: no collective and no host read. The scale is used as given:
+    the limit on it is the model's (its parameter is clamped).
 
     ``teacher`` (a `TeacherFeatures` of this rank's pairs) feeds the ``distill`` term (`distill_loss`); with
     ``gathered`` its features must have been gathered too (``gather_batch(..., teacher=...)``).

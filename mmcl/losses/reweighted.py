@@ -8,11 +8,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._precision import float32_math
 from ._inputs import Gathered, _check_chunk, _check_pair, _columns
+from ._precision import float32_math
+from .clip import DenseLogSumExp, _dense_logits, _positive_logits
 from .errors import LossInputError
 from .tiling import TiledLogSumExp, _as_scale, _upcast
-from .clip import DenseLogSumExp, _dense_logits, _positive_logits
 
 
 def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,

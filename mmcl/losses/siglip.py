@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._precision import float32_math
 from ._inputs import Gathered, _check_chunk, _check_offset, _check_pair
+from ._precision import float32_math
+from .clip import _dense_logits
 from .errors import LossInputError
 from .tiling import _acc_dtype, _as_scale, _tile_positives, _tile_width, _upcast
-from .clip import _dense_logits
 
 
 @float32_math

@@ -7,11 +7,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._precision import float32_math
 from ._inputs import Gathered, _check_chunk, _check_labels, _check_on_device, _check_pair, _columns
-from .tiling import TiledLogSumExp, _as_scale, _upcast
+from ._precision import float32_math
 from .clip import DenseLogSumExp, _dense_logits
-
+from .tiling import TiledLogSumExp, _as_scale, _upcast
 
 # Entries of a per-class table: its (M + 1) buckets (one per possible class) are built a block of feature columns
 # at a time, so the table stays at most 1/8 of a feature matrix (or 4 MiB) where a whole (M + 1, D) one would weigh

@@ -3,10 +3,28 @@ model classes in `clip_classes`), FLIP's patch dropout (`flip`), and towers that
 
 The names below are the package's interface (``from mmcl import models; models.build(cfg)``)."""
 
-from .towers import (CONFIG_DIR, FROZEN_ATTR, TEXT_WIDTH_STEP, MaskedMaxPooler, TrimmedTokenizer, apply_locks,
-                     available_models, build, build_tokenizer, build_transforms, clamp_logit_scale, create,
-                     hf_custom_code_error, is_frozen_call, is_local_dir, named_config, preprocess_config,
-                     resolve_model_config, set_patch_dropout, training_tokenizer)
+from .towers import (
+    CONFIG_DIR,
+    FROZEN_ATTR,
+    TEXT_WIDTH_STEP,
+    MaskedMaxPooler,
+    TrimmedTokenizer,
+    apply_locks,
+    available_models,
+    build,
+    build_tokenizer,
+    build_transforms,
+    clamp_logit_scale,
+    create,
+    hf_custom_code_error,
+    is_frozen_call,
+    is_local_dir,
+    named_config,
+    preprocess_config,
+    resolve_model_config,
+    set_patch_dropout,
+    training_tokenizer,
+)
 
 __all__ = ["CONFIG_DIR", "FROZEN_ATTR", "TEXT_WIDTH_STEP", "MaskedMaxPooler", "TrimmedTokenizer", "apply_locks",
            "available_models", "build", "build_tokenizer", "build_transforms", "clamp_logit_scale", "create",

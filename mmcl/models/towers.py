@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -328,7 +327,8 @@ def build(cfg: ModelConfig):
 def set_patch_dropout(model: nn.Module, prob: float, seed: int = 0, rank: int = 0, world_size: int = 1,
                       accum_steps: int = 1) -> List[nn.Module]:
     """FLIP patch dropout in `model`'s image tower (training only; `mmcl.models.flip`). Returns the masking modules, for
-    `mmcl.models.flip.begin_step`. Raises ConfigError for an image tower without patch tokens (a ResNet, a timm trunk)."""
+    `mmcl.models.flip.begin_step`. Raises ConfigError for an image tower without patch tokens (a ResNet, a timm
+    trunk)."""
     from .flip import SeededPatchDropout
 
     visual = getattr(model, "visual", None)

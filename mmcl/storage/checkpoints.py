@@ -2,10 +2,11 @@
 
 Layout: ``checkpoints/step-NNNNNNNN/`` holds accelerate's state (the model's weights in ``model.safetensors``), one
 ``rank_state_<i>.pt`` per process, the model's architecture and preprocessing (``model_config.json``, as a model
-directory's ``open_clip_config.json`` records them) and a ``COMPLETE`` marker written last. The marker records the progress (step, samples) and the size and SHA-256 of
-every file, so a truncated or altered file is found before loading, not halfway through. A checkpoint that
-fails this check is renamed ``damaged-step-NNNNNNNN`` (never deleted: it is evidence, and the new name keeps it
-out of ``keep_checkpoints`` rotation and out of the way of a new save of the same step).
+directory's ``open_clip_config.json`` records them) and a ``COMPLETE`` marker written last. The marker records the
+progress (step, samples) and the size and SHA-256 of every file, so a truncated or altered file is found before loading,
+not halfway through. A checkpoint that fails this check is renamed ``damaged-step-NNNNNNNN`` (never deleted: it is
+evidence, and the new name keeps it out of ``keep_checkpoints`` rotation and out of the way of a new save of the same
+step).
 
 Imports no training code: `newest_run_weights` is what loading a run directory (``mmcl.storage.weights``) uses, so the
 layout and the COMPLETE check are known here only.
@@ -108,7 +109,8 @@ def load_accelerate_state(accelerator, ckpt: Path) -> None:
 
 def generators_not_restored(ckpt: Path, process_index: int) -> Optional[str]:
     """One warning line naming the generators whose state `ckpt` holds for this process but that do not now hold
-    it (None: all restored). Asked right after `load_accelerate_state`: accelerate's load skips the random states on any error with a log line at INFO only: a dropout tower would then draw other masks."""
+    it (None: all restored). Asked right after `load_accelerate_state`: accelerate's load skips the random states on any
+    error with a log line at INFO only: a dropout tower would then draw other masks."""
     import torch
     from accelerate.utils import load
 

@@ -43,9 +43,9 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import hf_clip, weights
 from .. import models
 from ..errors import CheckpointError, ConfigError
+from . import hf_clip, weights
 from .fsutil import atomic_dir, atomic_write_text, files_under, os_error_text, output_dir
 
 FORMATS = ("open_clip", "hf", "onnx", "safetensors")
@@ -323,16 +323,16 @@ def hf_clip_state_dict(sd: Dict[str, torch.Tensor], n_vision_layers: int, n_text
 
 def write_hf_tokenizer(context_length: int, out: Path) -> None:
     """open_clip's tokenizer as transformers 4.x and 5.x load it (``AutoTokenizer``, ``CLIPProcessor``): the
-    ``tokenizer.json`` of `mmcl.storage.clip_tokenizer_file` (the same pipeline as the ONNX export's), declared as a plain
-    fast tokenizer so that both generations run that file as it is (transformers 5's ``CLIPTokenizer`` rebuilds its
-    own pipeline, which leaves ``&amp;`` undecoded), plus ``vocab.json`` and ``merges.txt``.
+    ``tokenizer.json`` of `mmcl.storage.clip_tokenizer_file` (the same pipeline as the ONNX export's), declared as a
+    plain fast tokenizer so that both generations run that file as it is (transformers 5's ``CLIPTokenizer`` rebuilds
+    its own pipeline, which leaves ``&amp;`` undecoded), plus ``vocab.json`` and ``merges.txt``.
 
     The ids equal ``open_clip.get_tokenizer`` from the start token through the end token, truncation included, HTML
     entities and a literal ``<|endoftext|>`` (ordinary text) included, except for the few inputs that
-    `mmcl.storage.clip_tokenizer_file` lists. Padding after the end token follows the transformers CLIP convention (the end
-    token, 49407, with attention mask 0) where open_clip writes 0: id 0 is the vocabulary's "!", and registering it
-    as the padding token would make transformers split every "!" of the text out as a special token. Neither model
-    reads past the first end token (causal attention, pooling at that token), so the embeddings are the same.
+    `mmcl.storage.clip_tokenizer_file` lists. Padding after the end token follows the transformers CLIP convention (the
+    end token, 49407, with attention mask 0) where open_clip writes 0: id 0 is the vocabulary's "!", and registering it
+    as the padding token would make transformers split every "!" of the text out as a special token. Neither model reads
+    past the first end token (causal attention, pooling at that token), so the embeddings are the same.
     """
     from open_clip.tokenizer import SimpleTokenizer
 

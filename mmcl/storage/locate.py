@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import checkpoints
 from ..errors import CheckpointError
+from . import checkpoints
 from .fsutil import os_error_text
 from .layout import RunLayout
 

@@ -28,11 +28,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import checkpoints
 from ..config import ModelConfig
 from ..errors import CheckpointError
-from .locate import (CONFIG_FILE, TAG_PREPROCESS, locate, open_clip_train_arch, read_json_file,
-                     read_model_meta)
+from . import checkpoints
+from .locate import CONFIG_FILE, TAG_PREPROCESS, locate, open_clip_train_arch, read_json_file, read_model_meta
 from .weights import _preview, init_from
 
 HUB_PREFIX = "hf-hub:"
@@ -122,8 +121,13 @@ def _hub_problem(name: str) -> Optional[str]:
 def pretrained_problem(name: str, arch: str) -> Optional[str]:
     """Why `model.pretrained=name` (for architecture `arch`) cannot be resolved on this machine, without
     downloading anything; None when it can (or may be downloaded)."""
-    from open_clip import (download_pretrained, get_pretrained_cfg, is_pretrained_cfg, list_pretrained_models_by_tag,
-                           list_pretrained_tags_by_model)
+    from open_clip import (
+        download_pretrained,
+        get_pretrained_cfg,
+        is_pretrained_cfg,
+        list_pretrained_models_by_tag,
+        list_pretrained_tags_by_model,
+    )
 
     if name.startswith(HUB_PREFIX):
         return _hub_problem(name)

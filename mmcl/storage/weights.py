@@ -30,16 +30,30 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import checkpoints, hf_clip
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
+from ..models import towers
+from ..models.towers import (
+    build_tokenizer,
+    build_transforms,
+    create,
+    hf_custom_code_error,
+    is_local_dir,
+    preprocess_config,
+)
+from . import checkpoints, hf_clip
 from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir
 from .layout import RunLayout
-from .locate import (CONFIG_FILE, damaged, find_model_dir, locate, located, open_clip_train_arch, read_json_file,
-                     read_model_meta)
-from ..models import towers
-from ..models.towers import (build_tokenizer, build_transforms, create, hf_custom_code_error, is_local_dir,
-                             preprocess_config)
+from .locate import (
+    CONFIG_FILE,
+    damaged,
+    find_model_dir,
+    locate,
+    located,
+    open_clip_train_arch,
+    read_json_file,
+    read_model_meta,
+)
 
 # The model directory's files (open_clip's local-dir layout), read by open_clip, CLIP_benchmark and `mmcl.load`;
 # its config file (`CONFIG_FILE`) is named in `mmcl.storage.locate`, which finds model directories by it.

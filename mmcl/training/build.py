@@ -120,7 +120,8 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     (model, model_cfg, pp_cfg, tokenizer, patch_dropout, phases, wise_init)."""
     log = lambda msg: log_line(accelerator, msg)  # noqa: E731
     if cfg.model.pretrained:  # by name: architecture (where the source has one), preprocessing and weights
-        model, model_cfg, pp_cfg, tokenizer, report = agreed(accelerator, lambda: pretrained.build_pretrained(cfg.model))
+        built = agreed(accelerator, lambda: pretrained.build_pretrained(cfg.model))
+        model, model_cfg, pp_cfg, tokenizer, report = built
         log(report)
     else:
         model, model_cfg, pp_cfg, _, _, tokenizer = models.build(cfg.model)

@@ -12,12 +12,12 @@ import torch
 
 from .. import data as data_mod
 from .. import models
-from ..models import lora
 from ..config import TrainConfig
 from ..data.decode import SKIP_REASONS
 from ..data.pipeline import skip_units
 from ..errors import MmclError, TrainingError
 from ..evaluation import in_run as eval_sets
+from ..models import lora
 from ..storage import weights
 from ..storage.fsutil import atomic_write_text
 from . import fsdp, phases, runfolder

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from ..config import TrainConfig, is_main_process, to_dict, world
 from ..data.sources import redact_values
 from ..errors import MmclError, RunStopped, TrainingError, printable

@@ -1,17 +1,16 @@
 """Checks a training config's inputs before anything is built, so that a run fails in seconds, not at its end.
 
-Every local path the run will read is checked: the training shards (each source of ``data.train``: a source of
-which no shard exists, or, with ``data.require_all_shards``, any missing shard), the
-evaluation sets (each set of ``eval.zeroshot`` and ``eval.retrieval`` opened by the evaluation's own loader: an
-ImageFolder with an empty class folder, a flat folder of images or a folder without images is refused here; class
-names, one per class folder; templates; unique set names; ``eval.val_loss``'s shards),
-``model.init_from``, ``model.name`` when it is an architecture file (readable, an open_clip model config),
-``model.pretrained`` (an open_clip tag known for ``model.name``; with HF_HUB_OFFLINE=1, a
-hub name in the cache), ``distill.teacher`` and a local Hugging Face text tower (``model.text.hf``). Remote shards (``pipe:``,
-``http://``) and hub model names are not checked. Relative paths resolve against the current directory, as
-everywhere in mmcl; the error shows them resolved, so a run started from another directory says where it looked.
-A table (CSV, TSV, JSON lines, parquet) given as shards is refused naming ``mmcl shards``, and a global batch larger
-than the data, where its size is known, with the numbers.
+Every local path the run will read is checked: the training shards (each source of ``data.train``: a source of which no
+shard exists, or, with ``data.require_all_shards``, any missing shard), the evaluation sets (each set of
+``eval.zeroshot`` and ``eval.retrieval`` opened by the evaluation's own loader: an ImageFolder with an empty class
+folder, a flat folder of images or a folder without images is refused here; class names, one per class folder;
+templates; unique set names; ``eval.val_loss``'s shards), ``model.init_from``, ``model.name`` when it is an architecture
+file (readable, an open_clip model config), ``model.pretrained`` (an open_clip tag known for ``model.name``; with
+HF_HUB_OFFLINE=1, a hub name in the cache), ``distill.teacher`` and a local Hugging Face text tower (``model.text.hf``).
+Remote shards (``pipe:``, ``http://``) and hub model names are not checked. Relative paths resolve against the current
+directory, as everywhere in mmcl; the error shows them resolved, so a run started from another directory says where it
+looked. A table (CSV, TSV, JSON lines, parquet) given as shards is refused naming ``mmcl shards``, and a global batch
+larger than the data, where its size is known, with the numbers.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ import torch
 
 from ..data.decode import TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys
 from ..data.reading import read_raw_samples
-from ..data.sources import expand_urls, has_scheme, redact
 from ..data.sizes import SIZES_FILE
+from ..data.sources import expand_urls, has_scheme, redact
 from ..data.writer import add_tar_member, write_sizes
 from ..errors import DataError, printable
 from ..evaluation.embed import embed_samples

@@ -7,11 +7,11 @@ processes it was written with or on another.
 architecture (`ARCH_KEYS`) is an error (`check_resumable`); whether the folder holds this run at all is the run
 folder's rule (`mmcl.training.runfolder`), applied before anything is built.
 
-On another number of processes: the run's `Runtime` keeps the global batch (`mmcl.training.runtime.batch_plan`
-sets the per-process ``data.batch_size`` and, when it must, ``train.accum_steps``), so the schedule,
-``train.samples`` and the number of steps stay as they were. `load_resized` loads the checkpoint on the new processes: the weights and optimiser state (the same
-on every process), the loss's state (its queues hold features gathered over all processes, so they are the same
-on every process) and the data positions of every saved process, from which the stream continues so that every
+On another number of processes: the run's `Runtime` keeps the global batch (`mmcl.training.runtime.batch_plan` sets the
+per-process ``data.batch_size`` and, when it must, ``train.accum_steps``), so the schedule, ``train.samples`` and the
+number of steps stay as they were. `load_resized` loads the checkpoint on the new processes: the weights and optimiser
+state (the same on every process), the loss's state (its queues hold features gathered over all processes, so they are
+the same on every process) and the data positions of every saved process, from which the stream continues so that every
 sample of the epochs under way is read exactly once (`mmcl.data.pipeline.resized_positions`).
 
 The batches: without data workers (one slot per process, before and after) the rest of the epoch is batched
@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..config import to_dict
 from ..data.sources import redact_values
-from ..errors import CheckpointError, ConfigError, DamagedCheckpointError, MmclError
+from ..errors import CheckpointError, DamagedCheckpointError, MmclError
 from ..storage import checkpoints
 from . import runfolder
 from .agree import agreed, broadcast_from_main

@@ -38,8 +38,17 @@ from ..data.sources import redact_values
 from ..errors import ConfigError, MmclError, RunStopped
 from ..storage import checkpoints
 from ..storage.fsutil import atomic_write_text, inside, open_inside
-from ..storage.layout import (CHECKPOINTS_DIR, CONFIG, EVAL_RESULTS, METRICS, MODEL, OUT_LOG, PARAM_GROUPS, WISE_FT,
-                              RunLayout)
+from ..storage.layout import (
+    CHECKPOINTS_DIR,
+    CONFIG,
+    EVAL_RESULTS,
+    METRICS,
+    MODEL,
+    OUT_LOG,
+    PARAM_GROUPS,
+    WISE_FT,
+    RunLayout,
+)
 from ..storage.manifest import MANIFEST
 
 COMMAND = "train"
@@ -51,7 +60,8 @@ RUN_FILES = (CONFIG, PARAM_GROUPS, METRICS, OUT_LOG, EVAL_RESULTS, SKIP_LOG)
 # Config keys that may change when a run is resumed: how long it trains, how it logs, saves, reads and evaluates;
 # none of them changes what a step computes. (docs/reliability.md lists them.) A section name means every key in it.
 RESUME_KEYS = ("train.steps", "train.samples", "train.epochs", "data.train_num_samples", "train.output_dir",
-               "train.resume", "train.log_every", "train.save_every", "train.keep_checkpoints", "train.progress", "train.plot", "train.log_with", "track",
+               "train.resume", "train.log_every", "train.save_every", "train.keep_checkpoints", "train.progress",
+               "train.plot", "train.log_with", "track",
                "train.dist_timeout_s", "train.compile", "eval", "data.workers", "data.worker_nice", "data.retries",
                "data.retry_delay", "data.read_timeout")
 BATCH_KEYS = ("data.batch_size", "train.accum_steps")  # free while the global batch stays the run's

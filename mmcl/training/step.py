@@ -112,7 +112,8 @@ def _stored_teacher(b, device) -> losses.TeacherFeatures:
 
 def _teacher_features(teacher, batches, device, autocast=contextlib.nullcontext):
     """The teacher's features of the micro-batches, concatenated: computed by `teacher` (a
-    `mmcl.training.teacher.Teacher`, under `autocast`, the student's mixed precision), or read from the batches (stored in
+    `mmcl.training.teacher.Teacher`, under `autocast`, the student's mixed precision), or read from the batches (stored
+    in
     the shards); None without distillation."""
     if teacher is not None:
         with autocast():
