@@ -208,11 +208,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, groups=None,
     """The optimiser ``optim.name`` over `groups` (`mmcl.param_groups(model, cfg)` when not given), for parameters
     that will train on `device` (default: where they are now).
 
-    ``adamw`` is torch's AdamW with ``optim.beta1``/``beta2``/``eps``. The fused kernel is the default; where the
-    device or dtype has none, the per-tensor AdamW runs instead, with the reason kept as its ``fused_unavailable``
-    for the one line `host_check_line` gives at the start: that optimiser cannot take ``found_inf``, so the
-    finite-loss decision moves to the host (`mmcl.training.stepcheck`). Any other name is timm's (`timm_optimizer`),
-    which takes the host path too.
+    ``adamw`` is torch's AdamW with ``optim.beta1``/``beta2``/``eps``. The fused kernel is the default; where the device
+    or dtype has none, the per-tensor AdamW runs instead, with the reason kept as its ``fused_unavailable`` for the one
+    line `host_check_line` gives at the start: that optimiser cannot take ``found_inf``, so the finite-loss decision
+    moves to the host (`mmcl.training.step.FiniteChecks`). Any other name is timm's (`timm_optimizer`), which takes the
+    host path too.
     """
     named = groups if groups is not None else param_groups(model, cfg)
     groups = optimizer_groups(named)
@@ -299,7 +299,7 @@ def takes_found_inf(optimizer) -> bool:
 
 def host_check_line(optimizer, scaler) -> Optional[str]:
     """The one line saying that the finite-loss decision of each step runs on the host, and why; None where it
-    stays on the device (`mmcl.training.stepcheck.StepChecks.on_device`: an optimiser that takes ``found_inf``
+    stays on the device (`mmcl.training.step.FiniteChecks.on_device`: an optimiser that takes ``found_inf``
     (`takes_found_inf`), and no loss scaler, which sets ``found_inf`` itself)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     name = type(inner).__name__
