@@ -16,19 +16,21 @@ from mmcl import models
 from mmcl.config import DataConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-# The smallest towers a run can build from configs/tiny.yaml: for tests of what a run leaves in its folder.
-TINY_TOWERS = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
-               "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]
 
 # ------------------------------------------------------------------------------------------- training
-# A smaller tower than configs/tiny.yaml, so that each step takes milliseconds on a CPU.
-MICRO = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
-         "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
+# Two tower sizes, smaller than configs/tiny.yaml's, as overrides of it. TRAINING_TOWERS still learn the demo's
+# colours in a few dozen steps, each step milliseconds on a CPU: for tests of what a run computes and learns.
+# FOLDER_TOWERS are the smallest a run can build: for tests of what a run leaves in its folder and says.
+TRAINING_TOWERS = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
+                   "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
+FOLDER_TOWERS = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
+                 "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]
+MICRO = TRAINING_TOWERS  # the former name, still imported by tests/models/test_lora.py and test_eval_sets.py
 
 
 def micro_model(seed=0):
     torch.manual_seed(seed)
-    cfg = load_config(None, MICRO).model
+    cfg = load_config(None, TRAINING_TOWERS).model
     model, *_ = models.build(cfg)
     return model
 
@@ -44,10 +46,26 @@ def grads_of(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run_args(demo, out, *extra):
-    return ["--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}", f"train.output_dir={out}",
-            "eval.zeroshot=null", "train.progress=false", "train.plot=false", "data.shuffle_buffer=64", *MICRO,
-            *extra]
+def run_args(demo, out, *extra, towers=TRAINING_TOWERS, zeroshot="null"):
+    """`mmcl train`'s arguments after the command's name: configs/tiny.yaml on the training shards of `demo` (a
+    dataset of conftest.py's, or the shards' path) into `out`, with `towers` and `eval.zeroshot=zeroshot`, no
+    progress bar nor plot; `extra` overrides come last, so they win."""
+    train = demo["train"] if isinstance(demo, dict) else demo
+    return ["--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={train}", f"train.output_dir={out}",
+            f"eval.zeroshot={zeroshot}", "train.progress=false", "train.plot=false", "data.shuffle_buffer=64",
+            *towers, *extra]
+
+
+# A two-step run of batches of 8 read in the main process, a checkpoint at step 2, a metrics line per step and no
+# tracker: with FOLDER_TOWERS and conftest.py's `small_demo`, for tests of what a run leaves in its folder.
+SHORT_RUN = ("data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.save_every=2",
+             "train.log_every=1", "train.log_with=[]", "train.steps=2")
+
+
+def short_run(demo, out, *extra, towers=FOLDER_TOWERS, zeroshot="null"):
+    """The command line of a SHORT_RUN for `mmcl.cli.main` (from the command's name, "train"): `run_args` with
+    SHORT_RUN's settings before `extra`."""
+    return ["train", *run_args(demo, out, *SHORT_RUN, *extra, towers=towers, zeroshot=zeroshot)]
 
 
 def final_weights(run_dir):
@@ -58,6 +76,33 @@ def final_weights(run_dir):
 
 def metrics(run_dir):
     return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------- losses
+# float64 transcriptions of the papers' definitions, which the losses are checked against.
+def ref_clip(img, txt, s):
+    """Radford et al. 2021: mean of the two cross-entropies of the logit matrix and its transpose."""
+    img, txt = img.double(), txt.double()
+    logits = s * img @ txt.T
+    idx = torch.arange(img.shape[0])
+    return ((torch.logsumexp(logits, 1) - logits[idx, idx]).mean()
+            + (torch.logsumexp(logits, 0) - logits[idx, idx]).mean()) / 2
+
+
+def ref_supcon(img, txt, labels, s):
+    """Khosla et al. 2020, L_out (mean of -log p over the positives, outside the log), taken across modalities:
+    an image's positives are the texts of its class and its own caption (SupContrast's single-view form has the
+    other views of the same modality and excludes the anchor itself); label -1, or labels None: the own caption
+    only."""
+    img, txt = img.double(), txt.double()
+    n = img.shape[0]
+    labels = torch.full((n,), -1) if labels is None else labels
+    pos = (labels[:, None] == labels[None, :]) & (labels[:, None] >= 0) | torch.eye(n, dtype=torch.bool)
+    out = 0
+    for logits in (s * img @ txt.T, s * txt @ img.T):
+        log_p = logits - torch.logsumexp(logits, dim=1, keepdim=True)
+        out = out + (-(log_p * pos).sum(1) / pos.sum(1)).mean() / 2
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -86,6 +131,10 @@ def image_for(i, size=12):
     rng = np.random.default_rng(i)
     return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
 
+
+def png(seed, size=32):
+    """A PNG of random pixels from `seed`, `size` pixels square: a sample's image for shards a test writes."""
+    return encode(Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)), "PNG")
 
 def write_tar(path, members):
     """Write (name, bytes) members into a tar, in order."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers import png
 from mmcl import models
 from mmcl.curation import REASONS, Rules, decide
 from mmcl.curation import rules as rules_mod
@@ -125,7 +126,7 @@ def test_language_rule_by_hand_and_by_py3langid(setup, tmp_path):
     shard.parent.mkdir()
     captions = ["a dog runs in the park with a red ball", "ein Hund läuft mit einem roten Ball im Park",
                 "the cat is sleeping on the warm window sill", "le chat dort sur le rebord de la fenêtre"]
-    _write_shard(shard, [(f"k{i}", {"png": _png(i), "txt": c.encode()}) for i, c in enumerate(captions)])
+    _write_shard(shard, [(f"k{i}", {"png": png(i), "txt": c.encode()}) for i, c in enumerate(captions)])
     assert main(["curate", "--model", str(setup["model"]), "--data", str(shard), "--out", str(tmp_path / "out"),
                  "--no-progress", "--language", "en"]) == 0
     dropped = [json.loads(line) for line in (tmp_path / "out" / "dropped.jsonl").read_text().splitlines()]
@@ -143,11 +144,6 @@ def test_bad_rules_are_one_line_errors():
 
 
 # ------------------------------------------------------------------------------------ the command
-def _png(seed):
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buf, format="png")
-    return buf.getvalue()
 
 
 def _write_shard(path, samples):
@@ -186,9 +182,9 @@ def setup(tmp_path_factory):
         samples = []
         for i in range(8):
             n = 8 * s + i
-            image = _png(n)
+            image = png(n)
             if s == 2 and i in (1, 4):  # exact copies of shard 0's images 1 and 4, other captions
-                image = _png(i)
+                image = png(i)
             members = {"png": image, "txt": f"{words[(n * 3) % 8]} {n}".encode()}
             if n == 13:
                 members["png"] = b"not an image"
@@ -388,8 +384,8 @@ def test_decontamination_against_an_image_folder(setup, tmp_path):
 
     folder = tmp_path / "eval" / "cls"
     folder.mkdir(parents=True)
-    (folder / "a.png").write_bytes(_png(2))  # shard 0's third image
-    (folder / "b.png").write_bytes(_png(999))
+    (folder / "a.png").write_bytes(png(2))  # shard 0's third image
+    (folder / "b.png").write_bytes(png(999))
     out = tmp_path / "out"
     assert main(["curate", "--model", str(setup["model"]), "--data", setup["spec"], "--out", str(out),
                  "--no-progress", "--decontaminate", str(tmp_path / "eval"), "--decontaminate-threshold",

@@ -10,14 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.transforms.functional import to_tensor
 
+from helpers import TRAINING_TOWERS
 from mmcl.data import build_eval_dataset
 from mmcl.errors import DataError
 from mmcl.evaluation import evaluate
 from test_evaluate import write_folder, write_shard  # the same image and shard builders
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
-         "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
 
 # Ten ImageNet-1k classes spread over the 1000, with the names of CLIP's list (open_clip's IMAGENET_CLASSNAMES).
 IMAGENET_TEN = {"n01440764": "tench", "n01443537": "goldfish", "n01530575": "brambling",
@@ -193,14 +192,6 @@ def test_an_image_folder_is_named_after_the_folder(tmp_path):
 # eval.every on its own steps
 
 
-@pytest.fixture(scope="module")
-def small_demo(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
-
-    root = tmp_path_factory.mktemp("demo")
-    return make_demo_data(str(root), n_train=64, n_val=16, n_zeroshot=2, shard_size=64, progress=False)
-
-
 @pytest.mark.slow
 def test_eval_every_fires_on_its_own_steps(small_demo, tmp_path):
     from mmcl.cli import main
@@ -208,7 +199,7 @@ def test_eval_every_fires_on_its_own_steps(small_demo, tmp_path):
     out = tmp_path / "run"
     code = main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={small_demo['train']}",
                  f"train.output_dir={out}", "train.progress=false", "train.plot=false", "data.shuffle_buffer=16",
-                 *MICRO, "train.steps=7", "data.batch_size=8", "data.workers=0", "train.save_every=0",
+                 *TRAINING_TOWERS, "train.steps=7", "data.batch_size=8", "data.workers=0", "train.save_every=0",
                  "train.log_every=3", "eval.every=2", f"eval.zeroshot={small_demo['zeroshot_colour']}"])
     assert code == 0
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]

@@ -3,7 +3,6 @@ shards its sizes.json does not list), warnings never share the progress bar's li
 samples and shards apart, a resume whose weights do not fit names the keys, and a run that fails to build leaves
 no folder."""
 
-import io
 import json
 import os
 import shutil
@@ -14,40 +13,24 @@ import warnings
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
-from helpers import TINY_TOWERS
+from helpers import png, short_run, write_tar
 from mmcl.cli import main
 from mmcl.data.sources import expand_sources
 
-ROOT = Path(__file__).resolve().parents[1]
-MICRO = TINY_TOWERS
 
-
-@pytest.fixture(scope="module")
-def demo(small_demo):
-    return small_demo
-
-
-def run_args(train, out, *extra):
-    return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={train}",
-            f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
-            "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.save_every=2", "train.log_every=1",
-            "train.log_with=[]", "train.steps=2", *MICRO, *extra]
-
-
-def test_the_start_lines_say_what_each_source_resolved_to_and_a_folder_names_unlisted_shards(demo, tmp_path):
+def test_the_start_lines_say_what_each_source_resolved_to_and_a_folder_names_unlisted_shards(small_demo, tmp_path):
     from mmcl.data.sizes import describe_sources
 
     folder = tmp_path / "train"
-    shutil.copytree(Path(demo["train"]).parent, folder)
-    assert describe_sources(f"{folder}::{demo['val']}") == [
+    shutil.copytree(Path(small_demo["train"]).parent, folder)
+    assert describe_sources(f"{folder}::{small_demo['val']}") == [
         f"data.train source 1 of 2: '{folder}' (a folder: its shards): 2 shard(s) "
         f"(shard-000000.tar .. shard-000001.tar), 64 samples",
-        f"data.train source 2 of 2: '{demo['val']}': 1 shard(s) (shard-000000.tar), 8 samples"]
+        f"data.train source 2 of 2: '{small_demo['val']}': 1 shard(s) (shard-000000.tar), 8 samples"]
     # A folder takes every shard file in it; one its sizes.json does not list (an evaluation shard copied in beside
     # the training set) is named in one warning, and the samples are then unknown.
-    shutil.copy(demo["val"], folder / "val-000000.tar")
+    shutil.copy(small_demo["val"], folder / "val-000000.tar")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         (urls,) = expand_sources(str(folder))
@@ -61,28 +44,14 @@ def test_the_start_lines_say_what_each_source_resolved_to_and_a_folder_names_unl
             f"samples unknown", "data.train_num_samples=100 samples per epoch"]
 
 
-def _png(seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (32, 32), ((seed * 37) % 256, (seed * 91) % 256, (seed * 53) % 256)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def _write_tar(path: Path, members) -> None:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-
-
 def _damaged_shards(root: Path, good: int = 30) -> Path:
     """a.tar: a corrupt image first, then `good` samples, then a sample cut off mid-image (a truncated shard);
     b.tar: not a tar file (a shard that cannot be opened)."""
     root.mkdir()
     members = [("bad.png", b"\x89PNG not an image"), ("bad.txt", b"a broken picture")]
     for i in range(good + 1):
-        members += [(f"s{i:03d}.png", _png(i)), (f"s{i:03d}.txt", f"caption {i}".encode())]
-    _write_tar(root / "a.tar", members)
+        members += [(f"s{i:03d}.png", png(i)), (f"s{i:03d}.txt", f"caption {i}".encode())]
+    write_tar(root / "a.tar", members)
     with tarfile.open(root / "a.tar") as tar:
         cut = [m for m in tar.getmembers() if m.name == f"s{good:03d}.png"][0].offset_data + 10
     with open(root / "a.tar", "r+b") as f:
@@ -114,7 +83,7 @@ def _rendered(console: str):
 def test_warnings_are_written_through_the_bar_and_skips_are_counted_by_unit(tmp_path):
     shards = _damaged_shards(tmp_path / "shards")
     out = tmp_path / "run"
-    args = run_args(f"{shards}/*.tar", out, "train.progress=true", "train.steps=12", "data.batch_size=4",
+    args = short_run(f"{shards}/*.tar", out, "train.progress=true", "train.steps=12", "data.batch_size=4",
                     "data.shuffle_buffer=4", "train.save_every=0", "train.log_every=4")
     # stdout and stderr into one pipe, as on a terminal: the progress bar (stderr) and the lines between its redraws;
     # read as bytes, since text mode would turn the bar's carriage returns into newlines
@@ -144,12 +113,12 @@ def test_warnings_are_written_through_the_bar_and_skips_are_counted_by_unit(tmp_
 
 
 @pytest.mark.slow
-def test_a_resume_whose_weights_do_not_fit_names_the_keys(demo, tmp_path, capsys):
+def test_a_resume_whose_weights_do_not_fit_names_the_keys(small_demo, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(run_args(demo["train"], out)) == 0
+    assert main(short_run(small_demo["train"], out)) == 0
     capsys.readouterr()
     # Another loss in the same folder, forced on: SigLIP's model has a logit bias the checkpoint lacks.
-    code = main(run_args(demo["train"], out, "train.steps=3", "loss.clip=0", "loss.siglip=1",
+    code = main(short_run(small_demo["train"], out, "train.steps=3", "loss.clip=0", "loss.siglip=1",
                          "model.init_logit_bias=-10", "train.resume=force"))
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -159,14 +128,14 @@ def test_a_resume_whose_weights_do_not_fit_names_the_keys(demo, tmp_path, capsys
 
 
 @pytest.mark.slow
-def test_a_run_that_cannot_build_its_model_leaves_no_folder(demo, tmp_path, capsys):
+def test_a_run_that_cannot_build_its_model_leaves_no_folder(small_demo, tmp_path, capsys):
     out = tmp_path / "runs" / "new"
-    code = main(run_args(demo["train"], out, "model.name=no-such-model"))
+    code = main(short_run(small_demo["train"], out, "model.name=no-such-model"))
     err = capsys.readouterr().err
     assert code == 2 and "no-such-model" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "runs").exists()
     # A folder that was there before stays, and so does what is in it.
     out.mkdir(parents=True)
     (out / "notes.txt").write_text("mine")
-    assert main(run_args(demo["train"], out, "model.name=no-such-model")) == 2
+    assert main(short_run(small_demo["train"], out, "model.name=no-such-model")) == 2
     assert (out / "notes.txt").read_text() == "mine"

@@ -32,7 +32,7 @@ from mmcl.training.runtime import make_accelerator
 from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from spawned import free_port
-from helpers import MICRO, ROOT, fake_batch, grads_of, metrics, micro_model, run_args
+from helpers import ROOT, TRAINING_TOWERS, fake_batch, grads_of, metrics, micro_model, run_args
 
 pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("cpu_device")]  # the same with a GPU
 
@@ -187,7 +187,7 @@ def _two_steps(precision, name, chunk, accum, fresh_state):
     acc = make_accelerator(precision)
     weights, bias = OBJECTIVES[name]
     torch.manual_seed(0)
-    model, *_ = models.build(load_config(None, MICRO + (["model.init_logit_bias=-10"] if bias else [])).model)
+    model, *_ = models.build(load_config(None, TRAINING_TOWERS + (["model.init_logit_bias=-10"] if bias else [])).model)
     objective = objective_from_config(LossConfig(chunk_size=chunk, **weights))
     objective.reseed(0)
     out = []

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss, SigLipLoss
 
+from helpers import ref_clip, ref_supcon
 from mmcl.config import LossConfig
 from mmcl.errors import ConfigError
 from mmcl import losses
@@ -56,18 +57,6 @@ def tiles(request, monkeypatch):
     if request.param == "small_tiles":
         monkeypatch.setattr(losses.tiling, "_TILE_ELEMENTS", 64)
     return request.param
-
-
-# ---------------------------------------------------------------------- float64 references written from the papers
-
-
-def ref_clip(img, txt, s):
-    img, txt = img.double(), txt.double()
-    logits = float(s) * img @ txt.T
-    n = img.shape[0]
-    i2t = -sum(logits[i, i] - torch.logsumexp(logits[i], 0) for i in range(n)) / n
-    t2i = -sum(logits[i, i] - torch.logsumexp(logits[:, i], 0) for i in range(n)) / n
-    return (i2t + t2i) / 2
 
 
 # ---------------------------------------------------------------------- clip vs open_clip
@@ -413,23 +402,6 @@ def test_losses_take_the_gathered_batch_as_one_object():
 
 
 # ---------------------------------------------------------------------- supervised contrastive
-
-
-def ref_supcon(img, txt, labels, s):
-    """Khosla et al. (2020) L_out, cross-modal, written per anchor in float64; label -1 = own caption only."""
-    img, txt = img.double(), txt.double()
-    n = img.shape[0]
-
-    def direction(q, k):
-        logits = float(s) * q @ k.T
-        total = 0.0
-        for i in range(n):
-            pos = [j for j in range(n) if j == i or (labels[i] >= 0 and labels[j] == labels[i])]
-            log_prob = logits[i] - torch.logsumexp(logits[i], 0)
-            total = total - sum(log_prob[j] for j in pos) / len(pos)
-        return total / n
-
-    return (direction(img, txt) + direction(txt, img)) / 2
 
 
 _LABELS = torch.tensor([0, 1, 0, 2, -1, 1, 0, 3, -1, 2, 5, 5, 7, 0, -1, 4, 4, 4, 9, 1])

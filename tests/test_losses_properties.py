@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import ref_clip, ref_supcon
 from mmcl import losses
 from mmcl.losses import (
     Gathered,
@@ -106,28 +107,7 @@ def draw_labels(draw_kind, n, seed):
 
 
 # ---------------------------------------------------------------------- float64 transcriptions of the definitions
-
-
-def ref_clip(img, txt, s):
-    """Radford et al. 2021: mean of the two cross-entropies of the logit matrix and its transpose."""
-    logits = s * img @ txt.T
-    idx = torch.arange(img.shape[0])
-    return ((torch.logsumexp(logits, 1) - logits[idx, idx]).mean()
-            + (torch.logsumexp(logits, 0) - logits[idx, idx]).mean()) / 2
-
-
-def ref_supcon(img, txt, labels, s):
-    """Khosla et al. 2020, L_out (mean of -log p over the positives, outside the log), taken across modalities:
-    an image's positives are the texts of its class and its own caption (SupContrast's single-view form has the
-    other views of the same modality and excludes the anchor itself)."""
-    n = img.shape[0]
-    labels = torch.full((n,), -1) if labels is None else labels
-    pos = (labels[:, None] == labels[None, :]) & (labels[:, None] >= 0) | torch.eye(n, dtype=torch.bool)
-    out = 0
-    for logits in (s * img @ txt.T, s * txt @ img.T):
-        log_p = logits - torch.logsumexp(logits, dim=1, keepdim=True)
-        out = out + (-(log_p * pos).sum(1) / pos.sum(1)).mean() / 2
-    return out
+# (clip's and supcon's are in helpers.py, shared with test_losses.py)
 
 
 def ref_siglip(img, txt, s, b):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TINY_TOWERS
+from helpers import FOLDER_TOWERS
 from mmcl.cli import main
 from mmcl.config import ModelConfig, load_config
 from mmcl.storage import checkpoints, pretrained, weights
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _train_args(demo, out, *extra):
     return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
             f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
-            "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.log_with=[]", *TINY_TOWERS, *extra]
+            "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.log_with=[]", *FOLDER_TOWERS, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_zeroshot_export_and_interpolate_take_a_checkpoint(run, small_demo, tmp_
 def test_init_from_and_pretrained_start_from_exactly_the_checkpoint(run, small_demo, tmp_path):
     ckpt = run / "checkpoints" / "step-00000002"
     expected = _state(weights.load(ckpt)[0])
-    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), TINY_TOWERS).model
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), FOLDER_TOWERS).model
     from mmcl import models
 
     model = models.build(cfg)[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MICRO, ROOT
+from helpers import ROOT, TRAINING_TOWERS
 
 SECRETS = ["PASSWORDa1b2", "SIGNATUREc3d4", "QUERYTOKENe5f6", "BEARERg7h8", "ENVSECRETi9j0"]
 
@@ -55,7 +55,7 @@ def _train_args(demo, out, sources):
     return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
             f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
             "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.log_every=1", "train.steps=2",
-            "train.save_every=0", "train.log_with=[tensorboard]", *MICRO,
+            "train.save_every=0", "train.log_with=[tensorboard]", *TRAINING_TOWERS,
             "eval.retrieval=[" + ", ".join(f'"{sources[k]}"' for k in ("url", "curl", "env")) + "]",
             f"eval.val_loss={sources['curl']}"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_TOWERS
+from helpers import short_run
 from mmcl.cli import main
 from mmcl.errors import ConfigError
 
@@ -29,17 +29,10 @@ def never_blocks():
     signal.signal(signal.SIGALRM, old)
 
 
-def run_args(demo, out, *extra):
-    return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
-            f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
-            "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.save_every=2", "train.log_every=1",
-            "train.log_with=[]", "train.steps=2", *TINY_TOWERS, *extra]
-
-
 @pytest.fixture(scope="module")
 def finished(small_demo, tmp_path_factory):
     out = tmp_path_factory.mktemp("finished") / "run"
-    assert main(run_args(small_demo, out)) == 0
+    assert main(short_run(small_demo, out)) == 0
     return out
 
 
@@ -90,7 +83,7 @@ def test_a_link_in_a_run_folder_from_elsewhere_is_refused(finished, small_demo, 
     shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink(missing_ok=True)
     (run / name).symlink_to(target)
     capsys.readouterr()
-    assert main(run_args(small_demo, run, "train.steps=3")) == 2
+    assert main(short_run(small_demo, run, "train.steps=3")) == 2
     assert_refused(capsys, run / name, target, before)
 
 
@@ -101,7 +94,7 @@ def test_a_lock_linked_in_an_otherwise_empty_folder_is_not_truncated_nor_shown(s
     target = users_target(tmp_path, kind)
     before = state(target) if kind == "file" else None
     (run / ".lock").symlink_to(target)
-    assert main(run_args(small_demo, run)) == 2
+    assert main(short_run(small_demo, run)) == 2
     out = capsys.readouterr()
     assert "the user's notes" not in out.out + out.err
     assert_refused(capsys, run / ".lock", target, before, out.err)
@@ -115,7 +108,7 @@ def test_a_checkpoint_linked_to_a_folder_of_the_users_is_refused(finished, small
     shutil.move(step, target)
     step.symlink_to(target)
     before = state(target)
-    assert main(run_args(small_demo, run, "train.steps=4", "train.keep_checkpoints=1")) == 2
+    assert main(short_run(small_demo, run, "train.steps=4", "train.keep_checkpoints=1")) == 2
     assert_refused(capsys, step, target, before)
 
 

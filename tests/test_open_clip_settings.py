@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import MICRO, ROOT
+from helpers import ROOT, TRAINING_TOWERS
 from mmcl import models
 from mmcl.config import DataConfig, data_workers, load_config
 from mmcl.training import finish, runtime
@@ -50,7 +50,7 @@ def test_two_processes_train_with_a_static_graph(demo, tmp_path):
 
 def test_evaluation_runs_under_the_run_mixed_precision(tmp_path, fresh_accelerate_state):
     data = write_folder(tmp_path / "zs", {c: [rgb, rgb] for c, rgb in COLOURS.items()})
-    cfg = load_config(None, [*MICRO, f"eval.zeroshot={data}"])
+    cfg = load_config(None, [*TRAINING_TOWERS, f"eval.zeroshot={data}"])
     model, _, pp, _, _, tokenizer = models.build(cfg.model)
     model.eval()
     seen = []
@@ -70,7 +70,7 @@ def test_evaluation_runs_under_the_run_mixed_precision(tmp_path, fresh_accelerat
 def test_bf16_eval_features_are_close_to_fp32():
     from mmcl.evaluation.evaluate import encode_texts
 
-    cfg = load_config(None, MICRO)
+    cfg = load_config(None, TRAINING_TOWERS)
     model, *_, tokenizer = models.build(cfg.model)
     model.eval()
     texts = ["a red thing", "a green thing", "a blue thing"]

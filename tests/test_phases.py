@@ -12,7 +12,7 @@ from mmcl import models
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
 from mmcl.models.resize import at_size, follow_input_size, resize_grid_embedding
-from helpers import MICRO, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
+from helpers import TRAINING_TOWERS, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from preempt import sigterm_during_step
 from spawned import end_worker, free_port
 
@@ -80,7 +80,7 @@ def test_a_tower_following_its_input_equals_a_tower_built_at_that_size():
     follow_input_size(model)  # idempotent
     assert {k: v.shape for k, v in model.state_dict().items()} == full
     torch.testing.assert_close(model.encode_image(images), before, rtol=0, atol=0)
-    cfg = load_config(None, MICRO).model
+    cfg = load_config(None, TRAINING_TOWERS).model
     _, model_cfg, *_ = models.build(cfg)
     small, small_cfg = at_size(model, model_cfg, 32, 12)
     assert small_cfg["vision_cfg"]["image_size"] == 32 and small_cfg["text_cfg"]["context_length"] == 12
@@ -122,7 +122,7 @@ def test_phases_config_from_the_command_line_and_its_errors():
 
     from mmcl.training import phases
 
-    bad = load_config(None, [*MICRO, "train.steps=10", "train.phases=[{steps: 5, image_size: 36}, "
+    bad = load_config(None, [*TRAINING_TOWERS, "train.steps=10", "train.phases=[{steps: 5, image_size: 36}, "
                                                        "{steps: 5, context_length: 40}]"])
     model, model_cfg, *_ = models.build(bad.model)
     with pytest.raises(ConfigError, match=r"image_size=36 is not a multiple of the patch size 8.*context_length=40 "
@@ -152,9 +152,9 @@ def test_phases_as_fractions_or_the_rest_follow_the_run_length(demo):
         load_config(None, ["train.phases=[{steps: 3, fraction: 0.5}, {}]"])
 
     # train.samples and train.epochs set the length at the start of the run: the phases follow it
-    model, model_cfg, *_ = models.build(load_config(None, MICRO).model)
+    model, model_cfg, *_ = models.build(load_config(None, TRAINING_TOWERS).model)
     for length in ("train.samples=800", "train.epochs=2"):
-        cfg = load_config(None, [*MICRO, f"data.train={demo['train']}", "data.batch_size=8", length, spec])
+        cfg = load_config(None, [*TRAINING_TOWERS, f"data.train={demo['train']}", "data.batch_size=8", length, spec])
         total = runtime.total_steps(cfg, 1)
         plan = phases.plan(cfg, model, model_cfg, total)
         assert [(p.start, p.steps, p.image_size) for p in plan] == [
@@ -166,7 +166,7 @@ def _stream(demo, workers, batch_size=4, accum=1):
     from mmcl import data
     from mmcl.config import DataConfig
 
-    cfg = load_config(None, MICRO).model
+    cfg = load_config(None, TRAINING_TOWERS).model
     model, model_cfg, pp_cfg, _, _, tokenizer = models.build(cfg)
     dc = DataConfig(train=demo["train"], batch_size=batch_size, workers=workers, shuffle_buffer=64)
     # phases: steps 0-2 at 32 px and 6 tokens, then steps 3-5 at 48 px, then the model's own 64 px and 32 tokens

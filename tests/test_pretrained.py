@@ -163,14 +163,6 @@ def test_mmcl_model_directory_brings_its_architecture(tmp_path, hf_cache):
     _assert_same(model, state)
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
-
-    return make_demo_data(str(tmp_path_factory.mktemp("demo")), n_train=16, n_val=4, n_zeroshot=2, image_size=32,
-                          shard_size=16, progress=False)
-
-
 def _finetune(demo, out, *extra):
     return main(["train", "--config", str(ROOT / "configs" / "finetune.yaml"), f"data.train={demo['train']}",
                  f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
@@ -179,12 +171,12 @@ def _finetune(demo, out, *extra):
 
 
 @pytest.mark.slow
-def test_training_starts_from_a_hub_model(tmp_path, hf_cache, demo, capsys):
+def test_training_starts_from_a_hub_model(tmp_path, hf_cache, small_demo, capsys):
     saved, state = _saved(tmp_path, ModelConfig(name="tiny", embed_dim=24))
     hf_cache(HUB_REPO, {"open_clip_config.json": saved / "open_clip_config.json",
                         "open_clip_model.safetensors": saved / "open_clip_model.safetensors"})
     out = tmp_path / "run"
-    code = _finetune(demo, out, f"model.pretrained=hf-hub:{HUB_REPO}", "optim.lr=0", "train.ema_decay=null")
+    code = _finetune(small_demo, out, f"model.pretrained=hf-hub:{HUB_REPO}", "optim.lr=0", "train.ema_decay=null")
     printed = capsys.readouterr()
     assert code == 0, printed.err
     assert f"model.pretrained=hf-hub:{HUB_REPO}" in printed.out + printed.err
@@ -194,17 +186,17 @@ def test_training_starts_from_a_hub_model(tmp_path, hf_cache, demo, capsys):
 
 
 @pytest.mark.slow
-def test_readme_finetune_from_a_tag_then_zeroshot(tmp_path, hf_cache, demo, capsys):
+def test_readme_finetune_from_a_tag_then_zeroshot(tmp_path, hf_cache, small_demo, capsys):
     # docs/finetuning.md's example (configs/finetune.yaml, model.name=ViT-B-32 model.pretrained=laion2b_s34b_b79k) at a
     # test's size, offline from the cache a download leaves, then evaluated zero-shot.
     saved, state = _saved(tmp_path, ModelConfig(**SMALL_B32))
     hf_cache(TAG_REPO, {"open_clip_model.safetensors": saved / "open_clip_model.safetensors"})
     out = tmp_path / "ft-b32"
-    assert _finetune(demo, out, *SMALL_B32_ARGS, "model.pretrained=laion2b_s34b_b79k") == 0
+    assert _finetune(small_demo, out, *SMALL_B32_ARGS, "model.pretrained=laion2b_s34b_b79k") == 0
     printed = capsys.readouterr()
     assert "model.pretrained=laion2b_s34b_b79k" in printed.out + printed.err and "missing 0" in printed.out + printed.err
     model, _, _ = weights.load(out / "model")
     assert not all(torch.equal(model.state_dict()[k], v) for k, v in state.items())  # it trained
     results = tmp_path / "zs.json"
-    assert main(["zeroshot", "--model", str(out), "--data", demo["zeroshot_colour"], "--out", str(results)]) == 0
+    assert main(["zeroshot", "--model", str(out), "--data", small_demo["zeroshot_colour"], "--out", str(results)]) == 0
     assert 0.0 <= json.loads(results.read_text())["metrics"]["acc1"] <= 1.0

@@ -12,14 +12,14 @@ from mmcl.training.step import objective_from_config as build_objective
 from mmcl.training.step import apply_update, backward, forward_loss
 from mmcl.training.optim import build_optimizer
 
-from helpers import MICRO, fake_batch, metrics, run_args
+from helpers import TRAINING_TOWERS, fake_batch, metrics, run_args
 from preempt import sigterm_during_step
 from spawned import end_worker, free_port as _free_port
 
 
 def micro_model(seed=0, *extra):
     torch.manual_seed(seed)
-    cfg = load_config(None, [*MICRO, *extra]).model
+    cfg = load_config(None, [*TRAINING_TOWERS, *extra]).model
     model, *_ = models.build(cfg)
     models.apply_locks(model, cfg)
     return model
@@ -472,7 +472,7 @@ def test_retrieval_scores_every_caption_of_a_json_list(tmp_path):
     json_spec = write_shards(tmp_path / "json", samples)
     txt_spec = write_shards(tmp_path / "txt", as_lines)
     model = micro_model(0)
-    _, _, pp, _, eval_tf, tok = models.build(load_config(None, MICRO).model)
+    _, _, pp, _, eval_tf, tok = models.build(load_config(None, TRAINING_TOWERS).model)
     a = evaluate.retrieval(model, eval_tf, tok, json_spec, batch_size=4, progress=False,
                            keys=sample_keys(caption_key="json:captions"))
     b = evaluate.retrieval(model, eval_tf, tok, txt_spec, batch_size=4, progress=False)

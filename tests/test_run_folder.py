@@ -9,25 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_TOWERS
+from helpers import short_run
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = TINY_TOWERS
-
-
-@pytest.fixture(scope="module")
-def demo(small_demo):
-    return small_demo
-
-
-def run_args(demo, out, *extra):
-    return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
-            f"train.output_dir={out}", f"eval.zeroshot={demo['zeroshot_colour']}", "train.progress=false",
-            "train.plot=false", "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.save_every=2",
-            "train.log_every=1", "train.log_with=[]", "train.steps=2", *MICRO, *extra]
 
 
 def snapshot(folder: Path):
@@ -41,7 +28,7 @@ def metric_steps(out: Path):
 
 
 @pytest.fixture(scope="module")
-def finished(demo, tmp_path_factory):
+def finished(small_demo, tmp_path_factory):
     """A finished 2-step run, and what its first invocation printed."""
     import io
     from contextlib import redirect_stdout
@@ -49,15 +36,15 @@ def finished(demo, tmp_path_factory):
     out = tmp_path_factory.mktemp("finished") / "run"
     buf = io.StringIO()
     with redirect_stdout(buf):
-        assert main(run_args(demo, out)) == 0
+        assert main(short_run(small_demo, out, zeroshot=small_demo["zeroshot_colour"])) == 0
     return out, buf.getvalue()
 
 
 @pytest.mark.slow
-def test_a_finished_run_rerun_says_so_and_touches_nothing(demo, finished, capsys):
+def test_a_finished_run_rerun_says_so_and_touches_nothing(small_demo, finished, capsys):
     out, _ = finished
     before = snapshot(out)
-    assert main(run_args(demo, out)) == 0
+    assert main(short_run(small_demo, out, zeroshot=small_demo["zeroshot_colour"])) == 0
     said = capsys.readouterr().out
     assert "finished at step 2 of 2" in said and "nothing was changed" in said, said
     assert snapshot(out) == before  # bytes and mtimes of metrics.jsonl, config.yaml, out.log, ... and no new entry
@@ -65,10 +52,11 @@ def test_a_finished_run_rerun_says_so_and_touches_nothing(demo, finished, capsys
 
 
 @pytest.mark.slow
-def test_another_run_in_the_folder_is_refused_naming_the_differences(demo, finished, capsys):
+def test_another_run_in_the_folder_is_refused_naming_the_differences(small_demo, finished, capsys):
     out, _ = finished
     before = snapshot(out)
-    code = main(run_args(demo, out, "train.steps=3", "optim.lr=5e-4", "data.batch_size=4"))
+    code = main(short_run(small_demo, out, "train.steps=3", "optim.lr=5e-4", "data.batch_size=4",
+                          zeroshot=small_demo["zeroshot_colour"]))
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "holds another run (step 2)" in err and "optim.lr 0.001 -> 0.0005" in err, err
@@ -78,13 +66,14 @@ def test_another_run_in_the_folder_is_refused_naming_the_differences(demo, finis
 
 
 @pytest.mark.slow
-def test_resume_keeps_config_yaml_and_writes_no_metrics_line_twice(demo, finished, tmp_path, capsys):
+def test_resume_keeps_config_yaml_and_writes_no_metrics_line_twice(small_demo, finished, tmp_path, capsys):
     import shutil
 
     out = tmp_path / "run"
     shutil.copytree(finished[0], out)
     config = (out / "config.yaml").read_bytes()
-    assert main(run_args(demo, out, "train.steps=3", "eval.zeroshot=null")) == 0  # resume keys only
+    assert main(short_run(small_demo, out, "train.steps=3", "eval.zeroshot=null",
+                          zeroshot=small_demo["zeroshot_colour"])) == 0  # resume keys only
     said = capsys.readouterr().out
     assert "holds this run (step 2 of 3): resuming it; changed on resume: " in said, said
     assert "train.steps 2 -> 3" in said and "eval.zeroshot" in said
@@ -93,21 +82,22 @@ def test_resume_keeps_config_yaml_and_writes_no_metrics_line_twice(demo, finishe
     log = (out / "out.log").read_text()
     assert log.count("--- mmcl train") == 2 and "resuming it" in log  # appended on resume
     # Forced on with another learning rate: config.yaml records the config the weights are trained with from there.
-    assert main(run_args(demo, out, "train.steps=4", "optim.lr=5e-4", "train.resume=force")) == 0
+    assert main(short_run(small_demo, out, "train.steps=4", "optim.lr=5e-4", "train.resume=force",
+                          zeroshot=small_demo["zeroshot_colour"])) == 0
     said = capsys.readouterr().out
     assert "train.resume=force, resuming despite: optim.lr 0.001 -> 0.0005" in said, said
     assert load_config(str(out / "config.yaml")).optim.lr == 5e-4
     assert metric_steps(out) == [1, 2, 3, 4]
 
 
-def test_a_folder_with_files_mmcl_did_not_write_is_refused(demo, tmp_path, capsys):
+def test_a_folder_with_files_mmcl_did_not_write_is_refused(small_demo, tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()
     for name, text in (("config.yaml", "mine: 1\n"), ("param_groups.json", "[]\n"), ("metrics.jsonl", "{}\n")):
         (out / name).write_text(text)
     before = snapshot(out)
     for extra in ((), ("train.resume=force",)):
-        assert main(run_args(demo, out, *extra)) == 2
+        assert main(short_run(small_demo, out, *extra, zeroshot=small_demo["zeroshot_colour"])) == 2
         err = capsys.readouterr().err
         assert "holds files mmcl train did not write (config.yaml, metrics.jsonl, param_groups.json)" in err, err
         assert "nothing was changed" in err and "another train.output_dir" in err
@@ -133,7 +123,7 @@ def test_an_empty_folder_or_one_with_a_lock_alone_starts_a_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_command_is_not(demo, finished):
+def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_command_is_not(small_demo, finished):
     """The second example of docs/getting-started.md's command list (data.batch_size=32 on two processes) on the
     first's folder is another run; the first's own command on two processes is the same run (its global batch is
     kept)."""
@@ -141,15 +131,16 @@ def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_comm
     from mmcl.training.runfolder import decide
 
     out, _ = finished
-    other = load_config(str(ROOT / "configs" / "tiny.yaml"), run_args(demo, out, "data.batch_size=32")[3:])
+    tiny, colour = str(ROOT / "configs" / "tiny.yaml"), small_demo["zeroshot_colour"]
+    other = load_config(tiny, short_run(small_demo, out, "data.batch_size=32", zeroshot=colour)[3:])
     with pytest.raises(ConfigError, match=r"data.batch_size 8 -> 32 \(a global batch of 64, the run's is 8\)"):
         decide(other, 2, 2)
-    same = load_config(str(ROOT / "configs" / "tiny.yaml"), run_args(demo, out)[3:])
+    same = load_config(tiny, short_run(small_demo, out, zeroshot=colour)[3:])
     plan = batch_plan(same, 2)
     assert plan.batch_size == 4 and "keeping the global batch of 8" in plan.line
     assert decide(same, 2, 2).action == "finished"
     # The same global batch split otherwise is the same run too.
-    split = load_config(str(ROOT / "configs" / "tiny.yaml"), run_args(demo, out, "data.batch_size=4")[3:])
+    split = load_config(tiny, short_run(small_demo, out, "data.batch_size=4", zeroshot=colour)[3:])
     assert decide(split, 2, 2).action == "finished"
 
 
@@ -237,7 +228,7 @@ def test_a_run_folder_written_before_the_record_is_still_its_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_folder_saved_before_a_key_moved_is_still_its_run(demo, finished, capsys):
+def test_a_run_folder_saved_before_a_key_moved_is_still_its_run(small_demo, finished, capsys):
     """A config.yaml written while ``max_logit_scale`` was under ``loss.`` is the same run: the moved key is carried
     to ``model.`` when mmcl reads what it wrote (a user's own override of the old key is an error line instead)."""
     import yaml
@@ -253,10 +244,10 @@ def test_a_run_folder_saved_before_a_key_moved_is_still_its_run(demo, finished, 
     try:
         path.write_text(yaml.safe_dump(saved))
         assert from_dict(saved).model.max_logit_scale == 50.0
-        assert main(run_args(demo, out, "model.max_logit_scale=50")) == 0
+        assert main(short_run(small_demo, out, "model.max_logit_scale=50", zeroshot=small_demo["zeroshot_colour"])) == 0
         said = capsys.readouterr().out
         assert "finished at step 2 of 2" in said and "nothing was changed" in said, said
     finally:
         path.write_bytes(original)
-    assert main(run_args(demo, out, "loss.max_logit_scale=50")) == 2
+    assert main(short_run(small_demo, out, "loss.max_logit_scale=50", zeroshot=small_demo["zeroshot_colour"])) == 2
     assert "'loss.max_logit_scale' is now 'model.max_logit_scale'" in capsys.readouterr().err

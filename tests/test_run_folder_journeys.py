@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_TOWERS
+from helpers import short_run
 from mmcl import models
 from mmcl.cli import main
 from mmcl.config import load_config
@@ -17,13 +17,6 @@ from mmcl.errors import ConfigError
 from mmcl.training.preflight import check_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_args(train, out, *extra):
-    return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={train}",
-            f"train.output_dir={out}", "train.progress=false", "train.plot=false", "data.shuffle_buffer=8",
-            "data.batch_size=8", "data.workers=0", "train.save_every=2", "train.log_every=1", "train.log_with=[]",
-            "train.steps=2", "eval.zeroshot=[]", *TINY_TOWERS, *extra]
 
 
 def metric_steps(out: Path):
@@ -47,7 +40,7 @@ def test_a_table_given_as_shards_names_mmcl_shards_before_the_model_is_built(tmp
     table = tmp_path / "train.csv"
     table.write_text("filepath\ttitle\n/data/images/0.jpg\ta photo of a cat\n")  # open_clip's layout
     out = tmp_path / "run"
-    assert main(run_args(table, out)) == 2
+    assert main(short_run(table, out)) == 2
     lines = error_lines(capsys)
     assert len(lines) == 1, lines
     assert f"`mmcl shards --input {table} --out DIR`" in lines[0] and lines[0].startswith("mmcl: error: "), lines
@@ -66,7 +59,7 @@ def test_every_table_mmcl_shards_reads_is_named_as_one(tmp_path, name):
 
 def test_a_global_batch_larger_than_the_data_is_refused_with_the_numbers(small_demo, tmp_path, capsys, no_model):
     out = tmp_path / "run"
-    assert main(run_args(small_demo["train"], out, "data.batch_size=128")) == 2  # 64 samples in sizes.json
+    assert main(short_run(small_demo["train"], out, "data.batch_size=128")) == 2  # 64 samples in sizes.json
     lines = error_lines(capsys)
     assert len(lines) == 1, lines
     assert ("the global batch of 128 samples (data.batch_size=128 x 1 process x train.accum_steps=1) is larger "
@@ -74,14 +67,14 @@ def test_a_global_batch_larger_than_the_data_is_refused_with_the_numbers(small_d
     assert "at most 64" in lines[0]
     assert not out.exists()
     # processes and accumulation count too; data.train_num_samples, where given, is the data's size
-    cfg = load_config(None, run_args(small_demo["train"], out, "data.batch_size=24", "train.accum_steps=2")[3:])
+    cfg = load_config(None, short_run(small_demo["train"], out, "data.batch_size=24", "train.accum_steps=2")[3:])
     with pytest.raises(ConfigError, match=r"global batch of 96 samples \(data.batch_size=24 x 2 processes x "
                                           r"train.accum_steps=2\) is larger than the data's 64 samples.*at most 16"):
         check_inputs(cfg, processes=2)
     check_inputs(cfg, processes=1)  # 48 of 64
     with pytest.raises(ConfigError, match=r"the data's 40 samples \(data.train_num_samples\)"):
-        check_inputs(load_config(None, run_args(small_demo["train"], out, "data.train_num_samples=40",
-                                                "train.epochs=1")[3:]), 6)
+        check_inputs(load_config(None, short_run(small_demo["train"], out, "data.train_num_samples=40",
+                                                 "train.epochs=1")[3:]), 6)
 
 
 @pytest.mark.slow
@@ -89,10 +82,10 @@ def test_a_run_that_failed_before_step_1_is_taken_over_by_the_corrected_command(
     bad = tmp_path / "train.tar"
     bad.write_bytes(b"filepath,title\nimg.jpg,a cat\n" * 40)  # not a tar file: no sample can be read
     out = tmp_path / "run"
-    assert main(run_args(bad, out)) == 2
+    assert main(short_run(bad, out)) == 2
     capsys.readouterr()
     assert (out / "config.yaml").is_file() and (out / "out.log").is_file()  # the failed run's record stays
-    assert main(run_args(small_demo["train"], out)) == 0
+    assert main(short_run(small_demo["train"], out)) == 0
     said = capsys.readouterr().out
     assert f"mmcl: taking over {out}: its last run stopped before step 1 (config differences: data.train" in said
     assert metric_steps(out) == [1, 2] and (out / "model").is_dir()
@@ -154,7 +147,7 @@ def paused_run(when, args, cwd):
 def test_two_runs_started_at_once_on_a_new_folder_the_refused_one_deletes_nothing(small_demo, tmp_path):
     """Both find the folder new; the second takes the lock first; the first, refused, leaves the folder alone."""
     out = tmp_path / "new" / "run"
-    args = run_args(small_demo["train"], out)
+    args = short_run(small_demo["train"], out)
     refused = paused_run("before", args, tmp_path)  # found no folder, made it, and waits to lock it
     holder = None
     try:

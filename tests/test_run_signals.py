@@ -11,21 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MICRO, ROOT, metrics
+from helpers import ROOT, TRAINING_TOWERS, metrics, short_run
 
 from mmcl.cli import main
 
 
-@pytest.fixture(scope="module")
-def demo(small_demo):
-    return small_demo
-
-
-def run_args(demo, out, *extra):
-    return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
-            f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
-            "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.save_every=0",
-            "train.log_with=[]", *MICRO, *extra]
+# No checkpoint (with the towers of tests of training, TRAINING_TOWERS).
+SETTINGS = ("train.save_every=0",)
 
 
 # ------------------------------------------------------------------------------------------ step lines
@@ -55,9 +47,10 @@ def _matches_metrics(parsed, rows):
         assert p["data_time_frac"] == pytest.approx(r["data_time_frac"], abs=0.006)
 
 
-def test_without_the_bar_each_logged_step_is_one_line_on_the_console_and_in_out_log(demo, tmp_path, capsys):
+def test_without_the_bar_each_logged_step_is_one_line_on_the_console_and_in_out_log(small_demo, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(run_args(demo, out, "train.steps=5", "train.log_every=2")) == 0
+    assert main(short_run(small_demo, out, *SETTINGS, "train.steps=5", "train.log_every=2",
+                          towers=TRAINING_TOWERS)) == 0
     printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("mmcl: step ")]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [2, 4, 5]  # every train.log_every steps, and the last
@@ -66,9 +59,10 @@ def test_without_the_bar_each_logged_step_is_one_line_on_the_console_and_in_out_
     assert logged == printed
 
 
-def test_with_the_bar_the_step_lines_go_to_out_log_only(demo, tmp_path, capsys):
+def test_with_the_bar_the_step_lines_go_to_out_log_only(small_demo, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(run_args(demo, out, "train.steps=5", "train.log_every=2", "train.progress=true")) == 0
+    assert main(short_run(small_demo, out, *SETTINGS, "train.steps=5", "train.log_every=2", "train.progress=true",
+                          towers=TRAINING_TOWERS)) == 0
     console = capsys.readouterr()
     assert "mmcl: step " not in console.out + console.err and "5/5" in console.err  # the bar
     logged = [ln for ln in (out / "out.log").read_text().splitlines() if ln.startswith("mmcl: step ")]
@@ -113,15 +107,16 @@ def _resumes(cmd, cwd, step):
 @pytest.mark.parametrize("processes,sig,code,word", [(1, signal.SIGINT, 130, "interrupted"),
                                                      (2, signal.SIGINT, 130, "interrupted"),
                                                      (2, signal.SIGTERM, 75, "preempted")])
-def test_a_stopped_run_exits_with_the_stop_code_from_every_process_without_a_traceback(demo, tmp_path, processes,
-                                                                                       sig, code, word):
+def test_a_stopped_run_exits_with_the_stop_code_from_every_process_without_a_traceback(small_demo, tmp_path,
+                                                                                       processes, sig, code, word):
     """`mmcl train` (1 process) and `mmcl launch` (accelerate's launcher, 2 processes) stopped by a signal to their
     process group: one line, no traceback, every training process and the command itself exit with the code, and
     the checkpoint resumes."""
     script, out, codes = tmp_path / "record_code.py", tmp_path / "run", tmp_path / "codes"
     script.write_text(RECORD_CODE)
     codes.mkdir()
-    argv = [*run_args(demo, out, "train.steps=1000", "train.log_every=1", "data.batch_size=4"),
+    argv = [*short_run(small_demo, out, *SETTINGS, "train.steps=1000", "train.log_every=1", "data.batch_size=4",
+                       towers=TRAINING_TOWERS),
             "data.workers=1"]  # a data worker in the training process's group gets the signal too
     launcher = [sys.executable] if processes == 1 else [
         sys.executable, "-m", "mmcl", "launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml")]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import TRAINING_TOWERS
 from mmcl import models
 from mmcl.config import OptimConfig, load_config
 from mmcl.errors import ConfigError, DataError
@@ -16,8 +17,6 @@ from mmcl.training.runtime import run_length, total_steps
 from mmcl.training.optim import lr_at
 from mmcl.training.step import FiniteChecks
 
-MICRO = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
-         "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
 
 
 def _sgd():
@@ -97,7 +96,7 @@ def test_wsd_cooldown_fraction_and_its_checks():
 # ------------------------------------------------------------------------------------------------ weight decay
 def test_no_decay_pattern_adds_to_the_exclusions():
     torch.manual_seed(0)
-    cfg = load_config(None, MICRO + ["optim.no_decay_pattern=positional_embedding|token_embedding"])
+    cfg = load_config(None, TRAINING_TOWERS + ["optim.no_decay_pattern=positional_embedding|token_embedding"])
     model, *_ = models.build(cfg.model)
     groups = optim.param_groups(model, cfg.optim)
     decayed = {n for g in groups if g["weight_decay"] > 0 for n in g["names"]}
@@ -106,7 +105,7 @@ def test_no_decay_pattern_adds_to_the_exclusions():
     assert "logit_scale" in plain and not any(n.endswith(".bias") for n in decayed)
     assert decayed and all("positional_embedding" not in n and "token_embedding" not in n for n in decayed)
     # Without the pattern those matrices are decayed.
-    default = optim.param_groups(model, load_config(None, MICRO).optim)
+    default = optim.param_groups(model, load_config(None, TRAINING_TOWERS).optim)
     assert "token_embedding.weight" in {n for g in default if g["weight_decay"] > 0 for n in g["names"]}
     with pytest.raises(ConfigError, match="optim.no_decay_pattern is not a regular expression"):
         load_config(None, ["optim.no_decay_pattern=(unclosed"])
@@ -230,7 +229,7 @@ def test_a_run_of_epochs_with_a_cooldown(tmp_path, capsys):
     root = Path(__file__).resolve().parents[1]
     assert main(["train", "--config", str(root / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
                  f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
-                 "data.shuffle_buffer=16", *MICRO, "data.batch_size=16", "train.epochs=2", "train.log_every=1",
+                 "data.shuffle_buffer=16", *TRAINING_TOWERS, "data.batch_size=16", "train.epochs=2", "train.log_every=1",
                  "train.save_every=0", "optim.warmup_steps=2", "optim.schedule=const-cooldown",
                  "optim.cooldown_steps=4", "optim.lr=1e-3"]) == 0
     printed = capsys.readouterr().out

@@ -5,18 +5,11 @@ import io
 import tarfile
 import tracemalloc
 
-import numpy as np
-from PIL import Image
 
+from helpers import png
 from mmcl import data
 from mmcl.cli import main
 from mmcl.data.eval_data import folder_classnames
-
-
-def _png(seed):
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def _shard_texts(out):
@@ -34,7 +27,7 @@ def test_wordnet_id_folders_become_readable_captions_and_class_names(tmp_path, c
     root = tmp_path / "imagenet" / "val"
     for i, wnid in enumerate(["n01443537", "n01440764"]):  # goldfish, tench: sorted order puts tench first
         (root / wnid).mkdir(parents=True)
-        (root / wnid / f"{wnid}_0.png").write_bytes(_png(i))
+        (root / wnid / f"{wnid}_0.png").write_bytes(png(i, 8))
     out = tmp_path / "shards"
     assert main(["shards", "--input", str(root), "--out", str(out)]) == 0, capsys.readouterr().err
     got = _shard_texts(out)
@@ -50,7 +43,7 @@ def test_folder_names_stay_captions_when_they_are_not_wordnet_ids(tmp_path, caps
     root = tmp_path / "pets"
     for i, name in enumerate(["cat_face", "n01440764"]):  # one folder not a WordNet id: every name is its folder's
         (root / name).mkdir(parents=True)
-        (root / name / "a.png").write_bytes(_png(i))
+        (root / name / "a.png").write_bytes(png(i, 8))
     out = tmp_path / "shards"
     summary = data.shards_from_input(str(root), str(out), progress=False)
     assert summary["n_samples"] == 2

@@ -2,7 +2,6 @@
 `mmcl curate`; `mmcl shards` keeps its sizes.json (train.epochs reads it) and says what a re-run replaces; curate's
 deduplication drops byte-identical images whatever the threshold."""
 
-import io
 import json
 import os
 import subprocess
@@ -10,11 +9,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
-from helpers import ROOT, TINY_TOWERS, encode, image_for, metrics, run_args, write_tar
+from helpers import FOLDER_TOWERS, ROOT, encode, image_for, metrics, png, run_args, write_tar
 from mmcl.cli import main
 from mmcl.data.skips import REASONS, SkipLog, record
 
@@ -44,8 +41,8 @@ def test_shards_keep_sizes_json_and_train_epochs_runs_on_them(tmp_path, capsys):
     assert "sizes.json" in json.loads((out / "mmcl-manifest.json").read_text())["files"]
     run = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "mmcl", "train",
-                        *run_args({"train": str(out)}, run, "train.epochs=2", "data.batch_size=4", "data.workers=0",
-                                  "train.save_every=0", "train.log_every=1", *TINY_TOWERS)],
+                        *run_args(out, run, "train.epochs=2", "data.batch_size=4", "data.workers=0",
+                                  "train.save_every=0", "train.log_every=1", towers=FOLDER_TOWERS)],
                        env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     assert metrics(run)[-1]["step"] == 6  # 2 epochs of 12 samples, 4 a step
@@ -122,8 +119,8 @@ def test_a_run_names_each_skip_in_skipped_jsonl_and_counts_them_by_reason(tmp_pa
     shards = _jpeg_shards(tmp_path / "shards", 2, good=6, bad=5, truncate_last=True)
     run = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "mmcl", "train",
-                        *run_args({"train": f"{shards}/*.tar"}, run, "train.steps=4", "data.batch_size=4",
-                                  "data.workers=1", "data.shuffle_buffer=4", "train.save_every=0", *TINY_TOWERS)],
+                        *run_args(f"{shards}/*.tar", run, "train.steps=4", "data.batch_size=4", "data.workers=1",
+                                  "data.shuffle_buffer=4", "train.save_every=0", towers=FOLDER_TOWERS)],
                        env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     recs = _records(run / "skipped.jsonl")
@@ -146,8 +143,8 @@ def test_two_processes_append_whole_lines(tmp_path):
     run = tmp_path / "run"
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
            str(ROOT / "launch" / "cpu-2proc.yaml"), "-m", "mmcl", "train",
-           *run_args({"train": f"{shards}/*.tar"}, run, "train.steps=6", "data.batch_size=4", "data.workers=1",
-                     "data.shuffle_buffer=8", "train.save_every=0", "train.log_every=2", *TINY_TOWERS)]
+           *run_args(f"{shards}/*.tar", run, "train.steps=6", "data.batch_size=4", "data.workers=1",
+                     "data.shuffle_buffer=8", "train.save_every=0", "train.log_every=2", towers=FOLDER_TOWERS)]
     p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     recs = _records(run / "skipped.jsonl")  # every line parses: no two records interleave
@@ -156,10 +153,6 @@ def test_two_processes_append_whole_lines(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- curate
-def _png(seed):
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buf, "png")
-    return buf.getvalue()
 
 
 def test_curate_drops_every_byte_identical_copy_and_names_unreadable_samples(tmp_path):
@@ -174,8 +167,8 @@ def test_curate_drops_every_byte_identical_copy_and_names_unreadable_samples(tmp
     torch.manual_seed(0)
     model = weights.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg), tmp_path / "model")
     n, copies = 200, 40
-    samples = [(f"k{i:04d}", _png(i), f"caption {i}") for i in range(n)]
-    samples += [(f"copy{i:03d}", _png(i * 5), f"another caption {i}") for i in range(copies)]
+    samples = [(f"k{i:04d}", png(i), f"caption {i}") for i in range(n)]
+    samples += [(f"copy{i:03d}", png(i * 5), f"another caption {i}") for i in range(copies)]
     samples.append(("broken", b"not an image", "x"))
     (tmp_path / "in").mkdir()
     for s in range(4):  # the copies land in other shards and other batches than their originals

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_TOWERS
+from helpers import short_run
 from mmcl.storage.checkpoints import latest_checkpoint
 from mmcl.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
-MICRO = [*TINY_TOWERS, "model.image_size=32"]
+# Every checkpoint kept, and a model at the 32 pixels of the small demo's images.
+SETTINGS = ("train.keep_checkpoints=0", "model.image_size=32")
 
 
 class Touch:
@@ -48,22 +48,10 @@ def reseal(ckpt: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo(small_demo):
-    return small_demo
-
-
-def run_args(demo, out, *extra):
-    return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
-            f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
-            "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0", "train.save_every=2",
-            "train.keep_checkpoints=0", "train.log_every=1", *MICRO, *extra]
-
-
-@pytest.fixture(scope="module")
-def saved_run(demo, tmp_path_factory):
+def saved_run(small_demo, tmp_path_factory):
     """A finished 4-step run (with a weight average) whose checkpoints are at steps 2 and 4."""
     out = tmp_path_factory.mktemp("saved") / "run"
-    assert main(run_args(demo, out, "train.steps=4", "train.ema_decay=0.5")) == 0
+    assert main(short_run(small_demo, out, *SETTINGS, "train.steps=4", "train.ema_decay=0.5")) == 0
     return out
 
 
@@ -90,7 +78,7 @@ def assert_same_weights(a, b):
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
-def test_a_poisoned_rank_state_is_refused_without_running_it(demo, saved_run, tmp_path, capsys):
+def test_a_poisoned_rank_state_is_refused_without_running_it(small_demo, saved_run, tmp_path, capsys):
     run = at_step_2(saved_run, tmp_path)
     ckpt = run / "checkpoints" / "step-00000002"
     marker = tmp_path / "ran"
@@ -99,14 +87,14 @@ def test_a_poisoned_rank_state_is_refused_without_running_it(demo, saved_run, tm
     torch.save(state, ckpt / "rank_state_0.pt")
     reseal(ckpt)
     capsys.readouterr()
-    assert main(run_args(demo, run, "train.steps=4", "train.ema_decay=0.5")) == 2
+    assert main(short_run(small_demo, run, *SETTINGS, "train.steps=4", "train.ema_decay=0.5")) == 2
     assert not marker.exists()
     lines = error_lines(capsys)
     assert len(lines) == 1 and "rank_state_0.pt" in lines[0] and "plain tensors" in lines[0], lines
     assert ckpt.is_dir() and not (run / "model").exists()  # nothing set aside, nothing trained
 
 
-def test_a_poisoned_custom_checkpoint_pkl_is_refused_without_running_it(demo, saved_run, tmp_path, capsys):
+def test_a_poisoned_custom_checkpoint_pkl_is_refused_without_running_it(small_demo, saved_run, tmp_path, capsys):
     """accelerate unpickles ``custom_checkpoint_<i>.pkl`` with weights_only=False: mmcl never lets it."""
     run = at_step_2(saved_run, tmp_path)
     ckpt = run / "checkpoints" / "step-00000002"
@@ -115,13 +103,13 @@ def test_a_poisoned_custom_checkpoint_pkl_is_refused_without_running_it(demo, sa
                ckpt / "custom_checkpoint_0.pkl")
     reseal(ckpt)
     capsys.readouterr()
-    assert main(run_args(demo, run, "train.steps=4", "train.ema_decay=0.5")) == 2
+    assert main(short_run(small_demo, run, *SETTINGS, "train.steps=4", "train.ema_decay=0.5")) == 2
     assert not marker.exists()
     lines = error_lines(capsys)
     assert len(lines) == 1 and "custom_checkpoint_0.pkl" in lines[0], lines
 
 
-def test_a_poisoned_rank_state_of_another_world_size_is_refused(demo, saved_run, tmp_path, capsys):
+def test_a_poisoned_rank_state_of_another_world_size_is_refused(small_demo, saved_run, tmp_path, capsys):
     """The elastic path (a checkpoint of 2 processes resumed on 1) reads every rank's state: each as plain data."""
     run = at_step_2(saved_run, tmp_path)
     ckpt = run / "checkpoints" / "step-00000002"
@@ -133,13 +121,13 @@ def test_a_poisoned_rank_state_of_another_world_size_is_refused(demo, saved_run,
     (ckpt / "COMPLETE").write_text(json.dumps(dict(complete, world_size=2)))
     reseal(ckpt)
     capsys.readouterr()
-    assert main(run_args(demo, run, "train.steps=4", "train.ema_decay=0.5")) == 2
+    assert main(short_run(small_demo, run, *SETTINGS, "train.steps=4", "train.ema_decay=0.5")) == 2
     assert not marker.exists()
     lines = error_lines(capsys)
     assert len(lines) == 1 and "rank_state_1.pt" in lines[0], lines
 
 
-def test_a_checkpoint_with_progress_in_custom_checkpoint_files_still_resumes_exactly(demo, saved_run, tmp_path):
+def test_a_checkpoint_with_progress_in_custom_checkpoint_files_still_resumes_exactly(small_demo, saved_run, tmp_path):
     """A checkpoint written when the progress and EMA were registered with accelerate (custom_checkpoint_0/1.pkl,
     plain dicts): read as plain data, it resumes to the uninterrupted run's final weights (the EMA)."""
     run = at_step_2(saved_run, tmp_path)
@@ -149,13 +137,13 @@ def test_a_checkpoint_with_progress_in_custom_checkpoint_files_still_resumes_exa
     torch.save(state.pop("ema"), ckpt / "custom_checkpoint_1.pkl")
     torch.save(state, ckpt / "rank_state_0.pt")
     reseal(ckpt)
-    assert main(run_args(demo, run, "train.steps=4", "train.ema_decay=0.5")) == 0
+    assert main(short_run(small_demo, run, *SETTINGS, "train.steps=4", "train.ema_decay=0.5")) == 0
     assert_same_weights(final_weights(run), final_weights(saved_run))
     assert sorted(p.name for p in latest_checkpoint(run / "checkpoints").iterdir()
                   if p.name.startswith("custom_checkpoint")) == []  # new checkpoints hold none
 
 
-def test_a_rank_state_saved_on_another_device_resumes_on_this_one(demo, saved_run, tmp_path, monkeypatch):
+def test_a_rank_state_saved_on_another_device_resumes_on_this_one(small_demo, saved_run, tmp_path, monkeypatch):
     """Tensors tagged with a GPU this machine lacks (another host's, another process's) load onto the CPU."""
     import torch.serialization as ser
 
@@ -169,7 +157,7 @@ def test_a_rank_state_saved_on_another_device_resumes_on_this_one(demo, saved_ru
     with pytest.raises(RuntimeError):  # what loading it as saved does
         torch.load(ckpt / "rank_state_0.pt", weights_only=True)
     reseal(ckpt)
-    assert main(run_args(demo, run, "train.steps=4", "train.ema_decay=0.5")) == 0
+    assert main(short_run(small_demo, run, *SETTINGS, "train.steps=4", "train.ema_decay=0.5")) == 0
     assert_same_weights(final_weights(run), final_weights(saved_run))
 
 
@@ -179,10 +167,10 @@ def poisoned_weights(path: Path, marker: Path) -> Path:
     return path
 
 
-def test_init_from_refuses_a_pickled_object(demo, tmp_path, capsys):
+def test_init_from_refuses_a_pickled_object(small_demo, tmp_path, capsys):
     marker = tmp_path / "ran"
     bad = poisoned_weights(tmp_path / "epoch_1.pt", marker)
-    assert main(run_args(demo, tmp_path / "run", "train.steps=1", f"model.init_from={bad}")) == 2
+    assert main(short_run(small_demo, tmp_path / "run", *SETTINGS, "train.steps=1", f"model.init_from={bad}")) == 2
     assert not marker.exists()
     lines = error_lines(capsys)
     assert len(lines) == 1 and str(bad) in lines[0] and "plain tensors" in lines[0], lines
@@ -204,14 +192,15 @@ def poisoned_model_dir(saved_run, tmp_path_factory):
 
 
 @pytest.mark.parametrize("command", ["export", "zeroshot", "teacher"])
-def test_model_loading_commands_refuse_a_pickled_weights_file(demo, poisoned_model_dir, tmp_path, capsys, command):
+def test_model_loading_commands_refuse_a_pickled_weights_file(small_demo, poisoned_model_dir, tmp_path, capsys,
+                                                              command):
     marker = poisoned_model_dir.parent / "ran"
     argv = {"export": ["export", "--model", str(poisoned_model_dir), "--format", "safetensors",
                        "--out", str(tmp_path / "exp")],
-            "zeroshot": ["zeroshot", "--model", str(poisoned_model_dir), "--data", demo["zeroshot_colour"],
+            "zeroshot": ["zeroshot", "--model", str(poisoned_model_dir), "--data", small_demo["zeroshot_colour"],
                          "--out", str(tmp_path / "r.json")],
-            "teacher": run_args(demo, tmp_path / "run", "train.steps=1", f"distill.teacher={poisoned_model_dir}",
-                                "loss.distill=1.0")}[command]
+            "teacher": short_run(small_demo, tmp_path / "run", *SETTINGS, "train.steps=1",
+                                 f"distill.teacher={poisoned_model_dir}", "loss.distill=1.0")}[command]
     capsys.readouterr()
     assert main(argv) == 2
     assert not marker.exists()
@@ -293,8 +282,8 @@ def test_demo_data_refuses_a_folder_of_the_users(tmp_path, capsys):
     assert_untouched(d, files)
 
 
-def test_shards_refuses_a_folder_of_the_users(demo, tmp_path, capsys):
-    src = Path(demo["zeroshot_colour"])  # an ImageFolder
+def test_shards_refuses_a_folder_of_the_users(small_demo, tmp_path, capsys):
+    src = Path(small_demo["zeroshot_colour"])  # an ImageFolder
     d = tmp_path / "mine"
     files = users_folder(d, ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar", "shard-000003.tar",
                              "classnames.txt"])
@@ -303,11 +292,11 @@ def test_shards_refuses_a_folder_of_the_users(demo, tmp_path, capsys):
     assert_untouched(d, files)
 
 
-def test_reinforce_refuses_a_folder_of_the_users(demo, saved_run, tmp_path, capsys):
+def test_reinforce_refuses_a_folder_of_the_users(small_demo, saved_run, tmp_path, capsys):
     d = tmp_path / "mine"
-    first = Path(demo["train"].replace("{000000..000001}", "000000"))
+    first = Path(small_demo["train"].replace("{000000..000001}", "000000"))
     files = users_folder(d, [first.name, first.name + ".reinforce-partial", "notes.txt"])
-    argv = ["reinforce", "--teacher", str(saved_run), "--data", demo["train"], "--out", str(d), "--no-progress"]
+    argv = ["reinforce", "--teacher", str(saved_run), "--data", small_demo["train"], "--out", str(d), "--no-progress"]
     assert main(argv) == 2
     assert_refused(capsys, d)
     assert_untouched(d, files)
@@ -325,7 +314,7 @@ def test_writing_commands_refuse_each_others_folders(tmp_path, capsys):
     assert_untouched(d, before)
 
 
-def test_a_rerun_into_its_own_folder_replaces_only_its_own_files(demo, tmp_path):
+def test_a_rerun_into_its_own_folder_replaces_only_its_own_files(small_demo, tmp_path):
     """demo-data and shards write again into their own folder: their earlier files are replaced, those of an
     earlier, larger run deleted (no stale shard left for a glob to mix in), the user's added files kept."""
     from mmcl import data
@@ -343,7 +332,7 @@ def test_a_rerun_into_its_own_folder_replaces_only_its_own_files(demo, tmp_path)
         assert path.read_bytes() == data_
 
     out = tmp_path / "shards"
-    src = Path(demo["zeroshot_colour"])
+    src = Path(small_demo["zeroshot_colour"])
     first = data.shards_from_input(str(src), str(out), shard_size=4, progress=False)
     assert first["n_shards"] == 4  # 8 colours x 2 images
     mine = users_folder(out, ["readme.md"])

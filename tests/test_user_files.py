@@ -3,6 +3,7 @@ for `mmcl train` (one rule, shared by preflight and the data layer)."""
 
 import os
 import re
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -10,15 +11,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import TRAINING_TOWERS
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.data import epoch_shard_plan, missing_shards
 from mmcl.training.preflight import input_problems
 
 ROOT = Path(__file__).resolve().parents[1]
-# A smaller tower than configs/tiny.yaml so each step takes milliseconds.
-MICRO = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
-         "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
 
 
 def _images(folder: Path, n: int):
@@ -132,36 +131,28 @@ def test_holes_are_one_rule_for_preflight_and_the_data_layer(tmp_path):
         f"{tmp_path}/none/s-1.tar, {tmp_path}/none/s-2.tar, ...)"]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
-
-    root = tmp_path_factory.mktemp("demo")
-    return make_demo_data(str(root), n_train=128, n_val=8, n_zeroshot=4, shard_size=32, progress=False)
-
-
 @pytest.mark.slow
 def test_mmcl_train_on_a_range_with_holes(demo, tmp_path, capsys):
-    train_dir = Path(demo["train"]).parent
+    train_dir = shutil.copytree(Path(demo["train"]).parent, tmp_path / "train")  # the shared demo stays whole
     shards = sorted(train_dir.glob("shard-*.tar"))
-    assert len(shards) == 4
+    assert len(shards) == 8
     hole = shards[2]
     hole.unlink()
-    spec = str(train_dir / "shard-{000000..000003}.tar")
+    spec = str(train_dir / "shard-{000000..000007}.tar")
     args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={spec}", "eval.zeroshot=null",
             "train.progress=false", "train.plot=false", "data.shuffle_buffer=16", "data.workers=0",
-            "data.batch_size=8", "train.steps=3", "train.save_every=0", *MICRO]
+            "data.batch_size=8", "train.steps=3", "train.save_every=0", *TRAINING_TOWERS]
     capsys.readouterr()
     assert main([*args, f"train.output_dir={tmp_path / 'run'}"]) == 0
     err = capsys.readouterr().err
     warned = [ln for ln in err.splitlines() if "do not exist" in ln]
-    assert warned == [f"mmcl: warning: 1 of 4 shards of '{spec}' do not exist, e.g. {hole}; using the 3 that do "
+    assert warned == [f"mmcl: warning: 1 of 8 shards of '{spec}' do not exist, e.g. {hole}; using the 7 that do "
                       f"(data.require_all_shards=true refuses the run instead)"], err
     assert (tmp_path / "run" / "model").is_dir()
     # With the key set, the same range is one error line before anything is built.
     assert main([*args, f"train.output_dir={tmp_path / 'strict'}", "data.require_all_shards=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and re.match(r"mmcl: error: missing input .*data\.train: 1 of the 4 paths that '.*' "
+    assert len(err) == 1 and re.match(r"mmcl: error: missing input .*data\.train: 1 of the 8 paths that '.*' "
                                       r"names are missing \(.*shard-000002\.tar\)$", err[0]), err
     assert not (tmp_path / "strict" / "checkpoints").exists()
 

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 import mmcl
-from helpers import MICRO, ROOT, metrics
+from helpers import ROOT, TRAINING_TOWERS, metrics
 from mmcl.cli import main
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def _train_args(out, *extra):
     """configs/tiny.yaml with micro towers: a run of a few seconds."""
     return ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"train.output_dir={out}", "eval.zeroshot=null",
             "train.progress=false", "train.plot=false", "train.log_with=[]", "data.workers=0",
-            "data.shuffle_buffer=16", "optim.warmup_steps=0", "train.log_every=1", *MICRO, *extra]
+            "data.shuffle_buffer=16", "optim.warmup_steps=0", "train.log_every=1", *TRAINING_TOWERS, *extra]
 
 
 def _picture(colour, i, side=32):
