@@ -4,11 +4,13 @@ are in conftest.py."""
 
 import io
 import json
+import random
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import torch
+import webdataset as wds
 from PIL import Image
 from torchvision import transforms as T
 
@@ -136,6 +138,7 @@ def png(seed, size=32):
     """A PNG of random pixels from `seed`, `size` pixels square: a sample's image for shards a test writes."""
     return encode(Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)), "PNG")
 
+
 def write_tar(path, members):
     """Write (name, bytes) members into a tar, in order."""
     with tarfile.open(path, "w") as tar:
@@ -174,10 +177,98 @@ def bad_samples():
 N_SHARDS, PER_SHARD, TRUNC_KEEP = 6, 10, 6
 
 
+def stream_batch(shards, workers, pin_memory=False):
+    """The first batch of a training stream over `shards` (8 samples, `workers` data workers), with open_clip's
+    ViT-B-32 tokenizer cut after the longest caption as training cuts it."""
+    import open_clip
+
+    from mmcl.config import DataConfig
+    from mmcl.data import build_train_stream
+    from mmcl.data.transforms import ImageSpec
+    from mmcl.models import TrimmedTokenizer
+
+    # The tokenizer training gives open_clip's text transformer: batches cut after the longest caption.
+    tokenizer = TrimmedTokenizer(open_clip.get_tokenizer("ViT-B-32"))
+    cut = tokenizer(["a short caption", "another"])
+    assert cut.shape[1] < 77 and not cut.is_contiguous()  # the view this test is about
+    spec = ImageSpec(size=64, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    cfg = DataConfig(train=shards, batch_size=8, workers=workers, shuffle_buffer=16)
+    stream = build_train_stream(cfg, spec, tokenizer, seed=0, pin_memory=pin_memory)
+    it = iter(stream)
+    batch = next(it)
+    if hasattr(it, "close"):
+        it.close()
+    return batch
+
+
 def cfg_for(spec, **kw):
     base = dict(train=spec, batch_size=1, workers=2, shuffle_buffer=5, max_image_pixels=MAX_PIXELS)
     base.update(kw)
     return DataConfig(**base)
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+# Images of one flat colour, as ImageFolders and shards with captions and labels: what the evaluation tests score.
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
+
+
+def solid(rgb, size=8):
+    return Image.new("RGB", (size, size), rgb)
+
+
+def write_folder(root: Path, layout):
+    """ImageFolder root/<class>/<i>.png from {class: [rgb, ...]}."""
+    for cls, colours in layout.items():
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for i, rgb in enumerate(colours):
+            solid(rgb).save(root / cls / f"{i}.png")
+    return root
+
+
+def write_shard(path: Path, samples):
+    """samples: (key, rgb, caption or None, label or None)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(path)) as sink:
+        for key, rgb, caption, label in samples:
+            sample = {"__key__": key, "png": solid(rgb)}
+            if caption is not None:
+                sample["txt"] = caption
+            if label is not None:
+                sample["cls"] = label
+            sink.write(sample)
+    return path
+
+
+# ------------------------------------------------------------------------------------------- tokenizers
+def varied_captions(n: int = 500):
+    """Varied captions: case, punctuation, accents, HTML entities, odd whitespace, non-Latin text, over-long."""
+    rng = random.Random(0)
+    words = ["a", "photo", "of", "the", "Dog", "CAT", "café", "naïve", "Zürich", "São", "Paulo", "résumé", "jalapeño",
+             "Ångström", "straße", "東京", "tower", "🐶", "x-ray", "e-mail", "U.S.A.", "don't", "it's", "50%", "$3.99",
+             "C++", "#hashtag", "@user", "http://example.com/a?b=c", "mother-in-law", "ÉCOLE", "œuvre", "Ελληνικά",
+             "Москва", "1,000", "3.14", "rock'n'roll", "O'Brien", "co-op", "…", "—", "«quoted»"]
+    fixed = ["", " ", "A PHOTO OF A DOG.", "a photo of a dog", "Hello, World!!!", "What's this?? -- a test...",
+             "Tom &amp; Jerry", "&quot;quoted&quot; &lt;b&gt;bold&lt;/b&gt;", "it&#39;s &#x27;here&#x27; &nbsp;ok",
+             "&amp;amp; double-escaped", "<b>bold</b> <i>html</i> tags", "tabs\tand\nnewlines\r\nhere",
+             "   leading and trailing spaces   ", "MiXeD CaSe WoRdS", "Crème brûlée à la française",
+             "punctuation!!! ... ??? ;;; ::: ((( ))) [[[ ]]] {{{ }}}", "under_score and slash/back\\slash",
+             "numbers 1 2 3 1st 2nd 3rd 1990s", "emoji 😀🎉 and symbols ©®™", "ＦＵＬＬＷＩＤＴＨ text",
+             "a" * 300, " ".join(["word"] * 200), ("A long, punctuated caption; with clauses! " * 20).strip()]
+    captions = list(fixed)
+    while len(captions) < n:
+        k = rng.randint(1, 60 if rng.random() < 0.15 else 12)
+        text = " ".join(rng.choice(words) for _ in range(k))
+        roll = rng.random()
+        if roll < 0.2:
+            text = text.upper()
+        elif roll < 0.4:
+            text = text.title()
+        if rng.random() < 0.3:
+            text = text.replace(" ", rng.choice(["  ", ", ", " - ", "\t", " &amp; ", ". "]), rng.randint(1, 3))
+        if rng.random() < 0.4:
+            text += rng.choice([".", "!", "?", "...", " :)", "&quot;", "'", ",", ";"])
+        captions.append(text)
+    return captions
 
 
 # ------------------------------------------------------------------------------------------- Hugging Face cache

@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.transforms.functional import to_tensor
 
-from helpers import TRAINING_TOWERS
+from helpers import TRAINING_TOWERS, write_folder, write_shard
 from mmcl.data import build_eval_dataset
 from mmcl.errors import DataError
 from mmcl.evaluation import evaluate
-from test_evaluate import write_folder, write_shard  # the same image and shard builders
 
 ROOT = Path(__file__).resolve().parents[1]
 

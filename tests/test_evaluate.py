@@ -1,23 +1,20 @@
 """Zero-shot, retrieval and linear-probe evaluation on hand-built cases with known answers."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import webdataset as wds
-from PIL import Image
 from torch import nn
 from torchvision.transforms.functional import to_tensor
 
+from helpers import COLOURS, solid, write_folder, write_shard  # noqa: F401 (test_eval_sets.py takes solid from here)
 from mmcl.evaluation import evaluate
 from mmcl import models
 from mmcl.storage import weights
 from mmcl.errors import DataError
 
-COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
 WORDS = ("red", "green", "blue", "yellow", "cyan", "magenta")
 
 
@@ -45,33 +42,6 @@ def colour_tokenizer(texts):
             if word in text.lower().split() or word in text.lower():
                 out[i, j] = 1.0
     return out
-
-
-def solid(rgb, size=8):
-    return Image.new("RGB", (size, size), rgb)
-
-
-def write_folder(root: Path, layout):
-    """ImageFolder root/<class>/<i>.png from {class: [rgb, ...]}."""
-    for cls, colours in layout.items():
-        (root / cls).mkdir(parents=True, exist_ok=True)
-        for i, rgb in enumerate(colours):
-            solid(rgb).save(root / cls / f"{i}.png")
-    return root
-
-
-def write_shard(path: Path, samples):
-    """samples: (key, rgb, caption or None, label or None)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with wds.TarWriter(str(path)) as sink:
-        for key, rgb, caption, label in samples:
-            sample = {"__key__": key, "png": solid(rgb)}
-            if caption is not None:
-                sample["txt"] = caption
-            if label is not None:
-                sample["cls"] = label
-            sink.write(sample)
-    return path
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import mmcl
+from helpers import varied_captions
 from mmcl import models
 from mmcl.config import ModelConfig, TextTowerConfig
 from mmcl.storage import export as export_mod
 from mmcl.storage import weights
 
-from test_tokenizers import CAPTIONS
-
+CAPTIONS = varied_captions()
 CONTEXT = 16
 
 

@@ -75,8 +75,7 @@ def test_tiled_equals_dense_on_cuda(kind):
 
 
 def test_stream_batches_are_pinned_and_contiguous_on_cuda(tmp_path):
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_stream_batches import stream_batch
+    from helpers import stream_batch
 
     from mmcl.data.demo import make_demo_data
 

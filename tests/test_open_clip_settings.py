@@ -5,15 +5,13 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
-from helpers import ROOT, TRAINING_TOWERS
+from helpers import COLOURS, ROOT, TRAINING_TOWERS, write_folder
 from mmcl import models
 from mmcl.config import DataConfig, data_workers, load_config
 from mmcl.training import finish, runtime
 from spawned import free_port
-from test_evaluate import COLOURS, write_folder
 
 
 def test_cudnn_benchmark_is_on_for_a_cuda_device_only(monkeypatch):

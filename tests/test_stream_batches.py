@@ -5,6 +5,8 @@ that they are pinned on CUDA."""
 import pytest
 import torch
 
+from helpers import stream_batch
+
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
@@ -12,28 +14,6 @@ def shards(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("stream")
     return make_demo_data(str(root), n_train=64, n_val=1, n_zeroshot=1, shard_size=16, progress=False)["train"]
-
-
-def stream_batch(shards, workers, pin_memory=False):
-    import open_clip
-
-    from mmcl.config import DataConfig
-    from mmcl.data import build_train_stream
-    from mmcl.data.transforms import ImageSpec
-    from mmcl.models import TrimmedTokenizer
-
-    # The tokenizer training gives open_clip's text transformer: batches cut after the longest caption.
-    tokenizer = TrimmedTokenizer(open_clip.get_tokenizer("ViT-B-32"))
-    cut = tokenizer(["a short caption", "another"])
-    assert cut.shape[1] < 77 and not cut.is_contiguous()  # the view this test is about
-    spec = ImageSpec(size=64, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
-    cfg = DataConfig(train=shards, batch_size=8, workers=workers, shuffle_buffer=16)
-    stream = build_train_stream(cfg, spec, tokenizer, seed=0, pin_memory=pin_memory)
-    it = iter(stream)
-    batch = next(it)
-    if hasattr(it, "close"):
-        it.close()
-    return batch
 
 
 @pytest.mark.parametrize("workers", [0, 1])

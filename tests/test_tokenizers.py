@@ -6,14 +6,13 @@ tokenizer under each config's ``hf_tokenizer_name``, and both sides read it offl
 """
 
 import json
-import random
 
 import huggingface_hub
 import open_clip
 import pytest
 import torch
 
-from helpers import hf_snapshot
+from helpers import hf_snapshot, varied_captions
 from mmcl import models
 from mmcl.config import ModelConfig, TextTowerConfig
 from mmcl.errors import ConfigError
@@ -47,38 +46,7 @@ for _name in KWARG_CONFIGS:
     GROUPS.setdefault(_group_key(_name), _name)
 
 
-def _captions(n: int = 500):
-    """Varied captions: case, punctuation, accents, HTML entities, odd whitespace, non-Latin text, over-long."""
-    rng = random.Random(0)
-    words = ["a", "photo", "of", "the", "Dog", "CAT", "café", "naïve", "Zürich", "São", "Paulo", "résumé", "jalapeño",
-             "Ångström", "straße", "東京", "tower", "🐶", "x-ray", "e-mail", "U.S.A.", "don't", "it's", "50%", "$3.99",
-             "C++", "#hashtag", "@user", "http://example.com/a?b=c", "mother-in-law", "ÉCOLE", "œuvre", "Ελληνικά",
-             "Москва", "1,000", "3.14", "rock'n'roll", "O'Brien", "co-op", "…", "—", "«quoted»"]
-    fixed = ["", " ", "A PHOTO OF A DOG.", "a photo of a dog", "Hello, World!!!", "What's this?? -- a test...",
-             "Tom &amp; Jerry", "&quot;quoted&quot; &lt;b&gt;bold&lt;/b&gt;", "it&#39;s &#x27;here&#x27; &nbsp;ok",
-             "&amp;amp; double-escaped", "<b>bold</b> <i>html</i> tags", "tabs\tand\nnewlines\r\nhere",
-             "   leading and trailing spaces   ", "MiXeD CaSe WoRdS", "Crème brûlée à la française",
-             "punctuation!!! ... ??? ;;; ::: ((( ))) [[[ ]]] {{{ }}}", "under_score and slash/back\\slash",
-             "numbers 1 2 3 1st 2nd 3rd 1990s", "emoji 😀🎉 and symbols ©®™", "ＦＵＬＬＷＩＤＴＨ text",
-             "a" * 300, " ".join(["word"] * 200), ("A long, punctuated caption; with clauses! " * 20).strip()]
-    captions = list(fixed)
-    while len(captions) < n:
-        k = rng.randint(1, 60 if rng.random() < 0.15 else 12)
-        text = " ".join(rng.choice(words) for _ in range(k))
-        roll = rng.random()
-        if roll < 0.2:
-            text = text.upper()
-        elif roll < 0.4:
-            text = text.title()
-        if rng.random() < 0.3:
-            text = text.replace(" ", rng.choice(["  ", ", ", " - ", "\t", " &amp; ", ". "]), rng.randint(1, 3))
-        if rng.random() < 0.4:
-            text += rng.choice([".", "!", "?", "...", " :)", "&quot;", "'", ",", ";"])
-        captions.append(text)
-    return captions
-
-
-CAPTIONS = _captions()
+CAPTIONS = varied_captions()
 
 
 @pytest.fixture(scope="module")
