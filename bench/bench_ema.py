@@ -7,7 +7,7 @@ it) and each way of updating, one JSON line:
 * ``ms_min``, ``ms_median``: wall time of one update over ``--repeats`` (after two warm-up updates), float32
   weights, the ways taking turns update by update;
 * ``syncs``: host-synchronising ops of one update (tests/syncwatch.py: value reads, data-dependent ops, blocking
-  copies), the number `tests/test_no_stalls.py` requires to be 0 on an ordinary step;
+  copies), the number `tests/training/test_no_stalls.py` requires to be 0 on an ordinary step;
 * ``ops``: aten ops dispatched by one update (an upper bound on kernel launches on a GPU);
 * ``ema_mib``: memory the average holds;
 * ``skips``: whether an update given a device-side flag set to 1 (the optimiser skipped a non-finite step) leaves

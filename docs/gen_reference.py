@@ -3,8 +3,8 @@ lists), docs/reference/cli.md (the ``mmcl`` parser) and docs/migration.md (the o
 
     python docs/gen_reference.py
 
-The output depends only on the code; tests/test_docs_reference.py and tests/test_migration.py check that the
-committed pages are what this writes.
+The output depends only on the code; tests/test_docs_reference.py and tests/training/test_open_clip_flags.py check
+that the committed pages are what this writes.
 """
 
 import argparse

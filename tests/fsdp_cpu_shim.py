@@ -2,7 +2,7 @@
 
 accelerate (1.15) turns a launch with ``distributed_type: FSDP`` into FSDP only for GPU-like devices; on a machine
 without one, `AcceleratorState` keeps ``MULTI_CPU`` and the model is silently replicated (DDP). This shim, used by
-`tests/test_distributed_fsdp.py` only, lets `AcceleratorState` finish as usual and then, when the launcher asked
+`tests/e2e/test_distributed_fsdp.py` only, lets `AcceleratorState` finish as usual and then, when the launcher asked
 for FSDP, sets the state's distributed type to FSDP with the plugin accelerate built from the launch config. From
 there everything is accelerate's own FSDP2 path (`fully_shard`, its state-dict and checkpoint handling). A GPU
 user gets the same path from `launch/fsdp.yaml` without any shim.
@@ -12,7 +12,7 @@ user gets the same path from `launch/fsdp.yaml` without any shim.
 With ``MMCL_TEST_SLOW_EVAL_S`` set, every evaluation on the main process first sleeps that long (an evaluation
 slower than the process group's timeout); with ``MMCL_TEST_REPORT_PRECISION`` set, the main process prints, at
 the first forward of training, each FSDP group's mixed-precision policy and the dtype of the logit scale the
-model computes (`tests/test_gpu_path_launch.py`).
+model computes (`tests/e2e/test_gpu_path_launch.py`).
 """
 
 import os

@@ -3,7 +3,7 @@
 Stages, in order; each gets a share of the time left and is skipped, with the reason written down, when too little
 is left; a stage that runs past its share is cut and records what it had:
 
-a. tests: ``pytest -m "gpu or gpu_path"`` over tests/test_gpu.py and tests/test_gpu_path_*.py, on CUDA.
+a. tests: ``pytest -m "gpu or gpu_path"`` over tests/e2e/test_gpu.py and tests/e2e/test_gpu_path_*.py, on CUDA.
 b. train_step: mmcl's training step (Accelerator-prepared model, ``forward_loss`` + ``backward`` +
    ``apply_update``, uint8 images finished on the device, its trimmed tokens) against open_clip's own model +
    ClipLoss step (autocast, AdamW, the gradient clip and logit-scale clamp of open_clip_train), the same
@@ -149,12 +149,12 @@ def sizes(tiny: bool) -> Dict[str, Any]:
         return {"model": "tiny", "precision": "fp32", "batches": [4, 8], "warmup": 1, "steps": 1, "rounds": 2,
                 "loss_n": [512, 1024, 2048], "loss_dim": 64, "chunk": 256, "loss_repeats": 1, "workers": 2,
                 "data_batch": 16, "data_samples": 96, "data_batches": 4, "image_px": (96, 128),
-                "test_files": ["tests/test_gpu.py"]}
+                "test_files": ["tests/e2e/test_gpu.py"]}
     return {"model": "ViT-B-32", "precision": "bf16", "batches": [256, 1024], "warmup": 3, "steps": 10, "rounds": 2,
             "loss_n": [32768, 65536, 262144], "loss_dim": 512, "chunk": 1024, "loss_repeats": 2, "workers": 16,
             "data_batch": 256, "data_samples": 8192, "data_batches": 24, "image_px": (420, 640),
-            "test_files": ["tests/test_gpu.py", *sorted(str(p.relative_to(REPO))
-                                                        for p in REPO.glob("tests/test_gpu_path_*.py"))]}
+            "test_files": ["tests/e2e/test_gpu.py", *sorted(str(p.relative_to(REPO))
+                                                        for p in REPO.glob("tests/e2e/test_gpu_path_*.py"))]}
 
 
 def sync(device: str) -> None:

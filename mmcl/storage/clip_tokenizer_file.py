@@ -21,12 +21,12 @@ A ``tokenizers`` pipeline is data, not code, so every step is expressed with its
   padding to the context length.
 
 The hf export ships the same file (`mmcl.storage.export.write_hf_tokenizer`). Where it differs from open_clip (tests in
-tests/test_export.py compare with ``open_clip.get_tokenizer``): ftfy's context-dependent repairs (mojibake such as
-``Ã©`` for ``é``, which needs the surrounding bytes) are not reproduced; HTML5-only names (``&NotLessLess;``, about
-2,000 rarely seen ones) and numeric references above U+00FF stay as text; characters above U+FFFF that ftfy would
-change are left as they are. ftfy decodes HTML references before its repairs only when the text holds no ``<``;
-this file always does, so in text that holds a ``<``, a reference to a character ftfy repairs (``&rsquo;``: ``'``
-here, ``’`` in open_clip) and text HTML-escaped three times decode differently.
+tests/storage/test_export.py compare with ``open_clip.get_tokenizer``): ftfy's context-dependent repairs (mojibake such
+as ``Ã©`` for ``é``, which needs the surrounding bytes) are not reproduced; HTML5-only names (``&NotLessLess;``, about
+2,000 rarely seen ones) and numeric references above U+00FF stay as text; characters above U+FFFF that ftfy would change
+are left as they are. ftfy decodes HTML references before its repairs only when the text holds no ``<``; this file
+always does, so in text that holds a ``<``, a reference to a character ftfy repairs (``&rsquo;``: ``'`` here, ``’`` in
+open_clip) and text HTML-escaped three times decode differently.
 
 Cost: about 1,400 normalizer passes, each about a microsecond on a caption: 1.8 ms per caption on one thread of
 a loaded 2-core CPU host, against open_clip's 0.44 ms on the same host (BENCHMARKS.md).

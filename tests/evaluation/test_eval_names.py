@@ -15,7 +15,7 @@ from mmcl.data import build_eval_dataset
 from mmcl.errors import DataError
 from mmcl.evaluation import evaluate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Ten ImageNet-1k classes spread over the 1000, with the names of CLIP's list (open_clip's IMAGENET_CLASSNAMES).
 IMAGENET_TEN = {"n01440764": "tench", "n01443537": "goldfish", "n01530575": "brambling",

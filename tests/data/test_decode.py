@@ -13,7 +13,7 @@ from mmcl.data import decode_image, draft_size_of, random_crop_box
 from mmcl.data.transforms import PyRandomResizedCrop, crop_draft_size
 
 MAX_PIXELS = 10**8
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from mmcl.config import load_config
 from mmcl.data import epoch_shard_plan, missing_shards
 from mmcl.training.preflight import input_problems
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _images(folder: Path, n: int):

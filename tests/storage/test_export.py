@@ -347,7 +347,7 @@ def _readme_onnx_example() -> str:
     """The onnxruntime example of docs/export.md (the ```python block after its ``<!-- onnx-example -->`` marker)."""
     from pathlib import Path
 
-    page = (Path(__file__).resolve().parent.parent / "docs" / "export.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
     after = page.split("<!-- onnx-example -->", 1)[1]
     return after.split("```python\n", 1)[1].split("```", 1)[0]
 

@@ -23,7 +23,7 @@ from mmcl.errors import DataError, printable
 from mmcl.evaluation.evaluate import load_templates
 from mmcl.models import build_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEEP = b"[" * 400_000 + b"]" * 400_000  # 800 KB of nesting: deeper than any JSON parser recurses
 ORDINARY = [
     "a photo of a dog",

@@ -17,7 +17,7 @@ from mmcl.storage import weights
 
 from test_pretrained import SMALL_B32, SMALL_B32_ARGS, TAG_REPO, _saved
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(name="tiny", embed_dim=24, image_size=32, vision_cfg={"layers": 1, "width": 32, "head_width": 16},
              text_cfg={"layers": 1, "width": 32, "heads": 2, "context_length": 16})
 

@@ -14,7 +14,7 @@ from helpers import short_run
 from mmcl.cli import main
 from mmcl.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

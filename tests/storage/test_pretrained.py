@@ -17,7 +17,7 @@ from mmcl.config import ModelConfig, load_config
 from mmcl.errors import CheckpointError, ConfigError
 from mmcl.storage import pretrained, weights
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # ViT-B-32's layout at a test's size: the tag's weights in the cache are of this model.
 SMALL_B32 = dict(name="ViT-B-32", embed_dim=32, vision_cfg={"width": 64, "layers": 1, "head_width": 32,
                                                           "image_size": 32, "patch_size": 16},

@@ -366,7 +366,7 @@ def mmcl_lines_only(err: str):
 
 SIGNAL_ONE_RANK = f"""\
 import sys
-sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from preempt import sigterm_during_step
 from mmcl.cli import main
 

@@ -14,7 +14,7 @@ from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def snapshot(folder: Path):

@@ -1,5 +1,5 @@
 """Every tensor a training stream yields is contiguous (a cut token batch is otherwise a view with the full
-context's row stride, which pinning and the copy to the device carry as strided memory); tests/test_gpu.py checks
+context's row stride, which pinning and the copy to the device carry as strided memory); tests/e2e/test_gpu.py checks
 that they are pinned on CUDA."""
 
 import pytest

@@ -10,7 +10,7 @@ from mmcl.config import load_config
 from mmcl.training.preflight import check_inputs, input_problems
 from mmcl.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _touch(path, data=b"x"):

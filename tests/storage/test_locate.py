@@ -15,7 +15,7 @@ from mmcl.cli import main
 from mmcl.config import ModelConfig, load_config
 from mmcl.storage import checkpoints, pretrained, weights
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train_args(demo, out, *extra):

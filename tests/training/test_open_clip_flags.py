@@ -13,7 +13,7 @@ from mmcl.cli import main
 from mmcl.config import load_config, valid_keys
 from mmcl.training.open_clip_flags import DEFAULTS, FLAGS, overrides_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def open_clip_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ from mmcl.config import from_dict, load_config, phase_lengths, to_dict
 from mmcl.training.optim import build_optimizer
 from mmcl.training.step import objective_from_config
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 MMCL_MODELS = {p.stem for p in models.CONFIG_DIR.glob("*.json")}
 

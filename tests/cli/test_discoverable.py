@@ -21,7 +21,7 @@ from mmcl.cli import build_parser, main
 from mmcl.config import TrainConfig, load_config, to_dict
 from mmcl.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 # Words of OmegaConf's own messages that a user should never see.
 INTERNALS = ("Merge error", "subclass", "OptimConfig", "TextTowerConfig", "ListConfig", "could not be converted",

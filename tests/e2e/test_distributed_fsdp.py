@@ -17,7 +17,7 @@ import yaml
 from helpers import ROOT, final_weights, metrics, run_args
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-SHIM = str(Path(__file__).resolve().with_name("fsdp_cpu_shim.py"))
+SHIM = str(Path(__file__).resolve().parents[1] / "fsdp_cpu_shim.py")
 STEPS = 20
 
 

@@ -24,7 +24,7 @@ from mmcl import data
 from mmcl.config import DataConfig, load_config
 from mmcl.errors import DataError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PREPROCESS = T.Compose([T.Resize(8), T.CenterCrop(8), T.ToTensor()])
 MARKER = "PWNED"
 

@@ -16,7 +16,7 @@ from mmcl.config import load_config
 from mmcl.errors import ConfigError
 from mmcl.training.preflight import check_inputs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def metric_steps(out: Path):

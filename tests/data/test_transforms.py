@@ -25,7 +25,7 @@ from mmcl.errors import ConfigError
 
 from helpers import cfg_for, tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIGLIP_PP = {"size": 32, "mode": "RGB", "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5],
              "interpolation": "bicubic", "resize_mode": "squash", "fill_color": 0}
 # A small ViT + text transformer in open_clip's model-config format, with the SigLIP-like preprocessing beside it.
@@ -61,7 +61,7 @@ def _image(i, w, h):
 def test_train_stages_give_open_clip_train_pixels(monkeypatch, pp, aug):
     """The training transform mmcl builds from a preprocess config and ``data.aug`` (PIL stage in the workers,
     `ImageFinish` on the batch) equals open_clip's train transform pixel for pixel, seeded identically. mmcl draws
-    the crop box from Python's RNG with torchvision's law (tests/test_data.py tests the law); here open_clip's crop
+    the crop box from Python's RNG with torchvision's law (tests/data/test_data.py tests the law); here open_clip's crop
     draws it the same way, so the two consume the same random numbers in the same order."""
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), _overrides(aug))
     spec = data.train_image_input(pp, cfg.data.aug)

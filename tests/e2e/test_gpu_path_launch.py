@@ -15,7 +15,7 @@ from helpers import ROOT, final_weights, metrics, run_args
 pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("cpu_device")]  # the same with a GPU
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-SHIM = str(Path(__file__).resolve().with_name("fsdp_cpu_shim.py"))
+SHIM = str(Path(__file__).resolve().parents[1] / "fsdp_cpu_shim.py")
 
 
 def launch(config, out, demo_paths, *extra, env=None, program=(SHIM,), timeout=600):

@@ -226,7 +226,7 @@ def test_a_run_of_epochs_with_a_cooldown(tmp_path, capsys):
     assert sorted(sizes.values()) == [32, 48]
     (folder / "sizes.json").write_text(json.dumps(sizes))
     out = tmp_path / "run"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert main(["train", "--config", str(root / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
                  f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
                  "data.shuffle_buffer=16", *TRAINING_TOWERS, "data.batch_size=16", "train.epochs=2", "train.log_every=1",
