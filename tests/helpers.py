@@ -30,10 +30,12 @@ FOLDER_TOWERS = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
 MICRO = TRAINING_TOWERS  # the former name, still imported by tests/models/test_lora.py and test_eval_sets.py
 
 
-def micro_model(seed=0):
+def micro_model(seed=0, *extra):
+    """A model of TRAINING_TOWERS (with `extra` overrides) from `seed`, its towers locked as the config says."""
     torch.manual_seed(seed)
-    cfg = load_config(None, TRAINING_TOWERS).model
+    cfg = load_config(None, [*TRAINING_TOWERS, *extra]).model
     model, *_ = models.build(cfg)
+    models.apply_locks(model, cfg)
     return model
 
 

@@ -18,12 +18,13 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import png
 from mmcl import models
 from mmcl.curation import REASONS, Rules, decide
 from mmcl.curation import rules as rules_mod
 from mmcl.curation.rules import KEPT, greedy_dedup, top_count
 from mmcl.errors import ConfigError
+
+from helpers import png
 
 curate_mod = importlib.import_module("mmcl.curation.curate")  # the module (the package exports its function)
 from mmcl.storage import weights

@@ -5,11 +5,11 @@ import io
 import tarfile
 import tracemalloc
 
-
-from helpers import png
 from mmcl import data
 from mmcl.cli import main
 from mmcl.data.eval_data import folder_classnames
+
+from helpers import png
 
 
 def _shard_texts(out):

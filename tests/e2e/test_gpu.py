@@ -75,9 +75,9 @@ def test_tiled_equals_dense_on_cuda(kind):
 
 
 def test_stream_batches_are_pinned_and_contiguous_on_cuda(tmp_path):
-    from helpers import stream_batch
-
     from mmcl.data.demo import make_demo_data
+
+    from helpers import stream_batch
 
     shards = make_demo_data(str(tmp_path), n_train=32, n_val=1, n_zeroshot=1, shard_size=16, progress=False)["train"]
     for workers in (0, 1):
@@ -93,9 +93,9 @@ def _mmcl(args):
 
 
 def test_training_on_cuda_killed_and_resumed_gives_the_uninterrupted_weights(demo, tmp_path):
-    from helpers import final_weights, run_args
-
     from mmcl.storage.checkpoints import latest_checkpoint
+
+    from helpers import final_weights, run_args
 
     common = ["train.steps=8", "train.save_every=2", "train.keep_checkpoints=2", "data.batch_size=16",
               "data.workers=2", "train.log_every=2", "train.precision=bf16"]

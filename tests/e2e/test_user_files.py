@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import TRAINING_TOWERS
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.data import epoch_shard_plan, missing_shards
 from mmcl.training.preflight import input_problems
+
+from helpers import TRAINING_TOWERS
 
 ROOT = Path(__file__).resolve().parents[2]
 

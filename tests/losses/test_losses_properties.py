@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import ref_clip, ref_supcon
 from mmcl import losses
 from mmcl.losses import (
     Gathered,
@@ -31,6 +30,8 @@ from mmcl.losses import (
     supcon_loss,
     uniform_loss,
 )
+
+from helpers import ref_clip, ref_supcon
 
 # derandomize: the same examples on every run (and no example database written next to the code).
 SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,15 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import TRAINING_TOWERS
 from mmcl import models
 from mmcl.config import OptimConfig, load_config
 from mmcl.errors import ConfigError, DataError
 from mmcl.training import optim
-from mmcl.training.runtime import run_length, total_steps
 from mmcl.training.optim import lr_at
+from mmcl.training.runtime import run_length, total_steps
 from mmcl.training.step import FiniteChecks
 
+from helpers import TRAINING_TOWERS
 
 
 def _sgd():
