@@ -69,8 +69,6 @@ TESTED_ELSEWHERE = {
                           "atomic writes and refused links, under faults and links"),
     "storage/layout.py": (["tests/training/test_runfolder.py", "tests/test_one_home.py"],
                           "the run folder's names; tests/test_layout.py is the package layout's test"),
-    "storage/manifest.py": (["tests/e2e/test_no_way_out.py", "tests/e2e/test_untrusted_files.py"],
-                            "what a command may replace in its folder"),
     "storage/weights.py": (["tests/storage/test_locate.py", "tests/storage/test_export.py"],
                            "loading and saving model folders, through every model path"),
     "training/agree.py": (["tests/e2e/test_gpu_path_launch.py", "tests/e2e/test_faults_train.py"],
