@@ -20,7 +20,7 @@ from mmcl import models
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError, DataError
-from mmcl.evaluation import sets as eval_sets
+from mmcl.evaluation import in_run as eval_sets
 from test_evaluate import COLOURS, write_folder, write_shard
 
 # ---------------------------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def test_val_loss_scores_every_term_of_the_objective_on_the_same_batches(tmp_pat
 
 
 def test_run_eval_logs_val_entries_in_eval_mode_and_restores_training_mode(tmp_path):
-    from mmcl.training.loop import run_eval
+    from mmcl.training.finish import run_eval
     from mmcl.training.step import objective_from_config
 
     torch.manual_seed(2)
