@@ -33,7 +33,7 @@ def _leaves(node, prefix=""):
     out = {}
     for k, v in node.items():
         key = prefix + k
-        if isinstance(v, dict) and key not in ("model.vision_cfg", "model.text_cfg"):
+        if isinstance(v, dict) and key not in ("model.vision_cfg", "model.text_cfg", "optim.kwargs"):
             out.update(_leaves(v, key + "."))
         else:
             out[key] = v
@@ -138,7 +138,7 @@ def test_bad_values_are_reported_together_with_unknown_keys(capsys):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["optim=1"], "'optim' is a section, not a value: set its keys, e.g. optim.lr="),
+    (["optim=1"], "'optim' is a section, not a value: set its keys, e.g. optim.name="),
     (["model.text=3"], "'model.text' is a section"),
     (["data.batch_size=abc"], "bad value for 'data.batch_size': expected int, got 'abc'"),
     (["optim.grad_clip=[1, 2]"], "bad value for 'optim.grad_clip': expected float or null"),
