@@ -16,7 +16,7 @@ LAUNCH ?= launch/cpu-2proc.yaml
 STAMP := $(BIN)/.mmcl-installed
 DEV_STAMP := $(BIN)/.mmcl-dev-installed
 
-.PHONY: install install-dev demo demo-data train-demo eval-demo export-demo test test-fast bench clean
+.PHONY: install install-dev demo demo-data train-demo eval-demo export-demo lint test test-fast bench clean
 
 # The demo needs mmcl and its runtime dependencies only; the tests add the development extras.
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -57,10 +57,14 @@ demo: train-demo
 	$(MAKE) --no-print-directory eval-demo export-demo
 	@$(PY) -c "import json; r=json.load(open('$(DEMO_DIR)/zeroshot-colour.json')); s=json.load(open('$(DEMO_DIR)/zeroshot-shape.json')); print(f\"demo done: zero-shot top-1 colour {100*r['metrics']['acc1']:.1f}%, shape {100*s['metrics']['acc1']:.1f}% (run: $(RUN))\")"
 
-test: install-dev
+# Lint first (ruff, configured in pyproject.toml): seconds, and a failure names the line.
+lint: install-dev
+	$(BIN)/ruff check mmcl tests bench docs
+
+test: lint
 	$(PY) -m pytest -q
 
-test-fast: install-dev
+test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install-dev

@@ -116,8 +116,9 @@ def corpus(tmp_path_factory):
     """
     import tarfile
 
-    from helpers import N_SHARDS, PER_SHARD, TRUNC_KEEP, bad_samples, encode, good_members, image_for, write_tar
     from mmcl import data
+
+    from helpers import N_SHARDS, PER_SHARD, TRUNC_KEEP, bad_samples, encode, good_members, image_for, write_tar
 
     root = tmp_path_factory.mktemp("corpus")
     bad = list(bad_samples().items())

@@ -55,8 +55,9 @@ def _slow_evaluation(seconds: float) -> None:
 
 
 def _report_precision() -> None:
-    import mmcl.training.finish
     from torch.distributed.fsdp import FSDPModule
+
+    import mmcl.training.finish
 
     real_forward = mmcl.training.step._forward
     reported = []

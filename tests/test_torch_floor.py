@@ -2,9 +2,9 @@
 gets an error from pip, not an AttributeError or ImportError in the middle of a run."""
 
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 

@@ -284,8 +284,9 @@ def config_runs(user_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_trains_on_other_data_from_another_directory(user_dir, config_runs, path):
-    import mmcl
     from PIL import Image
+
+    import mmcl
 
     code, stderr = config_runs[path.name]
     assert code == 0, stderr[-3000:]

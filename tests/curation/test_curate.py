@@ -23,11 +23,11 @@ from mmcl.curation import REASONS, Rules, decide
 from mmcl.curation import rules as rules_mod
 from mmcl.curation.rules import KEPT, greedy_dedup, top_count
 from mmcl.errors import ConfigError
+from mmcl.storage import weights
 
 from helpers import png
 
 curate_mod = importlib.import_module("mmcl.curation.curate")  # the module (the package exports its function)
-from mmcl.storage import weights
 
 
 def _unit(rows):

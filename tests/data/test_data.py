@@ -16,8 +16,8 @@ from torchvision import transforms as T
 from mmcl import data
 from mmcl.config import DataConfig
 from mmcl.errors import ConfigError, DataError
-from helpers import (PREPROCESS, SIDE, bad_samples, cfg_for, encode, good_members, image_for, tokenizer,
-                     write_tar)
+
+from helpers import PREPROCESS, SIDE, bad_samples, cfg_for, encode, good_members, image_for, tokenizer, write_tar
 
 AUGMENT = T.Compose([T.RandomResizedCrop(SIDE, scale=(0.3, 1.0)), T.ToTensor()])
 
@@ -139,7 +139,7 @@ def test_stream_batches_have_contract_shapes_and_skip_totals(corpus):
     assert stream.finish_images(b["image"]).dtype == torch.float32
     assert b["text"].shape == (4, 24) and b["text"].dtype == torch.long
     assert b["label"].dtype == torch.long and b["label"].shape == (4,)
-    labels = {k: int(l) for bt in batches for k, l in zip(bt["key"], bt["label"])}
+    labels = {k: int(lab) for bt in batches for k, lab in zip(bt["key"], bt["label"])}
     assert labels["s0_03"] == -1  # no .cls member
     assert labels["s1_07"] == (10 + 7) % 5
     assert stream.epoch == 1

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from mmcl.data import decode_image, draft_size_of, random_crop_box
 from mmcl.data.transforms import PyRandomResizedCrop, crop_draft_size

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as loader_pin_memory
 
-from helpers import PREPROCESS, cfg_for, good_members, tokenizer, write_tar
 from mmcl import data
 from mmcl.errors import DataError
+
+from helpers import PREPROCESS, cfg_for, good_members, tokenizer, write_tar
 
 DATA_KEYS = {"image", "text", "label", "key", "sample_id"}
 

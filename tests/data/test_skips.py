@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FOLDER_TOWERS, ROOT, encode, image_for, metrics, png, run_args, write_tar
 from mmcl.cli import main
 from mmcl.data.skips import REASONS, SkipLog, record
+
+from helpers import FOLDER_TOWERS, ROOT, encode, image_for, metrics, png, run_args, write_tar
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import encode, image_for, write_tar
 from mmcl.cli import _WarningLines, main
 from mmcl.data import limits
 from mmcl.data.decode import SampleKeys, SkipSample, parse_sample, stored_teacher_features
@@ -22,6 +21,8 @@ from mmcl.data.sources import expand_urls, missing_shards
 from mmcl.errors import DataError, printable
 from mmcl.evaluation.evaluate import load_templates
 from mmcl.models import build_tokenizer
+
+from helpers import encode, image_for, write_tar
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEP = b"[" * 400_000 + b"]" * 400_000  # 800 KB of nesting: deeper than any JSON parser recurses

@@ -224,8 +224,8 @@ def test_the_global_batch_is_kept_on_another_number_of_processes(tmp_path, saved
 
 def test_a_global_batch_that_does_not_divide_among_the_processes_is_one_error(tmp_path):
     from mmcl.config import load_config
-    from mmcl.training.runtime import batch_plan
     from mmcl.errors import ConfigError
+    from mmcl.training.runtime import batch_plan
 
     out = _saved_run(tmp_path / "run", 2, 16)
     cfg = load_config(None, [f"train.output_dir={out}", "data.batch_size=8"])

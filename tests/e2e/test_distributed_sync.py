@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mmcl.config import load_config
-from mmcl.training.optim import build_optimizer
 from mmcl.training.loop import train
+from mmcl.training.optim import build_optimizer
 
 from helpers import fake_batch, metrics, micro_model, run_args
 
@@ -18,9 +18,8 @@ SYNCS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__")
 
 
 def test_a_flagged_step_leaves_weights_and_optimiser_state_exactly_as_they_were():
-    from mmcl.config import OptimConfig
+    from mmcl.config import LossConfig, OptimConfig
     from mmcl.training.step import objective_from_config as build_objective
-    from mmcl.config import LossConfig
 
     model = micro_model()
     opt = build_optimizer(model, OptimConfig(lr=1e-3))

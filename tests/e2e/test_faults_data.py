@@ -18,11 +18,11 @@ import torch
 from PIL import Image
 
 from mmcl import data, models
+from mmcl.errors import CheckpointError, ConfigError, DataError
 from mmcl.evaluation import evaluate
+from mmcl.storage import export as export_mod
 from mmcl.storage import fsutil, weights
 from mmcl.storage.weights import CONFIG_FILE, WEIGHTS_FILE
-from mmcl.storage import export as export_mod
-from mmcl.errors import CheckpointError, ConfigError, DataError
 
 W = 256  # gradient width: one column per 8-bit level
 

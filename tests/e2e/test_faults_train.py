@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, final_weights, metrics, run_args
 
-from mmcl.storage import checkpoints
 from mmcl.cli import main
 from mmcl.errors import TrainingError
+from mmcl.storage import checkpoints
 from mmcl.training.runlock import RunLock
+
+from helpers import ROOT, final_weights, metrics, run_args
 
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
@@ -319,7 +320,8 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(demo, tmp_path
     # after the training process is SIGKILLed: the lock must die with the holder all the same.
     holder = subprocess.Popen([sys.executable, "-c", "import os, time; from mmcl.training.runlock import RunLock; "
                                f"RunLock({str(out)!r}).acquire(); child = os.fork(); "
-                               "child and print(child, flush=True); time.sleep(600)"],  # the parent says its child's PID
+                               # the parent says its child's PID
+                               "child and print(child, flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     child = int(holder.stdout.readline())
     try:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import png, short_run, write_tar
 from mmcl.cli import main
 from mmcl.data.sources import expand_sources
+
+from helpers import png, short_run, write_tar
 
 
 def test_the_start_lines_say_what_each_source_resolved_to_and_a_folder_names_unlisted_shards(small_demo, tmp_path):

@@ -31,9 +31,9 @@ from mmcl.losses import (
     mochi_loss,
     siglip_loss,
     supcon_loss,
+    tiling,
     uniform_loss,
 )
-from mmcl.losses import tiling
 
 from syncwatch import SyncWatch
 

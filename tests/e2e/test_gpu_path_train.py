@@ -31,8 +31,8 @@ from mmcl.training.loop import train
 from mmcl.training.runtime import make_accelerator
 from mmcl.training.step import backward, forward_loss, objective_from_config
 
-from spawned import free_port
 from helpers import ROOT, TRAINING_TOWERS, fake_batch, grads_of, metrics, micro_model, run_args
+from spawned import free_port
 
 pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("cpu_device")]  # the same with a GPU
 
@@ -272,8 +272,8 @@ def test_a_loss_non_finite_on_every_process_skips_the_fused_step(monkeypatch, wo
     import torch.distributed as dist
 
     from mmcl.config import OptimConfig
-    from mmcl.training.step import FiniteChecks
     from mmcl.training.optim import build_optimizer
+    from mmcl.training.step import FiniteChecks
 
     class Accelerator:
         num_processes = world

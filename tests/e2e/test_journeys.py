@@ -13,7 +13,6 @@ next step needs (not only that it exits 0).
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,8 +25,9 @@ import torch
 from PIL import Image
 
 import mmcl
-from helpers import ROOT, TRAINING_TOWERS, metrics
 from mmcl.cli import main
+
+from helpers import ROOT, TRAINING_TOWERS, metrics
 
 pytestmark = pytest.mark.slow
 MMCL = str(Path(sys.executable).with_name("mmcl"))
@@ -246,7 +246,8 @@ def test_open_clip_train_folder_to_pretrained_fine_tune_and_wise_ft(tmp_path, ca
     _ok(["train", "--config", str(ROOT / "configs" / "finetune.yaml"), f"train.output_dir={run}",
          f"data.train={data / 'train'}", f"model.pretrained={logs}", "train.steps=3", "data.batch_size=8",
          "data.workers=0", "data.shuffle_buffer=8", "train.save_every=0", "optim.warmup_steps=0",
-         "train.progress=false", "train.plot=false", "train.log_with=[]", f"eval.zeroshot={data / 'zeroshot' / 'colour'}",
+         "train.progress=false", "train.plot=false", "train.log_with=[]",
+         f"eval.zeroshot={data / 'zeroshot' / 'colour'}",
          "train.wise_ft=[0.5]"], capsys)
     final = _state(run)
     assert not all(torch.equal(final[k], v) for k, v in published.items())  # it trained

@@ -17,7 +17,8 @@ def fake_bin(tmp_path: Path, accelerate_body: str) -> Path:
         # records its own options, then runs the task here
         "srun": ('#!/usr/bin/env bash\nwhile [ "${1#-}" != "$1" ]; do echo "$1" >> "$SRUN_LOG"; shift; done\n'
                  'exec "$@"\n'),
-        "scontrol": '#!/usr/bin/env bash\nif [ "$1" = requeue ]; then echo "requeue $2" >> "$LOG"; else echo node0; fi\n',
+        "scontrol": ('#!/usr/bin/env bash\n'
+                     'if [ "$1" = requeue ]; then echo "requeue $2" >> "$LOG"; else echo node0; fi\n'),
         "accelerate": "#!/usr/bin/env bash\n" + accelerate_body,
     }
     for name, text in scripts.items():

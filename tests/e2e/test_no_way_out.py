@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import short_run
 from mmcl.cli import main
 from mmcl.errors import ConfigError
+
+from helpers import short_run
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import short_run
 from mmcl import models
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
 from mmcl.training.preflight import check_inputs
+
+from helpers import short_run
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import short_run
-from mmcl.storage.checkpoints import latest_checkpoint
 from mmcl.cli import main
+from mmcl.storage.checkpoints import latest_checkpoint
+
+from helpers import short_run
 
 # Every checkpoint kept, and a model at the 32 pixels of the small demo's images.
 SETTINGS = ("train.keep_checkpoints=0", "model.image_size=32")
@@ -222,7 +223,8 @@ def custom_code_dir(root: Path, marker: Path) -> Path:
     (d / "config.json").write_text(json.dumps({"model_type": "custom-bert", "auto_map": auto_map, "hidden_size": 16,
                                                "num_hidden_layers": 1, "num_attention_heads": 2,
                                                "intermediate_size": 32, "vocab_size": 40}))
-    (d / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": [None, "custom.CustomTokenizer"]},
+    auto_map = {"AutoTokenizer": [None, "custom.CustomTokenizer"]}
+    (d / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map,
                                                          "tokenizer_class": "CustomTokenizer"}))
     return d
 

@@ -172,7 +172,8 @@ def test_readme_states_how_the_weights_differ_from_open_clip():
 
 def test_data_weights_from_open_clip_upsampling_factors():
     """The conversion in docs/data.md: open_clip's factor F of a source with n shards is mmcl's weight F * n
-    (open_clip's factor multiplies each shard's weight; mmcl's weight is the source's share). Checked against open_clip's own
+    (open_clip's factor multiplies each shard's weight; mmcl's weight is the source's share). Checked against
+    open_clip's own
     expansion of the factors, with mmcl's resampled shard plan drawn over many epochs."""
     from open_clip_train.data import expand_urls
 

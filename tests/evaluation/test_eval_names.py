@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.transforms.functional import to_tensor
 
-from helpers import TRAINING_TOWERS, write_folder, write_shard
 from mmcl.data import build_eval_dataset
 from mmcl.errors import DataError
 from mmcl.evaluation import evaluate
+
+from helpers import TRAINING_TOWERS, write_folder, write_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,14 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from test_evaluate import COLOURS, write_folder, write_shard
 
-from helpers import MICRO, ROOT, metrics, run_args
 from mmcl import models
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError, DataError
 from mmcl.evaluation import in_run as eval_sets
-from test_evaluate import COLOURS, write_folder, write_shard
+
+from helpers import MICRO, ROOT, metrics, run_args
 
 # ---------------------------------------------------------------------------------------------------------
 # eval.zeroshot / eval.retrieval: one path, or a list of named sets

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.transforms.functional import to_tensor
 
-from helpers import COLOURS, solid, write_folder, write_shard  # noqa: F401 (test_eval_sets.py takes solid from here)
-from mmcl.evaluation import evaluate
 from mmcl import models
-from mmcl.storage import weights
 from mmcl.errors import DataError
+from mmcl.evaluation import evaluate
+from mmcl.storage import weights
+
+from helpers import COLOURS, solid, write_folder, write_shard  # noqa: F401 (test_eval_sets.py takes solid from here)
 
 WORDS = ("red", "green", "blue", "yellow", "cyan", "magenta")
 

@@ -9,10 +9,10 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from mmcl.evaluation import index as index_mod
 from mmcl import models
-from mmcl.storage import weights
 from mmcl.errors import CheckpointError, DataError
+from mmcl.evaluation import index as index_mod
+from mmcl.storage import weights
 
 
 def _unit_rows(n, dim, seed, clusters=None):

@@ -19,7 +19,8 @@ from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from helpers import fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from preempt import sigterm_during_step
-from spawned import end_worker, free_port as _free_port
+from spawned import end_worker
+from spawned import free_port as _free_port
 
 
 def reference(img, txt, scale, t_img, t_txt, t_scale):
@@ -80,7 +81,8 @@ def test_dense_and_tiled_kl_equal_the_float64_definition(chunk, scale, t_scale, 
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 80), d=st.integers(2, 24), dt=st.integers(2, 24), chunk=st.one_of(st.none(), st.integers(1, 33)),
+@given(n=st.integers(1, 80), d=st.integers(2, 24), dt=st.integers(2, 24),
+       chunk=st.one_of(st.none(), st.integers(1, 33)),
        scale=st.floats(1.0, 100.0), t_scale=st.floats(1.0, 100.0),
        align=st.sampled_from(["random", "aligned", "duplicate"]), t_align=st.sampled_from(["random", "aligned"]),
        seed=st.integers(0, 2**16))
@@ -407,8 +409,8 @@ def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinfor
     its embeddings read from the reinforced shards, give the same distillation loss (to float16 rounding)."""
     from mmcl.config import load_config
     from mmcl.data import ImageSpec, build_train_stream
-    from mmcl.training.teacher import Teacher
     from mmcl.training.step import _teacher_features
+    from mmcl.training.teacher import Teacher
 
     out, _ = reinforced
     cfg = load_config(None, [f"data.train={out}/*.tar", "data.batch_size=24", "data.workers=0"])

@@ -14,7 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 from mmcl.config import LossConfig, MochiConfig
 from mmcl.losses import gather_batch, gather_features
 from mmcl.training.step import objective_from_config
-from spawned import end_worker, free_port as _free_port
+
+from spawned import end_worker
+from spawned import free_port as _free_port
 
 WORLD = 2
 GLOBAL_BATCH = 12

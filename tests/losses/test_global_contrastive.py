@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mmcl.losses import Gathered, clip_loss, gather_batch
 from mmcl.losses.errors import LossInputError
 from mmcl.losses.global_contrastive import GlobalEstimates, gamma_at, global_contrastive_loss
+
 from spawned import end_worker, free_port
 
 
@@ -398,11 +399,12 @@ def _estimates(ckpt):
 
 @pytest.mark.slow
 def test_a_run_keys_the_estimates_by_sample_and_saves_them(demo, tmp_path):
-    from helpers import metrics, run_args
     from mmcl.config import load_config
     from mmcl.data.pipeline import sample_id
     from mmcl.storage.checkpoints import latest_checkpoint
     from mmcl.training.loop import train
+
+    from helpers import metrics, run_args
 
     out = tmp_path / "run"
     train(load_config(None, run_args(demo, out, "train.steps=6", "train.save_every=6", "data.batch_size=16",
@@ -422,9 +424,10 @@ def test_gradient_accumulation_gives_the_gradients_and_estimates_of_the_whole_ba
     """``train.accum_steps``: the micro-batches' sample ids join in the one contrastive problem (GradCache)."""
     from accelerate import Accelerator
 
-    from helpers import fake_batch, grads_of, micro_model
     from mmcl.config import GlobalContrastiveConfig, LossConfig
     from mmcl.training.step import backward, forward_loss, objective_from_config
+
+    from helpers import fake_batch, grads_of, micro_model
 
     batch = dict(fake_batch(12, seed=1), sample_id=torch.tensor([3, 40, 7, 81, 5, 9, 11, 13, 17, 19, 23, 29]))
     halves = [{k: v[:6] for k, v in batch.items()}, {k: v[6:] for k, v in batch.items()}]
@@ -451,10 +454,11 @@ def test_gradient_accumulation_gives_the_gradients_and_estimates_of_the_whole_ba
 
 @pytest.mark.slow
 def test_a_changed_table_size_is_refused_on_resume(demo, tmp_path):
-    from helpers import run_args
     from mmcl.config import load_config
     from mmcl.errors import CheckpointError
     from mmcl.training.loop import train
+
+    from helpers import run_args
 
     out = tmp_path / "run"
     args = ["train.steps=2", "train.save_every=1", "data.batch_size=8", "data.workers=0", *GLOBAL]
@@ -466,14 +470,15 @@ def test_a_changed_table_size_is_refused_on_resume(demo, tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_and_resume_gives_the_weights_and_estimates_of_an_uninterrupted_run(demo, tmp_path):
+    import os
     import signal
     import subprocess
     import sys
     import time
-    import os
+
+    from mmcl.storage.checkpoints import latest_checkpoint
 
     from helpers import final_weights, run_args
-    from mmcl.storage.checkpoints import latest_checkpoint
 
     def launch(out):
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")

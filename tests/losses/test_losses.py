@@ -8,11 +8,9 @@ import torch
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss, SigLipLoss
 
-from helpers import ref_clip, ref_supcon
-from mmcl.config import LossConfig
-from mmcl.errors import ConfigError
 from mmcl import losses
-from mmcl.config import MochiConfig
+from mmcl.config import LossConfig, MochiConfig
+from mmcl.errors import ConfigError
 from mmcl.losses import (
     FeatureQueue,
     Gathered,
@@ -31,6 +29,8 @@ from mmcl.losses import (
     uniform_loss,
 )
 from mmcl.training.step import objective_from_config
+
+from helpers import ref_clip, ref_supcon
 
 
 def _features(n, d, dtype=torch.float32, seed=0, correlated=True):
@@ -1080,7 +1080,7 @@ def test_supcon_positive_mean_logits_gradcheck():
     """The tiled SupCon's positive term (class means rebuilt in backward): gradcheck with repeated, single and
     unlabelled (-1) classes, rows at an offset into a longer key set, and values against the autograd form."""
     from mmcl.losses.clip import _positive_logits
-    from mmcl.losses.supcon import _PositiveMeanLogits, _positive_means
+    from mmcl.losses.supcon import _positive_means, _PositiveMeanLogits
 
     g = torch.Generator().manual_seed(9)
     q = torch.randn(5, 3, dtype=torch.float64, generator=g, requires_grad=True)
@@ -1160,13 +1160,15 @@ def test_mochi_synthetic_logits_gradcheck_and_match_explicit_mixes(s, s_prime):
     fn = lambda q, scale: SyntheticLogits.apply(q, scale, cand, hard, hard_sims, draws, 3)  # noqa: E731
     pairs, a, picks, b = draws
     qd = q.detach()
-    mixes = [F.normalize(a * cand[hard.gather(1, pairs[..., 0])] + (1 - a) * cand[hard.gather(1, pairs[..., 1])], dim=-1),
+    first, second = cand[hard.gather(1, pairs[..., 0])], cand[hard.gather(1, pairs[..., 1])]
+    mixes = [F.normalize(a * first + (1 - a) * second, dim=-1),
              F.normalize(b * qd[:, None] + (1 - b) * cand[hard.gather(1, picks)], dim=-1)]
     ref = scale * torch.einsum("nd,nkd->nk", q, torch.cat(mixes, dim=1))
     ours = fn(q, scale)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
     w = torch.randn(ours.shape, dtype=torch.float64, generator=g)
-    for go, gr in zip(torch.autograd.grad((ours * w).sum(), (q, scale)), torch.autograd.grad((ref * w).sum(), (q, scale))):
+    ours_grads = torch.autograd.grad((ours * w).sum(), (q, scale))
+    for go, gr in zip(ours_grads, torch.autograd.grad((ref * w).sum(), (q, scale))):
         torch.testing.assert_close(go, gr, rtol=1e-10, atol=1e-12)
 
 
@@ -1198,7 +1200,8 @@ def test_feature_queue_reads_nothing_from_the_device_and_restores_its_position(m
     q, reads = FeatureQueue(7), []
     for name in ("item", "__int__", "__index__", "tolist", "__bool__"):
         real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
     for x in batches[:3]:
         q.enqueue(x)
         q.get()

@@ -14,6 +14,7 @@ import torch
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
 from mmcl.models import lora
+
 from helpers import MICRO, ROOT, fake_batch, final_weights, metrics, micro_model, run_args
 from preempt import sigterm_during_step
 
@@ -191,7 +192,8 @@ def test_lora_with_accumulation_and_the_export_refusals(demo, tmp_path, capsys):
     assert main(["train", *run_args(demo, plain, "train.steps=1", "data.batch_size=8", "train.save_every=1")]) == 0
     capsys.readouterr()
     for args, message in (([str(plain), "--adapters-only"], "was not trained with LoRA"),
-                          ([str(out), "--adapters-only", "--format", "hf"], "takes one of --format and --adapters-only"),
+                          ([str(out), "--adapters-only", "--format", "hf"],
+                           "takes one of --format and --adapters-only"),
                           ([str(out)], "takes one of --format and --adapters-only"),
                           ([str(tmp_path / "nowhere"), "--adapters-only"], "is not a run folder")):
         assert main(["export", "--model", *args, "--out", str(tmp_path / "x")]) == 2

@@ -13,10 +13,10 @@ import pytest
 import torch
 from open_clip.model import CLIP
 
-from mmcl.storage import checkpoints, weights
 from mmcl import models
 from mmcl.config import ModelConfig, OptimConfig, TextTowerConfig
 from mmcl.errors import CheckpointError, ConfigError
+from mmcl.storage import checkpoints, weights
 from mmcl.training.optim import build_optimizer
 
 TINY = json.loads((models.CONFIG_DIR / "tiny.json").read_text())
@@ -141,7 +141,7 @@ def test_hf_projection_choices(minilm_dir):
     model, *_ = models.build(lit_config(minilm_dir, projection="linear", embed_dim=64))
     assert isinstance(model.text.proj, torch.nn.Linear) and model.text.proj.weight.shape == (64, 384)
     model, *_ = models.build(lit_config(minilm_dir, projection="mlp", embed_dim=64))
-    assert [tuple(l.weight.shape) for l in model.text.proj if hasattr(l, "weight")] == [(224, 384), (64, 224)]
+    assert [tuple(m.weight.shape) for m in model.text.proj if hasattr(m, "weight")] == [(224, 384), (64, 224)]
     with pytest.raises(ConfigError, match="projection=none needs model.embed_dim.*got embed_dim 64, expected 384"):
         models.build(lit_config(minilm_dir, projection="none", embed_dim=64))
 

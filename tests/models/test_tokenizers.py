@@ -12,10 +12,11 @@ import open_clip
 import pytest
 import torch
 
-from helpers import hf_snapshot, varied_captions
 from mmcl import models
 from mmcl.config import ModelConfig, TextTowerConfig
 from mmcl.errors import ConfigError
+
+from helpers import hf_snapshot, varied_captions
 
 
 def _configs_with_tokenizer_kwargs():

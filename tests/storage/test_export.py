@@ -9,10 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from mmcl.storage import export as export_mod
 from mmcl import models
-from mmcl.storage import weights
 from mmcl.errors import ConfigError
+from mmcl.storage import export as export_mod
+from mmcl.storage import weights
 
 # Minimum cosine between an export's normalised embeddings and mmcl.load's on the same inputs. Float32 math done
 # by another implementation differs by accumulation order only; ONNX Runtime fuses kernels (looser bound).
@@ -85,7 +85,8 @@ def test_safetensors_export_loads_without_training_code(model_dir, reference, tm
     script = (
         "import sys, json, torch, mmcl\n"
         f"m, pre, tok = mmcl.load({str(out)!r})\n"
-        "assert not any(n in sys.modules for n in ('mmcl.training.loop', 'accelerate', 'mmcl.losses')), 'training code'\n"
+        "assert not any(n in sys.modules for n in ('mmcl.training.loop', 'accelerate', 'mmcl.losses')), "
+        "'training code'\n"
         f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
         "with torch.no_grad():\n"
         "    i = m.encode_image(x['pixels'], normalize=True); t = m.encode_text(x['tokens'], normalize=True)\n"
@@ -238,8 +239,8 @@ def test_hugging_face_text_tower_exports_are_self_contained(tmp_path):
     """A CustomTextCLIP (BERT-like text tower) exports to open_clip and ONNX; the exports outlive their sources."""
     import shutil
 
-    import open_clip
     import onnxruntime as ort
+    import open_clip
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     from mmcl.config import ModelConfig, TextTowerConfig

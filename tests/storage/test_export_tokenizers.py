@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import mmcl
-from helpers import varied_captions
 from mmcl import models
 from mmcl.config import ModelConfig, TextTowerConfig
 from mmcl.storage import export as export_mod
 from mmcl.storage import weights
+
+from helpers import varied_captions
 
 CAPTIONS = varied_captions()
 CONTEXT = 16

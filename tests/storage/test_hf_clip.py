@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from mmcl.storage import hf_clip
 from mmcl import models
 from mmcl.errors import CheckpointError
+from mmcl.storage import hf_clip
 
 
 def _tiny_state():

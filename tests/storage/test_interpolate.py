@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_pretrained import SMALL_B32, SMALL_B32_ARGS, TAG_REPO, _saved
 
 import mmcl
 from mmcl import models
 from mmcl.cli import main
 from mmcl.config import ModelConfig
 from mmcl.storage import weights
-
-from test_pretrained import SMALL_B32, SMALL_B32_ARGS, TAG_REPO, _saved
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(name="tiny", embed_dim=24, image_size=32, vision_cfg={"layers": 1, "width": 32, "head_width": 16},

@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import FOLDER_TOWERS
 from mmcl.cli import main
 from mmcl.config import ModelConfig, load_config
 from mmcl.storage import checkpoints, pretrained, weights
+
+from helpers import FOLDER_TOWERS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -194,7 +194,8 @@ def test_readme_finetune_from_a_tag_then_zeroshot(tmp_path, hf_cache, small_demo
     out = tmp_path / "ft-b32"
     assert _finetune(small_demo, out, *SMALL_B32_ARGS, "model.pretrained=laion2b_s34b_b79k") == 0
     printed = capsys.readouterr()
-    assert "model.pretrained=laion2b_s34b_b79k" in printed.out + printed.err and "missing 0" in printed.out + printed.err
+    said = printed.out + printed.err
+    assert "model.pretrained=laion2b_s34b_b79k" in said and "missing 0" in said
     model, _, _ = weights.load(out / "model")
     assert not all(torch.equal(model.state_dict()[k], v) for k, v in state.items())  # it trained
     results = tmp_path / "zs.json"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from mmcl.models import flip
 from mmcl import models
 from mmcl.config import LossConfig, load_config
+from mmcl.models import flip
 from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from helpers import fake_batch, micro_model, run_args
@@ -161,6 +161,7 @@ def _compile_worker(rank, world, port, cfg_args, out_dir):
     from accelerate import Accelerator
 
     from mmcl.training.loop import train
+
     from spawned import end_worker
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

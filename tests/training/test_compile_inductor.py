@@ -10,6 +10,7 @@ from torch import nn
 
 from mmcl.config import LossConfig
 from mmcl.training.step import backward, forward_loss, objective_from_config
+
 from helpers import fake_batch, grads_of, micro_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,

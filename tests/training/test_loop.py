@@ -16,12 +16,14 @@ import torch
 from mmcl.config import LossConfig, OptimConfig, load_config
 from mmcl.errors import TrainingError
 from mmcl.storage.checkpoints import latest_checkpoint, list_checkpoints
-from mmcl.training.optim import lr_at
-from mmcl.training.step import backward, forward_loss, objective_from_config
 from mmcl.training import optim
 from mmcl.training.loop import train
+from mmcl.training.optim import lr_at
+from mmcl.training.step import backward, forward_loss, objective_from_config
+
 from helpers import ROOT, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
-from spawned import end_worker, free_port as _free_port
+from spawned import end_worker
+from spawned import free_port as _free_port
 
 
 # ----------------------------------------------------------------------------------------- unit pieces
@@ -434,9 +436,9 @@ def test_bf16_autocast_and_gradient_checkpointing(demo, tmp_path, fresh_accelera
 def test_final_evaluation_failure_keeps_the_model(demo, tmp_path, capsys):
     """The final model is written before the final evaluation; an evaluation that fails ends the run with one error
     line naming model/, which loads."""
-    import mmcl
     from PIL import Image
 
+    import mmcl
     from mmcl.cli import main
     from mmcl.data import write_shards
 

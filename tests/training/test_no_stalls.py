@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from mmcl.config import load_config
 from mmcl.training.loop import train
 
+from helpers import run_args
 from spawned import end_worker, free_port
 from syncwatch import SyncWatch
-from helpers import run_args
 
 STEPS, LOG_EVERY = 7, 3  # logged steps 3, 6, 7; steps 2, 4, 5 are ordinary (1 is the first)
 ORDINARY = {2, 4, 5}

@@ -7,10 +7,11 @@ import sys
 
 import torch
 
-from helpers import COLOURS, ROOT, TRAINING_TOWERS, write_folder
 from mmcl import models
 from mmcl.config import DataConfig, data_workers, load_config
 from mmcl.training import finish, runtime
+
+from helpers import COLOURS, ROOT, TRAINING_TOWERS, write_folder
 from spawned import free_port
 
 

@@ -12,6 +12,7 @@ from mmcl import models
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
 from mmcl.models.resize import at_size, follow_input_size, resize_grid_embedding
+
 from helpers import TRAINING_TOWERS, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from preempt import sigterm_during_step
 from spawned import end_worker, free_port

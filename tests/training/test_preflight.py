@@ -7,8 +7,8 @@ import pytest
 
 from mmcl.cli import main
 from mmcl.config import load_config
-from mmcl.training.preflight import check_inputs, input_problems
 from mmcl.errors import ConfigError
+from mmcl.training.preflight import check_inputs, input_problems
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 

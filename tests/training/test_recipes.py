@@ -6,17 +6,16 @@ import torch
 
 from mmcl import models
 from mmcl.config import LossConfig, OptimConfig, load_config
-from mmcl.training.step import objective_from_config as build_objective
-from mmcl.training.step import backward, forward_loss
 from mmcl.training.optim import build_optimizer
+from mmcl.training.step import backward, forward_loss
+from mmcl.training.step import objective_from_config as build_objective
 
 from helpers import TRAINING_TOWERS, fake_batch, metrics, micro_model, run_args
 
 
 # ------------------------------------------------------------------------------ per-tower and layer-wise rates
 def test_learning_rates_per_group_match_hand_computed_ones():
-    from mmcl.training.optim import param_groups, set_lr
-    from mmcl.training.optim import lr_at
+    from mmcl.training.optim import lr_at, param_groups, set_lr
 
     model = micro_model(0)  # 2 image blocks, 2 text blocks: layer ids 0 (embeddings), 1-2 (blocks), 3 (head)
     cfg = OptimConfig(lr=1e-3, weight_decay=0.1, warmup_steps=2, image_lr_mult=0.5, image_layer_decay=0.8,
@@ -185,8 +184,8 @@ def test_recipes_train_end_to_end(demo, tmp_path, monkeypatch):
     train.unmasked_steps steps run on every patch, the groups are written, model/ holds the average."""
     import json
 
-    from mmcl.models import flip
     from mmcl.cli import main
+    from mmcl.models import flip
 
     masked_at = {}  # step -> whether the image transformer ran on masked tokens in training
     forward = flip.SeededPatchDropout.forward
@@ -344,8 +343,8 @@ def test_retrieval_scores_every_caption_of_a_json_list(tmp_path):
     """The same captions as a JSON list or as lines of .txt: the same recalls, over every caption."""
     import json
 
-    from mmcl.evaluation import evaluate
     from mmcl.data import sample_keys
+    from mmcl.evaluation import evaluate
 
     samples = captioned(10, with_txt=False)
     as_lines = [(k, {"png": f["png"], "txt": "\n".join(json.loads(f["json"])["captions"]).encode()})

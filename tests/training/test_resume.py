@@ -7,6 +7,7 @@ from accelerate.utils import load
 from mmcl.config import load_config
 from mmcl.storage import checkpoints
 from mmcl.training.loop import train
+
 from helpers import ROOT, run_args
 
 SHORT = ["train.save_every=2", "train.log_with=[]", "data.workers=0", "data.batch_size=8"]

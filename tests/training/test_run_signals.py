@@ -1,20 +1,18 @@
 """What a run tells while it trains and how it ends: one text line per logged step (console and out.log), the exit
 code of a stopped run on 1 and 2 processes under the launchers (no traceback), and the trackers' run names."""
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import ROOT, TRAINING_TOWERS, metrics, short_run
 
 from mmcl.cli import main
 
+from helpers import ROOT, TRAINING_TOWERS, metrics, short_run
 
 # No checkpoint (with the towers of tests of training, TRAINING_TOWERS).
 SETTINGS = ("train.save_every=0",)

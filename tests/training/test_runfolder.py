@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import short_run
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
+
+from helpers import short_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,8 +128,8 @@ def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_comm
     """The second example of docs/getting-started.md's command list (data.batch_size=32 on two processes) on the
     first's folder is another run; the first's own command on two processes is the same run (its global batch is
     kept)."""
-    from mmcl.training.runtime import batch_plan
     from mmcl.training.runfolder import decide
+    from mmcl.training.runtime import batch_plan
 
     out, _ = finished
     tiny, colour = str(ROOT / "configs" / "tiny.yaml"), small_demo["zeroshot_colour"]

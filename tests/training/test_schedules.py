@@ -229,7 +229,8 @@ def test_a_run_of_epochs_with_a_cooldown(tmp_path, capsys):
     root = Path(__file__).resolve().parents[2]
     assert main(["train", "--config", str(root / "configs" / "tiny.yaml"), f"data.train={demo['train']}",
                  f"train.output_dir={out}", "eval.zeroshot=null", "train.progress=false", "train.plot=false",
-                 "data.shuffle_buffer=16", *TRAINING_TOWERS, "data.batch_size=16", "train.epochs=2", "train.log_every=1",
+                 "data.shuffle_buffer=16", *TRAINING_TOWERS, "data.batch_size=16", "train.epochs=2",
+                 "train.log_every=1",
                  "train.save_every=0", "optim.warmup_steps=2", "optim.schedule=const-cooldown",
                  "optim.cooldown_steps=4", "optim.lr=1e-3"]) == 0
     printed = capsys.readouterr().out

@@ -49,9 +49,9 @@ def test_the_need_counts_workers_prefetch_processes_and_float_batches(shm):
 
 
 def test_training_with_workers_and_a_small_dev_shm_stops_with_one_line(demo, tmp_path, shm, capsys):
-    from helpers import run_args
-
     from mmcl.cli import main
+
+    from helpers import run_args
 
     shm(2 * 10 ** 6)  # batches of 64 uint8 images at 64 px: about 0.8 MB each, 4 in flight
     code = main(["train", *run_args(demo, tmp_path / "run", "data.workers=2", "data.batch_size=64")])

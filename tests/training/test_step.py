@@ -9,6 +9,7 @@ import torch
 from mmcl.config import LossConfig
 from mmcl.training import optim
 from mmcl.training.step import FiniteChecks, Step, agree_on_step, objective_from_config
+
 from helpers import fake_batch, micro_model
 
 
