@@ -27,7 +27,6 @@ TRAINING_TOWERS = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
                    "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
 FOLDER_TOWERS = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
                  "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]
-MICRO = TRAINING_TOWERS  # the former name, still imported by tests/models/test_lora.py and test_eval_sets.py
 
 
 def micro_model(seed=0, *extra):

@@ -22,7 +22,7 @@ from mmcl.config import load_config
 from mmcl.errors import ConfigError, DataError
 from mmcl.evaluation import in_run as eval_sets
 
-from helpers import MICRO, ROOT, metrics, run_args
+from helpers import ROOT, TRAINING_TOWERS, metrics, run_args
 
 # ---------------------------------------------------------------------------------------------------------
 # eval.zeroshot / eval.retrieval: one path, or a list of named sets
@@ -149,7 +149,7 @@ def test_a_broken_evaluation_folder_stops_the_run_before_step_1(kind, tmp_path, 
     capsys.readouterr()
     code = main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"data.train={shard}",
                  f"train.output_dir={out}", "train.steps=2", "data.batch_size=2", "train.save_every=1",
-                 "train.progress=false", *MICRO,
+                 "train.progress=false", *TRAINING_TOWERS,
                  f"eval.zeroshot=[{{name: broken, data: {folder}, every: 1}}]"])
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
@@ -226,7 +226,7 @@ def test_val_loss_is_the_clip_loss_averaged_over_batches_of_the_global_batch(tmp
     from mmcl.training.step import objective_from_config
 
     torch.manual_seed(0)
-    cfg = load_config(None, MICRO)
+    cfg = load_config(None, TRAINING_TOWERS)
     model, _, pp, _, eval_tf, tokenizer = models.build(cfg.model)
     model.eval()
     samples, spec = _held_out(tmp_path)
@@ -249,7 +249,8 @@ def test_val_loss_scores_every_term_of_the_objective_on_the_same_batches(tmp_pat
     from mmcl.training.step import objective_from_config
 
     torch.manual_seed(1)
-    cfg = load_config(None, [*MICRO, "loss.clip=1.0", "loss.supcon=0.5", "loss.align=0.1", "loss.uniform=0.1"])
+    cfg = load_config(None, [*TRAINING_TOWERS, "loss.clip=1.0", "loss.supcon=0.5", "loss.align=0.1",
+                             "loss.uniform=0.1"])
     model, _, pp, _, eval_tf, tokenizer = models.build(cfg.model)
     model.eval()
     samples, spec = _held_out(tmp_path, seed=1)
@@ -277,7 +278,7 @@ def test_run_eval_logs_val_entries_in_eval_mode_and_restores_training_mode(tmp_p
 
     torch.manual_seed(2)
     samples, spec = _held_out(tmp_path, seed=2)
-    cfg = load_config(None, [*MICRO, f"eval.val_loss={spec}", "eval.every=2", "model.vision_cfg={layers: 2, "
+    cfg = load_config(None, [*TRAINING_TOWERS, f"eval.val_loss={spec}", "eval.every=2", "model.vision_cfg={layers: 2, "
                              "width: 64, head_width: 32, patch_dropout: 0.5}"])
     model, _, pp, _, eval_tf, tokenizer = models.build(cfg.model)
     model.train()  # patch dropout in training mode: the validation loss must not depend on it

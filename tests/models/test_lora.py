@@ -15,14 +15,14 @@ from mmcl.config import load_config
 from mmcl.errors import ConfigError
 from mmcl.models import lora
 
-from helpers import MICRO, ROOT, fake_batch, final_weights, metrics, micro_model, run_args
+from helpers import ROOT, TRAINING_TOWERS, fake_batch, final_weights, metrics, micro_model, run_args
 from preempt import sigterm_during_step
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 
 
 def _lora_cfg(*extra):
-    return load_config(None, [*MICRO, *LORA, *extra]).model.lora
+    return load_config(None, [*TRAINING_TOWERS, *LORA, *extra]).model.lora
 
 
 def _features(model, batch):
@@ -92,7 +92,7 @@ def test_a_fresh_adapter_changes_nothing_and_a_trained_one_merges_into_plain_wei
     by_state = lora.merge_state(model.state_dict(), lora.settings(_lora_cfg()))
     assert all(torch.equal(by_state[k], v) for k, v in merged.state_dict().items())
     # open_clip's own model loads the merged weights as they are
-    model_cfg = models.resolve_model_config(load_config(None, MICRO).model)
+    model_cfg = models.resolve_model_config(load_config(None, TRAINING_TOWERS).model)
     out = weights.save_model_dir(merged, model_cfg, models.preprocess_config(model_cfg), tmp_path / "m")
     oc = open_clip.create_model(f"local-dir:{out}").eval()
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_lora_settings_that_cannot_work_are_one_line_each():
                                (["model.lora.dropout=1.0"], "model.lora.dropout must be in [0, 1)"),
                                (["model.lora.r=-1"], "model.lora.r must be >= 0")):
         with pytest.raises(ConfigError, match=re.escape(message)):
-            load_config(None, [*MICRO, *LORA, *overrides])
+            load_config(None, [*TRAINING_TOWERS, *LORA, *overrides])
     with pytest.raises(ConfigError) as err:
         lora.apply_lora(micro_model(), _lora_cfg("model.lora.target_modules=[query,value]"))
     assert "image tower" in str(err.value) and "c_fc" in str(err.value) and "\n" not in str(err.value)
