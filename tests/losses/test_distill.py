@@ -19,7 +19,7 @@ from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from helpers import fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from preempt import sigterm_during_step
-from spawned import end_worker
+from spawned import end_worker, spawn
 from spawned import free_port as _free_port
 
 
@@ -177,7 +177,7 @@ def _kl_worker(rank, world, port, out_path, chunk):
 @pytest.mark.parametrize("chunk", [None, 4])
 def test_two_processes_give_the_single_process_loss_and_gradients(tmp_path, chunk):
     out = tmp_path / "kl.pt"
-    torch.multiprocessing.spawn(_kl_worker, args=(2, _free_port(), str(out), chunk), nprocs=2, join=True)
+    spawn(_kl_worker, args=(2, _free_port(), str(out), chunk), nprocs=2)
     got = torch.load(out)
     img, txt = features(12, 8, "aligned", 0, torch.float32)
     t_img, t_txt = features(12, 6, "aligned", 1, torch.float32)
@@ -492,8 +492,7 @@ def test_two_training_processes_with_a_teacher_equal_one(tmp_path, micro_batches
     from accelerate import Accelerator
 
     out = tmp_path / "ddp.pt"
-    torch.multiprocessing.spawn(_ddp_teacher_worker, args=(2, _free_port(), str(out), micro_batches), nprocs=2,
-                                join=True)
+    spawn(_ddp_teacher_worker, args=(2, _free_port(), str(out), micro_batches), nprocs=2)
     got = torch.load(out)
     acc = Accelerator(cpu=True)
     model = micro_model()

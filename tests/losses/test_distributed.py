@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -15,7 +14,7 @@ from mmcl.config import LossConfig, MochiConfig
 from mmcl.losses import gather_batch, gather_features
 from mmcl.training.step import objective_from_config
 
-from spawned import end_worker
+from spawned import end_worker, spawn
 from spawned import free_port as _free_port
 
 WORLD = 2
@@ -105,7 +104,7 @@ def _check_gather(rank, path):
 def spawned(tmp_path_factory):
     """One 2-process run shared by the tests below (process start-up dominates their cost)."""
     path = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(_free_port(), str(path)), nprocs=WORLD, join=True)
+    spawn(_worker, args=(_free_port(), str(path)), nprocs=WORLD)
     return path
 
 

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -16,7 +15,7 @@ from mmcl.losses import Gathered, clip_loss, gather_batch
 from mmcl.losses.errors import LossInputError
 from mmcl.losses.global_contrastive import GlobalEstimates, gamma_at, global_contrastive_loss
 
-from spawned import end_worker, free_port
+from spawned import end_worker, free_port, spawn
 
 
 def _pairs(m, d=8, seed=0, aligned=0.0, dtype=torch.float64):
@@ -367,7 +366,7 @@ def _worker(rank, port, path):
 
 @pytest.mark.slow
 def test_two_processes_train_to_the_weights_and_estimates_of_one(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD)
     for chunk in (None, 3):
         reference = _train(lambda m: m, 0, 1, chunk)
         for rank in range(WORLD):

@@ -189,11 +189,11 @@ def test_two_processes_compile_the_ddp_model_after_prepare(demo, tmp_path):
     buckets dynamo's DDP support cuts the graph at), and the compiled run trains."""
     import json
 
-    from spawned import free_port
+    from spawned import free_port, spawn
 
     args = run_args(demo, tmp_path / "run", "train.steps=3", "train.log_every=3", "train.save_every=0",
                     "data.batch_size=4", "data.workers=0", "train.compile=true", "model.patch_dropout=0.5")[2:]
-    torch.multiprocessing.spawn(_compile_worker, args=(2, free_port(), args, str(tmp_path)), nprocs=2, join=True)
+    spawn(_compile_worker, args=(2, free_port(), args, str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"order-{rank}.json").read_text())
         assert got["order"] == ["prepare", "DistributedDataParallel", "ContrastiveObjective"], rank

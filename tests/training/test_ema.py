@@ -13,7 +13,7 @@ from mmcl.training.step import apply_update, backward, forward_loss
 from mmcl.training.step import objective_from_config as build_objective
 
 from helpers import fake_batch, micro_model
-from spawned import end_worker
+from spawned import end_worker, spawn
 from spawned import free_port as _free_port
 
 
@@ -111,7 +111,7 @@ def test_ema_two_processes_equal_one_process(tmp_path):
     from accelerate import Accelerator
 
     out = tmp_path / "ema.pt"
-    torch.multiprocessing.spawn(_ema_ddp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    spawn(_ema_ddp_worker, args=(2, _free_port(), str(out)), nprocs=2)
     ddp = torch.load(out)["shadow"]
 
     acc = Accelerator(cpu=True)

@@ -22,7 +22,7 @@ from mmcl.training.optim import lr_at
 from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from helpers import ROOT, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
-from spawned import end_worker
+from spawned import end_worker, spawn
 from spawned import free_port as _free_port
 
 
@@ -159,7 +159,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, micro_b
     from accelerate import Accelerator
 
     out = tmp_path / "ddp.pt"
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(out), micro_batches), nprocs=2, join=True)
+    spawn(_ddp_worker, args=(2, _free_port(), str(out), micro_batches), nprocs=2)
     ddp = torch.load(out)
 
     acc = Accelerator(cpu=True)

@@ -20,7 +20,7 @@ from mmcl.config import load_config
 from mmcl.training.loop import train
 
 from helpers import run_args
-from spawned import end_worker, free_port
+from spawned import end_worker, free_port, spawn
 from syncwatch import SyncWatch
 
 STEPS, LOG_EVERY = 7, 3  # logged steps 3, 6, 7; steps 2, 4, 5 are ordinary (1 is the first)
@@ -149,8 +149,7 @@ def _gloo_worker(rank, world, port, cfg_args, long_caption, out_dir):
 def test_ordinary_steps_make_no_host_sync_in_two_processes(demo, tmp_path, recipe):
     args = run_args(demo, tmp_path / "run", f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}",
                     "train.save_every=0", "data.batch_size=4", "data.workers=1", *RECIPES[recipe])[2:]
-    torch.multiprocessing.spawn(_gloo_worker, args=(2, free_port(), args, recipe == "long_caption", str(tmp_path)),
-                                nprocs=2, join=True)
+    spawn(_gloo_worker, args=(2, free_port(), args, recipe == "long_caption", str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         events = {int(k): v for k, v in json.loads((tmp_path / f"events-{rank}.json").read_text()).items()}
         assert sorted(events) == sorted(ORDINARY), rank

@@ -13,7 +13,7 @@ from mmcl.training import optim
 from mmcl.training.step import apply_update, backward, forward_loss, objective_from_config
 
 from helpers import fake_batch, micro_model
-from spawned import end_worker, free_port
+from spawned import end_worker, free_port, spawn
 
 TIMM = ["lamb", "lion", "adafactor", "muon", "adamuon", "sgd"]
 CLASSES = {"lamb": "Lamb", "lion": "Lion", "adafactor": "Adafactor", "muon": "Muon", "adamuon": "Muon", "sgd": "SGD"}
@@ -215,7 +215,7 @@ def test_two_processes_end_with_the_weights_of_one(tmp_path, name, monkeypatch):
     _float32_newton_schulz()
 
     out = tmp_path / "ddp.pt"
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, free_port(), name, str(out)), nprocs=2, join=True)
+    spawn(_ddp_worker, args=(2, free_port(), name, str(out)), nprocs=2)
     two = torch.load(out)
     acc = Accelerator(cpu=True)
     one, newton_schulz = _train(micro_model(0), acc, [fake_batch(8, seed=s) for s in (1, 2, 3)],

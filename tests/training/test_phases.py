@@ -15,7 +15,7 @@ from mmcl.models.resize import at_size, follow_input_size, resize_grid_embedding
 
 from helpers import TRAINING_TOWERS, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from preempt import sigterm_during_step
-from spawned import end_worker, free_port
+from spawned import end_worker, free_port, spawn
 
 PHASES = "train.phases=[{steps: 4, image_size: 32, context_length: 12, patch_dropout: 0.5}, {steps: 4}]"
 
@@ -323,7 +323,7 @@ def test_two_processes_equal_one_at_a_phase_size(tmp_path):
     from accelerate import Accelerator
 
     out = tmp_path / "ddp.pt"
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn(_ddp_worker, args=(2, free_port(), str(out)), nprocs=2)
     ddp = torch.load(out)
     loss, single = _phase_step(micro_model(), Accelerator(cpu=True), 0, 1, fake_batch(12, seed=1, image_size=32,
                                                                                       context=12))
