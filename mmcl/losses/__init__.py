@@ -14,6 +14,14 @@ Each rank's loss is the mean over its own rows, so the mean over ranks equals th
 the summing all-gather backward each rank holds ``W`` times the global gradient of its own features and
 DDP's averaging of parameter gradients turns that into exactly the global-batch gradient.
 
+A variable number of pairs per process (batches filled to a token budget, NaFlex). Each rank pads its n <= C
+pairs to a fixed capacity C (`pad_pairs`, which returns the (C,) mask ``valid`` of the real rows) and passes
+``valid`` to `gather_batch` (whose `Gathered` then carries ``all_valid``) and to the objective (or to `clip_loss` /
+`siglip_loss`). The terms in `VARIABLE_PAIR_TERMS` (clip, siglip) then give exactly the loss and gradients of the
+global set of real pairs: padded columns enter no log-sum-exp, padded rows and pairs add nothing, and each rank's
+loss is its sum over its real rows times W / N, N the global number of real pairs counted on the device. The other
+terms refuse ``valid``.
+
 Memory. ``chunk_size`` switches the softmax losses (clip, supcon, debiased, hard-negative) to a tiled
 computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to `tile_elements` / chunk_size columns: 2^22
 logits on a CPU, 2^24-2^28 on a GPU by its memory) of the logits are formed, reduced into row and column sums and
@@ -32,7 +40,8 @@ queues, the random generator used to synthesise negatives, and the global contra
 Layout: `_inputs` (the `Gathered` batch and the shared argument checks), `tiling` (the shared autograd
 machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and hard-negative), `mochi`, `distill` (KL from a
 teacher's distributions), `global_contrastive` (SogCLR / FastCLIP), `geometry` (align, uniform), `distributed`
-(gather), `objective` and `errors`.
+(gather), `variable_pairs` (padding and the masks of a variable number of pairs per process), `objective` and
+`errors`.
 """
 
 from ._inputs import Gathered
@@ -48,6 +57,7 @@ from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .siglip import TiledSigmoidPairs, siglip_loss
 from .supcon import supcon_loss
 from .tiling import TiledLogSumExp
+from .variable_pairs import VARIABLE_PAIR_TERMS, pad_pairs
 
 __all__ = [
     "TiledLogSumExp",
@@ -69,6 +79,8 @@ __all__ = [
     "uniform_loss",
     "gather_features",
     "gather_batch",
+    "pad_pairs",
+    "VARIABLE_PAIR_TERMS",
     "Gathered",
     "FeatureQueue",
     "ContrastiveObjective",

@@ -19,7 +19,8 @@ class Gathered(NamedTuple):
     `gather_batch` builds one on every rank of a distributed run; a caller that splits a batch itself (tests, a
     benchmark of one rank's share) builds it by hand. Every loss function and the objective take it as
     ``gathered=``; None means that this process holds the whole batch. The positive of local row ``i`` is global
-    column ``offset + i``.
+    column ``offset + i``. With padded batches (a variable number of pairs per process, `pad_pairs`),
+    ``all_valid`` marks the real rows among the M.
     """
 
     all_image_features: Optional[Tensor]  # (M, D), carries the gradient back to each owner
@@ -29,6 +30,7 @@ class Gathered(NamedTuple):
     world_size: int = 1  # ranks that hold the M rows (the objective's reductions of its logged numbers)
     all_teacher_image: Optional[Tensor] = None  # (M, Dt), no gradient: the distill term's teacher columns
     all_teacher_text: Optional[Tensor] = None
+    all_valid: Optional[Tensor] = None  # (M,) bool, or None: the real rows of padded batches (`pad_pairs`)
 
 
 def _columns(image_features: Tensor, text_features: Tensor,

@@ -10,6 +10,7 @@ from torch import Tensor
 from ._inputs import Gathered, _check_chunk, _check_pair, _columns
 from ._precision import float32_math, scaled_products
 from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _coefficient_floor, _exp_, _finite_or_zero, _unit, _upcast
+from .variable_pairs import pair_mask, zero_padded
 
 
 @float32_math
@@ -168,6 +169,7 @@ def clip_loss(
     chunk_size: Optional[int] = None,
     *,
     gathered: Optional[Gathered] = None,
+    valid: Optional[Tensor] = None,
 ) -> Tensor:
     """Symmetric InfoNCE of CLIP (Radford et al. 2021): mean of image->text and text->image cross-entropies.
 
@@ -178,13 +180,18 @@ def clip_loss(
             value and gradients and O((n + M) * D) extra memory plus two tiles.
         gathered: the whole global batch's features (the columns, (M, D) each) and the global index of local
             row 0 in them; None when this process holds the whole batch.
+        valid: (n,) bool, the real rows of a padded batch (`pad_pairs`), with ``gathered.all_valid`` the real
+            columns: the loss is then over the real pairs alone (`_masked_clip`).
     Returns:
-        0-dim tensor, the mean over the local rows of both directions.
+        0-dim tensor, the mean over the local rows of both directions (with ``valid``: the sum over the real local
+        rows times W / N, N the global number of real pairs).
     """
     _check_pair(image_features, text_features)
     _check_chunk(chunk_size)
     logit_scale = _as_scale(logit_scale, image_features)
     image_features, text_features = _upcast(image_features, text_features)
+    if valid is not None:
+        return _masked_clip(image_features, text_features, logit_scale, chunk_size, gathered, valid)
     all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
     if single and chunk_size is None:
         image_to_text, text_to_image = DenseInfoNCE.apply(_dense_logits(image_features, text_features, logit_scale),
@@ -201,3 +208,26 @@ def clip_loss(
     return (image_to_text.mean() + text_to_image.mean()) / 2
 
 
+def _masked_clip(image: Tensor, text: Tensor, logit_scale: Tensor, chunk_size: Optional[int],
+                 gathered: Optional[Gathered], valid: Tensor) -> Tensor:
+    """`clip_loss` over the real pairs of padded batches: padded columns enter no log-sum-exp (their logits are
+    -inf), padded rows add nothing, and the sum over the real local rows is weighted by W / N (`PairMask`)."""
+    all_img, all_txt, offset, _ = _columns(image, text, gathered)
+    mask = pair_mask(valid, image.shape[0], image.device, gathered, all_img.shape[0])
+    image, text = zero_padded(image, mask.rows), zero_padded(text, mask.rows)
+    all_img, all_txt = zero_padded(all_img, mask.cols), zero_padded(all_txt, mask.cols)
+    bias = mask.column_bias(image.dtype)
+    image_to_text = _biased_infonce_rows(image, all_txt, logit_scale, offset, chunk_size, bias)
+    text_to_image = _biased_infonce_rows(text, all_img, logit_scale, offset, chunk_size, bias)
+    # A padded row's loss is +inf (its positive column is -inf): `where` drops it, and its gradient with it.
+    per_row = torch.where(mask.rows, image_to_text + text_to_image, 0)
+    return per_row.sum() * mask.weight(per_row.dtype) / 2
+
+
+def _biased_infonce_rows(queries: Tensor, keys: Tensor, logit_scale: Tensor, offset: int,
+                         chunk_size: Optional[int], bias: Tensor) -> Tensor:
+    """`infonce_rows` of the logits plus a (M,) column bias (0 or -inf), dense or tiled."""
+    if chunk_size is None:
+        return DenseInfoNCE.apply(_dense_logits(queries, keys, logit_scale) + bias, offset, False)
+    return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, False, offset, None, None, False, 0, None,
+                                bias)

@@ -1,5 +1,5 @@
 """Gathering features across ranks with a gradient-carrying all-gather (`gather_features`), and the global batch
-as the losses take it (`gather_batch`, a `Gathered`)."""
+as the losses take it (`gather_batch`, a `Gathered`, with the mask of the real rows of padded batches)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._inputs import Gathered, _check_labels, _check_on_device, _check_pair
+from .variable_pairs import check_valid
 
 
 def _distributed() -> bool:
@@ -80,18 +81,24 @@ def _all_gather_plain(x: Tensor) -> Tensor:
 
 
 def gather_batch(image_features: Tensor, text_features: Tensor, labels: Optional[Tensor] = None,
-                 teacher=None) -> Optional[Gathered]:
+                 teacher=None, valid: Optional[Tensor] = None) -> Optional[Gathered]:
     """`gather_features` for the objective: a `Gathered` when ``torch.distributed`` runs several ranks, else None
     (one process: the local batch is the global one). ``teacher`` (a `TeacherFeatures`) is gathered too, without
-    gradient. Call it on every rank alike."""
+    gradient. ``valid`` ((n,) bool, the real rows of a padded batch from `pad_pairs`; every rank holds the same
+    capacity n) is gathered into ``all_valid`` ((W * n,) bool, no gradient). Call it on every rank alike."""
     if not _distributed():
         return None
     _check_pair(image_features, text_features)  # before any collective, so that no rank waits on a bad one
+    n, device = image_features.shape[0], image_features.device
     if labels is not None:
-        labels = _check_labels(labels.to(image_features.device), image_features.shape[0], image_features.device)
+        labels = _check_labels(labels.to(device), n, device)
+    if valid is not None:
+        valid = check_valid(valid, n, device)
     all_image, all_text, all_labels, offset = gather_features(image_features, text_features, labels)
-    teacher_cols = {}
+    extra = {}
     if teacher is not None:
-        teacher_cols = dict(all_teacher_image=_all_gather_plain(teacher.image.detach()),
-                            all_teacher_text=_all_gather_plain(teacher.text.detach()))
-    return Gathered(all_image, all_text, all_labels, offset, dist.get_world_size(), **teacher_cols)
+        extra = dict(all_teacher_image=_all_gather_plain(teacher.image.detach()),
+                     all_teacher_text=_all_gather_plain(teacher.text.detach()))
+    if valid is not None:  # as bytes: not every backend reduces bool tensors
+        extra["all_valid"] = _all_gather_plain(valid.to(torch.uint8)).bool()
+    return Gathered(all_image, all_text, all_labels, offset, dist.get_world_size(), **extra)

@@ -35,6 +35,7 @@ from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .siglip import siglip_loss
 from .supcon import supcon_loss
 from .tiling import _acc_dtype, _as_scale
+from .variable_pairs import VARIABLE_PAIR_TERMS, PairMask, masked_geometry, pair_mask
 
 # Logged metrics only need a sample of the batch; pairwise uniformity is quadratic in it.
 _METRIC_MAX_ITEMS = 4096
@@ -51,6 +52,7 @@ class TermInputs(NamedTuple):
     gathered: Optional[Gathered]  # the global batch's columns; None in one process
     teacher: Optional[TeacherFeatures]  # the teacher's features of this rank's pairs
     sample_ids: Optional[Tensor] = None  # (n,) long, the stable ids of this rank's pairs (the global term's keys)
+    valid: Optional[Tensor] = None  # (n,) bool, the real rows of a padded batch (`VARIABLE_PAIR_TERMS` only)
 
     def columns(self) -> Tuple[Tensor, Tensor, int]:
         """(all_image, all_text, offset): the global batch's columns and this rank's first row among them."""
@@ -87,11 +89,13 @@ def _distill_term(obj: "ContrastiveObjective", x: TermInputs) -> Tensor:
 
 
 _TABLE: Tuple[Term, ...] = (
-    Term("clip", (), lambda o, x: clip_loss(x.image, x.text, x.logit_scale, o.chunk_size, gathered=x.gathered)),
+    Term("clip", (), lambda o, x: clip_loss(x.image, x.text, x.logit_scale, o.chunk_size, gathered=x.gathered,
+                                            valid=x.valid)),
     Term("supcon", (), lambda o, x: supcon_loss(x.image, x.text, x.labels, x.logit_scale, o.chunk_size,
                                                 gathered=x.gathered)),
     Term("siglip", ("logit_bias",), lambda o, x: siglip_loss(x.image, x.text, x.logit_scale, x.logit_bias,
-                                                             gathered=x.gathered, chunk_size=o.chunk_size)),
+                                                             gathered=x.gathered, chunk_size=o.chunk_size,
+                                                             valid=x.valid)),
     Term("align", (), lambda o, x: align_loss(x.image, x.text, o.align_alpha)),
     Term("uniform", (), _uniform_term),
     Term("debiased", (), lambda o, x: debiased_clip_loss(x.image, x.text, x.logit_scale, o.tau_plus, o.chunk_size,
@@ -137,8 +141,14 @@ class ContrastiveObjective(nn.Module):
     ``labels`` (B,) integer, -1 for "no label", feed the supervised term; without labels every pair is its
     own class. In training mode, each call appends the global batch to the MoCHi queues after the loss.
     ``sample_ids`` (n,) long, the stable ids of this rank's pairs, key the global contrastive term's estimates,
-    which each call in training mode updates. ``state_dict`` holds the queues, the estimates and the generator
-    state.
+    which each call in training mode updates.
+
+    ``valid`` (n,) bool marks the real rows of a padded batch (`pad_pairs`: a variable number of pairs per process;
+    with ``gathered``, ``gather_batch(..., valid=valid)``): the terms then score the real pairs alone, exactly as
+    one process holding only them, and the metrics read the real rows only. Only the terms of
+    `VARIABLE_PAIR_TERMS` take it; another term with a positive weight is a `LossInputError`.
+
+    ``state_dict`` holds the queues, the estimates and the generator state.
     """
 
     def __init__(self, weights: Mapping[str, float], *, chunk_size: Optional[int] = None, tau_plus: float = 0.1,
@@ -190,6 +200,7 @@ class ContrastiveObjective(nn.Module):
         gathered: Optional[Gathered] = None,
         teacher: Optional[TeacherFeatures] = None,
         sample_ids: Optional[Tensor] = None,
+        valid: Optional[Tensor] = None,
     ):
         """Weighted loss and the logged numbers. ``with_metrics`` adds the align/uniform metrics, which cost a
         pairwise pass over the batch; a trainer may leave them out on steps it does not log (pass the same value
@@ -200,11 +211,9 @@ class ContrastiveObjective(nn.Module):
         if labels is not None:
             labels = _check_labels(labels.to(image_features.device), image_features.shape[0], image_features.device)
         distributed = gathered is not None
-        if distributed and gathered.all_image_features.shape[0] != image_features.shape[0] * gathered.world_size:
-            raise LossInputError(f"gathered features hold {gathered.all_image_features.shape[0]} rows, expected "
-                                 f"{gathered.world_size} ranks x {image_features.shape[0]}")
+        mask = self._check_batch(image_features, gathered, valid)
         inputs = TermInputs(image_features, text_features, logit_scale, logit_bias, labels, gathered, teacher,
-                            sample_ids)
+                            sample_ids, valid)
         values: Dict[str, Tensor] = {}
         for term in _TABLE:
             if w[term.name] <= 0:
@@ -220,8 +229,7 @@ class ContrastiveObjective(nn.Module):
             log_dtype = torch.float32 if image_features.device.type == "mps" else torch.float64
             logged = {f"loss/{name}": value.detach().to(log_dtype) for name, value in values.items()}
             if with_metrics:
-                logged.update(self._metrics(image_features, text_features))
-            if with_metrics:
+                logged.update(self._metrics(image_features, text_features, mask))
                 names = list(logged)
                 stacked = torch.stack([logged[k].reshape(()).to(log_dtype) for k in names])
                 if distributed:
@@ -236,6 +244,21 @@ class ContrastiveObjective(nn.Module):
             self.image_queue.enqueue(all_img)
             self.text_queue.enqueue(all_txt)
         return total, terms
+
+    def _check_batch(self, image: Tensor, gathered: Optional[Gathered], valid: Optional[Tensor]):
+        """The gathered rows' count, and with `valid` the terms and the `PairMask` (returned; None without)."""
+        n = image.shape[0]
+        if gathered is not None and gathered.all_image_features.shape[0] != n * gathered.world_size:
+            raise LossInputError(f"gathered features hold {gathered.all_image_features.shape[0]} rows, expected "
+                                 f"{gathered.world_size} ranks x {n}")
+        if valid is None:
+            return None
+        for name in self.active_terms():
+            if name not in VARIABLE_PAIR_TERMS:
+                raise LossInputError(f"the {name} term does not take a variable number of pairs per process "
+                                     "(NaFlex); use loss.clip or loss.siglip")
+        m = n if gathered is None else gathered.all_image_features.shape[0]
+        return pair_mask(valid, n, image.device, gathered, m)
 
     def _uniform(self, x: Tensor, all_x: Tensor, offset: int, gathered: Optional[Gathered]) -> Tensor:
         t = self.uniform_t
@@ -256,10 +279,14 @@ class ContrastiveObjective(nn.Module):
         return value + world * (torch.exp(log_part - log_total) - torch.exp(log_part.detach() - log_total))
 
     @torch.no_grad()
-    def _metrics(self, image_features: Tensor, text_features: Tensor) -> Dict[str, Tensor]:
+    def _metrics(self, image_features: Tensor, text_features: Tensor,
+                 mask: Optional[PairMask] = None) -> Dict[str, Tensor]:
         acc = _acc_dtype(image_features.dtype)
         img = image_features[:_METRIC_MAX_ITEMS].detach().to(acc)
         txt = text_features[:_METRIC_MAX_ITEMS].detach().to(acc)
+        if mask is not None:  # real rows only, weighted so that the mean over ranks describes the global batch
+            mask = PairMask(mask.rows[:_METRIC_MAX_ITEMS], mask.cols, mask.world)
+            return masked_geometry(img, txt, mask, self.align_alpha, self.uniform_t)
         out = {"align": align_loss(img, txt, self.align_alpha)}
         if img.shape[0] >= 2:
             out["uniform_image"] = uniform_loss(img, self.uniform_t)

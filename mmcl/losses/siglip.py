@@ -14,6 +14,7 @@ from ._precision import float32_math
 from .clip import _dense_logits
 from .errors import LossInputError
 from .tiling import _acc_dtype, _as_scale, _tile_positives, _tile_width, _upcast
+from .variable_pairs import PairMask, pair_mask, zero_padded
 
 
 @float32_math
@@ -25,6 +26,7 @@ def siglip_loss(
     *,
     gathered: Optional[Gathered] = None,
     chunk_size: Optional[int] = None,
+    valid: Optional[Tensor] = None,
 ) -> Tensor:
     """Pairwise sigmoid loss ``-1/n sum_ij log sigmoid(z_ij (s x_i.y_j + b))``, z = +1 on the diagonal, else -1.
 
@@ -38,6 +40,9 @@ def siglip_loss(
             `tile_elements` / chunk_size columns) with `TiledSigmoidPairs`, each recomputed in the backward pass
             instead of stored, so memory stays a few tiles whatever the batch. The sum is separable over pairs,
             so tiling changes only the order of the additions.
+        valid: (n,) bool, the real rows of a padded batch (`pad_pairs`), with ``gathered.all_valid`` the real
+            columns: the sum is then over real rows x real columns only, times W / N instead of 1 / n (N the global
+            number of real pairs, W the ranks: the mean over ranks is the sum over all real pairs / N).
     Returns:
         0-dim tensor.
     """
@@ -55,9 +60,16 @@ def siglip_loss(
             raise LossInputError(f"gathered texts must be (M, {image_features.shape[1]}) (got {tuple(keys.shape)})")
     n, m = image_features.shape[0], keys.shape[0]
     _check_offset(offset, n, m)
+    if valid is not None:
+        mask = pair_mask(valid, n, image_features.device, gathered, m)
+        image_features, keys = zero_padded(image_features, mask.rows), zero_padded(keys, mask.cols)
+        scale = -mask.weight(image_features.dtype)
+    else:
+        mask, scale = None, -1.0 / n
     if chunk_size is None:
-        return -_siglip_dense(image_features, keys, logit_scale, logit_bias, offset) / n
-    return -TiledSigmoidPairs.apply(image_features, keys, logit_scale, logit_bias, chunk_size, offset) / n
+        return _siglip_dense(image_features, keys, logit_scale, logit_bias, offset, mask) * scale
+    masks = (None, None) if mask is None else (mask.rows, mask.cols)
+    return TiledSigmoidPairs.apply(image_features, keys, logit_scale, logit_bias, chunk_size, offset, *masks) * scale
 
 
 def _signed_logit_tile(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, shift: int) -> Tensor:
@@ -76,12 +88,14 @@ class TiledSigmoidPairs(torch.autograd.Function):
     then dq = s G k, dk = s G^T q, ds = sum_i q_i . (G k)_i and db = sum G. Sums accumulate in float32 at least.
 
     Args (apply): queries (n, D), keys (m, D), logit_scale and logit_bias 0-dim, chunk_size int, offset int
-    (row i's positive is column ``offset + i``). Returns a 0-dim tensor, float32 for half inputs.
+    (row i's positive is column ``offset + i``), and optionally row_valid (n,) and col_valid (m,) bool: only the pairs
+    of a real row and a real column are summed. Returns a 0-dim tensor, float32 for half inputs.
     """
 
     @staticmethod
     @float32_math
-    def forward(ctx, queries, keys, logit_scale, logit_bias, chunk_size: int, offset: int):
+    def forward(ctx, queries, keys, logit_scale, logit_bias, chunk_size: int, offset: int, row_valid=None,
+                col_valid=None):
         acc = _acc_dtype(queries.dtype)
         q, k = queries.to(acc), keys.to(acc)
         scale, bias = logit_scale.to(acc), logit_bias.to(acc)
@@ -93,8 +107,9 @@ class TiledSigmoidPairs(torch.autograd.Function):
             for j0 in range(0, m, width):
                 x = _signed_logit_tile(qi, k[j0:j0 + width], scale, bias, offset + i0 - j0)
                 soft = x.abs().neg_().exp_().log1p_()
-                total += x.clamp_(max=0).sub_(soft).sum()
-        ctx.save_for_backward(queries, keys, logit_scale, logit_bias)
+                terms = x.clamp_(max=0).sub_(soft)
+                total += _pair_mask_(terms, row_valid, col_valid, i0, j0).sum()
+        ctx.save_for_backward(queries, keys, logit_scale, logit_bias, row_valid, col_valid)
         ctx.chunk_size, ctx.offset = chunk_size, offset
         # The float32 accumulator itself: the sum over n * M pairs overflows fp16 (inf at n = 256, scale 100) and
         # loses ~2 significant digits in bf16 before the division by n.
@@ -103,7 +118,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
     @staticmethod
     @float32_math
     def backward(ctx, grad_out):
-        queries, keys, logit_scale, logit_bias = ctx.saved_tensors
+        queries, keys, logit_scale, logit_bias, row_valid, col_valid = ctx.saved_tensors
         acc = _acc_dtype(queries.dtype)
         q, k = queries.to(acc), keys.to(acc)
         scale, bias = logit_scale.to(acc), logit_bias.to(acc)
@@ -122,25 +137,40 @@ class TiledSigmoidPairs(torch.autograd.Function):
                 # G = g z sigmoid(-x): sigmoid(-x) with the sign of z (-1 off the positives).
                 grad = x.neg_().sigmoid_().neg_()
                 _tile_positives(grad, shift)[0].neg_()
-                grad.mul_(g)
+                _pair_mask_(grad, row_valid, col_valid, i0, j0).mul_(g)
                 gk = grad @ kj
                 dq[i0:i0 + ctx.chunk_size] += gk * scale
                 dk[j0:j0 + width] += (grad.T @ qi) * scale
                 ds += (qi * gk).sum()
                 db += grad.sum()
         return (dq.to(queries.dtype), dk.to(keys.dtype), ds.to(logit_scale.dtype).reshape(logit_scale.shape),
-                db.to(logit_bias.dtype).reshape(logit_bias.shape), None, None)
+                db.to(logit_bias.dtype).reshape(logit_bias.shape), None, None, None, None)
 
 
-def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, offset: int) -> Tensor:
-    """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) from the whole (n, M) logits; row i's positive is column i + offset."""
+def _pair_mask_(tile: Tensor, row_valid: Optional[Tensor], col_valid: Optional[Tensor], i0: int, j0: int) -> Tensor:
+    """`tile` (rows from i0, columns from j0) with the pairs of a padded row or column set to 0, in place (every
+    entry is finite, so this drops them exactly); unchanged without masks."""
+    if row_valid is None:
+        return tile
+    rows, cols = row_valid[i0:i0 + tile.shape[0]], col_valid[j0:j0 + tile.shape[1]]
+    return tile.masked_fill_(~(rows[:, None] & cols[None, :]), 0)
+
+
+def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias: Tensor, offset: int,
+                  mask: Optional[PairMask] = None) -> Tensor:
+    """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) from the whole (n, M) logits; row i's positive is column i + offset.
+    With `mask`, over the real rows and columns only."""
     logits = _dense_logits(queries, keys, logit_scale) + logit_bias.to(_acc_dtype(queries.dtype))
     positive = logits.diagonal(offset)
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
     # subtracted, which would cancel catastrophically for large logits. (F.softplus is avoided: it turns
     # linear above its threshold of 20, an error of e^-20 per pair.)
     negatives = torch.diagonal_scatter(logits, torch.full_like(positive, -math.inf), offset)
-    return F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()
+    if mask is None:
+        return F.logsigmoid(-negatives).sum() + F.logsigmoid(positive).sum()
+    pairs = mask.rows[:, None] & mask.cols[None, :]
+    return (F.logsigmoid(-negatives).masked_fill(~pairs, 0).sum()
+            + F.logsigmoid(positive).masked_fill(~mask.rows, 0).sum())
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -74,10 +74,14 @@ def _exp_(x: Tensor) -> Tensor:
     return x.clamp_(min=math.log(torch.finfo(x.dtype).tiny) + 24).exp_()
 
 
-def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int], keep: Optional[Tensor] = None) -> Tensor:
-    """L = qs @ k.T for one tile, with the entries j = i + mask_shift set to -inf when mask_shift is not None
-    (their values first written to `keep`, indexed by the tile's row, when given)."""
+def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int], keep: Optional[Tensor] = None,
+                bias: Optional[Tensor] = None) -> Tensor:
+    """L = qs @ k.T (+ `bias`, one value per column: 0 or -inf) for one tile, with the entries j = i + mask_shift
+    set to -inf when mask_shift is not None (their values first written to `keep`, indexed by the tile's row, when
+    given)."""
     logits = qs @ k.T
+    if bias is not None:
+        logits.add_(bias)
     if mask_shift is not None:
         diag, lo, hi = _tile_positives(logits, mask_shift)
         if keep is not None:
@@ -191,19 +195,24 @@ class TiledLogSumExp(torch.autograd.Function):
     ``return_masked`` (with ``mask_offset``): one more output, the (n,) logits ``L[i, mask_offset + i]`` left out
     of the sums, read from the tiles and differentiable through the same gradient buffers (a separate
     ``s * q_i . k_i`` would add two more (n, D) gradients to the peak).
+    ``col_bias`` set ((M,), 0 or -inf, no gradient): added to every column of L, so that the columns at -inf
+    (padding, `mmcl.losses.pad_pairs`) never enter a sum; rows only (the column sums of such a column are empty).
 
     Args (apply): queries (n, D), keys (M, D), logit_scale 0-dim, chunk_size int, with_cols bool,
-    positive_offset int or None, mask_offset int or None, gammas tuple or None, return_masked bool. Returns
+    positive_offset int or None, mask_offset int or None, gammas tuple or None, return_masked bool, topk int,
+    topk_skip int or None, col_bias (M,) or None. Returns
     (n,) [and (M,)] [and the (n,) masked logits]; float32 for half inputs, else the input dtype.
     """
 
     @staticmethod
     @float32_math
     def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
-                mask_offset=None, gammas=None, return_masked=False, topk=0, topk_skip=None):
+                mask_offset=None, gammas=None, return_masked=False, topk=0, topk_skip=None, col_bias=None):
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
+        bias = None if col_bias is None else col_bias.to(acc)
+        assert bias is None or not with_cols, "col_bias reads rows only"
         for off in (positive_offset, mask_offset):
             assert off is None or not with_cols or (off == 0 and n == m), "square batch expected"
         multi = gammas is not None
@@ -233,7 +242,8 @@ class TiledLogSumExp(torch.autograd.Function):
             for j0 in range(0, m, width):
                 j1 = min(m, j0 + width)
                 logits = _logit_tile(qs, k32[j0:j1], None if mask_offset is None else mask_offset + i0 - j0,
-                                     masked[i0:i0 + chunk_size] if return_masked else None)
+                                     masked[i0:i0 + chunk_size] if return_masked else None,
+                                     None if bias is None else bias[j0:j1])
                 if positive_offset is not None:
                     diag, lo, hi = _tile_positives(logits, positive_offset + i0 - j0)
                     positive[i0 + lo:i0 + hi] = diag
@@ -253,7 +263,7 @@ class TiledLogSumExp(torch.autograd.Function):
         col_lse = torch.stack([g * col_max for g in gammas]) + torch.log(col_sum)
         ctx.chunk_size, ctx.with_cols, ctx.gammas, ctx.multi = chunk_size, with_cols, gammas, multi
         ctx.positive_offset, ctx.mask_offset, ctx.return_masked = positive_offset, mask_offset, return_masked
-        ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse)
+        ctx.save_for_backward(queries, keys, logit_scale, row_lse, col_lse, bias)
         if positive_offset is not None:
             row_lse = row_out
             col_lse = (col_max - positive) + torch.log(col_sum[0]) if with_cols else None
@@ -274,7 +284,7 @@ class TiledLogSumExp(torch.autograd.Function):
         grad_row = grad_outputs[0]
         grad_col = grad_outputs[1] if ctx.with_cols else None
         grad_masked = grad_outputs[2 if ctx.with_cols else 1] if ctx.return_masked else None
-        queries, keys, logit_scale, row_lse, col_lse = ctx.saved_tensors
+        queries, keys, logit_scale, row_lse, col_lse, bias = ctx.saved_tensors
         c, mask_offset, gammas = ctx.chunk_size, ctx.mask_offset, ctx.gammas
         acc = _acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
@@ -311,7 +321,8 @@ class TiledLogSumExp(torch.autograd.Function):
                 for j0 in range(0, m, width):
                     j1 = min(m, j0 + width)
                     k = k32[j0:j1]
-                    logits = _logit_tile(qs, k, None if mask_offset is None else mask_offset + i0 - j0)
+                    logits = _logit_tile(qs, k, None if mask_offset is None else mask_offset + i0 - j0, None,
+                                         None if bias is None else bias[j0:j1])
                     g_tile = torch.zeros_like(logits) if not terms else None
                     for t, (g, is_row, lse, coef, floor) in enumerate(terms):
                         sh = lse[i0:i0 + c, None] if is_row else lse[None, j0:j1]
@@ -339,6 +350,7 @@ class TiledLogSumExp(torch.autograd.Function):
             grad_q.mul_(scale * unit).to(queries.dtype),
             grad_k.mul_(scale * unit).to(keys.dtype),
             grad_scale.to(logit_scale.dtype).reshape(logit_scale.shape),
+            None,
             None,
             None,
             None,
