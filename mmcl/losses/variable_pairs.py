@@ -55,11 +55,11 @@ def pad_pairs(image_features: Tensor, text_features: Tensor, capacity: int) -> T
     return F.pad(image_features, pad), F.pad(text_features, pad), valid
 
 
-def check_valid(valid: Tensor, n: int, device: torch.device) -> Tensor:
-    """`valid` as a (n,) bool tensor on `device`, or a `LossInputError`."""
+def check_valid(valid: Tensor, n: int, device: torch.device, name: str = "valid") -> Tensor:
+    """`valid` as a (n,) bool tensor on `device`, or a `LossInputError` naming it `name`."""
     if not torch.is_tensor(valid) or valid.dtype != torch.bool or valid.shape != (n,):
         got = f"{valid.dtype} {tuple(valid.shape)}" if torch.is_tensor(valid) else type(valid).__name__
-        raise LossInputError(f"valid must be a bool tensor of shape ({n},), one entry per row (got {got}); "
+        raise LossInputError(f"{name} must be a bool tensor of shape ({n},), one entry per row (got {got}); "
                              "pad_pairs returns it")
     return valid.to(device)
 
@@ -89,7 +89,7 @@ def pair_mask(valid: Tensor, n: int, device: torch.device, gathered: Optional[Ga
     if gathered.all_valid is None:
         raise LossInputError("with valid and gathered features the gathered mask is needed too "
                              "(gathered.all_valid: gather_batch(..., valid=valid))")
-    return PairMask(rows, check_valid(gathered.all_valid, m, device), gathered.world_size)
+    return PairMask(rows, check_valid(gathered.all_valid, m, device, "gathered.all_valid"), gathered.world_size)
 
 
 def zero_padded(x: Tensor, real: Tensor) -> Tensor:

@@ -170,6 +170,9 @@ def test_errors_are_one_line():
         clip_loss(padded_image, padded_text, scale, valid=valid[:5])
     with pytest.raises(LossInputError, match=r"gathered.all_valid"):
         clip_loss(padded_image, padded_text, scale, valid=valid, gathered=Gathered(padded_image, padded_text))
+    both = Gathered(padded_image.repeat(2, 1), padded_text.repeat(2, 1), world_size=2, all_valid=valid)
+    with pytest.raises(LossInputError, match=r"gathered.all_valid must be a bool tensor of shape \(16,\)"):
+        siglip_loss(padded_image, padded_text, scale, scale, valid=valid, gathered=both)
 
 
 @pytest.mark.parametrize("term, chunk", CASES)
@@ -177,9 +180,9 @@ def test_masked_path_makes_no_host_sync(term, chunk):
     """Forward and backward of a rank's masked loss against a hand-built 2-rank `Gathered`, as an ordinary
     training step runs it (no logged numbers), read no device value on the host."""
     feats = [_features(n, torch.float32, seed=r) for r, n in enumerate((4, 2))]
-    padded = [pad_pairs(i, x, 5) for i, x in feats]
     t, b = _params(torch.float32)
     with SyncWatch() as watch:
+        padded = [pad_pairs(i, x, 5) for i, x in feats]
         all_image, all_text, all_valid = (torch.cat([p[k] for p in padded]) for k in range(3))
         gathered = Gathered(all_image, all_text, offset=5, world_size=2, all_valid=all_valid)
         objective = ContrastiveObjective({term: 1.0}, chunk_size=chunk)
