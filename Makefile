@@ -61,11 +61,14 @@ demo: train-demo
 lint: install-dev
 	$(BIN)/ruff check mmcl tests bench docs
 
+# One pytest worker per core (pytest-xdist); a test file stays on one worker, so its module fixtures run once.
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
+
 test: lint
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: install-dev
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,bench]"

@@ -2,7 +2,17 @@
 (`demo`, `corpus`), built once per module that asks for them. Plain builders are in helpers.py. The fixtures
 import mmcl and the builders when they run, so that collecting a test file costs only its own imports."""
 
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    # Under pytest-xdist (`make test`: one worker per core) each worker and the processes its tests start use one
+    # thread, so that the workers do not oversubscribe the cores. Set before torch is imported anywhere.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["MKL_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -95,6 +95,7 @@ def test_without_data_workers_a_resize_keeps_the_samples_of_every_step(demo, bef
 # ------------------------------------------------------------------------------------------ end to end
 import json  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -154,27 +155,55 @@ def steps_and_keys(keys_dir):
     return by_step
 
 
+def _common(before):
+    return ["train.steps=30", "train.log_every=5", "train.save_every=10", "data.workers=0",
+            f"data.batch_size={12 // before}"]
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(demo, tmp_path_factory):
+    """For a number of processes `before`: the uninterrupted run's folder and keys, and a run stopped by SIGTERM at
+    step 20 (its folder and keys, with a pristine copy of each), made once and shared by the resizes from `before`."""
+    made = {}
+
+    def get(before):
+        if before not in made:
+            root = tmp_path_factory.mktemp(f"before-{before}")
+            script = root / "log_keys.py"
+            script.write_text(LOG_KEYS)
+            ref, out = root / "ref", root / "run"
+            for d in ("ref-keys", "keys"):
+                (root / d).mkdir()
+            reference = launch(script, before, run_args(demo, ref, *_common(before)), root / "ref-keys")
+            stopped = launch(script, before, run_args(demo, out, *_common(before)), root / "keys", stop_at=20)
+            said = finished(stopped, (75 if before == 1 else 1,))
+            assert "preempted (SIGTERM) at step 20" in said, said
+            finished(reference)
+            for d in ("run", "keys"):
+                shutil.copytree(root / d, root / f"{d}.stopped")
+            made[before] = root
+        root = made[before]
+        for d in ("run", "keys"):  # each resize starts from the stopped run as it was left
+            shutil.rmtree(root / d)
+            shutil.copytree(root / f"{d}.stopped", root / d)
+        return root
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(1, 2), (2, 1), (2, 3)])
-def test_a_run_resumed_on_another_number_of_processes_ends_with_the_uninterrupted_weights(demo, tmp_path, before,
-                                                                                          after):
+def test_a_run_resumed_on_another_number_of_processes_ends_with_the_uninterrupted_weights(stopped_runs, demo,
+                                                                                          before, after):
     """Stopped by SIGTERM at step 20 of 30 on `before` processes, resumed on `after`: the per-process batch keeps
     the global batch of 12, steps and samples go on, no sample of the epoch (360 of its 768) is trained on twice,
     and the weights are those of the uninterrupted run on `before` processes (float32 reduction noise: 4e-7 to
     7e-7 measured)."""
-    script = tmp_path / "log_keys.py"
-    script.write_text(LOG_KEYS)
-    out, ref, keys_dir, ref_keys = tmp_path / "run", tmp_path / "ref", tmp_path / "keys", tmp_path / "ref-keys"
-    keys_dir.mkdir()
-    ref_keys.mkdir()
-    common = ["train.steps=30", "train.log_every=5", "train.save_every=10", "data.workers=0",
-              f"data.batch_size={12 // before}"]
-    reference = launch(script, before, run_args(demo, ref, *common), ref_keys)
-    stopped = launch(script, before, run_args(demo, out, *common), keys_dir, stop_at=20)
-    said = finished(stopped, (75 if before == 1 else 1,))
-    assert "preempted (SIGTERM) at step 20" in said, said
+    root = stopped_runs(before)
+    script, out, ref, keys_dir, ref_keys = (root / "log_keys.py", root / "run", root / "ref", root / "keys",
+                                            root / "ref-keys")
+    common = _common(before)
     said = finished(launch(script, after, run_args(demo, out, *common), keys_dir))
-    finished(reference)
     assert (f"mmcl: resuming on {after} process(es) a checkpoint written by {before}: data.batch_size "
             f"{12 // before} -> {12 // after} per process, keeping the global batch of 12") in said, said
     assert "resuming from" in said and "at step 20" in said
