@@ -203,11 +203,14 @@ def _without_key_bias(name, tensor, width=64):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lion", "muon"])
+@pytest.mark.parametrize("name", ["adamw", *TIMM])
 def test_two_processes_end_with_the_weights_of_one(tmp_path, name, monkeypatch):
     """3 steps of a global batch of 8 on 2 gloo processes (4 each) and on 1: the same weights up to float32
     summation order (the features' all-gather, the gradients' all-reduce); Muon's Newton-Schulz in float32
-    (`_float32_newton_schulz`)."""
+    (`_float32_newton_schulz`). Adafactor and AdaMuon divide by a second moment (factored; per element of the
+    orthogonalised update), which turns float32 noise in near-zero gradient entries into weight differences of up
+    to 2e-5 (measured 1.6e-5 and 1.5e-5); plain SGD moves a weight
+    by the gradient itself, so its smallest move is under Adam-like optimisers' 1e-4."""
     from accelerate import Accelerator
     from timm.optim import muon
 
@@ -220,9 +223,11 @@ def test_two_processes_end_with_the_weights_of_one(tmp_path, name, monkeypatch):
     acc = Accelerator(cpu=True)
     one, newton_schulz = _train(micro_model(0), acc, [fake_batch(8, seed=s) for s in (1, 2, 3)],
                                 _cfg(name, "optim.warmup_steps=1"))
-    assert one.keys() == two.keys() and bool(newton_schulz) == (name == "muon")
+    assert one.keys() == two.keys() and bool(newton_schulz) == (name in ("muon", "adamuon"))
     start = dict(micro_model(0).named_parameters())
     moved = {k: (one[k] - start[k]).abs().max().item() for k in one}
-    assert min(moved[k] for k in newton_schulz | {"visual.proj", "token_embedding.weight"}) > 1e-4
+    assert min(moved[k] for k in newton_schulz | {"visual.proj", "token_embedding.weight"}) > (
+        1e-5 if name == "sgd" else 1e-4)
     worst = {k: (_without_key_bias(k, one[k]) - _without_key_bias(k, two[k])).abs().max().item() for k in one}
-    assert max(worst.values()) <= 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    tolerance = 2e-5 if name in ("adafactor", "adamuon") else 1e-5
+    assert max(worst.values()) <= tolerance, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
