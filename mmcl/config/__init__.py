@@ -46,6 +46,7 @@ from .schema import (
     LossConfig,
     MochiConfig,
     ModelConfig,
+    NaflexConfig,
     OptimConfig,
     PhaseConfig,
     TextTowerConfig,
@@ -58,7 +59,8 @@ from .schema import (
 
 __all__ = [
     "AugConfig", "DataConfig", "DdpConfig", "DistillConfig", "EVAL_SET_KEYS", "EvalConfig", "EvalSet",
-    "GlobalContrastiveConfig", "KeyInfo", "LossConfig", "MOVED_KEYS", "MochiConfig", "ModelConfig", "OptimConfig",
+    "GlobalContrastiveConfig", "KeyInfo", "LossConfig", "MOVED_KEYS", "MochiConfig", "ModelConfig", "NaflexConfig",
+    "OptimConfig",
     "PRECISIONS", "PRECISION_OF", "PhaseConfig", "TRACKERS", "TextTowerConfig", "TrackConfig", "TrainConfig",
     "TrainSection", "World", "aug_problems", "data_weight_problems", "data_workers", "describe_keys", "described",
     "duplicate_set_names", "eval_sets", "freeze", "from_dict", "get", "is_main_process", "keys_help", "load_config",

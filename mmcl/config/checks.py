@@ -113,6 +113,7 @@ def validate(cfg: TrainConfig) -> List[str]:
     problems += _distill_problems(cfg)
     problems += _eval_problems(cfg)
     problems += _lora_problems(cfg.model)
+    problems += naflex_problems(cfg)
     if cfg.model.pretrained and cfg.model.init_from:
         problems.append("model.pretrained and model.init_from are both set: model.pretrained names a model (its "
                         "weights, and its architecture where it has one), model.init_from loads weights into "
@@ -324,6 +325,41 @@ def _eval_problems(cfg: TrainConfig) -> List[str]:
     if ev.val_loss is not None and (cfg.loss.distill > 0 or cfg.distill.teacher or cfg.distill.from_shards):
         problems.append("eval.val_loss does not score the distillation term (its teacher views are made for training "
                         "batches only); unset eval.val_loss or train without loss.distill")
+    return problems
+
+
+def naflex_problems(cfg: TrainConfig) -> List[str]:
+    """``data.naflex``'s values, and what does not work with batches of a varying number of pairs (each one line)."""
+    from ..losses import VARIABLE_PAIR_TERMS
+
+    nf, problems = cfg.data.naflex, []
+    if not nf.seq_lens:
+        if cfg.eval.naflex_seq_len:
+            problems.append("eval.naflex_seq_len is set but data.naflex.seq_lens is empty (NaFlex off)")
+        return problems
+    if any(n <= 0 for n in nf.seq_lens):
+        problems.append(f"data.naflex.seq_lens must be positive (got {list(nf.seq_lens)})")
+    probs = nf.seq_len_probs
+    if probs is not None and (len(probs) != len(nf.seq_lens) or any(p < 0 for p in probs) or not sum(probs) > 0):
+        problems.append(f"data.naflex.seq_len_probs needs one weight >= 0 per length of data.naflex.seq_lens, not "
+                        f"all 0 (got {list(probs)} for {len(nf.seq_lens)} lengths)")
+    if nf.max_tokens_per_batch < max(nf.seq_lens):
+        problems.append(f"data.naflex.max_tokens_per_batch ({nf.max_tokens_per_batch}) must hold at least one "
+                        f"sequence of the longest length ({max(nf.seq_lens)})")
+    if nf.patch_size is not None and nf.patch_size <= 0:
+        problems.append(f"data.naflex.patch_size must be > 0 or null (got {nf.patch_size})")
+    if any(n <= 0 for n in cfg.eval.naflex_seq_len):
+        problems.append(f"eval.naflex_seq_len must be positive (got {list(cfg.eval.naflex_seq_len)})")
+    others = [key for name, key in term_keys().items() if get(cfg, key) > 0 and name not in VARIABLE_PAIR_TERMS]
+    refused = [(bool(others), f"loss terms {', '.join(others)} (NaFlex takes {', '.join(VARIABLE_PAIR_TERMS)})"),
+               (bool(cfg.train.phases), "train.phases"), (cfg.model.patch_dropout > 0, "model.patch_dropout"),
+               (bool(cfg.distill.teacher or cfg.distill.from_shards), "distillation"),
+               (cfg.train.samples is not None or cfg.train.epochs is not None,
+                "train.samples / train.epochs (the pairs per batch vary: give train.steps)"),
+               (cfg.eval.val_loss is not None, "eval.val_loss")]
+    for bad, what in refused:
+        if bad:
+            problems.append(f"data.naflex does not work with {what}")
     return problems
 
 

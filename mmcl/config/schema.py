@@ -126,6 +126,21 @@ class AugConfig(_Section):
 
 
 @dataclass
+class NaflexConfig(_Section):
+    """Native-resolution batches for a NaFlex image tower (SigLIP 2; mmcl/data/naflex.py, docs/naflex.md)."""
+
+    seq_lens: List[int] = described(
+        factory=list,
+        help="Patch-sequence lengths, one drawn per batch from the seed and the batch's number (e.g. [128, 256, 576, "
+             "784]); each image is resized, aspect ratio kept, to the most patches that fit and padded to the length. "
+             "Empty: NaFlex off")
+    seq_len_probs: Optional[List[float]] = described(None, "weights of seq_lens (one each); null: equal")
+    max_tokens_per_batch: int = described(
+        8192, "patch tokens per batch on each process: a batch holds max_tokens_per_batch // L pairs")
+    patch_size: Optional[int] = described(None, "the tower's patch size; null: read from the tower")
+
+
+@dataclass
 class DataConfig(_Section):
     train: Any = described(None, "brace-expanded spec, '::'-separated specs, a glob, or a list of those")
     weights: Optional[List[float]] = described(None, "per-source sampling weights (resampled mode)")
@@ -182,6 +197,7 @@ class DataConfig(_Section):
         "Samples in one pass over data.train (open_clip's --train-num-samples), for train.epochs; null: read from the "
         "counts beside the shards (sizes.json, img2dataset's _stats.json, __len__; mmcl/data/sizes.py).")
     aug: AugConfig = field(default_factory=AugConfig)  # training augmentation: open_clip's AugmentationCfg
+    naflex: NaflexConfig = field(default_factory=NaflexConfig)  # native-resolution batches (NaFlex towers)
 
 
 @dataclass
@@ -386,6 +402,10 @@ class EvalConfig(_Section):
         "of the run's global batch; logged as val/loss and val/<term>")
     val_loss_every: Optional[int] = described(None, "steps between validation losses; null: eval.every")
     batch_size: int = described(128, "images (or captions) per evaluation batch")
+    naflex_seq_len: List[int] = described(
+        factory=list,
+        help="NaFlex towers: the patch-sequence length(s) evaluation runs at; several evaluate each set at each "
+             "(results named <set>@<length>); empty: the largest of data.naflex.seq_lens")
     timeout_s: float = described(
         14400.0,
         "Seconds the other processes wait for the main process's evaluation (and, at the end, model/ and plots)")

@@ -13,6 +13,8 @@ One concern per module, imported in this order (each uses only those above it)::
     transforms.py  decoded image -> tensor: the training transform built from a model's image numbers
                    (`ImageSpec`, `train_image_stages`), seeded per-sample transforms, the uint8 hand-off
                    (`ImageFinish`; `split_transform` for a caller's own transform), the cheaper random crop
+    naflex.py      native-resolution batches for NaFlex towers: the per-batch sequence length and pairs
+                   (`NaflexPlan`), aspect-kept resizing, patches padded to the length, their normalisation
     pipeline.py    the resumable training stream's plan: its settings (`StreamSpec`, `InputSizes`), the shard
                    plan per slot, the block shuffle, positions and their carrying over to another layout
     batching.py    a data worker's side: samples decoded at their input sizes, batched (`role_batches`,
@@ -56,6 +58,7 @@ from .eval_data import (
     is_image_folder,
     open_rgb,
 )
+from .naflex import NaflexPlan
 from .pipeline import InputSizes, epoch_shard_plan, shuffle_block
 from .reading import RawSample, TarFormatError, TarReader, read_raw_samples
 from .sources import SHARD_SUFFIXES, expand_sources, expand_urls, has_scheme, missing_shards, open_shard, redact
@@ -78,7 +81,7 @@ from .writer import ShardWriter, shards_from_input, write_shards
 
 __all__ = [
     "IMAGE_EXTS", "SKIP_REASONS", "SHARD_SUFFIXES", "WORKER_STOP_GRACE_S",
-    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "ImageSpec",
+    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "ImageSpec", "NaflexPlan",
     "PyRandomResizedCrop", "RawSample",
     "ShardEvalDataset", "ShardWriter", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
     "TransformOutputError", "InputSizes", "WorkerOutput",

@@ -147,12 +147,22 @@ class _Filling:
         self.keys.append(key)
         self.ids.append(sample_id(url, key))
         self.teacher += teacher
-        return len(self.images) == self.s.batch_size
+        return len(self.images) == self.size
+
+    @property
+    def size(self) -> int:
+        """The pairs of the batch being filled: data.batch_size, or with NaFlex as many as its length fits."""
+        return self.s.batch_size if self.s.naflex is None else self.s.naflex.pairs_at(self.batch)
 
     def take(self) -> Dict[str, Any]:
         """The full batch; empties the filling for the role's next batch (at that batch's input sizes)."""
-        batch = collate(self.images, self.captions, self.labels, self.keys, self.s.tokenizer,
-                        self.s.teacher_view, self.teacher, context_length=self.sizes.context_length)
+        flex = self.s.naflex
+        batch = collate(self.images if flex is None else None, self.captions, self.labels, self.keys,
+                        self.s.tokenizer, self.s.teacher_view, self.teacher, context_length=self.sizes.context_length)
+        if flex is not None:
+            from .naflex import patch_batch
+
+            batch.update(patch_batch(self.images, flex.seq_len_at(self.batch), flex.patch_size))
         batch["sample_id"] = torch.tensor(self.ids, dtype=torch.long)
         self.clear()
         self.batch += self.stride
@@ -314,26 +324,28 @@ def _empty_epoch_problem(s: StreamSpec, rank: int, role: int, n_slots: int, raw_
     return None
 
 
-def collate(images: List[torch.Tensor], captions: List[str], labels: List[int], keys: List[str],
+def collate(images: Optional[List[torch.Tensor]], captions: List[str], labels: List[int], keys: List[str],
             tokenizer: Callable[[List[str]], torch.Tensor], teacher_view=None,
             teacher_images: Optional[List[torch.Tensor]] = None, context_length: Optional[int] = None
             ) -> Dict[str, Any]:
     """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list;
     with `teacher_view` (distillation) also teacher_image (B,3,Ht,Wt) uint8 and teacher_text (B,Lt) long, the
     same captions in the teacher's tokens; with stored teacher embeddings in `teacher_images` (no view),
-    teacher_image_features and teacher_text_features (B, Dt) float32 and teacher_scale (B,)."""
+    teacher_image_features and teacher_text_features (B, Dt) float32 and teacher_scale (B,). `images` None: no
+    image key (NaFlex batches carry patches instead, `mmcl.data.naflex.patch_batch`)."""
     text = tokenizer(captions)
     if not isinstance(text, torch.Tensor):
         text = torch.as_tensor(text)
     text = cut_tokens(text, context_length)
     out = None
-    if torch.utils.data.get_worker_info() is not None:
+    if images is not None and torch.utils.data.get_worker_info() is not None:
         # Stacking straight into shared memory saves the copy the DataLoader's queue would make to send it.
         out = torch.empty((len(images),) + tuple(images[0].shape), dtype=images[0].dtype).share_memory_()
     # Every tensor of a batch contiguous: a cut token batch (`TrimmedTokenizer`, `cut_tokens`) is a view with the
     # full context's row stride, which pinning and the copy to the device would otherwise carry as strided memory.
-    batch = {"image": torch.stack(images, out=out), "text": text.long().contiguous(),
-             "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
+    batch = {"text": text.long().contiguous(), "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
+    if images is not None:
+        batch["image"] = torch.stack(images, out=out)
     if teacher_view is not None:
         batch["teacher_image"] = torch.stack(teacher_images)
         batch["teacher_text"] = torch.as_tensor(teacher_view.tokenize(captions)).contiguous()

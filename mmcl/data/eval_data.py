@@ -335,14 +335,20 @@ def eval_collate(items: List[Any]):
     """Collate evaluation items, setting aside the `EvalSkip` / `EvalFailure` ones.
 
     Returns:
-        (images (B,3,H,W) float or None when B == 0, labels (B,) int64, captions [B str], keys [B str],
+        (images (B,3,H,W) float, a NaFlex patch dict (`mmcl.data.naflex.EvalPatchify`) or None when B == 0,
+        labels (B,) int64, captions [B str], keys [B str],
         problems: the `EvalSkip` and `EvalFailure` items in order).
     """
     good = [it for it in items if not isinstance(it, (EvalSkip, EvalFailure))]
     problems = [it for it in items if isinstance(it, (EvalSkip, EvalFailure))]
     if not good:
         return None, torch.zeros(0, dtype=torch.long), [], [], problems
-    images = torch.stack([it[0] for it in good])
+    if isinstance(good[0][0], dict):
+        from .naflex import stack_patch_dicts
+
+        images = stack_patch_dicts([it[0] for it in good])
+    else:
+        images = torch.stack([it[0] for it in good])
     labels = torch.tensor([int(it[1]) for it in good], dtype=torch.long)
     return images, labels, [it[2] for it in good], [it[3] for it in good], problems
 

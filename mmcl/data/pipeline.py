@@ -9,6 +9,7 @@ gathered by `mmcl.data.stream.TrainStream` in the training process::
     shuffle_block         blocks of `shuffle_buffer` raw samples -> a permutation from a seeded RNG
     decode_sample         raw sample -> (image tensor, caption, label) or a skip reason      (decode.py)
     collate               samples -> batch dict, captions tokenized                          (batching.py)
+    patch_batch           NaFlex: images -> patches padded to the batch's length            (naflex.py)
 
 A *slot* is one (rank, worker) pair: ``slot = rank * workers + worker``. Each slot reads a disjoint set
 of whole shards per epoch, the same number for every slot; the shards left over (all of them when there are
@@ -76,9 +77,14 @@ class StreamSpec:
     members: Any  # `needed_members`
     max_member_bytes: int
     sizes: Tuple[InputSizes, ...] = ()  # by start; none: every batch at the model's own sizes
+    naflex: Any = None  # a `mmcl.data.naflex.NaflexPlan`: each batch's sequence length and pairs; None: fixed size
 
     def sizes_at(self, batch: int) -> InputSizes:
         """The input sizes of process batch `batch` (0-based, counted from the start of the run)."""
+        if self.naflex is not None:  # the images resized to fit the batch's drawn sequence length
+            from .naflex import SeqResize
+
+            return InputSizes(batch, SeqResize(self.naflex.seq_len_at(batch), self.naflex.patch_size), None)
         current = InputSizes(0, self.preprocess, self.draft_size)
         for sizes in self.sizes:
             if sizes.start > batch:

@@ -130,7 +130,8 @@ class TrainStream:
 
     def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False, teacher_view=None,
-                 stored_teacher: bool = False, sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = ()):
+                 stored_teacher: bool = False, sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = (),
+                 naflex=None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.sources = expand_sources(cfg.train, allow_pipe=bool(cfg.allow_pipe),
@@ -160,6 +161,14 @@ class TrainStream:
         self.uint8 = finish is not None
         self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
         self.sizes = tuple(self._input_sizes(start, size, length) for start, size, length in sizes)
+        self.naflex = naflex
+        if naflex is not None:  # uint8 images at each batch's length, patchified in the worker, normalised here
+            if not isinstance(preprocess, ImageSpec):
+                raise ConfigError("data.naflex needs the stream to take the model's image numbers (an ImageSpec)")
+            from .naflex import PatchNormalizer
+
+            self.uint8, self.draft_size = True, None
+            self.finish_images = PatchNormalizer(preprocess.mean, preprocess.std)
         self._positions = [fresh_position() for _ in range(self.n_roles)]
         self._next_role = 0
         self.batches = 0
@@ -207,7 +216,7 @@ class TrainStream:
             teacher_view=self.teacher_view, stored_teacher=self.stored_teacher, retries=int(self.cfg.retries),
             retry_delay=float(self.cfg.retry_delay), read_timeout=float(self.cfg.read_timeout),
             members=needed_members(self.keys, self.stored_teacher), max_member_bytes=int(self.cfg.max_member_bytes),
-            sizes=self.sizes)
+            sizes=self.sizes, naflex=self.naflex)
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [copy_position(p) for p in self._positions]
@@ -321,7 +330,8 @@ class TrainStream:
 def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                        rank: int = 0, world_size: int = 1, pin_memory: bool = False,
                        teacher_view=None, stored_teacher: bool = False,
-                       sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = ()) -> TrainStream:
+                       sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = (),
+                       naflex=None) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
@@ -343,9 +353,12 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
         sizes: the input sizes of the token-reduction phases (``train.phases``), as (first process batch, image
             size or None, context length or None) in order: the batches from each start on are made at that size in the
             workers, captions cut to that many tokens (`InputSizes`). The process batch of a step is step * accum_steps.
+        naflex: a `mmcl.data.naflex.NaflexPlan` (``data.naflex``): each batch at its drawn sequence length, as many
+            pairs as its token budget holds; the batches carry ``patches`` (uint8), ``patch_coord`` and
+            ``patch_valid`` instead of ``image``, and `TrainStream.finish_images` normalises the patch dict.
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
                        pin_memory=pin_memory, teacher_view=teacher_view, stored_teacher=stored_teacher,
-                       sizes=sizes)
+                       sizes=sizes, naflex=naflex)

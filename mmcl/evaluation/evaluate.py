@@ -249,7 +249,7 @@ def encode_images(model, loader, device, progress: bool, desc: str, data: Any = 
                 skips.append(problem)
             if images is None:
                 continue
-            f = model.encode_image(images.to(device=device, dtype=dtype), normalize=True).float()
+            f = model.encode_image(data_mod.naflex.to_device(images, device, dtype), normalize=True).float()
             feats.append(f.cpu())
             labels.append(torch.as_tensor(lab, dtype=torch.long).reshape(-1))
             captions += list(cap)

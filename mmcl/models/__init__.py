@@ -1,8 +1,10 @@
 """The towers: open_clip architectures and Hugging Face text towers (`towers`, with mmcl's subclasses of open_clip's
-model classes in `clip_classes`), FLIP's patch dropout (`flip`), and towers that follow their input's size (`resize`).
+model classes in `clip_classes`), FLIP's patch dropout (`flip`), towers that follow their input's size (`resize`), and
+NaFlex image towers (`naflex`: timm's NaFlexVit, `is_naflex`).
 
 The names below are the package's interface (``from mmcl import models; models.build(cfg)``)."""
 
+from .naflex import is_naflex
 from .towers import (
     CONFIG_DIR,
     FROZEN_ATTR,
@@ -28,5 +30,5 @@ from .towers import (
 
 __all__ = ["CONFIG_DIR", "FROZEN_ATTR", "TEXT_WIDTH_STEP", "MaskedMaxPooler", "TrimmedTokenizer", "apply_locks",
            "available_models", "build", "build_tokenizer", "build_transforms", "clamp_logit_scale", "create",
-           "hf_custom_code_error", "is_frozen_call", "is_local_dir", "named_config", "preprocess_config",
+           "hf_custom_code_error", "is_frozen_call", "is_naflex", "is_local_dir", "named_config", "preprocess_config",
            "resolve_model_config", "set_patch_dropout", "training_tokenizer"]

@@ -33,6 +33,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..data.limits import BoundedTokenizer
 from ..errors import ConfigError
+from . import naflex
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # marks a saved Hugging Face tokenizer (model directories use it)
@@ -180,8 +181,11 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     if hf_name:
         text_cfg.setdefault("hf_model_pretrained", True)
     model_cls = HFTextCLIP if hf_name else CustomTextCLIP if custom_text else ShortTextCLIP
+    flex = naflex.is_naflex(model_cfg)
     try:
-        model = model_cls(**model_cfg)
+        model = model_cls(**(naflex.placeholder_config(model_cfg) if flex else model_cfg))
+        if flex:  # the NaFlex image tower in the placeholder's place (`mmcl.models.naflex`)
+            model.visual = naflex.tower_from_config(model_cfg)
     except TypeError as err:
         raise ConfigError(f"invalid model config: {err}") from None
     except OSError as err:  # transformers cannot find the tower (offline, wrong path)
@@ -226,12 +230,23 @@ def preprocess_config(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
     size = model_cfg["vision_cfg"].get("image_size", 224)
     pp = dataclasses.asdict(PreprocessCfg(size=size))
     pp.update(model_cfg.get("preprocess_cfg", {}))
+    if naflex.is_naflex(model_cfg):  # the evaluation transform's sequence length (a run sets its own) and patch
+        pp.setdefault("naflex_seq_len", naflex.DEFAULT_EVAL_SEQ_LEN)
+        pp.setdefault("patch_size", naflex.config_patch_size(model_cfg))
     return pp
 
 
 def build_transforms(preprocess_cfg: Dict[str, Any]):
-    """(train transform, eval transform) from open_clip: PIL image -> (3, H, W) float tensor."""
+    """(train transform, eval transform) from open_clip: PIL image -> (3, H, W) float tensor; for a NaFlex tower
+    (``naflex_seq_len`` in `preprocess_cfg`) both are `mmcl.data.naflex.EvalPatchify`: PIL image -> patch dict."""
     from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    if preprocess_cfg.get("naflex_seq_len"):
+        from ..data.naflex import EvalPatchify
+
+        tf = EvalPatchify(preprocess_cfg["naflex_seq_len"], preprocess_cfg["patch_size"], preprocess_cfg["mean"],
+                          preprocess_cfg["std"], preprocess_cfg.get("interpolation", "bicubic"))
+        return tf, tf
 
     pp = PreprocessCfg(**{k: v for k, v in preprocess_cfg.items() if k in PreprocessCfg.__dataclass_fields__})
     return image_transform_v2(pp, is_train=True), image_transform_v2(pp, is_train=False)

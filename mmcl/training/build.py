@@ -20,6 +20,7 @@ from ..data.sizes import describe_sources
 from ..data.skips import SkipLog
 from ..errors import ConfigError
 from ..models import lora
+from ..models import naflex as naflex_model
 from ..models import resize as model_phases
 from ..storage import checkpoints, pretrained, weights
 from ..storage.layout import RunLayout
@@ -125,6 +126,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
         log(report)
     else:
         model, model_cfg, pp_cfg, _, _, tokenizer = models.build(cfg.model)
+    pp_cfg = naflex_preprocess(cfg, model, pp_cfg)
     if cfg.model.init_from:  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
         log(weights.init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
@@ -134,6 +136,9 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     if cfg.model.lora.r:  # after WiSE-FT's start point, which is the plain model's
         log(lora.apply_lora(model, cfg.model.lora))
     if fsdp.in_effect(accelerator):  # fully_shard takes no 0-dim parameter: before the optimiser sees them
+        if cfg.data.naflex.seq_lens:
+            raise ConfigError("data.naflex is not supported with FSDP (untested: a varying number of pairs per "
+                              "process under sharded towers); launch without FSDP")
         if cfg.model.lora.r:
             raise ConfigError("model.lora is not supported with FSDP (peft's attention layer swaps its weights in "
                               "each forward); set model.lora.r=0 or launch without FSDP")
@@ -153,6 +158,34 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     return model, model_cfg, pp_cfg, tokenizer, masking, planned, wise_init
 
 
+def naflex_preprocess(cfg: TrainConfig, model, pp_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The preprocessing recorded with the model: for a NaFlex tower, evaluation at the first of
+    ``eval.naflex_seq_len`` (else the longest training length) with the tower's patch size. A NaFlex tower without
+    ``data.naflex.seq_lens``, or the reverse, or a patch size other than the tower's, is a `ConfigError`."""
+    flex, nf = models.is_naflex(model), cfg.data.naflex
+    if flex != bool(nf.seq_lens):
+        raise ConfigError("data.naflex.seq_lens (e.g. [128, 256, 576, 784]) is needed with a NaFlex image tower"
+                          if flex else "data.naflex.seq_lens is set but the image tower is not a NaFlex one "
+                          "(model.vision_cfg.timm_model_name: naflexvit_...)")
+    if not flex:
+        return pp_cfg
+    patch = naflex_model.patch_size_of(model)
+    if nf.patch_size is not None and nf.patch_size != patch:
+        raise ConfigError(f"data.naflex.patch_size is {nf.patch_size} but the tower's patches are {patch} pixels; "
+                          f"unset it or set {patch}")
+    lengths = list(cfg.eval.naflex_seq_len) or [max(nf.seq_lens)]
+    return dict(pp_cfg, naflex_seq_len=int(lengths[0]), patch_size=patch)
+
+
+def naflex_plan(cfg: TrainConfig, pp_cfg: Dict[str, Any]):
+    """The run's `mmcl.data.NaflexPlan` (``data.naflex``), or None when NaFlex is off."""
+    nf = cfg.data.naflex
+    if not nf.seq_lens:
+        return None
+    return data_mod.NaflexPlan.build(nf.seq_lens, nf.seq_len_probs, nf.max_tokens_per_batch, pp_cfg["patch_size"],
+                                     cfg.train.seed)
+
+
 def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, trainee: "Trainee", layout: RunLayout):
     """The training stream at the run's per-process batch (`Runtime`), the training transform from the model's
     preprocessing and ``data.aug``, the teacher's view and the phases' input sizes; /dev/shm checked for its
@@ -168,7 +201,8 @@ def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, trainee: "Tr
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         pin_memory=accelerator.device.type == "cuda",
         teacher_view=None if teacher is None else teacher.view, stored_teacher=cfg.distill.from_shards,
-        sizes=phases.input_sizes(trainee.phases, model_size, rt.accum_steps)))
+        sizes=phases.input_sizes(trainee.phases, model_size, rt.accum_steps),
+        naflex=naflex_plan(cfg, trainee.pp_cfg)))
     # Each batch a data worker sends is a shared-memory segment: a container's small /dev/shm fails mid-run.
     check_shared_memory(data_cfg, getattr(image_spec, "size", None) or trainee.pp_cfg["size"], stream.uint8,
                         world().local_size)
@@ -213,7 +247,8 @@ def build_trainee(cfg: TrainConfig, rt: Runtime, accelerator, layout: RunLayout)
         trainee.ema = WeightEMA(trainee.raw_model, cfg.train.ema_decay)
     step = Step(accelerator, step_model, trainee.raw_model, trainee.optimizer, loss_fn, grad_clip=cfg.optim.grad_clip,
                 max_logit_scale=cfg.model.max_logit_scale, ema=trainee.ema, teacher=teacher,
-                finish_images=stream.finish_images)
+                finish_images=stream.finish_images,
+                capacity=None if stream.naflex is None else stream.naflex.capacity)
     if not step.checks.on_device:  # one line: what the run does instead, and why
         log(optim.host_check_line(trainee.optimizer, getattr(accelerator, "scaler", None))
             or "a step with a non-finite loss is detected on the host (one device sync per step)")

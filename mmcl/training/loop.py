@@ -290,7 +290,7 @@ def after_step(run: Run, result: StepResult, lr: float, last: Dict[str, Any]) ->
     decision)."""
     rt, checks = run.rt, run.step.checks
     if result.applied:
-        count_step(run)
+        count_step(run, result.pairs)
     else:
         non_finite_step(run, run.progress.step + 1, result.loss.item())  # raises under train.nan_policy=stop
         run.progress.skipped_steps += 1
@@ -332,11 +332,13 @@ def non_finite_step(run: Run, step: int, value: float) -> None:
     run.log(f"skipped step {step}: loss is {where}")
 
 
-def count_step(run: Run) -> None:
-    """Advance the progress (and the progress bar) by one applied optimiser step."""
+def count_step(run: Run, pairs: Optional[int] = None) -> None:
+    """Advance the progress (and the progress bar) by one applied optimiser step of `pairs` samples over all
+    processes (None: the run's global batch; NaFlex steps vary)."""
+    n = run.rt.global_batch if pairs is None else pairs
     run.progress.step += 1
-    run.progress.samples += run.rt.global_batch
-    run.window_samples += run.rt.global_batch
+    run.progress.samples += n
+    run.window_samples += n
     if run.main and run.cfg.train.progress and run.bar is None:
         # Created after the first step, so a data or config error is not preceded by an empty bar. Lines printed
         # while it is shown (warnings, log lines) are written through it, each on its own line.

@@ -34,6 +34,7 @@ import torch
 
 from .. import losses, models
 from ..config import LossConfig, get, term_keys
+from ..data import naflex as data_naflex
 from ..errors import DataError
 from .optim import takes_found_inf
 
@@ -49,8 +50,16 @@ def _moved(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def _images(b, device, finish_images):
-    x = _moved(b["image"], device)
+    if "image" in b:
+        x = _moved(b["image"], device)
+    else:  # a NaFlex batch: the tower takes the patch dict (`mmcl.data.naflex`)
+        x = {k: _moved(b[k], device) for k in data_naflex.PATCH_KEYS}
     return x if finish_images is None else finish_images(x)
+
+
+def _pairs(b) -> int:
+    """The pairs of a micro-batch (known on the host: its captions' rows)."""
+    return int(b["text"].shape[0])
 
 
 def _leaf(value: torch.Tensor) -> torch.Tensor:
@@ -81,15 +90,22 @@ def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
 
 
 def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True,
-          teacher=None, sample_ids=None):
+          teacher=None, sample_ids=None, capacity: Optional[int] = None):
     """The objective on this process's features: the global batch is gathered here when several processes run
     (`losses.gather_batch`, with the teacher's features for distillation), and a loss's complaint about its
     inputs becomes a `DataError` (one line). `sample_ids` (the batches' ``sample_id``) key the global
-    contrastive term's estimates."""
+    contrastive term's estimates. `capacity` (NaFlex: a varying number of pairs per process) pads the features
+    to that many rows (`losses.pad_pairs`) and scores the real pairs only (``valid``)."""
     try:
-        gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher)
+        valid = None
+        if capacity is not None:
+            n = image_features.shape[0]
+            image_features, text_features, valid = losses.pad_pairs(image_features, text_features, capacity)
+            labels = torch.nn.functional.pad(labels, (0, capacity - n))
+            sample_ids = None  # the terms that take a varying number of pairs keep no per-sample state
+        gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher, valid=valid)
         return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
-                         gathered=gathered, teacher=teacher, sample_ids=sample_ids)
+                         gathered=gathered, teacher=teacher, sample_ids=sample_ids, valid=valid)
     except losses.LossInputError as err:
         raise DataError(str(err)) from None
 
@@ -171,7 +187,8 @@ class GradCache:
 
 
 def forward_loss(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
-                 teacher=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[GradCache]]:
+                 teacher=None, capacity: Optional[int] = None
+                 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[GradCache]]:
     """The forward and the loss of one optimiser step over ``batches`` (a list of micro-batches): (loss, its logged
     terms, None for one micro-batch or the `GradCache` the backward re-runs them from).
 
@@ -182,9 +199,12 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
     (`TrainStream.finish_images`: uint8 -> normalised float). `with_metrics` is passed to the objective (its
     align/uniform metrics, needed only on logged steps). `teacher` (a `mmcl.training.teacher.Teacher`,
     distillation) scores the micro-batches' teacher views without gradient; with several micro-batches its
-    features join the one contrastive problem like the student's.
+    features join the one contrastive problem like the student's. `capacity` (NaFlex batches, whose number of
+    pairs varies) is the most pairs one micro-batch holds: the step's features are padded to ``capacity`` times
+    the micro-batches and only the real pairs are scored (`score`).
     """
     device = accelerator.device
+    step_capacity = None if capacity is None else capacity * len(batches)
     teacher_features = _teacher_features(teacher, batches, device, accelerator.autocast)
     ids = _sample_ids(batches, device)
     if len(batches) == 1:
@@ -194,7 +214,7 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
                 model, _images(b, device, finish_images), _moved(b["text"], device))
             loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
                                 None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics, teacher_features, ids)
+                                with_metrics, teacher_features, ids, step_capacity)
         return loss, terms, None
     feats, rng_states = [], []
     # Each micro-batch replays the same RNG states, the CPU's and the device's, on its second pass (dropout and
@@ -214,7 +234,7 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
     # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
     labels = torch.cat([_moved(b["label"], device) for b in batches])
     loss, terms = score(objective, cache.image_features, cache.text_features, cache.logit_scale, cache.logit_bias,
-                        labels, with_metrics, teacher_features, ids)
+                        labels, with_metrics, teacher_features, ids, step_capacity)
     return loss, terms, cache
 
 
@@ -228,7 +248,7 @@ def backward(accelerator, model, loss: torch.Tensor, batches, cache: Optional[Gr
         return
     device, start = accelerator.device, 0
     for i, b in enumerate(batches):
-        n = b["image"].shape[0]
+        n = _pairs(b)
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             with replayed_rng(cache.rng_states[i], device), accelerator.autocast():
@@ -322,14 +342,16 @@ class StepResult:
     grad_norm: Optional[torch.Tensor]
     applied: bool
     stop: Optional[bool]
+    pairs: Optional[int] = None  # NaFlex: the step's pairs over all processes (known on the host); None: the batch
 
 
 class Step:
     """One optimiser step of a run, from its micro-batches to the updated weights (`__call__`)."""
 
     def __init__(self, accelerator, model, raw_model, optimizer, objective, *, grad_clip: Optional[float],
-                 max_logit_scale: float, ema=None, teacher=None, finish_images=None):
+                 max_logit_scale: float, ema=None, teacher=None, finish_images=None, capacity: Optional[int] = None):
         self.accelerator, self.model, self.raw_model = accelerator, model, raw_model
+        self.capacity = capacity  # NaFlex: the most pairs of a micro-batch (`forward_loss`); None: fixed batches
         self.optimizer, self.objective = optimizer, objective
         self.grad_clip, self.max_logit_scale = grad_clip, max_logit_scale
         self.ema, self.teacher, self.finish_images = ema, teacher, finish_images
@@ -341,7 +363,12 @@ class Step:
         update and the weight average. `stop_requested` reads this process's stop flag where the host decides (after
         the forward, so a signal that came during it stops the run after this step)."""
         loss, terms, cache = forward_loss(self.model, self.objective, batches, self.accelerator,
-                                          self.finish_images, with_metrics, self.teacher)
+                                          self.finish_images, with_metrics, self.teacher, self.capacity)
+        pairs = None
+        if self.capacity is not None:  # every process draws the same lengths, so holds the same number of pairs
+            pairs = sum(_pairs(b) for b in batches) * self.accelerator.num_processes
+            if with_metrics:
+                terms = dict(terms, **naflex_metrics(batches))
         flag, stop = None, None
         if self.checks.on_device:  # the update runs; the optimiser leaves everything as it was where flag is 1
             flag = self.checks.arm(loss, step)
@@ -349,10 +376,20 @@ class Step:
             finite, stop = agree_on_step(self.accelerator, loss, stop_requested())
             if not finite:
                 self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(loss, terms, None, False, stop)
+                return StepResult(loss, terms, None, False, stop, pairs)
         backward(self.accelerator, self.model, loss, batches, cache, self.finish_images)
         grad_norm = apply_update(self.accelerator, self.model, self.raw_model, self.optimizer, self.grad_clip,
                                  self.max_logit_scale)
         if self.ema is not None:  # not moved on a step the optimiser skipped (the device's flag is not read)
             self.ema.update(self.raw_model, skipped=flag)
-        return StepResult(loss, terms, grad_norm, True, stop)
+        return StepResult(loss, terms, grad_norm, True, stop, pairs)
+
+
+def naflex_metrics(batches) -> Dict[str, torch.Tensor]:
+    """The logged numbers of a step's NaFlex micro-batches (host tensors, no device read): the share of patch slots
+    that are padding, the sequence length and this process's pairs."""
+    valid = [b["patch_valid"] for b in batches]
+    slots = sum(v.numel() for v in valid)
+    return {"data/naflex_padding_waste": torch.tensor(sum(float((~v).sum()) for v in valid) / max(1, slots)),
+            "data/naflex_seq_len": torch.tensor(float(valid[0].shape[1])),
+            "data/naflex_pairs": torch.tensor(float(sum(v.shape[0] for v in valid)))}

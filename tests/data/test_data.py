@@ -508,8 +508,8 @@ BELOW_DATA = ("config", "errors", "storage.fsutil", "storage.manifest")
 def test_data_modules_import_only_the_modules_before_them():
     import ast
 
-    order = ["limits", "sources", "sizes", "reading", "decode", "skips", "transforms", "pipeline", "batching",
-             "stream", "eval_data", "shard_inputs", "writer", "demo"]
+    order = ["limits", "sources", "sizes", "reading", "decode", "skips", "transforms", "naflex", "pipeline",
+             "batching", "stream", "eval_data", "shard_inputs", "writer", "demo"]
     folder = os.path.dirname(data.__file__)
     assert sorted(order + ["__init__"]) == sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py"))
     for i, name in enumerate(order):
