@@ -126,3 +126,25 @@ def config_patch_size(model_cfg: Dict[str, Any]) -> int:
     with torch.device("meta"):  # the architecture only: no weights are made
         trunk = timm.create_model(model_cfg["vision_cfg"]["timm_model_name"], num_classes=0, **kwargs)
     return int(trunk.get_patch_size()[0])
+
+
+# transformers' Siglip2 NaFlex vision model has its own layout (a linear patch embedding over (C, P, P)-ordered
+# patches, a position table resized per image from ``spatial_shapes``, ``pixel_attention_mask``) and open_clip's
+# and ONNX's image encoders take an image tensor: only mmcl's own safetensors directory carries a NaFlex tower.
+EXPORT_FORMATS = ("safetensors",)
+
+
+def check_export_format(model_cfg: Dict[str, Any], fmt: str) -> None:
+    """Raise `ConfigError` (one line) when `fmt` cannot carry the model's NaFlex tower; nothing for other towers."""
+    if fmt not in EXPORT_FORMATS and is_naflex(model_cfg):
+        raise ConfigError(f"mmcl export --format {fmt} cannot carry a NaFlex image tower (its encoder takes a patch "
+                          f"dict); use --format {' or '.join(EXPORT_FORMATS)}, which mmcl.load reads")
+
+
+def example_patches(model_cfg: Dict[str, Any], batch: int, seed: int = 0, seq_len: int = 16) -> Dict[str, torch.Tensor]:
+    """A random patch dict of `batch` images of different shapes padded to `seq_len` patches (export checks)."""
+    from ..data.naflex import patch_batch
+
+    p, gen = config_patch_size(model_cfg), torch.Generator().manual_seed(seed)
+    images = [torch.randn(3, p * (1 + i % 3), p * (1 + (i + 1) % 4), generator=gen) for i in range(batch)]
+    return patch_batch(images, max(seq_len, 12), p)

@@ -8,12 +8,11 @@ Formats (``export(model_path, fmt, out_dir)``):
                  read it. The export is checked by loading it back with open_clip's own loader.
 ``safetensors``  the weights and the model config only, the config also embedded in the safetensors header
                  (``mmcl_model_cfg``, ``mmcl_preprocess_cfg``) so the weights file alone describes the model;
-                 `mmcl.load` reads the directory without any training code.
+                 `mmcl.load` reads the directory without any training code. The one format of a NaFlex image tower.
 ``hf``           a transformers ``CLIPModel`` directory with its ``CLIPProcessor`` files as transformers 4.x and 5.x
                  read them (``preprocessor_config.json``; open_clip's tokenizer as ``tokenizer.json``, giving
-                 open_clip's token ids, see `write_hf_tokenizer`). Only
-                 open_clip's ViT + text transformer towers map onto ``CLIPModel``; any other architecture is an
-                 `ConfigError` naming the first unsupported feature.
+                 open_clip's token ids, see `write_hf_tokenizer`). Only open_clip's ViT + text transformer towers map
+                 onto ``CLIPModel``; any other architecture is a `ConfigError` naming the first unsupported feature.
 ``onnx``         ``image_encoder.onnx`` (``image`` (B,3,H,W) float32 -> ``image_embeds`` (B,D)) and
                  ``text_encoder.onnx`` (``text`` (B,L) int64 token ids -> ``text_embeds`` (B,D)), both with a
                  dynamic batch axis and L2-normalised outputs, plus ``onnx_config.json``, ``preprocess.json`` (the
@@ -72,8 +71,7 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
         out_dir: target directory; it must not exist, be empty, or hold an earlier mmcl export (replaced).
         verify: load the export back with its own runtime and require its normalised embeddings to match the
             source model's (cosine >= `MIN_COSINE`[fmt]) on a random image batch and a few captions.
-    Returns:
-        The export directory.
+    Returns the export directory.
     Raises:
         ConfigError for an unknown format, an architecture the format cannot express, or an unsafe `out_dir`;
         CheckpointError when the model cannot be read or the written export does not reproduce it.
@@ -84,8 +82,9 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
     src_dir = weights.find_model_dir(model_path)
     out_dir = output_dir(out_dir)
     previous = _check_out_dir(out_dir)
+    models.naflex.check_export_format(model_cfg, fmt)  # before any file is written
     if fmt == "hf":
-        check_hf_supported(model_cfg, pp_cfg)  # before any file is written
+        check_hf_supported(model_cfg, pp_cfg)
     writer = {"open_clip": _write_open_clip, "safetensors": _write_safetensors, "hf": _write_hf,
               "onnx": _write_onnx}[fmt]
     marker = {"format": fmt, "source": str(src_dir.resolve()), "min_cosine_vs_source": None}
@@ -419,7 +418,9 @@ class _TextEncoder(nn.Module):
 
 
 def _example_inputs(model_cfg: Dict[str, Any], batch: int, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A random image batch (B,3,H,W) float32 and token ids (B,L) int64 shaped like real tokenizer output."""
+    """Random images (B,3,H,W) float32 (a NaFlex tower's: a patch dict) and token ids (B,L) int64 like a tokenizer's."""
+    if models.is_naflex(model_cfg):
+        return models.naflex.example_patches(model_cfg, batch, seed), _example_tokens(model_cfg, batch)
     size = model_cfg["vision_cfg"].get("image_size", 224)
     h, w = (size, size) if isinstance(size, int) else size
     gen = torch.Generator().manual_seed(seed)

@@ -4,9 +4,10 @@ the summary)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -177,6 +178,16 @@ def _plots(run: Run) -> None:
         run.log(f"plots skipped: {err}")
 
 
+def naflex_views(cfg: TrainConfig, pp_cfg, sets) -> List[Tuple[list, Any]]:
+    """With several ``eval.naflex_seq_len``: each length's (sets named ``<name>@<length>``, transform at that
+    length); else nothing (the sets at the model's own transform)."""
+    lengths = list(cfg.eval.naflex_seq_len)
+    if len(lengths) < 2 or not pp_cfg.get("naflex_seq_len"):
+        return []
+    return [([dataclasses.replace(s, name=f"{s.name}@{n}") for s in sets],
+             models.build_transforms(dict(pp_cfg, naflex_seq_len=int(n)))[1]) for n in lengths]
+
+
 def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator, step: Optional[int] = None,
              global_batch: Optional[int] = None, results: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
     """The evaluations due after optimiser step `step` (None: the final one, every set), on the main process:
@@ -192,14 +203,16 @@ def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator, step: Opti
     if not sets and not val_due:
         return out
     _, eval_tf = models.build_transforms(pp_cfg)
+    views = naflex_views(cfg, pp_cfg, sets) or [(sets, eval_tf)]
     keys = data_mod.sample_keys(cfg.data)  # the training data's image and caption members
     reading = evaluate.reading_options(cfg.data)  # and its member size limit and pipe rule
     was_training = model.training
     model.eval()
     try:
         with accelerator.autocast():  # the run's mixed precision, as the validation loss and open_clip evaluate
-            out.update(eval_sets.run_sets(sets, model, eval_tf, tokenizer, cfg.eval, accelerator.device, keys=keys,
-                                          reading=reading, results=results))
+            for view_sets, view_tf in views:
+                out.update(eval_sets.run_sets(view_sets, model, view_tf, tokenizer, cfg.eval, accelerator.device,
+                                              keys=keys, reading=reading, results=results))
         if val_due:
             objective = objective_from_config(cfg.loss)
             objective.reseed(cfg.train.seed)  # MoCHi's mixing draws: the same at every evaluation
