@@ -1,7 +1,7 @@
 """User-facing error types. `cli.main` turns any `MmclError` into one line and exit code 2."""
 
 import re
-from typing import Any
+from typing import Any, List
 
 # Characters a terminal acts on rather than shows: C0 and C1 controls (ESC starts colour and cursor sequences, CR
 # overwrites a line, BEL rings) and the bidirectional overrides that reorder what is shown.
@@ -42,6 +42,11 @@ _REDACT_PATTERNS = [
     re.compile(r"(?P<keep>)\b(?P<secret>(?:AKIA|ASIA)[0-9A-Z]{16})\b"),
 ]
 _ENV_REFERENCE = re.compile(r"(?:\w+\s+)?\$\{?\w+\}?")
+
+
+def preview(names: List[str], n: int = 3) -> str:
+    """The first `n` of `names` for a one-line message, and how many more there are: "a, b, c (+4 more)"."""
+    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
 def redact(text: str) -> str:

@@ -50,3 +50,11 @@ def test_an_error_redacts_its_own_message_and_user_errors_share_one_base():
     err = ConfigError("data.train: cannot open 'https://u:pw@h/a.tar'")
     assert str(err) == "data.train: cannot open 'https://u:***@h/a.tar'"
     assert isinstance(DamagedCheckpointError("x"), MmclError) and not MmclError.everywhere
+
+
+def test_preview_names_the_first_few_and_counts_the_rest():
+    from mmcl.errors import preview
+
+    assert preview(["a", "b"]) == "a, b"
+    assert preview(["a", "b", "c", "d", "e"]) == "a, b, c (+2 more)"
+    assert preview(list("abcdefgh"), 6) == "a, b, c, d, e, f (+2 more)"

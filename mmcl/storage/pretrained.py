@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, preview
 from . import checkpoints
 from .locate import CONFIG_FILE, TAG_PREPROCESS, locate, open_clip_train_arch, read_json_file, read_model_meta
-from .weights import _preview, init_from
+from .weights import init_from
 
 HUB_PREFIX = "hf-hub:"
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
@@ -143,7 +143,7 @@ def pretrained_problem(name: str, arch: str) -> Optional[str]:
         if tags:
             return f"'{name}' is not a published tag of {arch}; open_clip knows: {', '.join(tags)}"
         others = list_pretrained_models_by_tag(name)
-        hint = f" ('{name}' is published for {_preview(others, 6)})" if others else ""
+        hint = f" ('{name}' is published for {preview(others, 6)})" if others else ""
         return (f"open_clip publishes no weights for model.name={arch}{hint}; set model.name to one that has "
                 f"them, or give hf-hub:ORG/NAME, a file or a directory")
     tag_cfg = get_pretrained_cfg(arch, name)

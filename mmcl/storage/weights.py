@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, preview
 from ..models import towers
 from ..models.towers import (
     build_tokenizer,
@@ -222,9 +222,9 @@ def _fit_state(model: nn.Module, state: Dict[str, torch.Tensor], weights: Path, 
     if missing or unexpected or shapes:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} missing ({_preview(missing, 3)})")
+            parts.append(f"{len(missing)} missing ({preview(missing, 3)})")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected ({_preview(unexpected, 3)})")
+            parts.append(f"{len(unexpected)} unexpected ({preview(unexpected, 3)})")
         if shapes:
             k = shapes[0]
             parts.append(f"{len(shapes)} of another shape (e.g. {k}: {tuple(state[k].shape)} in the file, "
@@ -457,10 +457,6 @@ def _hf_activation_note(path: Path, model: nn.Module) -> Optional[str]:
     return None
 
 
-def _preview(keys: List[str], n: int = 6) -> str:
-    return ", ".join(keys[:n]) + (f", ... (+{len(keys) - n})" if len(keys) > n else "")
-
-
 def init_from(model: nn.Module, path, label: Optional[str] = None) -> str:
     """Load pretrained weights into `model` in place; returns a one-paragraph report.
 
@@ -484,13 +480,13 @@ def init_from(model: nn.Module, path, label: Optional[str] = None) -> str:
     matched = {k: v for k, v in state.items() if k in own}
     if not matched:
         raise CheckpointError(f"{label}: none of its {len(state)} tensors matches a model key "
-                              f"(got e.g. {_preview(sorted(state), 3)}; expected e.g. {_preview(sorted(own), 3)})")
+                              f"(got e.g. {preview(sorted(state), 3)}; expected e.g. {preview(sorted(own), 3)})")
     model.load_state_dict(matched, strict=False)
     missing = sorted(k for k in own if k not in state)
     unexpected = sorted(k for k in state if k not in own)
     parts = [f"{label} ({what}): loaded {len(matched)}/{len(own)} tensors"]
-    parts.append(f"missing {len(missing)}" + (f": {_preview(missing)}" if missing else ""))
-    parts.append(f"unexpected {len(unexpected)}" + (f": {_preview(unexpected)}" if unexpected else ""))
+    parts.append(f"missing {len(missing)}" + (f": {preview(missing, 6)}" if missing else ""))
+    parts.append(f"unexpected {len(unexpected)}" + (f": {preview(unexpected, 6)}" if unexpected else ""))
     parts += notes
     note = _hf_activation_note(Path(path), model)
     if note:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from ..config import to_dict
 from ..data.skips import SKIP_LOG, counts_text, describe, first_records
 from ..data.sources import redact_values
-from ..errors import ConfigError, MmclError, RunStopped
+from ..errors import ConfigError, MmclError, RunStopped, preview
 from ..storage import checkpoints
 from ..storage.fsutil import atomic_write_text, inside, open_inside
 from ..storage.layout import (
@@ -97,10 +97,6 @@ class Decision:
 
 def _entries(out: Path) -> List[str]:
     return sorted(n for n in os.listdir(out) if n != LOCK)
-
-
-def _preview(names: List[str], n: int = 3) -> str:
-    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
 def read_record(out: Path) -> Optional[Dict[str, Any]]:
@@ -260,7 +256,7 @@ def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decisio
         return Decision("start", f"{out}: a new run", write_config=True)
     record = read_record(out)
     if record is None and not _legacy_run(out):
-        raise ConfigError(f"train.output_dir {out} holds files mmcl train did not write ({_preview(_entries(out))}); "
+        raise ConfigError(f"train.output_dir {out} holds files mmcl train did not write ({preview(_entries(out))}); "
                           f"nothing was changed: choose another train.output_dir (a new or empty folder starts a "
                           f"run)")
     force = getattr(cfg.train, "resume", "auto") == "force"
