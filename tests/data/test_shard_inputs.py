@@ -5,6 +5,8 @@ import io
 import tarfile
 import tracemalloc
 
+import pytest
+
 from mmcl import data
 from mmcl.cli import main
 from mmcl.data.eval_data import folder_classnames
@@ -93,6 +95,7 @@ class _Pipe(io.RawIOBase):
         return n
 
 
+@pytest.mark.slow
 def test_tar_reader_memory_does_not_grow_with_the_number_of_members():
     small, large = _tar_of(1_000), _tar_of(20_000)
     for stream_cls in (io.BytesIO, lambda raw: io.BufferedReader(_Pipe(raw))):

@@ -33,6 +33,7 @@ def _caption_folder(root: Path, n: int, corrupt=()) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- mmcl shards
+@pytest.mark.slow
 def test_shards_keep_sizes_json_and_train_epochs_runs_on_them(tmp_path, capsys):
     out = tmp_path / "shards"
     assert main(["shards", "--input", str(_caption_folder(tmp_path / "in", 12)), "--out", str(out),
@@ -116,6 +117,7 @@ def _jpeg_shards(root: Path, n_shards: int, good: int, bad: int, truncate_last: 
     return root
 
 
+@pytest.mark.slow
 def test_a_run_names_each_skip_in_skipped_jsonl_and_counts_them_by_reason(tmp_path):
     shards = _jpeg_shards(tmp_path / "shards", 2, good=6, bad=5, truncate_last=True)
     run = tmp_path / "run"
@@ -156,6 +158,7 @@ def test_two_processes_append_whole_lines(tmp_path):
 # ------------------------------------------------------------------------------------------------- curate
 
 
+@pytest.mark.slow
 def test_curate_drops_every_byte_identical_copy_and_names_unreadable_samples(tmp_path):
     import torch
 

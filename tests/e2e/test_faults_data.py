@@ -579,6 +579,7 @@ def test_cli_damaged_model_is_one_line(tiny_model, tmp_path):
 # Exports and saved models keep what the user put there
 
 
+@pytest.mark.slow
 def test_re_export_refuses_to_overwrite_a_user_file_of_the_same_name(tiny_model, tmp_path):
     out = export_mod.export(tiny_model, "safetensors", tmp_path / "e", verify=False)
     (out / export_mod.ONNX_CONFIG_FILE).write_text("the user's own onnx notes\n")

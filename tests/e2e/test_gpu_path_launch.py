@@ -134,6 +134,7 @@ def test_fsdp_bf16_trains_like_ddp_bf16_with_a_float32_scale_and_reduction(demo,
 
 
 # ------------------------------------------------------------------------------------------------------ DeepSpeed
+@pytest.mark.slow
 def test_a_deepspeed_launch_is_refused_in_one_line(demo, tmp_path):
     assert not (ROOT / "launch" / "deepspeed-zero2.yaml").exists()
     out = tmp_path / "run"

@@ -272,6 +272,7 @@ def test_a_teacher_in_the_loop_trains_and_is_never_saved(demo, teacher_run, tmp_
     assert set(saved) == set(student) and not any("teacher" in k for k in saved)
 
 
+@pytest.mark.slow
 def test_resume_with_a_teacher_is_exact(demo, teacher_run, tmp_path, monkeypatch):
     import mmcl.training.step as step_mod
     from mmcl.cli import main
@@ -432,6 +433,7 @@ def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinfor
     assert a.item() > 0.01 and b.item() == pytest.approx(a.item(), rel=2e-3)
 
 
+@pytest.mark.slow
 def test_training_from_reinforced_shards_never_loads_a_teacher(demo, reinforced, tmp_path, monkeypatch):
     import mmcl.training.teacher as teacher_mod
     from mmcl.cli import main

@@ -75,6 +75,7 @@ def test_open_clip_export_loads_in_open_clip(model_dir, reference, tmp_path):
     assert json.loads((out / export_mod.MARKER_FILE).read_text())["format"] == "open_clip"
 
 
+@pytest.mark.slow
 def test_safetensors_export_loads_without_training_code(model_dir, reference, tmp_path):
     out = export_mod.export(model_dir, "safetensors", tmp_path / "st")
     from safetensors import safe_open

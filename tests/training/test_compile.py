@@ -126,6 +126,7 @@ def test_token_widths_that_change_every_batch_stop_recompiling_after_the_first_s
     assert counts[-1][0] <= 3 and counts[3:] == [counts[3]] * 7, counts
 
 
+@pytest.mark.slow
 def test_train_compiles_the_prepared_model_and_the_objective(demo, tmp_path, monkeypatch):
     """``train.compile``: the model is compiled after ``accelerator.prepare`` (with DDP, dynamo then cuts the graph
     at the gradient buckets so that their all-reduces overlap the backward), and the objective is compiled too."""

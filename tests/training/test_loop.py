@@ -179,6 +179,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, micro_b
 
 
 # ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_training_learns_on_demo_data(demo, tmp_path):
     from mmcl.cli import main
 
@@ -510,6 +511,7 @@ def _bad_shard_set(demo, root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_bad_shard_read_by_two_workers_warns_in_one_line_once(demo, tmp_path):
     shards = _bad_shard_set(demo, tmp_path / "shards")
     out = tmp_path / "run"

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from mmcl import models
@@ -33,6 +34,7 @@ def test_ddp_options_reach_the_accelerator(fresh_accelerate_state):
     fresh_accelerate_state()
 
 
+@pytest.mark.slow
 def test_two_processes_train_with_a_static_graph(demo, tmp_path):
     from helpers import run_args
 
