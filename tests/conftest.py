@@ -15,6 +15,18 @@ def pytest_configure(config):
         os.environ["MKL_NUM_THREADS"] = "1"
 
 
+def pytest_collection_modifyitems(config, items):
+    # With several workers (`make test`), a file goes to the next free worker in collection order: the files with
+    # the most tests marked slow go first, so that the last file to start is a quick one and no worker idles
+    # at the end while another runs a long file. Tests keep their order within a file.
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the workers collect, and the controller deals out their order
+        return
+    slow = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])
+
+
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     # Nothing may be fetched from a model hub in tests; libraries must use local files only.
