@@ -16,6 +16,7 @@ sys.path.insert(0, str(DOCS.parent))
 
 from mmcl.cli import build_parser  # noqa: E402
 from mmcl.config import describe_keys  # noqa: E402
+from mmcl.training.open_clip_flag_table import NOT_SUPPORTED_FROM_MAIN, VERSIONS  # noqa: E402
 from mmcl.training.open_clip_flags import DEFAULTS, FLAGS  # noqa: E402
 
 NOTICE = "<!-- Written by docs/gen_reference.py from the code: edit the code, then run the script. -->\n"
@@ -78,11 +79,14 @@ def _mapping(flag: str) -> str:
 
 def migration_page() -> str:
     mapped = sum(FLAGS[f].to is not None for f in FLAGS)
+    main_only = sum(FLAGS[f].version == "main" for f in FLAGS)
     lines = [NOTICE, "# From open_clip_train", "",
-             f"Each flag of open_clip_train 3.3's `python -m open_clip_train.main` and what it is in mmcl: "
-             f"{mapped} of its {len(FLAGS)} flags map to a config key, a command or nothing to set; "
-             f"{len(FLAGS) - mapped} have no automatic mapping (the note gives the way around). `{{}}` stands for "
-             "the flag's value.", "",
+             f"Each flag of open_clip_train's `python -m open_clip_train.main`, as of open_clip 3.3 and of open_clip's "
+             f"main branch (4.2.0.dev0, June 2026; {main_only} flags are new there), and what it is in mmcl: "
+             f"{mapped} of the {len(FLAGS)} flags map to a config key, a command or nothing to set; "
+             f"{len(FLAGS) - mapped} have no automatic mapping (the note gives the reason and the way around). "
+             "`{}` stands for the flag's value, `{[]}` for its values as a list; the *open_clip* column names the "
+             "version a flag comes from where it is not both.", "",
              "A whole command line becomes a config file in one step, with every flag it could not map listed:", "",
              "```bash", "mmcl from-open-clip --out config.yaml -- --train-data 'shards/{00000..00099}.tar' \\",
              "    --train-num-samples 1000000 --batch-size 256 --epochs 32 --model ViT-B-32 --lr 5e-4",
@@ -90,9 +94,19 @@ def migration_page() -> str:
              "`mmcl train` given open_clip_train flags answers with the keys they map to. "
              "`mmcl from-open-clip` also writes open_clip_train's defaults for the flags not given where mmcl's "
              "differ (" + ", ".join(f"`{f} {v}`" for f, v in DEFAULTS.items()) + ", and `--beta2 0.999 --eps 1e-8` "
-             "for a model without `vit` in its name), so the run trains as open_clip_train's would.", "",
-             "| open_clip_train | mmcl | note |", "|---|---|---|"]
-    lines += [f"| `{f}` | {_mapping(f)} | {_cell(FLAGS[f].note)} |" for f in FLAGS]
+             "for a model without `vit` in its name; with `--use-naflex`, `--naflex-max-tokens-per-batch 16384` "
+             "and no `--epochs`), so the run trains as open_clip_train's would.", "",
+             "Some flags map according to the others given: under `--opt timm/NAME` or `--opt nadamw`, `--beta1`/"
+             "`--beta2` become `optim.kwargs.betas` and `--eps` `optim.kwargs.eps` (mmcl's `optim.beta1`/`beta2`/`eps` "
+             "are its AdamW's), and `--opt nadamw` gets open_clip's Adam defaults there; `--momentum` counts only "
+             "under `--opt timm/NAME`; `--epochs-cooldown` is divided by `--epochs`; `--json-text-key-probs` is "
+             "padded with 0 to its keys; `--text-key` yields to `--json-text-key`, `--use-naflex`'s lengths to "
+             "`--naflex-seq-lens` and `--log-every-n-steps` to `--log-metric-every-n-steps`.", "",
+             "## open_clip main's features that mmcl does not support", ""]
+    lines += [f"- {what}: {why}." for what, why in NOT_SUPPORTED_FROM_MAIN]
+    lines += ["", "## The flags", "", "| open_clip_train | open_clip | mmcl | note |", "|---|---|---|---|"]
+    lines += [f"| `{f}` | {VERSIONS[FLAGS[f].version] if FLAGS[f].version else ''} | {_mapping(f)} | "
+              f"{_cell(FLAGS[f].note)} |" for f in FLAGS]
     return "\n".join(lines) + "\n"
 
 

@@ -1,162 +1,51 @@
-"""open_clip_train's command-line flags (3.3) and what each is in mmcl: the one table that ``mmcl train`` (which
-answers such flags with their mmcl keys), ``mmcl from-open-clip`` (which writes them as a config file) and
-docs/migration.md read.
+"""open_clip_train's command-line flags (3.3 and open_clip main) and what each is in mmcl: the one table
+(mmcl/training/open_clip_flag_table.py, `FLAGS`) that ``mmcl train`` (which answers such flags with their mmcl keys),
+``mmcl from-open-clip`` (which writes them as a config file) and docs/migration.md read, and the reading of it here.
 
-Each flag's `Flag.to` is what mmcl takes instead: overrides such as ``data.batch_size={}`` (``{}`` is the flag's
-value, ``{,}``/``{::}`` the value split at ',' or '::' as a list, ``{k}={v}`` one per KEY=VALUE item), an
-``mmcl ...`` command, '' when nothing needs setting, None when there is no automatic mapping (the note gives the
-reason and the way around); or a dict from the flag's value to one of those ('*' for any other value).
+A flag's mapping can depend on the others given (`in_context`): AdamW's --beta1/--beta2/--eps go to
+``optim.kwargs`` under another optimiser, --momentum only under a timm one, --epochs-cooldown becomes a share of
+--epochs, --json-text-key-probs is padded to its keys, and a flag whose `Flag.unless` is given sets nothing.
 """
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+import re
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
+from .open_clip_flag_table import DEFAULTS, FLAGS, NAFLEX_DEFAULTS, Flag
+
+__all__ = ["DEFAULTS", "FLAGS", "Flag", "explain", "in_context", "is_command", "is_table", "overrides_for", "parse",
+           "translate", "with_defaults", "write_config"]
+
+_COMMANDS = ("mmcl ", "accelerate ")
+_PREFIXED = re.compile(r"\{;([^}]*)\}")  # {;} and {;PREFIX}: the value split at ';', each item prefixed
 
 
-@dataclass(frozen=True)
-class Flag:
-    to: Union[None, str, Dict[str, Optional[str]]]
-    note: str = ""
-    nargs: Union[int, str] = 1  # 0: a switch; 1: one value; '+' / '*': several values
+def is_command(text: str) -> bool:
+    """Whether a mapping is a command to run (``mmcl ...``, ``accelerate launch ...``) rather than overrides."""
+    return text.startswith(_COMMANDS)
 
 
-_STEPS = "mmcl counts in optimiser steps, not epochs: an epoch is samples per epoch / global batch steps"
-_TABLES = ("mmcl reads WebDataset shards: make them from the table first with mmcl shards --input TABLE --out DIR "
-           "(--sep, --image-col, --caption-col as open_clip's --csv-*)")
-_LAUNCH = "processes are started by accelerate launch (or mmcl launch) with its launch file or options"
-_PREPROCESS = ("give model.name a .json model config in open_clip's format with a preprocess_cfg (mean, std, "
-               "interpolation, resize_mode)")
-_EXACT = ("nothing to set: mmcl's losses are always exact across processes (each process scores its rows against "
-          "every process's features, gradients flowing through the gather)")
-_TEACHER = ("distill.teacher=DIR with loss.distill=1.0: the teacher is a local model (an open_clip_train run, an "
-            "mmcl run or export, a Hugging Face CLIP directory); an architecture and tag are not downloaded for it")
-_SYNC = "not supported: copy train.output_dir with your own tool (e.g. aws s3 sync in the job script)"
-_PRECISION = ("mmcl trains in mixed precision over float32 weights: amp is fp16, amp_bf16 bf16; pure bf16/fp16 "
-              "weights are not supported (closest: train.precision=bf16)")
+def globs_regex(patterns: List[str]) -> str:
+    """One regular expression that `re.search` finds in a name exactly when one of the glob `patterns` matches the
+    whole name (``fnmatch.fnmatchcase``, as open_clip_train matches its --wd-exclude patterns)."""
+    return "^(?:" + "|".join(fnmatch.translate(p) for p in patterns) + ")"
 
-FLAGS: Dict[str, Flag] = {
-    "--train-data": Flag("data.train={}", "'::'-separated sources as open_clip's; a CSV/TSV table: " + _TABLES),
-    "--train-data-upsampling-factors": Flag("data.weights={::}", "with data.resampled=true, as open_clip's"),
-    "--val-data": Flag("eval.val_loss={}", "held-out shards scored with the run's loss terms"),
-    "--train-num-samples": Flag("data.train_num_samples={}", "an epoch's size for train.epochs; null: the "
-                                "shards' counts (sizes.json, _stats.json)"),
-    "--val-num-samples": Flag("", "nothing to set: eval.val_loss's shards are read to their end"),
-    "--dataset-type": Flag({"webdataset": "", "auto": "", "csv": None, "synthetic": None},
-                           "webdataset: nothing to set; csv: " + _TABLES + "; synthetic: mmcl demo-data --out DIR"),
-    "--dataset-resampled": Flag("data.resampled=true", nargs=0),
-    "--csv-separator": Flag("mmcl shards --sep {}", _TABLES),
-    "--csv-img-key": Flag("mmcl shards --image-col {}", _TABLES),
-    "--csv-caption-key": Flag("mmcl shards --caption-col {}", _TABLES),
-    "--imagenet-val": Flag("eval.zeroshot={}", "an ImageFolder; evaluated every eval.every steps (0: at the end)"),
-    "--imagenet-v2": Flag(None, "list it as a second set: eval.zeroshot=[{name: imagenet, data: VAL}, {name: "
-                                "imagenet-v2, data: V2, classnames: FILE}] (its class folders are numbers)"),
-    "--cache-dir": Flag(None, "weights go to the Hugging Face cache: set HF_HOME in the environment"),
-    "--logs": Flag("train.output_dir={}", "the run folder itself: --logs L --name N is train.output_dir=L/N"),
-    "--log-local": Flag(None, "not supported: the main process writes the run's logs", nargs=0),
-    "--name": Flag("train.output_dir={logs}/{}", "the run folder (trackers name the run after it)"),
-    "--workers": Flag("data.workers={}", "per process"),
-    "--batch-size": Flag("data.batch_size={}", "per process (and per micro-batch with train.accum_steps)"),
-    "--epochs": Flag("train.epochs={}", "passes over data.train"),
-    "--epochs-cooldown": Flag(None, "optim.cooldown_fraction=COOLDOWN_EPOCHS/EPOCHS (or optim.cooldown_steps); "
-                                    + _STEPS),
-    "--lr": Flag("optim.lr={}"),
-    "--beta1": Flag("optim.beta1={}"),
-    "--beta2": Flag("optim.beta2={}", "open_clip's default is 0.98 for ViT models, else 0.999; mmcl's 0.98"),
-    "--eps": Flag("optim.eps={}", "open_clip's default is 1e-6 for ViT models, else 1e-8; mmcl's 1e-6"),
-    "--wd": Flag("optim.weight_decay={}", "not on gains, biases and the logit scale, as open_clip's"),
-    "--momentum": Flag(None, "not supported: for timm optimisers; mmcl trains with AdamW"),
-    "--warmup": Flag("optim.warmup_steps={}"),
-    "--opt": Flag({"adamw": ""}, "adamw: nothing to set; timm optimisers are not supported (mmcl trains with "
-                                 "AdamW)"),
-    "--use-bn-sync": Flag(None, "not supported: BatchNorm statistics stay per process (ViT towers have none)",
-                          nargs=0),
-    "--skip-scheduler": Flag("optim.schedule=constant optim.warmup_steps=0", "a constant rate, no warm-up",
-                             nargs=0),
-    "--lr-scheduler": Flag({"cosine": "optim.schedule=cosine", "const": "optim.schedule=constant",
-                            "const-cooldown": "optim.schedule=const-cooldown"}),
-    "--lr-cooldown-end": Flag("optim.min_lr={}", "mmcl's min_lr also ends cosine and linear, open_clip's only "
-                                                 "const-cooldown"),
-    "--lr-cooldown-power": Flag("optim.cooldown_power={}"),
-    "--save-frequency": Flag(None, "train.save_every=STEPS (a checkpoint is also saved at the end); " + _STEPS),
-    "--save-most-recent": Flag("", "nothing to set: the newest checkpoint is always kept (train.keep_checkpoints)",
-                               nargs=0),
-    "--zeroshot-frequency": Flag(None, "eval.every=STEPS; " + _STEPS),
-    "--val-frequency": Flag(None, "eval.val_loss_every=STEPS; " + _STEPS),
-    "--resume": Flag({"latest": "", "*": "model.init_from={}"},
-                     "latest: nothing to set, mmcl resumes the run in train.output_dir itself (train.resume=auto); "
-                     "an open_clip_train checkpoint: its weights only, as model.init_from (optimiser and schedule "
-                     "start anew)"),
-    "--precision": Flag({"amp": "train.precision=fp16", "amp_bf16": "train.precision=bf16",
-                         "amp_bfloat16": "train.precision=bf16", "fp32": "train.precision=fp32", "bf16": None,
-                         "fp16": None, "pure_bf16": None, "pure_fp16": None}, _PRECISION),
-    "--model": Flag("model.name={}", "open_clip's architectures by name"),
-    "--pretrained": Flag("model.pretrained={}", "an open_clip tag, hf-hub:ORG/NAME or a local file"),
-    "--pretrained-image": Flag("model.vision_cfg.timm_model_pretrained=true", "a timm image tower's weights",
-                               nargs=0),
-    "--lock-image": Flag("model.lock_image=true", nargs=0),
-    "--lock-image-unlocked-groups": Flag("model.lock_image_unlocked_groups={}"),
-    "--lock-image-freeze-bn-stats": Flag("model.lock_image_freeze_bn_stats=true", nargs=0),
-    "--image-mean": Flag(None, _PREPROCESS, nargs="+"),
-    "--image-std": Flag(None, _PREPROCESS, nargs="+"),
-    "--image-interpolation": Flag(None, _PREPROCESS),
-    "--image-resize-mode": Flag(None, _PREPROCESS),
-    "--aug-cfg": Flag("data.aug.{k}={v}", "open_clip's AugmentationCfg, key for key", nargs="*"),
-    "--grad-checkpointing": Flag("model.grad_checkpointing=true", nargs=0),
-    "--local-loss": Flag("", _EXACT, nargs=0),
-    "--gather-with-grad": Flag("", _EXACT, nargs=0),
-    "--force-context-length": Flag("model.context_length={}"),
-    "--force-image-size": Flag("model.image_size={}", "one (square) size", nargs="+"),
-    "--force-quick-gelu": Flag(None, "name a -quickgelu architecture (model.name=ViT-B-32-quickgelu) or a .json "
-                                     "model config with quick_gelu: true", nargs=0),
-    "--force-patch-dropout": Flag("model.patch_dropout={}", "unmasked steps at the end: train.unmasked_steps"),
-    "--force-custom-text": Flag(None, "not supported: mmcl builds the class its towers need (a Hugging Face text "
-                                      "tower: model.text.hf)", nargs=0),
-    "--torchscript": Flag(None, "not supported: train eager or with train.compile=true; deploy with mmcl export",
-                          nargs=0),
-    "--torchcompile": Flag("train.compile=true", nargs=0),
-    "--trace": Flag(None, "not supported (inference only): mmcl export --format onnx", nargs=0),
-    "--accum-freq": Flag("train.accum_steps={}", "micro-batches forming one contrastive batch, as open_clip's"),
-    "--device": Flag(None, "each process's device comes from accelerate (CUDA when present; accelerate launch "
-                           "--cpu for the CPU)"),
-    "--dist-url": Flag(None, _LAUNCH + " (--main_process_ip, --main_process_port)"),
-    "--dist-backend": Flag(None, _LAUNCH + " (NCCL on GPUs, gloo on CPUs)"),
-    "--report-to": Flag("train.log_with={,}", "metrics.jsonl is always written"),
-    "--wandb-notes": Flag("track.notes={}"),
-    "--wandb-project-name": Flag("track.project={}"),
-    "--debug": Flag(None, "not supported: metrics.jsonl holds every logged step", nargs=0),
-    "--copy-codebase": Flag(None, "not supported: the run folder's config.yaml records the run; pin mmcl's "
-                                  "version", nargs=0),
-    "--horovod": Flag(None, "not supported: " + _LAUNCH, nargs=0),
-    "--ddp-static-graph": Flag("train.ddp.static_graph=true", nargs=0),
-    "--no-set-device-rank": Flag(None, "nothing like it: accelerate gives each process its device", nargs=0),
-    "--seed": Flag("train.seed={}"),
-    "--grad-clip-norm": Flag("optim.grad_clip={}", "open_clip clips nothing by default, mmcl at 1.0"),
-    "--lock-text": Flag("model.lock_text=true", nargs=0),
-    "--lock-text-unlocked-layers": Flag("model.lock_text_unlocked_layers={}"),
-    "--lock-text-freeze-layer-norm": Flag("model.lock_text_freeze_layer_norm=true", nargs=0),
-    "--log-every-n-steps": Flag("train.log_every={}"),
-    "--coca-caption-loss-weight": Flag(None, "not supported: CoCa's captioning loss (mmcl trains two towers)"),
-    "--coca-contrastive-loss-weight": Flag(None, "not supported: CoCa (loss.clip weighs InfoNCE)"),
-    "--remote-sync": Flag(None, _SYNC),
-    "--remote-sync-frequency": Flag(None, _SYNC),
-    "--remote-sync-protocol": Flag(None, _SYNC),
-    "--delete-previous-checkpoint": Flag("train.keep_checkpoints=1", nargs=0),
-    "--distill-model": Flag(None, _TEACHER),
-    "--distill-pretrained": Flag(None, _TEACHER),
-    "--use-bnb-linear": Flag(None, "not supported: bitsandbytes int8 linear layers"),
-    "--siglip": Flag("loss.siglip=1.0 loss.clip=0.0 model.init_logit_scale=2.302585092994046 "
-                     "model.init_logit_bias=-10.0", "as open_clip: logit scale log(10), bias -10", nargs=0),
-    "--loss-dist-impl": Flag("", _EXACT),
-}
 
-# open_clip_train's defaults that differ from mmcl's: `write_config` writes them for a flag not given.
-DEFAULTS = {"--epochs": "32", "--warmup": "10000", "--workers": "4", "--model": "RN50",
-            "--log-every-n-steps": "100", "--grad-clip-norm": "null"}
+def _choose(to: Dict[str, Optional[str]], value: str) -> Tuple[Optional[str], str]:
+    """The entry of a value-keyed mapping for `value` (exact keys first, then glob keys in order) and what the
+    key's '*' matched."""
+    if value in to:
+        return to[value], value
+    for key, entry in to.items():
+        if "*" in key and fnmatch.fnmatchcase(value, key):
+            head, _, tail = key.partition("*")
+            return entry, value[len(head):len(value) - len(tail)]
+    return None, value
 
 
 def _yaml_list(items: List[str]) -> str:
@@ -164,23 +53,72 @@ def _yaml_list(items: List[str]) -> str:
 
 
 def overrides_for(flag: str, value) -> Optional[List[str]]:
-    """What `flag` given `value` (a string, a list for several values, True for a switch) is in mmcl: overrides,
-    or one ``mmcl ...`` command; [] for nothing to set; None for no mapping (the flag's note says why)."""
-    to = FLAGS[flag].to
+    """What `flag` given `value` (a string, a list for several values, True for a switch) is in mmcl on its own:
+    overrides, or one command; [] for nothing to set; None for no mapping (the flag's note says why)."""
+    to, star = FLAGS[flag].to, ""
     if isinstance(to, dict):
-        to = to.get(value, to.get("*"))
+        to, star = _choose(to, str(value))
     if to is None:
         return None
     if "{k}" in to:
         if not all("=" in v for v in value):
             raise ConfigError(f"open_clip_train's {flag} takes KEY=VALUE items (got {' '.join(value)})")
         return [to.format(k=k, v=json.dumps(_literal(v))) for k, v in (v.split("=", 1) for v in value)]
+    if "{re}" in to:
+        return [to.replace("{re}", json.dumps(globs_regex(value)))] if value else []
+    listed = _yaml_list(value) if isinstance(value, list) else f"[{value}]"
     if isinstance(value, list):
         value = value[0] if len(value) == 1 else _yaml_list(value)
     value = str(value)
-    parts = [to] if to.startswith("mmcl ") else to.split()
-    return [t.replace("{,}", _yaml_list([v for v in value.split(",") if v]))
-             .replace("{::}", _yaml_list(value.split("::"))).replace("{}", value) for t in parts]
+    parts = [to] if is_command(to) else to.split()
+    return [_PREFIXED.sub(lambda m: _yaml_list([m.group(1) + v for v in value.split(";") if v]), t)
+            .replace("{,}", _yaml_list([v for v in value.split(",") if v]))
+            .replace("{::}", _yaml_list(value.split("::"))).replace("{*}", star).replace("{[]}", listed)
+            .replace("{}", value) for t in parts]
+
+
+def _optimizer(names: Dict[str, object]) -> str:
+    """The ``optim.name`` that the --opt given (adamw without one) maps to."""
+    mapped = overrides_for("--opt", names["--opt"]) if "--opt" in names else None
+    for item in mapped or []:
+        if item.startswith("optim.name="):
+            return item.split("=", 1)[1]
+    return "adamw"
+
+
+def _number(flag: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"open_clip_train's {flag} takes a number (got {value})") from None
+
+
+def in_context(flag: str, value, names: Dict[str, object]) -> Optional[List[str]]:
+    """`overrides_for` (`flag`, `value`) as the other flags given (`names`: flag -> value) change it."""
+    if FLAGS[flag].unless in names:
+        return []
+    to = overrides_for(flag, value)
+    if to is None:
+        return None
+    optimizer = _optimizer(names)
+    if flag == "--momentum" and not str(names.get("--opt", "")).startswith("timm/"):
+        return []  # open_clip_train passes it to timm's optimisers only
+    if flag in ("--beta1", "--beta2") and optimizer != "adamw":
+        if "--beta1" not in names or "--beta2" not in names:
+            raise ConfigError(f"open_clip_train's --opt {names['--opt']} takes --beta1 and --beta2 together "
+                              f"(got {flag} alone)")
+        return [f"optim.kwargs.betas=[{names['--beta1']}, {names['--beta2']}]"]
+    if flag == "--eps" and optimizer != "adamw":
+        return [f"optim.kwargs.eps={value}"]
+    if flag == "--json-text-key-probs" and "--json-text-key" in names:
+        keys = [k for k in str(names["--json-text-key"]).split(";") if k]
+        return [f"data.caption_key_weights={_yaml_list(list(value) + ['0'] * (len(keys) - len(value)))}"]
+    if flag == "--epochs-cooldown":
+        epochs = _number("--epochs", names.get("--epochs", DEFAULTS["--epochs"]))
+        return [f"optim.cooldown_fraction={_number(flag, value) / epochs!r}"]
+    if flag == "--epochs" and "--use-naflex" in names:
+        return None  # NaFlex batches hold varying numbers of pairs: mmcl counts such runs in steps
+    return to
 
 
 def _literal(text: str):
@@ -225,13 +163,13 @@ def translate(given: List[Tuple[str, object]]) -> Tuple[List[str], List[str]]:
     logs = str(names.get("--logs", "./logs")).rstrip("/")
     overrides, left = [], []
     for flag, value in given:
-        to = overrides_for(flag, value)
+        to = in_context(flag, value, names)
         if flag == "--logs" and "--name" in names:
             continue  # --name's run folder holds it
-        if to is None or to[:1] and to[0].startswith("mmcl "):
+        if to is None or to[:1] and is_command(to[0]):
             left.append(f"{_shown(flag, value)}: {to[0] if to else FLAGS[flag].note}")
         else:
-            overrides += [t.replace("{logs}", logs) for t in to]
+            overrides += [t.replace("{logs}", logs) for t in to if t.replace("{logs}", logs) not in overrides]
     return overrides, left
 
 
@@ -240,12 +178,14 @@ def explain(argv: List[str]) -> Optional[str]:
     given, _ = parse(argv)
     if not given:
         return None
-    parts = []
+    names, parts = dict(given), []
     for flag, value in given:
-        to = overrides_for(flag, value)
+        to = in_context(flag, value, names)
         hint = (f" (a table: make shards first with mmcl shards --input {value} --out DIR, then data.train=DIR)"
                 if flag == "--train-data" and is_table(str(value)) else "")
         what = FLAGS[flag].note if to is None else " ".join(to).replace("{logs}", "LOGS") or "nothing to set"
+        if FLAGS[flag].unless in names:
+            what += f" ({FLAGS[flag].unless} sets it)"
         parts.append(f"{_shown(flag, value)} -> {what}{hint}")
     return ("open_clip_train flags: " + ", ".join(parts) + "; give mmcl keys as key=value, or write a config "
             "with mmcl from-open-clip --out config.yaml -- FLAGS")
@@ -259,13 +199,26 @@ def is_table(path: str) -> bool:
 
 
 def with_defaults(given: List[Tuple[str, object]]) -> List[Tuple[str, object]]:
-    """`given` with open_clip_train's defaults (`DEFAULTS`, and its AdamW betas for a model without 'vit' in its
-    name) for the flags not given, first, so that the run trains as open_clip_train's would."""
+    """`given` with open_clip_train's defaults for the flags not given, first, so that the run trains as
+    open_clip_train's would: `DEFAULTS` (with --use-naflex: `NAFLEX_DEFAULTS`, and no --epochs, as mmcl counts
+    NaFlex runs in steps), and its Adam betas and epsilon for the model (`get_default_params`) where they differ
+    from mmcl's AdamW defaults, or all three for nadamw (they go to its constructor)."""
     names = dict(given)
-    added = [(f, v) for f, v in DEFAULTS.items() if f not in names]
-    model = str(names.get("--model", DEFAULTS["--model"])).lower()
-    if "vit" not in model and "timm" not in str(names.get("--opt", "")):
-        added += [(f, v) for f, v in (("--beta2", "0.999"), ("--eps", "1e-8")) if f not in names]
+    defaults = dict(DEFAULTS)
+    if "--use-naflex" in names:
+        defaults.update(NAFLEX_DEFAULTS)
+        del defaults["--epochs"]
+    added = [(f, v) for f, v in defaults.items() if f not in names]
+    model, opt = str(names.get("--model", DEFAULTS["--model"])).lower(), str(names.get("--opt", "adamw"))
+    adam = ({"--beta1": "0.9", "--beta2": "0.98", "--eps": "1e-6"} if "vit" in model
+            else {"--beta1": "0.9", "--beta2": "0.999", "--eps": "1e-8"})
+    if opt == "adamw":
+        from ..config import OptimConfig
+
+        mine = OptimConfig()  # mmcl's AdamW defaults: open_clip's for ViT models
+        adam = {f: v for f, v in adam.items() if float(v) != getattr(mine, f[2:])}
+    if "timm" not in opt:
+        added += [(f, v) for f, v in adam.items() if f not in names]
     return added + list(given)
 
 
@@ -280,8 +233,8 @@ def write_config(argv: List[str], out: str) -> Tuple[List[str], List[str], List[
 
     given, unknown = parse(argv)
     if unknown:
-        raise ConfigError(f"not open_clip_train flags: {' '.join(unknown)} (open_clip_train 3.3's flags are listed "
-                          f"in docs/migration.md)")
+        raise ConfigError(f"not open_clip_train flags: {' '.join(unknown)} (open_clip_train's flags, 3.3's and "
+                          f"main's, are listed in docs/migration.md)")
     full = with_defaults(given)
     overrides, left = translate(full)
     load_config(None, overrides)
