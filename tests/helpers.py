@@ -1,6 +1,6 @@
 """Builders shared by several test files: a micro model and fake batches, the tiny demo run's command line and its
-outputs, and the small images, shards and stream settings of the data tests. Their fixtures (`demo`, `corpus`)
-are in conftest.py."""
+outputs, the loss tests' feature pairs and float64 references, and the small images, shards and stream settings of
+the data tests. Their fixtures (`demo`, `corpus`) are in conftest.py."""
 
 import io
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import webdataset as wds
 from PIL import Image
 from torchvision import transforms as T
@@ -82,6 +83,26 @@ def metrics(run_dir):
 
 
 # ------------------------------------------------------------------------------------------- losses
+def pair_features(n, d, dtype=torch.float32, seed=0, correlated=True):
+    """n unit (image, text) pairs of width d from `seed`, drawn in float64 and cast to `dtype`; correlated: each text
+    is its image plus noise (cosine ~0.8), so positives are more similar than negatives, as in a trained model."""
+    g = torch.Generator().manual_seed(seed)
+    img = torch.randn(n, d, generator=g, dtype=torch.float64)
+    txt = torch.randn(n, d, generator=g, dtype=torch.float64)
+    if correlated:
+        txt = img + 0.7 * txt
+    return F.normalize(img, dim=1).to(dtype), F.normalize(txt, dim=1).to(dtype)
+
+
+def fresh_leaves(*tensors):
+    """Detached copies that require grad: the same inputs for two computations whose gradients are compared."""
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def grads_wrt(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
 # float64 transcriptions of the papers' definitions, which the losses are checked against.
 def ref_clip(img, txt, s):
     """Radford et al. 2021: mean of the two cross-entropies of the logit matrix and its transpose."""

@@ -1,5 +1,6 @@
 """Two gloo processes on CPU, each holding half of a global batch inside DDP, must reproduce one process on the
-whole batch: the logged loss terms and every parameter gradient after DDP's averaging."""
+whole batch: the logged loss terms and every parameter gradient after DDP's averaging. Without a process group,
+gather_features returns its inputs."""
 
 import math
 
@@ -14,6 +15,7 @@ from mmcl.config import LossConfig, MochiConfig
 from mmcl.losses import gather_batch, gather_features
 from mmcl.training.step import objective_from_config
 
+from helpers import pair_features
 from spawned import end_worker, spawn
 from spawned import free_port as _free_port
 
@@ -135,3 +137,10 @@ def test_gather_features_sums_gradients_to_the_owner(spawned):
         # Row r of the gathered tensor gets weight r * (k + 1) on rank k; summed over k = 0, 1: 3r.
         expected = 3 * torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float64)[:, None].expand(2, 3)
         assert torch.equal(got["gx"], expected) and torch.equal(got["gy"], expected)
+
+
+def test_gather_features_is_identity_without_process_group():
+    img, txt = pair_features(4, 3)
+    labels = torch.arange(4)
+    a, b, c, offset = gather_features(img, txt, labels)
+    assert a is img and b is txt and c is labels and offset == 0

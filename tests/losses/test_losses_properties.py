@@ -108,7 +108,7 @@ def draw_labels(draw_kind, n, seed):
 
 
 # ---------------------------------------------------------------------- float64 transcriptions of the definitions
-# (clip's and supcon's are in helpers.py, shared with test_losses.py)
+# (clip's and supcon's are in helpers.py, shared with test_clip.py and test_supcon.py)
 
 
 def ref_siglip(img, txt, s, b):
