@@ -33,7 +33,15 @@ def is_command(text: str) -> bool:
 def globs_regex(patterns: List[str]) -> str:
     """One regular expression that `re.search` finds in a name exactly when one of the glob `patterns` matches the
     whole name (``fnmatch.fnmatchcase``, as open_clip_train matches its --wd-exclude patterns)."""
-    return "^(?:" + "|".join(fnmatch.translate(p) for p in patterns) + ")"
+    return "^(?:" + "|".join(_glob_regex(p) for p in patterns) + ")"
+
+
+def _glob_regex(pattern: str) -> str:
+    """`fnmatch.translate` without the atomic groups Python 3.11's writes (a config written there loads on 3.10
+    too): '*' and '?' as in fnmatch, every other character literal; a pattern with a [set] is fnmatch's own."""
+    if "[" in pattern:
+        return fnmatch.translate(pattern)
+    return "(?s:" + "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern) + r")\Z"
 
 
 def _choose(to: Dict[str, Optional[str]], value: str) -> Tuple[Optional[str], str]:
