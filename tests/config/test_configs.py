@@ -74,6 +74,11 @@ def test_small_config_trains_one_step(path):
     batch = 8
     g = torch.Generator().manual_seed(0)
     image = torch.randn(batch, 3, pp["size"], pp["size"], generator=g)
+    if models.is_naflex(model):  # a NaFlex tower takes patches (configs/naflex.yaml): images of three shapes
+        from mmcl.data.naflex import patch_batch
+
+        p = pp["patch_size"]
+        image = patch_batch([torch.randn(3, p * (1 + i % 3), p * (1 + i % 2), generator=g) for i in range(batch)], 6, p)
     text = tokenizer([f"a {c} square" for c in ("red", "blue", "green", "red", "pink", "blue", "grey", "teal")])
     labels = torch.tensor([0, 1, 2, 0, 3, 1, 4, 5])
     model.train()
