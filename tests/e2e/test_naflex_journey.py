@@ -1,6 +1,7 @@
 """NaFlex end to end: the step's loss over a varying number of pairs, and `mmcl train --config configs/naflex.yaml`
 on the demo data, which trains, checkpoints, evaluates zero-shot, resumes exactly, exports and loads back."""
 
+import contextlib
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from mmcl.data.naflex import PATCH_KEYS, PatchNormalizer, patch_batch
 from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from helpers import ROOT, final_weights, metrics
+from spawned import end_worker, free_port, spawn
 
 TOWER = ["model.vision_cfg={timm_model_name: naflexvit_base_patch16_siglip, timm_model_kwargs: {embed_dim: 16, "
          "depth: 1, num_heads: 2, patch_size: 8, pos_embed_grid_size: [4, 4]}}",
@@ -29,13 +31,18 @@ def _batch(tokenizer, seed, n, seq_len):
                 label=torch.arange(n))
 
 
-@pytest.mark.parametrize("term", ["clip", "siglip"])
-def test_padding_to_the_capacity_gives_the_loss_and_gradients_of_the_real_pairs(term):
+def _model_and_objective(term):
     torch.manual_seed(0)
     model, _, _, _, _, tokenizer = models.build(ModelConfig(name="tiny", vision_cfg={
         "timm_model_name": "naflexvit_base_patch16_siglip",
         "timm_model_kwargs": {"embed_dim": 16, "depth": 1, "num_heads": 2, "patch_size": 8}}, init_logit_bias=-5.0))
-    objective = objective_from_config(LossConfig(clip=float(term == "clip"), siglip=float(term == "siglip")))
+    weights = {"clip": float(term == "clip"), "siglip": float(term == "siglip")}
+    return model, tokenizer, objective_from_config(LossConfig(**weights))
+
+
+@pytest.mark.parametrize("term", ["clip", "siglip"])
+def test_padding_to_the_capacity_gives_the_loss_and_gradients_of_the_real_pairs(term):
+    model, tokenizer, objective = _model_and_objective(term)
     acc, finish = Accelerator(cpu=True), PatchNormalizer((0.5,) * 3, (0.5,) * 3)
     batches = [_batch(tokenizer, 0, 5, 6), _batch(tokenizer, 1, 3, 9)]  # two micro-batches of 5 and 3 pairs
     results = []
@@ -50,6 +57,58 @@ def test_padding_to_the_capacity_gives_the_loss_and_gradients_of_the_real_pairs(
     for k in grads_a:
         torch.testing.assert_close(grads_a[k], grads_b[k], atol=1e-5, rtol=1e-4)  # float32 sums in another order
     assert set(PATCH_KEYS) <= set(batches[0])
+
+
+class _OneDevice:
+    """What forward_loss and backward use of an accelerator, in a worker that set up torch.distributed itself."""
+
+    device = torch.device("cpu")
+    autocast = staticmethod(contextlib.nullcontext)
+    no_sync = staticmethod(lambda model: contextlib.nullcontext())
+
+    @staticmethod
+    def backward(loss):
+        loss.backward()
+
+
+def _ranks_worker(rank, port, term, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model, tokenizer, objective = _model_and_objective(term)
+    batch = [_batch(tokenizer, 0, 5, 6), _batch(tokenizer, 1, 3, 9)][rank]  # 5 pairs here, 3 there
+    finish = PatchNormalizer((0.5,) * 3, (0.5,) * 3)
+    loss, _, _ = forward_loss(model, objective, [batch], _OneDevice, finish, capacity=6)
+    backward(_OneDevice, model, loss, [batch], None, finish)
+    losses = [torch.zeros(()) for _ in range(2)]
+    dist.all_gather(losses, loss.detach())
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():  # DDP's average
+        dist.all_reduce(g)
+        g /= 2
+    if rank == 0:
+        torch.save({"loss": torch.stack(losses).mean(), "grads": grads}, out)
+    end_worker()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("term", ["clip", "siglip"])
+def test_two_processes_holding_5_and_3_pairs_train_as_one_holding_8(term, tmp_path):
+    model, tokenizer, objective = _model_and_objective(term)
+    batches = [_batch(tokenizer, 0, 5, 6), _batch(tokenizer, 1, 3, 9)]
+    finish = PatchNormalizer((0.5,) * 3, (0.5,) * 3)
+    acc = Accelerator(cpu=True)
+    loss, _, cache = forward_loss(model, objective, batches, acc, finish)  # one process, the 8 pairs
+    backward(acc, model, loss, batches, cache, finish)
+    out = tmp_path / "ranks.pt"
+    spawn(_ranks_worker, args=(free_port(), term, str(out)))
+    got = torch.load(out, weights_only=True)
+    torch.testing.assert_close(got["loss"], loss.detach(), atol=1e-6, rtol=1e-5)
+    assert any(k.startswith("visual.trunk") for k in got["grads"])
+    for k, p in model.named_parameters():
+        if p.grad is not None:  # the reference's zero-weighted terms (GradCache) give unused parameters zeros
+            expected = got["grads"].get(k, torch.zeros_like(p.grad))
+            torch.testing.assert_close(expected, p.grad, atol=1e-5, rtol=1e-4)
 
 
 def _args(demo, out, *extra):
