@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -196,16 +197,24 @@ def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, trainee: "Tr
     model_size = model_phases.full_sizes(trainee.model_cfg)[0]
     data_cfg = dataclasses.replace(cfg.data, batch_size=rt.batch_size)  # the run's batch (`Runtime`)
     teacher = trainee.teacher
+    plan = naflex_plan(cfg, trainee.pp_cfg)
     stream = agreed(accelerator, lambda: data_mod.build_train_stream(
         data_cfg, image_spec, models.training_tokenizer(model, trainee.tokenizer), seed=cfg.train.seed,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         pin_memory=accelerator.device.type == "cuda",
         teacher_view=None if teacher is None else teacher.view, stored_teacher=cfg.distill.from_shards,
         sizes=phases.input_sizes(trainee.phases, model_size, rt.accum_steps),
-        naflex=naflex_plan(cfg, trainee.pp_cfg)))
+        naflex=plan))
     # Each batch a data worker sends is a shared-memory segment: a container's small /dev/shm fails mid-run.
-    check_shared_memory(data_cfg, getattr(image_spec, "size", None) or trainee.pp_cfg["size"], stream.uint8,
-                        world().local_size)
+    size = getattr(image_spec, "size", None) or trainee.pp_cfg["size"]
+    if plan is not None:  # the largest NaFlex batch: capacity images of the shortest length's patches
+        data_cfg = dataclasses.replace(data_cfg, batch_size=plan.capacity)
+        size = plan.patch_size * math.ceil(math.sqrt(min(plan.seq_lens)))
+        log_line(accelerator, f"NaFlex: sequence lengths {list(plan.seq_lens)} (weights "
+                 f"{[round(p, 3) for p in plan.probs]}), {plan.max_tokens} patch tokens per process batch: "
+                 f"{plan.max_tokens // max(plan.seq_lens)}-{plan.capacity} pairs, padded to {plan.capacity} in the "
+                 f"loss (data.batch_size is not used)")
+    check_shared_memory(data_cfg, size, stream.uint8, world().local_size)
     stream.skip_log = SkipLog(layout.skipped)  # appended to by every process
     return stream
 

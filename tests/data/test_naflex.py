@@ -135,3 +135,38 @@ def test_stream_with_a_worker_gives_the_batches_of_the_inline_stream(shards):
     it.close()
     for a, b in zip(inline, batches):
         assert a["key"] == b["key"] and torch.equal(a["patches"], b["patches"])
+
+
+@pytest.mark.parametrize("override,named", [
+    ("loss.mochi.weight=1.0",
+     "data.naflex does not work with loss terms loss.mochi.weight (NaFlex takes clip, siglip)"),
+    ("model.patch_dropout=0.5", "data.naflex does not work with model.patch_dropout"),
+    ("train.epochs=2", "data.naflex does not work with train.samples / train.epochs"),
+    ("data.naflex.seq_len_probs=[1.0]", "data.naflex.seq_len_probs needs one weight >= 0 per length"),
+    ("data.naflex.max_tokens_per_batch=32", "must hold at least one sequence of the longest length (64)"),
+])
+def test_config_refuses_what_does_not_work_with_naflex_in_one_line(override, named, capsys):
+    from mmcl.cli import main
+
+    from helpers import ROOT
+
+    code = main(["train", "--config", str(ROOT / "configs" / "naflex.yaml"), "data.train=none.tar", override])
+    err = capsys.readouterr().err
+    assert code != 0 and named in err and "Traceback" not in err
+    assert [ln for ln in err.splitlines() if ln.startswith("mmcl: error:")]
+
+
+def test_a_naflex_tower_without_seq_lens_is_refused_when_the_run_is_built():
+    from mmcl.config import load_config
+    from mmcl.errors import ConfigError
+    from mmcl.models import build
+    from mmcl.training.build import naflex_preprocess
+
+    from helpers import ROOT
+
+    cfg = load_config(str(ROOT / "configs" / "naflex.yaml"), ["data.naflex.seq_lens=[]", "eval.naflex_seq_len=[]"])
+    model, _, pp, *_ = build(cfg.model)
+    with pytest.raises(ConfigError, match="data.naflex.seq_lens .* is needed with a NaFlex image tower"):
+        naflex_preprocess(cfg, model, pp)
+    ok = load_config(str(ROOT / "configs" / "naflex.yaml"), ["eval.naflex_seq_len=[36, 64]"])
+    assert naflex_preprocess(ok, model, pp)["naflex_seq_len"] == 36
