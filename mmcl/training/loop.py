@@ -104,7 +104,8 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         console.attach(run.layout.out_log)
         run.console = console
     resume_or_start(run, folder)
-    if run.trainee.phases:  # each batch's phase follows from its place in the run, whatever the saved stream counted
+    if run.trainee.phases or run.stream.naflex is not None:
+        # each batch's phase, or NaFlex length, follows from its place in the run, whatever the saved stream counted
         run.stream.batches = run.progress.step * rt.accum_steps
     describe_setup(cfg, rt, run.accelerator, run.stream.workers)
     data_iter = iter(run.stream)

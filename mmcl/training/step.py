@@ -387,9 +387,9 @@ class Step:
 
 def naflex_metrics(batches) -> Dict[str, torch.Tensor]:
     """The logged numbers of a step's NaFlex micro-batches (host tensors, no device read): the share of patch slots
-    that are padding, the sequence length and this process's pairs."""
+    that are padding, the sequence length (the mean over the micro-batches) and this process's pairs."""
     valid = [b["patch_valid"] for b in batches]
     slots = sum(v.numel() for v in valid)
     return {"data/naflex_padding_waste": torch.tensor(sum(float((~v).sum()) for v in valid) / max(1, slots)),
-            "data/naflex_seq_len": torch.tensor(float(valid[0].shape[1])),
+            "data/naflex_seq_len": torch.tensor(sum(float(v.shape[1]) for v in valid) / len(valid)),
             "data/naflex_pairs": torch.tensor(float(sum(v.shape[0] for v in valid)))}
