@@ -19,7 +19,7 @@ from helpers import ROOT, final_weights, metrics
 from spawned import end_worker, free_port, spawn
 
 TOWER = ["model.vision_cfg={timm_model_name: naflexvit_base_patch16_siglip, timm_model_kwargs: {embed_dim: 16, "
-         "depth: 1, num_heads: 2, patch_size: 8, pos_embed_grid_size: [4, 4]}}",
+         "depth: 1, num_heads: 2, patch_size: 8, pos_embed_grid_size: [4, 4], pos_embed_use_grid_sample: true}}",
          "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]
 
 

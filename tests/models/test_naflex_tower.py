@@ -1,6 +1,7 @@
 """NaFlex image towers: timm's NaFlexVit in an open_clip CLIP beside mmcl's text towers (mmcl.models.naflex)."""
 
 import pytest
+import timm
 import torch
 
 from mmcl import models
@@ -32,8 +33,10 @@ def test_is_naflex_names_the_tower_in_a_model_a_config_and_a_name(built):
     assert naflex.patch_size_of(model) == 8 == built[2]["patch_size"]
 
 
-def test_padded_batch_embeds_each_image_as_it_does_alone(built):
+@pytest.mark.parametrize("grid_sample", [False, True])
+def test_padded_batch_embeds_each_image_as_it_does_alone(built, grid_sample):
     model = built[0].eval()
+    model.visual.trunk.embeds.pos_embed_use_grid_sample = grid_sample
     gen = torch.Generator().manual_seed(0)
     images = [torch.randn(3, 8 * h, 8 * w, generator=gen) for h, w in ((2, 3), (4, 1), (3, 3))]
     with torch.no_grad():
@@ -68,3 +71,19 @@ def test_an_image_tensor_and_other_export_formats_are_refused_in_one_line(built)
 def test_config_patch_size_reads_kwargs_or_the_named_tower():
     assert naflex.config_patch_size({"vision_cfg": TINY_TOWER}) == 8
     assert naflex.config_patch_size({"vision_cfg": {"timm_model_name": "naflexvit_base_patch16_siglip"}}) == 16
+
+
+def test_sampled_position_embeddings_read_nothing_on_the_host():
+    from syncwatch import SyncWatch
+
+    images = [torch.randn(3, 8 * h, 8 * w) for h, w in ((2, 3), (4, 1), (3, 3))]
+    counts = {}
+    for grid_sample in (False, True):
+        tower = timm.create_model("naflexvit_base_patch16_siglip", embed_dim=16, depth=1, num_heads=2, patch_size=8,
+                                  num_classes=0, pos_embed_use_grid_sample=grid_sample)
+        with SyncWatch() as watch:
+            tower(patch_batch(images, 16, 8)).sum().backward()
+        counts[grid_sample] = watch.count
+    # timm's default resizes the table per image from its grid, read on the host (two reads an image); sampled per
+    # patch (configs/naflex.yaml) a step reads nothing
+    assert counts == {False: 2 * len(images), True: 0}
