@@ -104,17 +104,17 @@ def digits(args) -> list:
     rows = [{"arm": "base (demo shapes only)", **lit_digits.zeroshot(*mmcl.load(base), data)}]
     arms = [("full", args.full_lr, [])]
     arms += [("lora", lr, [f"model.lora.r={args.r}", "optim.weight_decay=0"]) for lr in args.lora_lr]
-    for arm, lr, extra in arms:
-        out = work / f"ft-{arm}-lr{lr:g}"
+    for (arm, lr, extra), seed in [(a, s) for a in arms for s in args.seeds]:
+        out = work / f"ft-{arm}-lr{lr:g}" if seed == 0 else work / f"ft-{arm}-lr{lr:g}-seed{seed}"
         if not args.reuse:
             shutil.rmtree(out, ignore_errors=True)
-        extra = [f"optim.lr={lr}", *extra]
+        extra = [f"optim.lr={lr}", f"train.seed={seed}", *extra]
         seconds = _train([f"data.train={data['shards']}", f"model.init_from={base}", f"train.steps={steps}",
                           f"train.save_every={steps}", "optim.warmup_steps=20", *extra], out, args,
                          work / f"{out.name}.log")
         metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
         sps = [r["samples_per_s"] for r in metrics[1:]] or [metrics[-1]["samples_per_s"]]
-        rows.append({"arm": f"{arm} lr {lr:g}", "steps": steps, "train_s": round(seconds, 1),
+        rows.append({"arm": f"{arm} lr {lr:g}", "seed": seed, "steps": steps, "train_s": round(seconds, 1),
                      "samples_per_s": round(statistics.median(sps), 1),
                      **lit_digits.zeroshot(*mmcl.load(out), data)})
     return rows
@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4, help="fine-tuning epochs on the digits")
     parser.add_argument("--full-lr", type=float, default=3e-4)
     parser.add_argument("--lora-lr", type=float, nargs="+", default=[2e-3, 1e-2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="fine-tuning seeds (train.seed) per arm")
     parser.add_argument("--reuse", action="store_true", help="take finished earlier runs")
     parser.add_argument("--no-costs", action="store_true", help="skip the step costs (with --digits)")
     parser.add_argument("--arm", choices=["full", "lora"], help=argparse.SUPPRESS)  # one arm, in its own process
@@ -150,9 +151,12 @@ def main() -> None:
                    "rss_growth_ratio": round(costs[1]["rss_growth_mb"] / max(costs[0]["rss_growth_mb"], 1e-9), 3),
                    "speed_ratio": round(costs[1]["samples_per_s"] / costs[0]["samples_per_s"], 3)}
     if args.digits:
+        by_arm = {}
         for row in digits(args):
             print(json.dumps(row), flush=True)
-            summary[f"acc1 {row['arm']}"] = row["acc1"]
+            by_arm.setdefault(row["arm"], []).append(row["acc1"])
+        for arm, accs in by_arm.items():  # the mean over the seeds, and each seed's
+            summary[f"acc1 {arm}"] = {"mean": round(statistics.mean(accs), 4), "seeds": accs}
     print(json.dumps({"summary": summary}), flush=True)
 
 
