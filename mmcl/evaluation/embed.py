@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..data.decode import SampleKeys, SkipSample, candidate_captions, decode_image, image_bytes, pil_to_uint8
 from ..data.transforms import split_transform
 from ..errors import ConfigError, MmclError
+from ..models import is_naflex
 
 MAX_PIXELS = 1 << 26  # the largest decoded image (pixels) the pass accepts: a decompression bomb is skipped
 
@@ -56,6 +57,9 @@ class ClipEncoder:
         except (OSError, ValueError, RuntimeError, KeyError) as err:
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ConfigError(f"{what}: cannot load {path}: {detail}") from None
+        if is_naflex(model):
+            raise ConfigError(f"{what}: {path} has a NaFlex image tower, which this command does not take (it batches "
+                              f"fixed-size images); zero-shot and retrieval evaluate it")
         if split_transform(eval_tf)[1] is None:
             raise ConfigError(f"{what}: the image transform of {path} does not end in ToTensor [+ Normalize]")
         if not hasattr(model, "encode_image") or not hasattr(model, "encode_text"):

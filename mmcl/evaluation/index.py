@@ -275,7 +275,8 @@ def embed_query(model, preprocess, tokenizer, query: Optional[str] = None, image
 
         if not os.path.isfile(image):
             raise DataError(f"query image not found: {image}")
-        pixels = preprocess(open_rgb(image))[None]  # the same pixel conversion as the indexed images
+        one = preprocess(open_rgb(image))  # the same pixel conversion as the indexed images
+        pixels = {k: v[None] for k, v in one.items()} if isinstance(one, dict) else one[None]  # NaFlex: patches
         feats = model.encode_image(pixels, normalize=True)
     else:
         feats = model.encode_text(tokenizer([query]), normalize=True)

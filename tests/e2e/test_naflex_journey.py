@@ -152,3 +152,14 @@ def test_naflex_demo_trains_evaluates_resumes_exactly_exports_and_reloads(demo, 
         torch.testing.assert_close(model.encode_image(x), ref_model.encode_image(x))
         torch.testing.assert_close(model.encode_text(tok(["red"])), ref_model.encode_text(tok(["red"])))
     assert json.loads((export / "mmcl_export.json").read_text())["min_cosine_vs_source"] > 0.9999
+    # an index of the export's embeddings, searched by text and by an image (patchified like the indexed ones)
+    assert main(["index", "--model", str(export), "--data", demo["val"], "--out", str(tmp_path / "index")]) == 0
+    img.save(tmp_path / "query.png")
+    capsys.readouterr()
+    assert main(["search", "--index", str(tmp_path / "index"), "--image", str(tmp_path / "query.png"), "-k", "2"]) == 0
+    assert len([ln for ln in capsys.readouterr().out.splitlines() if ".tar" in ln]) == 2
+    from mmcl.errors import ConfigError
+    from mmcl.evaluation.embed import ClipEncoder
+
+    with pytest.raises(ConfigError, match="has a NaFlex image tower, which this command does not take"):
+        ClipEncoder.load(str(export))
