@@ -307,8 +307,9 @@ def after_step(run: Run, result: StepResult, lr: float, last: Dict[str, Any]) ->
         for bad_step, value in checks.resolve():
             non_finite_step(run, bad_step, value)  # raises under train.nan_policy=stop, before any save
             run.progress.skipped_steps += 1
-            run.progress.samples -= rt.global_batch
-            run.window_samples -= rt.global_batch
+            n = step_samples(run, bad_step)
+            run.progress.samples -= n
+            run.window_samples -= n
             skipped_now = skipped_now or bad_step == step
     if run.logged_at(step) and not skipped_now:  # a skipped step is not logged
         from .finish import log_record
@@ -331,6 +332,16 @@ def non_finite_step(run: Run, step: int, value: float) -> None:
         err.everywhere = True  # all processes stop alike; one line
         raise err
     run.log(f"skipped step {step}: loss is {where}")
+
+
+def step_samples(run: Run, step: int) -> int:
+    """The samples of optimiser step `step` (1-based) over all processes: the global batch, or with NaFlex the pairs
+    its micro-batches' drawn lengths fit (the same on every process)."""
+    plan, rt = run.stream.naflex, run.rt
+    if plan is None:
+        return rt.global_batch
+    first = (step - 1) * rt.accum_steps
+    return sum(plan.pairs_at(b) for b in range(first, first + rt.accum_steps)) * rt.processes
 
 
 def count_step(run: Run, pairs: Optional[int] = None) -> None:

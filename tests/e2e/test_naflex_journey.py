@@ -134,6 +134,15 @@ def test_naflex_demo_trains_evaluates_resumes_exactly_exports_and_reloads(demo, 
     for r in records:  # each batch filled to the budget: pairs * length <= max_tokens_per_batch
         assert r["data/naflex_pairs"] * r["data/naflex_seq_len"] <= 2048 and 0 <= r["data/naflex_padding_waste"] < 1
     assert records[-1]["samples"] == sum(r["data/naflex_pairs"] for r in records)
+    # the pairs of a step follow from the seed and its place in the run (what a step the device skipped takes off)
+    from types import SimpleNamespace
+
+    from mmcl.data import NaflexPlan
+    from mmcl.training.loop import step_samples
+
+    plan = NaflexPlan.build([16, 36, 64], None, 2048, 8, seed=0)
+    run = SimpleNamespace(stream=SimpleNamespace(naflex=plan), rt=SimpleNamespace(accum_steps=1, processes=1))
+    assert [step_samples(run, r["step"]) for r in records] == [r["data/naflex_pairs"] for r in records]
     assert "eval/zeroshot_classification/colour/acc1" in records[-1]
     assert (tmp_path / "whole" / "checkpoints").is_dir()
     export = tmp_path / "export"
