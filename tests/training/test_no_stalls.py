@@ -36,6 +36,9 @@ RECIPES = {
     "supcon": ["loss.clip=0", "loss.supcon=1.0", "loss.chunk_size=4"],  # tiled: its positives per tile
     "long_caption": [],
     "accumulation": ["train.accum_steps=2", "train.ema_decay=0.9"],
+    "naflex": ["model.vision_cfg={timm_model_name: naflexvit_base_patch16_siglip, timm_model_kwargs: {embed_dim: 16, "
+               "depth: 1, num_heads: 2, patch_size: 8, pos_embed_use_grid_sample: true}}",
+               "data.naflex.seq_lens=[4, 16]", "data.naflex.max_tokens_per_batch=64"],
 }
 
 
