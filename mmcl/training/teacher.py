@@ -21,6 +21,7 @@ from ..data.decode import pil_to_uint8
 from ..data.transforms import ImageFinish, split_transform
 from ..errors import ConfigError, MmclError
 from ..losses import TeacherFeatures
+from ..models import is_naflex
 
 
 class TeacherView:
@@ -56,6 +57,8 @@ class Teacher:
         except (OSError, ValueError, RuntimeError, KeyError) as err:
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ConfigError(f"distill.teacher: cannot load {path}: {detail}") from None
+        if is_naflex(model):
+            raise ConfigError(f"distill.teacher: {path} has a NaFlex image tower; a teacher takes fixed-size images")
         pil_stage, finish = split_transform(eval_tf)
         if finish is None:
             raise ConfigError(f"distill.teacher: the image transform of {path} does not end in ToTensor "
