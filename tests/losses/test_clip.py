@@ -2,18 +2,12 @@
 helpers.ref_clip, over one process and rows split over simulated ranks; the dense autograd functions' own backward
 (`DenseInfoNCE`, `DenseLogSumExp`): gradcheck, and no subnormal gradient at scale 100."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss
 
-from mmcl.losses import (
-    Gathered,
-    clip_loss,
-    infonce_rows,
-    logsumexp_rows,
-)
+from mmcl.losses import Gathered, clip_loss, infonce_rows, logsumexp_rows
 
 from helpers import fresh_leaves, grads_wrt, pair_features, ref_clip
 

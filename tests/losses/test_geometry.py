@@ -5,10 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mmcl.losses import (
-    align_loss,
-    uniform_loss,
-)
+from mmcl.losses import align_loss, uniform_loss
 
 from helpers import pair_features
 

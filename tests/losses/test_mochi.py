@@ -1,19 +1,11 @@
 """MoCHi (Kalantidis et al. 2020) against a float64 reference in the documented order of draws: tiled equal to
 dense, the memory of the tiled backward, rows split over simulated ranks, the synthetic logits, the feature queue."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mmcl.losses import (
-    FeatureQueue,
-    Gathered,
-    LossInputError,
-    clip_loss,
-    infonce_rows,
-    mochi_loss,
-)
+from mmcl.losses import FeatureQueue, Gathered, LossInputError, clip_loss, infonce_rows, mochi_loss
 
 from helpers import fresh_leaves, grads_wrt, pair_features
 

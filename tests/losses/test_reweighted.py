@@ -8,12 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmcl.losses import (
-    Gathered,
-    clip_loss,
-    debiased_clip_loss,
-    hard_negative_clip_loss,
-)
+from mmcl.losses import Gathered, clip_loss, debiased_clip_loss, hard_negative_clip_loss
 
 from helpers import fresh_leaves, grads_wrt, pair_features
 

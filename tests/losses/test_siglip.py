@@ -7,10 +7,7 @@ import pytest
 import torch
 from open_clip.loss import SigLipLoss
 
-from mmcl.losses import (
-    Gathered,
-    siglip_loss,
-)
+from mmcl.losses import Gathered, siglip_loss
 
 from helpers import fresh_leaves, grads_wrt, pair_features
 

@@ -1,16 +1,10 @@
 """Supervised contrastive (`supcon_loss`) against helpers.ref_supcon: dense and tiled, rows split over simulated
 ranks, the reduction to clip with distinct labels, the tiled positive term's gradcheck, and bad labels."""
 
-
 import pytest
 import torch
 
-from mmcl.losses import (
-    Gathered,
-    LossInputError,
-    clip_loss,
-    supcon_loss,
-)
+from mmcl.losses import Gathered, LossInputError, clip_loss, supcon_loss
 
 from helpers import fresh_leaves, grads_wrt, pair_features, ref_supcon
 

@@ -8,11 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmcl.losses import (
-    TiledLogSumExp,
-    clip_loss,
-    logsumexp_rows,
-)
+from mmcl.losses import TiledLogSumExp, clip_loss, logsumexp_rows
 
 from helpers import fresh_leaves, grads_wrt, pair_features, ref_clip
 
