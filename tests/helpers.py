@@ -4,6 +4,7 @@ the data tests. Their fixtures (`demo`, `corpus`) are in conftest.py."""
 
 import io
 import json
+import math
 import random
 import tarfile
 from pathlib import Path
@@ -310,3 +311,19 @@ def hf_snapshot(cache: Path, repo: str, files: dict) -> Path:
     (repo_dir / "refs" / "main").write_text(commit)
     return snapshot
 
+
+class TinyTowers(torch.nn.Module):
+    """Two float64 linear towers (6 and 7 inputs to `dim`), normalised features, a learned scale and optionally
+    SigLIP's bias: the smallest model for loss tests across processes."""
+
+    def __init__(self, with_bias: bool, dim: int = 5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = torch.nn.Linear(6, dim).double()
+        self.text = torch.nn.Linear(7, dim).double()
+        self.logit_scale = torch.nn.Parameter(torch.tensor(math.log(10.0), dtype=torch.float64))
+        self.logit_bias = torch.nn.Parameter(torch.tensor(-2.0, dtype=torch.float64)) if with_bias else None
+
+    def forward(self, images, texts):
+        return (F.normalize(self.image(images), dim=1), F.normalize(self.text(texts), dim=1),
+                self.logit_scale.exp(), self.logit_bias)

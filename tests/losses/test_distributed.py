@@ -2,20 +2,17 @@
 whole batch: the logged loss terms and every parameter gradient after DDP's averaging. Without a process group,
 gather_features returns its inputs."""
 
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mmcl.config import LossConfig, MochiConfig
 from mmcl.losses import gather_batch, gather_features
 from mmcl.training.step import objective_from_config
 
-from helpers import pair_features
+from helpers import TinyTowers, pair_features
 from spawned import end_worker, spawn
 from spawned import free_port as _free_port
 
@@ -36,20 +33,6 @@ CONFIGS = {
     "regularisers": LossConfig(clip=1.0, align=0.3, uniform=0.5, debiased=0.2, hard_negative=0.2, hn_beta=0.5,
                                chunk_size=4),
 }
-
-
-class TinyTowers(nn.Module):
-    def __init__(self, with_bias: bool):
-        super().__init__()
-        torch.manual_seed(0)
-        self.image = nn.Linear(6, 5).double()
-        self.text = nn.Linear(7, 5).double()
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0), dtype=torch.float64))
-        self.logit_bias = nn.Parameter(torch.tensor(-2.0, dtype=torch.float64)) if with_bias else None
-
-    def forward(self, images, texts):
-        return (F.normalize(self.image(images), dim=1), F.normalize(self.text(texts), dim=1),
-                self.logit_scale.exp(), self.logit_bias)
 
 
 def _batches():

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss, SigLipLoss
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mmcl.losses import (
@@ -23,6 +22,7 @@ from mmcl.losses import (
     siglip_loss,
 )
 
+from helpers import TinyTowers
 from spawned import end_worker, free_port, spawn
 from syncwatch import SyncWatch
 
@@ -199,20 +199,6 @@ DDP_CASES = {"clip": ({"clip": 1.0}, None), "clip_tiled": ({"clip": 1.0}, 4), "s
              "siglip_tiled": ({"siglip": 1.0}, 4)}
 
 
-class TinyTowers(nn.Module):
-    def __init__(self, with_bias: bool):
-        super().__init__()
-        torch.manual_seed(0)
-        self.image = nn.Linear(6, D).double()
-        self.text = nn.Linear(7, D).double()
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0), dtype=torch.float64))
-        self.logit_bias = nn.Parameter(torch.tensor(-2.0, dtype=torch.float64)) if with_bias else None
-
-    def forward(self, images, texts):
-        return (F.normalize(self.image(images), dim=1), F.normalize(self.text(texts), dim=1),
-                self.logit_scale.exp(), self.logit_bias)
-
-
 def _inputs():
     g = torch.Generator().manual_seed(1)
     return (torch.randn(sum(SIZES), 6, generator=g, dtype=torch.float64),
@@ -240,7 +226,7 @@ def _worker(rank, port, path):
     rows = slice(start, start + SIZES[rank])
     results = {}
     for name, (weights, chunk) in DDP_CASES.items():
-        raw = TinyTowers(with_bias="siglip" in weights)
+        raw = TinyTowers(with_bias="siglip" in weights, dim=D)
         model = DistributedDataParallel(raw)
         results[name] = _step(model, raw, weights, chunk, images[rows], texts[rows], CAPACITY)
         full = slice(rank * CAPACITY, (rank + 1) * CAPACITY)  # both ranks full: 12 pairs, masked and unmasked
@@ -274,7 +260,7 @@ def _assert_same(got, want, rel):
 def test_two_ranks_of_different_sizes_equal_one_process(two_ranks):
     images, texts = _inputs()
     for name, (weights, chunk) in DDP_CASES.items():
-        raw = TinyTowers(with_bias="siglip" in weights)
+        raw = TinyTowers(with_bias="siglip" in weights, dim=D)
         reference = _step(raw, raw, weights, chunk, images, texts)  # one process, the 8 pairs, no padding
         for rank in range(WORLD):
             _assert_same(two_ranks[rank][name], reference, rel=1e-10)
