@@ -100,6 +100,13 @@ def fresh_leaves(*tensors):
     return [t.detach().clone().requires_grad_(True) for t in tensors]
 
 
+def assert_float32_close(got, want, scale):
+    """Two float32 computations of the same logits-based quantity agree: 1e-5 relative, plus an absolute floor of
+    scale * 2^-23, since each float32 logit of size <= scale is itself rounded by up to half that (a near-zero
+    loss, an easy batch at a large scale, is only defined to about that much in any order of summation)."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=float(scale) * 2**-23)
+
+
 def grads_wrt(loss, tensors):
     return torch.autograd.grad(loss, tensors)
 
