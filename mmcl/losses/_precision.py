@@ -21,6 +21,17 @@ import torch
 F = TypeVar("F", bound=Callable[..., Any])
 
 _HALF = (torch.float16, torch.bfloat16)
+# The device types with autocast, asked once here: a compiled step then reads a constant. (torch 2.11's dynamo
+# cannot trace the builtin behind `torch.amp.is_autocast_available` and broke the compiled loss's graph there, on
+# an H100.) Another device type is asked when it is met, outside compilation.
+_AUTOCAST_TYPES = frozenset(t for t in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia")
+                            if torch.amp.is_autocast_available(t))
+
+
+def _has_autocast(device_type: str) -> bool:
+    if device_type in _AUTOCAST_TYPES:
+        return True
+    return device_type != "meta" and not torch.compiler.is_compiling() and torch.amp.is_autocast_available(device_type)
 
 
 def _cast(x: Any, seen: Dict[int, torch.Tensor]) -> Any:
@@ -60,7 +71,7 @@ def float32_math(fn: F) -> F:
         device_type = _device_type(args, kwargs)
         # Autocast of one device type changes only the ops on that device's tensors; a device type without
         # autocast (meta) has nothing to turn off.
-        if device_type is None or not torch.amp.is_autocast_available(device_type):
+        if device_type is None or not _has_autocast(device_type):
             return fn(*args, **kwargs)
         with torch.autocast(device_type, enabled=False):
             return fn(*args, **kwargs)

@@ -53,6 +53,20 @@ def test_the_loss_on_an_ordinary_step_has_no_graph_break(chunk_size):
     assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
 
 
+def test_the_compiled_loss_does_not_ask_torch_for_autocast(monkeypatch):
+    """torch 2.11's dynamo cannot trace the builtin behind `torch.amp.is_autocast_available`: asked inside the
+    loss, it broke the compiled graph on an H100. The losses ask once, at import."""
+    def asked(device_type):
+        raise AssertionError(f"is_autocast_available({device_type!r}) asked inside the compiled loss")
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", asked)
+    img = torch.nn.functional.normalize(torch.randn(8, 16), dim=1)
+    objective = objective_from_config(LossConfig(chunk_size=4))
+    explained = torch._dynamo.explain(objective)(img, img.flip(0), torch.tensor(10.0), None, torch.full((8,), -1),
+                                                 False)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+
+
 def test_the_text_width_is_bucketed_exactly_and_a_full_batch_reads_nothing_back():
     """A batch cut at 13 columns runs the text transformer at 16 (the next multiple of 8) with open_clip's
     full-context features and gradients (the padding comes after every end-of-text token, under the causal mask);
