@@ -155,6 +155,15 @@ def apply_lora(model: nn.Module, lora_cfg) -> str:
             f"{total:,} parameters train ({100 * trainable / max(total, 1):.2f}%)")
 
 
+def adapted_attention(model: nn.Module) -> List[str]:
+    """The names of `model`'s attention layers (``nn.MultiheadAttention``) that carry adapters: peft swaps their
+    weights inside each forward (and `apply_lora`'s hooks put the base weights back), which neither torch.compile
+    nor FSDP can trace or shard."""
+    from peft.tuners.lora.layer import MultiheadAttention as LoraAttention
+
+    return [n for n, m in model.named_modules() if isinstance(m, LoraAttention)]
+
+
 def is_wrapped(model: nn.Module) -> bool:
     """Whether `model` holds peft layers."""
     from peft.tuners.tuners_utils import BaseTunerLayer

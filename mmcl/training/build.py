@@ -136,6 +136,11 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
         wise_init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     if cfg.model.lora.r:  # after WiSE-FT's start point, which is the plain model's
         log(lora.apply_lora(model, cfg.model.lora))
+        attention = lora.adapted_attention(model) if cfg.train.compile else []
+        if attention:
+            raise ConfigError(f"train.compile cannot trace LoRA on attention layers ({attention[0]}, ...: peft swaps "
+                              "their weights in each forward); set train.compile=false, or adapt linear layers only, "
+                              "e.g. model.lora.target_modules=[c_fc,c_proj]")
     if fsdp.in_effect(accelerator):  # fully_shard takes no 0-dim parameter: before the optimiser sees them
         if cfg.data.naflex.seq_lens:
             raise ConfigError("data.naflex is not supported with FSDP (untested: a varying number of pairs per "

@@ -215,3 +215,44 @@ def test_the_lora_recipe_trains_adapters_on_both_towers():
     cfg = load_config(str(ROOT / "configs" / "lora.yaml"))
     assert cfg.model.lora.r > 0 and list(cfg.model.lora.towers) == ["image", "text"]
     assert "model.pretrained=" in (ROOT / "configs" / "lora.yaml").read_text()  # the start point, as finetune.yaml
+
+
+def test_with_an_ema_the_model_and_the_adapters_export_both_carry_the_averaged_adapters(demo, tmp_path, capsys):
+    """train.ema_decay with LoRA: the average covers the adapters (the trainable weights), model/ merges the
+    averaged adapters, and the adapters-only export writes the same averaged adapters (peft's base + adapters
+    embeds as model/ does); the raw, last-step adapters give other embeddings."""
+    import mmcl
+    from mmcl.cli import main
+
+    out = tmp_path / "ema"
+    assert main(_args(demo, out, "train.ema_decay=0.5", "train.steps=4")) == 0
+    batch = fake_batch(2, 5)
+    with torch.no_grad():
+        from_model = mmcl.load(out)[0].encode_image(batch["image"], normalize=True)
+    assert not any("lora" in k or "base_layer" in k for k in final_weights(out))
+    ckpt = sorted((out / "checkpoints").glob("step-*"))[-1]
+    _adapters_load_with_peft(out, tmp_path / "adapters", ckpt, batch, from_model, capsys)
+    raw = tmp_path / "raw"
+    assert main(_args(demo, raw, "train.steps=4")) == 0
+    with torch.no_grad():
+        from_raw = mmcl.load(raw)[0].encode_image(batch["image"], normalize=True)
+    assert not torch.allclose(from_raw, from_model, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_lora_on_linear_layers_gives_the_eager_losses_and_on_attention_is_refused(demo, tmp_path, capsys):
+    """train.compile with LoRA: adapters on linear layers compile (inductor, on the CPU) and give the eager run's
+    losses; adapters on open_clip's attention (the default targets), whose weights peft swaps in each forward, are
+    refused in one line before the first step (they failed inside inductor with a traceback)."""
+    from mmcl.cli import main
+
+    assert main(_args(demo, tmp_path / "attn", "train.compile=true")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mmcl: error: train.compile cannot trace LoRA on attention layers") and "\n" not in err, err
+    assert main(_args(demo, tmp_path / "attn", "train.steps=1")) == 0  # the refused run's folder takes its fix
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    linear = "model.lora.target_modules=[c_fc,c_proj]"
+    assert main(_args(demo, eager, "train.steps=3", linear)) == 0
+    assert main(_args(demo, compiled, "train.steps=3", "train.compile=true", linear)) == 0
+    a, b = [r["loss"] for r in metrics(eager)], [r["loss"] for r in metrics(compiled)]
+    assert len(a) == len(b) == 3 and all(abs(x - y) < 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
