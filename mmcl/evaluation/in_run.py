@@ -162,19 +162,20 @@ def set_problems(ev: EvalConfig, reading: Optional[Dict[str, Any]] = None) -> Li
 
 # ------------------------------------------------------------------------------------------------- running
 def run_sets(sets: List[EvalSet], model, preprocess, tokenizer, ev: EvalConfig, device, keys=None,
-             reading: Optional[Dict[str, Any]] = None, results: Optional[Dict[str, Any]] = None
-             ) -> Dict[str, float]:
+             reading: Optional[Dict[str, Any]] = None, results: Optional[Dict[str, Any]] = None,
+             model_name: str = "") -> Dict[str, float]:
     """Evaluate `sets` in order; returns their ``eval/<task>/<name>/<metric>`` entries and, into `results`
     (``{"zeroshot": {name: result}, "retrieval": {...}}``), each set's whole result in CLIP_benchmark's shape with
-    ``dataset`` its name."""
+    ``dataset`` its name and ``model`` `model_name` (a run's folder)."""
     out: Dict[str, float] = {}
     for s in sets:
         if s.task == "zeroshot":
             res = zeroshot(model, preprocess, tokenizer, s.data, classnames=s.classnames, templates=s.templates,
-                           batch_size=ev.batch_size, device=device, progress=False, keys=keys, reading=reading)
+                           batch_size=ev.batch_size, device=device, progress=False, keys=keys, reading=reading,
+                           model_name=model_name)
         else:
             res = retrieval(model, preprocess, tokenizer, s.data, batch_size=ev.batch_size, device=device,
-                            progress=False, keys=keys, reading=reading)
+                            progress=False, keys=keys, reading=reading, model_name=model_name)
         res = dict(res, dataset=s.name, data=redact_values(s.data))
         out.update({f"eval/{res['task']}/{s.name}/{k}": v for k, v in res["metrics"].items()})
         if results is not None:

@@ -212,7 +212,8 @@ def run_eval(cfg: TrainConfig, model, tokenizer, pp_cfg, accelerator, step: Opti
         with accelerator.autocast():  # the run's mixed precision, as the validation loss and open_clip evaluate
             for view_sets, view_tf in views:
                 out.update(eval_sets.run_sets(view_sets, model, view_tf, tokenizer, cfg.eval, accelerator.device,
-                                              keys=keys, reading=reading, results=results))
+                                              keys=keys, reading=reading, results=results,
+                                              model_name=str(cfg.train.output_dir)))
         if val_due:
             objective = objective_from_config(cfg.loss)
             objective.reseed(cfg.train.seed)  # MoCHi's mixing draws: the same at every evaluation

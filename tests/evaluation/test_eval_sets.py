@@ -334,6 +334,7 @@ def test_several_named_sets_each_on_its_own_steps(demo, tmp_path):
     assert sorted(results["zeroshot"]) == ["colours", "shapes"] and list(results["retrieval"]) == [held_out]
     assert results["zeroshot"]["colours"]["metrics"]["acc1"] == rows[6][colours]
     assert results["zeroshot"]["shapes"]["dataset"] == "shapes" and results["step"] == 6
+    assert {r["model"] for kind in ("zeroshot", "retrieval") for r in results[kind].values()} == {str(out)}
     assert results["val_loss"]["metrics"]["loss"] == rows[6]["val/loss"]
     # The trackers get the same names.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
