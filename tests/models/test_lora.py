@@ -256,3 +256,33 @@ def test_compiled_lora_on_linear_layers_gives_the_eager_losses_and_on_attention_
     assert main(_args(demo, compiled, "train.steps=3", "train.compile=true", linear)) == 0
     a, b = [r["loss"] for r in metrics(eager)], [r["loss"] for r in metrics(compiled)]
     assert len(a) == len(b) == 3 and all(abs(x - y) < 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
+
+
+@pytest.mark.slow
+def test_lora_on_a_hugging_face_text_tower_trains_its_adapters_and_model_loads_without_peft(demo, tmp_path,
+                                                                                           tokenizer_dir):
+    """LoRA on MiniLM's query and value projections (a transformers BertModel as the text tower) beside open_clip's
+    image tower: only adapters and the logit scale train, model/ holds plain transformers weights that mmcl.load
+    reads without peft, and its text embeddings are the merged model's, not the base MiniLM's."""
+    from mmcl.cli import main
+
+    out = tmp_path / "lit"
+    extra = [f"model.text.hf={tokenizer_dir}", "model.text.pooling=mean", "model.text.projection=none",
+             "model.embed_dim=384", "model.lora.target_modules=[attn,c_fc,c_proj,query,value]", "optim.lr=5e-2"]
+    assert main(_args(demo, out, "train.steps=3", *extra)) == 0
+    weights = final_weights(out)
+    assert not any("lora" in k or "base_layer" in k for k in weights)
+    code = ("import sys, torch, mmcl; m, _, tok = mmcl.load(sys.argv[1]); assert 'peft' not in sys.modules; "
+            "print(m.encode_text(tok(['a red circle']), normalize=True).tolist())")
+    runs = [subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+            for path in (out, sorted((out / "checkpoints").glob("step-*"))[-1])]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    merged, from_ckpt = (torch.tensor(json.loads(r.stdout)) for r in runs)
+    assert torch.allclose(merged, from_ckpt, atol=1e-5, rtol=0)
+    from transformers import AutoModel, AutoTokenizer
+
+    base = AutoModel.from_pretrained(str(tokenizer_dir)).eval()
+    batch = AutoTokenizer.from_pretrained(str(tokenizer_dir))(["a red circle"], return_tensors="pt")
+    with torch.no_grad():
+        hidden = base(**batch).last_hidden_state.mean(1)
+    assert not torch.allclose(torch.nn.functional.normalize(hidden, dim=-1), merged, atol=1e-3)
