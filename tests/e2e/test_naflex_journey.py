@@ -176,3 +176,16 @@ def test_naflex_demo_trains_evaluates_resumes_exactly_exports_and_reloads(demo, 
 
     with pytest.raises(ConfigError, match="has a NaFlex image tower; a teacher takes fixed-size images"):
         Teacher.load(str(export))
+
+
+@pytest.mark.slow
+def test_a_compiled_naflex_run_with_accumulation_gives_the_eager_losses(demo, tmp_path):
+    """train.compile with NaFlex batches (a new sequence length is a new shape) and accumulation (the micro-batches
+    hold different numbers of pairs): inductor on the CPU gives the eager run's losses."""
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    assert main(_args(demo, eager, "train.steps=3", "train.accum_steps=2")) == 0
+    assert main(_args(demo, compiled, "train.steps=3", "train.accum_steps=2", "train.compile=true")) == 0
+    a, b = metrics(eager), metrics(compiled)
+    assert [r["data/naflex_seq_len"] for r in a] == [r["data/naflex_seq_len"] for r in b]
+    assert len(a) == 3 and all(abs(x["loss"] - y["loss"]) < 1e-4 * max(1.0, abs(x["loss"])) for x, y in zip(a, b)), \
+        ([x["loss"] for x in a], [y["loss"] for y in b])
