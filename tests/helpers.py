@@ -29,6 +29,19 @@ TRAINING_TOWERS = ["model.vision_cfg={layers: 2, width: 64, head_width: 32}",
                    "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=32"]
 FOLDER_TOWERS = ["model.vision_cfg={layers: 1, width: 32, head_width: 16}",
                  "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]
+# A one-block timm NaFlexVit (8 px patches) and text tower, for configs/naflex.yaml runs.
+NAFLEX_TOWERS = ["model.vision_cfg={timm_model_name: naflexvit_base_patch16_siglip, timm_model_kwargs: {"
+                 "embed_dim: 16, depth: 1, num_heads: 2, patch_size: 8, pos_embed_grid_size: [4, 4], "
+                 "pos_embed_use_grid_sample: true}}",
+                 "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]
+
+
+def naflex_args(data, out, *extra):
+    """A configs/naflex.yaml run of NAFLEX_TOWERS on `data` into `out`: no workers, no trackers, a constant lr."""
+    return ["train", "--config", str(ROOT / "configs" / "naflex.yaml"), f"data.train={data}",
+            f"train.output_dir={out}", "train.progress=false", "train.plot=false", "train.log_with=[]",
+            "data.workers=0", "data.shuffle_buffer=64", "train.log_every=1", "train.save_every=2",
+            "optim.schedule=constant", "optim.warmup_steps=0", *NAFLEX_TOWERS, *extra]
 
 
 def micro_model(seed=0, *extra):

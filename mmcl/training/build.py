@@ -142,9 +142,6 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
                               "their weights in each forward); set train.compile=false, or adapt linear layers only, "
                               "e.g. model.lora.target_modules=[c_fc,c_proj]")
     if fsdp.in_effect(accelerator):  # fully_shard takes no 0-dim parameter: before the optimiser sees them
-        if cfg.data.naflex.seq_lens:
-            raise ConfigError("data.naflex is not supported with FSDP (untested: a varying number of pairs per "
-                              "process under sharded towers); launch without FSDP")
         if cfg.model.lora.r:
             raise ConfigError("model.lora is not supported with FSDP (peft's attention layer swaps its weights in "
                               "each forward); set model.lora.r=0 or launch without FSDP")

@@ -128,3 +128,27 @@ def test_fsdp_sharded_checkpoint_resumes_exactly(runs, tmp_path):
     a, b = final_weights(run), final_weights(runs[("fsdp", "plain")][0])
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["step"] for r in metrics(run)] == [5, 10, 15, 20]
+
+
+@pytest.mark.slow
+def test_naflex_under_fsdp_trains_to_the_weights_of_ddp(demo, tmp_path):
+    """NaFlex batches under FSDP2: each process pads its varying number of pairs to the capacity, and the sharded
+    towers train to the weights DDP gives the same 2 processes."""
+    from helpers import naflex_args
+
+    config = _fsdp_config(tmp_path)
+    runs = {}
+    for how, cfg, program in (("fsdp", config, [SHIM]), ("ddp", ROOT / "launch" / "cpu-2proc.yaml", ["-m", "mmcl"])):
+        runs[how] = tmp_path / how
+        cmd = [ACCELERATE, "launch", "--config_file", str(cfg), *program,
+               *naflex_args(demo["train"], runs[how], "train.steps=4", "train.save_every=0")]
+        p = subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"), capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        assert how != "fsdp" or "2 process(es), FSDP on cpu" in p.stdout
+    a, b = final_weights(runs["fsdp"]), final_weights(runs["ddp"])
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-5, worst
+    pairs = [[r["data/naflex_pairs"] for r in metrics(runs[how])] for how in ("fsdp", "ddp")]
+    assert pairs[0] == pairs[1] and len(set(pairs[0])) > 1  # the same batches, of different sizes
