@@ -6,6 +6,7 @@ import io
 import json
 import math
 import random
+import sys
 import tarfile
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from mmcl import models
 from mmcl.config import DataConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+# accelerate's launcher, the launch_command that `accelerate launch` runs, started without the `accelerate` CLI's
+# other subcommands, whose imports (timm, transformers) cost about 5 s of CPU per launch. One test runs the
+# `accelerate` command itself (tests/training/test_loop.py).
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 # ------------------------------------------------------------------------------------------- training
 # Two tower sizes, smaller than configs/tiny.yaml's, as overrides of it. TRAINING_TOWERS still learn the demo's

@@ -14,7 +14,7 @@ import pytest
 from mmcl.cli import main
 from mmcl.data.skips import REASONS, SkipLog, record
 
-from helpers import FOLDER_TOWERS, ROOT, encode, image_for, metrics, png, run_args, write_tar
+from helpers import ACCELERATE_LAUNCH, FOLDER_TOWERS, ROOT, encode, image_for, metrics, png, run_args, write_tar
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
@@ -144,7 +144,7 @@ def test_a_run_names_each_skip_in_skipped_jsonl_and_counts_them_by_reason(tmp_pa
 def test_two_processes_append_whole_lines(tmp_path):
     shards = _jpeg_shards(tmp_path / "shards", 4, good=8, bad=12, truncate_last=False)
     run = tmp_path / "run"
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+    cmd = [*ACCELERATE_LAUNCH, "--config_file",
            str(ROOT / "launch" / "cpu-2proc.yaml"), "-m", "mmcl", "train",
            *run_args(f"{shards}/*.tar", run, "train.steps=6", "data.batch_size=4", "data.workers=1",
                      "data.shuffle_buffer=8", "train.save_every=0", "train.log_every=2", towers=FOLDER_TOWERS)]

@@ -100,7 +100,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from helpers import ROOT, final_weights, metrics, run_args  # noqa: E402
+from helpers import ACCELERATE_LAUNCH, ROOT, final_weights, metrics, run_args  # noqa: E402
 from spawned import free_port as _free_port  # noqa: E402
 
 # Each process appends the keys of the samples of every step it trains on to keys-<rank>.jsonl.
@@ -134,7 +134,7 @@ def launch(script, processes, args, keys_dir, stop_at=None):
     if processes == 1:
         cmd = [sys.executable, str(script), "train", *args]
     else:
-        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+        cmd = [*ACCELERATE_LAUNCH, "--config_file",
                str(ROOT / "launch" / "cpu-2proc.yaml"), "--num_processes", str(processes), "--main_process_port",
                str(_free_port()), str(script), "train", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

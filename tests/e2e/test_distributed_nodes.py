@@ -3,17 +3,14 @@
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mmcl.storage.checkpoints import latest_checkpoint
 
-from helpers import ROOT, final_weights, metrics, run_args
+from helpers import ACCELERATE_LAUNCH, ROOT, final_weights, metrics, run_args
 from spawned import free_port as _free_port
 
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 COMMON = ["train.steps=4", "train.log_every=1", "data.batch_size=4", "data.workers=0", "train.save_every=2"]
 
 
@@ -23,7 +20,7 @@ def _env():
 
 def machine_cmd(machine_rank: int, port: int, args):
     """The command each node runs (docs/scale.md, "Several nodes"): the 2-process CPU config, spread over 2 machines."""
-    return [ACCELERATE, "launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), "--num_machines", "2",
+    return [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), "--num_machines", "2",
             "--num_processes", "2", "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
             "--main_process_port", str(port), "-m", "mmcl", "train", *args]
 
@@ -33,7 +30,7 @@ def test_two_machines_on_one_host_equal_one_machine_with_two_processes(demo, tmp
     single, nodes = tmp_path / "single", tmp_path / "nodes"
     port = _free_port()
     # The reference and the two machines run at the same time (the wall time of one run).
-    cmds = [[ACCELERATE, "launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), "--main_process_port",
+    cmds = [[*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), "--main_process_port",
              str(_free_port()), "-m", "mmcl", "train", *run_args(demo, single, *COMMON)]]
     cmds += [machine_cmd(r, port, run_args(demo, nodes, *COMMON)) for r in (0, 1)]
     procs = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

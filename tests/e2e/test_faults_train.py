@@ -20,9 +20,7 @@ from mmcl.errors import TrainingError
 from mmcl.storage import checkpoints
 from mmcl.training.runlock import RunLock
 
-from helpers import ROOT, final_weights, metrics, run_args
-
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+from helpers import ACCELERATE_LAUNCH, ROOT, final_weights, metrics, run_args
 
 
 def one_line_error(err: str) -> str:
@@ -339,7 +337,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(demo, tmp_path
 
 # ----------------------------------------------------------------------------------------- 2 processes
 def launch(script_or_module, *argv, timeout=300):
-    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), *script_or_module,
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"), *script_or_module,
            *argv]
     return subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, final_weights, metrics, run_args
+from helpers import ACCELERATE_LAUNCH, ROOT, final_weights, metrics, run_args
 
 pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("cpu_device")]  # the same with a GPU
 
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 SHIM = str(Path(__file__).resolve().parents[1] / "fsdp_cpu_shim.py")
 
 
@@ -22,7 +21,7 @@ def launch(config, out, demo_paths, *extra, env=None, program=(SHIM,), timeout=6
     """`accelerate launch --config_file config` of `mmcl train` (through the test shim, which adds only what
     `env` asks for) on the demo data."""
     args = run_args(demo_paths, out, "data.batch_size=4", "data.workers=0", "train.save_every=0", *extra)
-    cmd = [ACCELERATE, "launch", "--config_file", str(config), *program, "train", *args]
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(config), *program, "train", *args]
     return subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {})),
                           capture_output=True, text=True, timeout=timeout)
 

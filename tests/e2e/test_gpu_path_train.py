@@ -18,8 +18,6 @@ import json
 import math
 import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -31,7 +29,7 @@ from mmcl.training.loop import train
 from mmcl.training.runtime import make_accelerator
 from mmcl.training.step import backward, forward_loss, objective_from_config
 
-from helpers import ROOT, TRAINING_TOWERS, fake_batch, grads_of, metrics, micro_model, run_args
+from helpers import ACCELERATE_LAUNCH, ROOT, TRAINING_TOWERS, fake_batch, grads_of, metrics, micro_model, run_args
 from spawned import free_port
 
 pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("cpu_device")]  # the same with a GPU
@@ -363,7 +361,7 @@ def test_a_loss_non_finite_on_both_processes_skips_the_step_and_the_run_goes_on(
     out = tmp_path / "run"
     script = tmp_path / "poison.py"
     script.write_text(POISON_EVERY_RANK)
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+    cmd = [*ACCELERATE_LAUNCH, "--config_file",
            str(ROOT / "launch" / "cpu-2proc.yaml"), "--main_process_port", str(free_port()), str(script), "train",
            *run_args(demo, out, "train.steps=5", "train.log_every=1", "data.batch_size=4", "data.workers=0",
                      "train.save_every=0", "train.nan_policy=skip")]

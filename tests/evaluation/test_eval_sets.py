@@ -6,7 +6,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ from mmcl.config import load_config
 from mmcl.errors import ConfigError, DataError
 from mmcl.evaluation import in_run as eval_sets
 
-from helpers import ROOT, TRAINING_TOWERS, metrics, run_args
+from helpers import ACCELERATE_LAUNCH, ROOT, TRAINING_TOWERS, metrics, run_args
 
 # ---------------------------------------------------------------------------------------------------------
 # eval.zeroshot / eval.retrieval: one path, or a list of named sets
@@ -354,7 +353,7 @@ def test_val_loss_under_two_processes_equals_one_process(demo, tmp_path):
     one, two, small = tmp_path / "one", tmp_path / "two", tmp_path / "small"
     assert main(["train", *run_args(demo, one, "data.batch_size=8", *args)]) == 0
     assert main(["train", *run_args(demo, small, "data.batch_size=4", *args)]) == 0
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+    cmd = [*ACCELERATE_LAUNCH, "--config_file",
            str(ROOT / "launch" / "cpu-2proc.yaml"), "-m", "mmcl", "train",
            *run_args(demo, two, "data.batch_size=4", *args)]
     p = subprocess.run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=600)

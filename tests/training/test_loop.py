@@ -21,7 +21,7 @@ from mmcl.training.loop import train
 from mmcl.training.optim import lr_at
 from mmcl.training.step import backward, forward_loss, objective_from_config
 
-from helpers import ROOT, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
+from helpers import ACCELERATE_LAUNCH, ROOT, fake_batch, final_weights, grads_of, metrics, micro_model, run_args
 from spawned import end_worker, spawn
 from spawned import free_port as _free_port
 
@@ -362,7 +362,7 @@ def test_non_finite_loss_on_one_process_is_decided_by_all(demo, tmp_path, policy
     out = tmp_path / "run"
     script = tmp_path / "poison.py"
     script.write_text(POISON_ONE_RANK)
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+    cmd = [*ACCELERATE_LAUNCH, "--config_file",
            str(ROOT / "launch" / "cpu-2proc.yaml"), str(script), "train",
            *run_args(demo, out, "train.steps=4", "train.log_every=1", "data.batch_size=4", "data.workers=0",
                      "train.save_every=2", f"train.nan_policy={policy}")]
@@ -536,7 +536,7 @@ def test_a_bad_shard_read_by_two_processes_warns_once(demo, tmp_path):
     pairs reach each slot per pass, one batch."""
     shards = _bad_shard_set(demo, tmp_path / "shards")
     out = tmp_path / "run"
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+    cmd = [*ACCELERATE_LAUNCH, "--config_file",
            str(ROOT / "launch" / "cpu-2proc.yaml"), "--main_process_port", str(_free_port()), "-m", "mmcl", "train",
            *run_args(demo, out, f"data.train={shards}/shard-*.tar", "train.steps=4", "train.log_every=1",
                      "data.batch_size=24", "data.workers=2", "train.save_every=0")]
