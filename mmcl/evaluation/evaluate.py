@@ -377,8 +377,12 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
                      or "openai_imagenet_template")
     template_list = load_templates(templates)
     model = model.to(device).eval()
-    classifier = open_clip.build_zero_shot_classifier(model, tokenizer, names, template_list,
-                                                      num_classes_per_batch=10, device=device, use_tqdm=progress)
+    # open_clip's classifier, 10 class names at a time under a bar of our own (its bar has no label); each class's
+    # column depends on its own name only, so the columns are those of one call.
+    chunks = [names[i:i + 10] for i in range(0, len(names), 10)]
+    classifier = torch.cat([open_clip.build_zero_shot_classifier(model, tokenizer, chunk, template_list,
+                                                                 num_classes_per_batch=None, device=device)
+                            for chunk in _progress(chunks, progress, "class names", total=len(chunks))], dim=1)
     feats, labels, _, _, skips = encode_images(model, loader, device, progress, "zeroshot", data)
     _check_labels(labels, len(names), data, "zero-shot classification")
     logits = feats @ classifier.float().cpu()  # (N, C)

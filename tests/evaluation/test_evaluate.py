@@ -320,3 +320,33 @@ def test_classnames_given_in_another_order_follow_the_folder_labels(tmp_path):
     assert _resolve_classnames(str(tmp_path), ds, ["red", "blue", "green"]) == ["blue", "green", "red"]
     # Human-readable names that are not the folder names are taken in the order given.
     assert _resolve_classnames(str(tmp_path), ds, ["sky", "grass", "fire"]) == ["sky", "grass", "fire"]
+
+
+def test_zeroshot_over_ten_classes_equals_open_clips_classifier_and_labels_its_bar(tiny_model_dir, tmp_path, capsys):
+    """12 class names are encoded 10 at a time under a bar labelled "class names" (open_clip's own bar has no
+    label): the accuracy is that of open_clip's classifier built in one call."""
+    import open_clip
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    names = [f"shade{i}" for i in range(12)]
+    folder = write_folder(tmp_path / "zs", {n: [tuple(int(v) for v in rng.integers(0, 255, 3)) for _ in range(3)]
+                                            for n in names})
+    model, eval_tf, tokenizer = weights.load(tiny_model_dir)
+    templates = ["a photo of {}.", "{} in a picture."]
+    res = evaluate.zeroshot(model, eval_tf, tokenizer, str(folder), templates=templates, batch_size=8,
+                            device="cpu", progress=True)
+    bars = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "%|" in line]
+    assert bars and all(line.startswith(("class names:", "zeroshot:")) for line in bars), bars
+    assert any(line.startswith("class names: 100%") and "2/2" in line for line in bars), bars
+
+    classifier = open_clip.build_zero_shot_classifier(model, tokenizer, sorted(names), templates, device="cpu")
+    images, labels = [], []
+    for label, name in enumerate(sorted(names)):
+        for path in sorted((folder / name).iterdir()):
+            images.append(eval_tf(Image.open(path).convert("RGB")))
+            labels.append(label)
+    with torch.no_grad():
+        predicted = (model.encode_image(torch.stack(images), normalize=True) @ classifier).argmax(dim=1)
+    assert res["n_classes"] == 12
+    assert res["metrics"]["acc1"] == pytest.approx((predicted == torch.tensor(labels)).float().mean().item())
