@@ -478,7 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     eval_args(z, "ImageFolder or labelled shards (.cls)")
     z.add_argument("--classnames", default=None, help="file, one class name per line in label order")
     z.add_argument("--templates", default="auto",
-                   help="file with '{}' templates, or openai_imagenet_template | simple_imagenet_template "
+                   help="file with '{}' templates, one template such as 'a photo of a {}.', or "
+                        "openai_imagenet_template | simple_imagenet_template "
                         "(default: auto, templates.txt next to the data, else openai_imagenet_template)")
     z.set_defaults(func=cmd_zeroshot)
 

@@ -393,7 +393,9 @@ class EvalConfig(_Section):
         "eval.*); results go under eval/zeroshot_classification/<name>/<metric>")
     classnames: Optional[str] = described(
         None, "file with one class name per line in label order; null: beside the data")
-    templates: str = described("auto", "templates.txt beside the data, else open_clip's openai_imagenet_template")
+    templates: str = described("auto", "a file with one template per line, one template such as 'a photo of a {}.', "
+                                       "or a set of open_clip's; auto: templates.txt beside the data, else "
+                                       "open_clip's openai_imagenet_template")
     retrieval: Any = described(
         None, "Retrieval sets: shards with captions, or a list of named sets, each a path or {name, data, every}")
     val_loss: Any = described(

@@ -36,7 +36,7 @@ _SPLIT_DIRS = ("test", "train", "val", "valid", "validation")
 
 
 def load_templates(templates) -> List:
-    """Prompt templates: a name of open_clip's sets, a file with one template per line, or a list.
+    """Prompt templates: a name of open_clip's sets, a file with one template per line, one template, or a list.
 
     A template holds ``{}`` (or CLIP_benchmark's ``{c}``) where the class name goes; open_clip's sets are callables.
     """
@@ -49,8 +49,11 @@ def load_templates(templates) -> List:
         out = list(getattr(open_clip, TEMPLATE_SETS[set_name]))
     elif isinstance(templates, str) and os.path.isfile(templates):
         out = [ln.strip().replace("{c}", "{}") for ln in Path(templates).read_text().splitlines() if ln.strip()]
+    elif isinstance(templates, str) and _one_template(templates):
+        out = [templates.strip().replace("{c}", "{}")]
     else:
-        raise DataError(f"unknown templates '{templates}' (expected a file or one of {', '.join(TEMPLATE_SETS)})")
+        raise DataError(f"unknown templates '{templates}' (expected a file, one template holding '{{}}' for the "
+                        f"class name, or one of {', '.join(TEMPLATE_SETS)})")
     if not out:
         raise DataError(f"no templates in {templates} (expected at least one line such as 'a photo of a {{}}.')")
     bad = [t for t in out if isinstance(t, str) and not _is_template(t)]
@@ -72,9 +75,16 @@ def _is_template(text: str) -> bool:
     return bool(fields) and all(f == ("", "", None) for f in fields)
 
 
+def _one_template(text: str) -> bool:
+    """Whether `text`, given where templates go, is one template (it has a slot) rather than a name or a file."""
+    return ("{}" in text or "{c}" in text) and not os.path.isfile(text)
+
+
 def is_template_name(templates: str) -> bool:
-    """Whether ``templates`` is a name (`AUTO_TEMPLATES`, a set of `TEMPLATE_SETS` or an alias), not a file."""
-    return templates == AUTO_TEMPLATES or templates in TEMPLATE_SETS or templates in TEMPLATE_ALIASES
+    """Whether ``templates`` names no file: `AUTO_TEMPLATES`, a set of `TEMPLATE_SETS` or an alias, or one template
+    such as ``a photo of a {}.``."""
+    return (templates == AUTO_TEMPLATES or templates in TEMPLATE_SETS or templates in TEMPLATE_ALIASES
+            or _one_template(templates))
 
 
 def load_classnames(path: str) -> List[str]:

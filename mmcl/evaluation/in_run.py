@@ -23,6 +23,7 @@ from ..config import EvalConfig, EvalSet, duplicate_set_names, eval_sets
 from ..data.sources import redact_values
 from ..errors import ConfigError, DataError
 from .evaluate import (
+    AUTO_TEMPLATES,
     _batches,
     _dataset_name,
     _input_dtype,
@@ -137,6 +138,11 @@ def set_problems(ev: EvalConfig, reading: Optional[Dict[str, Any]] = None) -> Li
             files.setdefault(s.classnames, names_key)
         if s.task == "zeroshot" and not is_template_name(s.templates):
             files.setdefault(s.templates, templates_key)
+        elif s.task == "zeroshot" and s.templates != AUTO_TEMPLATES:  # a set's name or one template, read as the
+            try:                                                      # evaluation reads it
+                load_templates(s.templates)
+            except DataError as err:
+                problems.append(f"{templates_key}: {err}")
         found, ds = _data_problems(s.where, s.data, s.task, reading)
         problems += found
         if ds is None or s.task != "zeroshot":

@@ -181,8 +181,25 @@ def test_zeroshot_errors_name_the_problem(tmp_path):
     with pytest.raises(DataError, match="needs '\\{\\}'"):
         evaluate.zeroshot(ColourModel(), to_tensor, colour_tokenizer, str(shard), classnames=["red", "green"],
                           templates=["no slot"], progress=False)
-    with pytest.raises(DataError, match="unknown templates"):
+    with pytest.raises(DataError, match="unknown templates .*one template holding '\\{\\}'"):
         evaluate.load_templates("no_such_template_set")
+
+
+def test_one_template_given_as_text(tmp_path):
+    """`--templates 'a photo of a {}.'` (or CLIP_benchmark's {c}) is one template; the in-run preflight does not
+    look for it as a file, and a file of that name is still read as a file."""
+    assert evaluate.load_templates("a handwritten digit {}") == ["a handwritten digit {}"]
+    assert evaluate.load_templates(" a {c} ") == ["a {}"]
+    assert evaluate.is_template_name("a photo of a {}.") and not evaluate.is_template_name("prompts.txt")
+    with pytest.raises(DataError, match="needs '\\{\\}'"):
+        evaluate.load_templates("a {name} photo {}")
+    path = tmp_path / "{}.txt"
+    path.write_text("a sketch of {}\n")
+    assert evaluate.load_templates(str(path)) == ["a sketch of {}"] and not evaluate.is_template_name(str(path))
+    root = write_folder(tmp_path / "colours", {"red": [(255, 0, 0)], "green": [(0, 255, 0)]})
+    res = evaluate.zeroshot(ColourModel(), to_tensor, colour_tokenizer, str(root), templates="a {} thing",
+                            progress=False)
+    assert res["templates"] == ["a {} thing"] and res["metrics"]["acc1"] == 1.0
 
 
 def test_retrieval_multi_caption_known_recalls(tmp_path):

@@ -59,6 +59,17 @@ def test_every_missing_input_is_named_with_its_resolved_path(tmp_path, monkeypat
     check_inputs(ok)
 
 
+def test_one_template_in_eval_templates_is_checked_as_a_template_not_looked_for_as_a_file(tmp_path):
+    train = f"data.train={_touch(tmp_path / 'a.tar')}"
+    _touch(tmp_path / "folder" / "cat" / "0.png")
+    ok = load_config(None, [train, f"eval.zeroshot={tmp_path / 'folder'}", "eval.templates=a sketch of a {}."])
+    assert input_problems(ok) == []
+    bad = load_config(None, [train, f"eval.zeroshot={tmp_path / 'folder'}", "eval.templates=a {name} of a {}."])
+    assert input_problems(bad) == ["eval.templates: templates a {name} of a {}.: every template needs '{}' for the "
+                                   "class name, and no other field in braces (write a brace as '{{' or '}}') (got "
+                                   "'a {name} of a {}.')"]
+
+
 def test_an_eval_directory_without_images_or_shards_is_missing_data(tmp_path):
     (tmp_path / "eval").mkdir()
     cfg = load_config(None, [f"data.train={_touch(tmp_path / 'a.tar')}", f"eval.zeroshot={tmp_path / 'eval'}"])
