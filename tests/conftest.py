@@ -6,8 +6,28 @@ import os
 
 import pytest
 
+# A full run's temporary files (shards, run folders, checkpoints) peak at about 3.5 GB; a disk that fills mid-run
+# turns every later test into a setup error. A whole-suite run stops before its first test instead, in one line.
+TEMP_SPACE_NEEDED_GIB = 4.0
+
+
+def _check_temp_space(config):
+    import shutil
+    import tempfile
+
+    where = str(config.option.basetemp or tempfile.gettempdir())
+    while not os.path.isdir(where):  # --basetemp may not exist yet
+        where = os.path.dirname(where) or "."
+    free = shutil.disk_usage(where).free / 2**30
+    if free < TEMP_SPACE_NEEDED_GIB:
+        pytest.exit(f"mmcl tests: {free:.1f} GiB free in {where}, and a full run needs about "
+                    f"{TEMP_SPACE_NEEDED_GIB:.0f} GiB for its temporary files (free some space, or point TMPDIR or "
+                    f"--basetemp at a disk with more)", returncode=4)
+
 
 def pytest_configure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not config.option.file_or_dir:  # the whole suite
+        _check_temp_space(config)
     # Under pytest-xdist (`make test`: one worker per core) each worker and the processes its tests start use one
     # thread, so that the workers do not oversubscribe the cores. Set before torch is imported anywhere.
     if os.environ.get("PYTEST_XDIST_WORKER"):
