@@ -227,7 +227,8 @@ def resume_or_start(run: Run, folder: runfolder.Decision) -> None:
                                         lambda path: resume.load_checkpoint(run.restorable(), path, run.cfg,
                                                                             run.layout), run.log)
     if resumed is not None:
-        run.log(f"resuming from {resumed} at step {run.progress.step}")
+        run.log(f"resuming from {resumed} at step {run.progress.step}" + optim.schedule_change(
+            run.trainee.optimizer, run.cfg.optim, run.progress.step, run.rt.total_steps))
     agreed(run.accelerator, lambda: _write_config(run, folder))
     run.ckpt_bytes = checkpoints.state_bytes(run.trainee.raw_model)
     if run.main and run.cfg.train.save_every:

@@ -132,6 +132,20 @@ def optimizer_groups(groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "names"} for g in groups]
 
 
+def schedule_change(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int) -> str:
+    """After a resume at `step`, before the next step sets its rate: "" when the learning-rate schedule is the one
+    the checkpoint was trained with, else what changed (train.steps or epochs raised, optim.lr or the schedule
+    edited), from the rate the checkpoint's last step took (still in the optimiser) to the one the next step takes."""
+    scales = [g for g in optimizer.param_groups if g.get("lr_scale", 1.0) > 0]
+    if step == 0 or step >= total_steps or not scales:
+        return ""
+    before = scales[0]["lr"] / scales[0].get("lr_scale", 1.0)
+    if math.isclose(before, lr_at(step - 1, cfg, total_steps), rel_tol=1e-6, abs_tol=1e-12):
+        return ""
+    return (f"; the learning-rate schedule changed: step {step} took lr {before:.4g}, step {step + 1} takes "
+            f"{lr_at(step, cfg, total_steps):.4g} (optim.schedule {cfg.schedule} over {total_steps} steps)")
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """The scheduled learning rate `lr`, scaled by each group's ``lr_scale``."""
     for group in optimizer.param_groups:

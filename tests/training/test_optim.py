@@ -231,3 +231,22 @@ def test_two_processes_end_with_the_weights_of_one(tmp_path, name, monkeypatch):
     worst = {k: (_without_key_bias(k, one[k]) - _without_key_bias(k, two[k])).abs().max().item() for k in one}
     tolerance = 5e-5 if name in ("adafactor", "adamuon") else 1e-5
     assert max(worst.values()) <= tolerance, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_a_resume_says_when_the_learning_rate_schedule_changed():
+    """A run stopped at the end of its 72-step cosine and resumed with train.epochs raised to 96 steps: the line
+    names the rate the last step took (kept in the optimiser, per group scaled by lr_scale) and the next one's."""
+    cfg = OptimConfig(lr=1e-3, warmup_steps=5, schedule="cosine")
+    weights = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    opt = torch.optim.AdamW([{"params": [weights[0]], "lr_scale": 0.0}, {"params": [weights[1]], "lr_scale": 0.25}])
+    optim.set_lr(opt, optim.lr_at(71, cfg, 72))  # what step 72 (0-based 71) of the 72-step run took
+    assert optim.schedule_change(opt, cfg, 72, 72) == ""  # finished: no next step
+    assert optim.schedule_change(opt, cfg, 72, 96) == (
+        f"; the learning-rate schedule changed: step 72 took lr {optim.lr_at(71, cfg, 72):.4g}, step 73 takes "
+        f"{optim.lr_at(72, cfg, 96):.4g} (optim.schedule cosine over 96 steps)")
+    assert optim.lr_at(72, cfg, 96) > 100 * optim.lr_at(71, cfg, 72)  # the jump it reports: the cosine re-spread
+    optim.set_lr(opt, optim.lr_at(39, cfg, 72))  # stopped at step 40 and resumed unchanged
+    assert optim.schedule_change(opt, cfg, 40, 72) == ""
+    assert optim.schedule_change(opt, OptimConfig(lr=2e-3, warmup_steps=5), 40, 72).startswith(
+        "; the learning-rate schedule changed: step 40 took lr")  # optim.lr edited
+    assert optim.schedule_change(opt, cfg, 0, 72) == ""  # nothing trained yet
