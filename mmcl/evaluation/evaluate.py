@@ -485,7 +485,8 @@ def retrieval(model, preprocess, tokenizer, data: str, batch_size: int = 128, wo
 
     Returns:
         ``{"dataset", "model", "task": "zeroshot_retrieval", "metrics": {image_retrieval_recall@K,
-        text_retrieval_recall@K for K in ks}, "n_images", "n_texts", "n_skipped", "skipped": {reason: count}}``.
+        text_retrieval_recall@K for K in ks}, "n_images", "n_texts", "n_distinct_texts", "n_skipped",
+        "skipped": {reason: count}}``; fewer than 90 % distinct captions (class labels as captions) is warned of.
     """
     _, loader = eval_loader(data, preprocess, batch_size, workers, keys, reading)
     model = model.to(device).eval()
@@ -493,10 +494,16 @@ def retrieval(model, preprocess, tokenizer, data: str, batch_size: int = 128, wo
     texts, owner = split_captions(captions)
     if not texts:
         raise DataError(f"no captions in {data} (retrieval needs a KEY.txt caption, one per line, for the images)")
+    distinct = len(set(texts))
+    if distinct < 0.9 * len(texts):  # class labels as captions: the recalls are low whatever the model
+        print(printable(f"mmcl: warning: retrieval of {data}: {len(texts):,} captions, {distinct:,} of them "
+                        f"distinct; a caption several images share cannot tell them apart, so the recalls stay low "
+                        f"whatever the model (for labelled classes, mmcl zeroshot scores the model)"),
+              file=sys.stderr, flush=True)
     txt_feats = encode_texts(model, tokenizer, texts, batch_size, device, progress)
     return {"dataset": _dataset_name(data), "model": model_name, "task": "zeroshot_retrieval",
             "metrics": retrieval_recalls(txt_feats, img_feats, owner, ks), "n_images": int(img_feats.shape[0]),
-            "n_texts": len(texts), **skips}
+            "n_texts": len(texts), "n_distinct_texts": distinct, **skips}
 
 
 def fit_linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,

@@ -220,6 +220,22 @@ def test_retrieval_multi_caption_known_recalls(tmp_path):
     # image->text: img0 -> a red text (1); img1 -> "a green one" (1) before "green and blue" (.71); img2 -> "blue"
     # (1) before "green and blue" (.71); img3 -> "green and blue" (.99). The captionless img4 is not scored.
     assert m["text_retrieval_recall@1"] == 1.0
+    assert res["n_distinct_texts"] == 5
+
+
+def test_retrieval_over_class_labels_as_captions_says_why_its_recalls_are_low(tmp_path, capsys):
+    """Captions that repeat (an ImageFolder made into shards: one caption per class) cannot tell their images
+    apart: the recalls stay low with a model that matches every colour exactly, and the run says why."""
+    rows = [(f"img{i}", rgb, f"a {name} thing", None) for i, (name, rgb) in enumerate(list(COLOURS.items()) * 4)]
+    shard = write_shard(tmp_path / "ret" / "shard-000000.tar", rows)
+    res = evaluate.retrieval(ColourModel(), to_tensor, colour_tokenizer, str(shard), progress=False, ks=(1,))
+    assert res["n_texts"] == 12 and res["n_distinct_texts"] == 3
+    assert res["metrics"]["image_retrieval_recall@1"] <= 0.5  # 4 equal images per text: one of them is its own
+    err = capsys.readouterr().err
+    assert f"mmcl: warning: retrieval of {shard}: 12 captions, 3 of them distinct;" in err, err
+    distinct = write_shard(tmp_path / "ok" / "shard-000000.tar", rows[:3])
+    evaluate.retrieval(ColourModel(), to_tensor, colour_tokenizer, str(distinct), progress=False, ks=(1,))
+    assert "warning" not in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------
