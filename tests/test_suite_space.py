@@ -1,12 +1,18 @@
 """The suite's own use of the disk: a whole run on a disk without room for its temporary files stops before its
 first test in one line, and a passing test's temporary folder does not outlive it."""
 
+import importlib.util
 import shutil
 from collections import namedtuple
+from pathlib import Path
 from types import SimpleNamespace
 
-import conftest
 import pytest
+
+# tests/conftest.py by its path: the name `conftest` is also tests/losses/conftest.py's, whichever pytest loaded last.
+_spec = importlib.util.spec_from_file_location("suite_conftest", Path(__file__).with_name("conftest.py"))
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
 
 Usage = namedtuple("Usage", "total used free")
 
