@@ -21,7 +21,7 @@ def test_a_whole_run_without_room_for_its_temporary_files_stops_in_one_line(tmp_
     config = SimpleNamespace(option=SimpleNamespace(basetemp=str(tmp_path / "not" / "made" / "yet")))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(100 * 2**30, 99 * 2**30, 2**30))
     with pytest.raises(pytest.exit.Exception, match=rf"mmcl tests: 1.0 GiB free in {tmp_path}, and a full run "
-                                                    rf"needs about 4 GiB for its temporary files") as stop:
+                                                    rf"needs about 5 GiB for its temporary files") as stop:
         conftest._check_temp_space(config)
     assert stop.value.returncode == 4
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(100 * 2**30, 50 * 2**30, 50 * 2**30))
