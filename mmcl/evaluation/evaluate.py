@@ -80,7 +80,7 @@ def _one_template(text: str) -> bool:
     return ("{}" in text or "{c}" in text) and not os.path.isfile(text)
 
 
-def is_template_name(templates: str) -> bool:
+def is_template_name_or_text(templates: str) -> bool:
     """Whether ``templates`` names no file: `AUTO_TEMPLATES`, a set of `TEMPLATE_SETS` or an alias, or one template
     such as ``a photo of a {}.``."""
     return (templates == AUTO_TEMPLATES or templates in TEMPLATE_SETS or templates in TEMPLATE_ALIASES

@@ -29,7 +29,7 @@ from .evaluate import (
     _input_dtype,
     _resolve_classnames,
     eval_loader,
-    is_template_name,
+    is_template_name_or_text,
     load_templates,
     retrieval,
     zeroshot,
@@ -136,7 +136,7 @@ def set_problems(ev: EvalConfig, reading: Optional[Dict[str, Any]] = None) -> Li
         templates_key = "eval.templates" if s.templates == ev.templates else f"{s.where}.templates"
         if s.classnames:
             files.setdefault(s.classnames, names_key)
-        if s.task == "zeroshot" and not is_template_name(s.templates):
+        if s.task == "zeroshot" and not is_template_name_or_text(s.templates):
             files.setdefault(s.templates, templates_key)
         elif s.task == "zeroshot" and s.templates != AUTO_TEMPLATES:  # a set's name or one template, read as the
             try:                                                      # evaluation reads it

@@ -56,14 +56,14 @@ def test_template_aliases_name_open_clip_sets(alias):
     assert full in evaluate.TEMPLATE_SETS
     got = evaluate.load_templates(alias)
     assert got == evaluate.load_templates(full) == list(getattr(open_clip, evaluate.TEMPLATE_SETS[full]))
-    assert evaluate.is_template_name(alias) and evaluate.is_template_name(full)
+    assert evaluate.is_template_name_or_text(alias) and evaluate.is_template_name_or_text(full)
 
 
 def test_template_names_and_files_are_told_apart(tmp_path):
-    assert evaluate.is_template_name(evaluate.AUTO_TEMPLATES)
+    assert evaluate.is_template_name_or_text(evaluate.AUTO_TEMPLATES)
     path = tmp_path / "t.txt"
     path.write_text("a photo of a {}.\n")
-    assert not evaluate.is_template_name(str(path))
+    assert not evaluate.is_template_name_or_text(str(path))
     assert evaluate.load_templates(str(path)) == ["a photo of a {}."]
     with pytest.raises(Exception, match="unknown templates 'imagenett'.*openai_imagenet_template, "
                                         "simple_imagenet_template"):

@@ -190,12 +190,14 @@ def test_one_template_given_as_text(tmp_path):
     look for it as a file, and a file of that name is still read as a file."""
     assert evaluate.load_templates("a handwritten digit {}") == ["a handwritten digit {}"]
     assert evaluate.load_templates(" a {c} ") == ["a {}"]
-    assert evaluate.is_template_name("a photo of a {}.") and not evaluate.is_template_name("prompts.txt")
+    assert evaluate.is_template_name_or_text("a photo of a {}.")
+    assert not evaluate.is_template_name_or_text("prompts.txt")
     with pytest.raises(DataError, match="needs '\\{\\}'"):
         evaluate.load_templates("a {name} photo {}")
     path = tmp_path / "{}.txt"
     path.write_text("a sketch of {}\n")
-    assert evaluate.load_templates(str(path)) == ["a sketch of {}"] and not evaluate.is_template_name(str(path))
+    assert evaluate.load_templates(str(path)) == ["a sketch of {}"]
+    assert not evaluate.is_template_name_or_text(str(path))
     root = write_folder(tmp_path / "colours", {"red": [(255, 0, 0)], "green": [(0, 255, 0)]})
     res = evaluate.zeroshot(ColourModel(), to_tensor, colour_tokenizer, str(root), templates="a {} thing",
                             progress=False)
