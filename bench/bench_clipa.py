@@ -11,7 +11,7 @@ Two parts, in one run, on CPU:
    CLIPA run whose steps are as many as the same FLOPs buy (its phases in the config's proportions), both through
    ``mmcl train`` with everything else equal. Each is evaluated on held-out data: zero-shot top-1 and, where the
    set has distinct captions, retrieval recall. Data: scikit-learn's digits (`lit_digits.make_data`; its captions
-   name only the class, so no retrieval there) and a synthetic-shapes set from `mmcl.data.demo` with another seed
+   name only the class, so no retrieval there) and a synthetic-shapes set from `mmcl.shards.demo` with another seed
    (zero-shot on colour and shape, retrieval on its held-out shards).
 
     .venv/bin/python bench/bench_clipa.py --work-dir /tmp/clipa-bench [--seeds 0 1 2] [--fixed-steps 20]
@@ -152,7 +152,7 @@ def cost(cfg, shards: str, args) -> dict:
 
 # ------------------------------------------------------------------------------------------------ quality
 def shapes_data(work: Path) -> dict:
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     out = make_demo_data(str(work / "shapes"), seed=7, n_train=3000, n_val=300, n_zeroshot=40, progress=False)
     return {"shards": out["train"], "val": out["val"], "zeroshot": {"colour": out["zeroshot_colour"],

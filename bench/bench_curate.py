@@ -53,7 +53,7 @@ def make_data(work: Path, args) -> dict:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    from mmcl.data import write_shards
+    from mmcl.shards.writer import write_shards
 
     digits = load_digits()
     everything = np.arange(len(digits.target))

@@ -97,7 +97,7 @@ class LaionLike:
 
 
 def make_shards(folder: str, n: int, per_shard: int, images: str = "small") -> str:
-    from mmcl.data import write_shards
+    from mmcl.shards.writer import write_shards
 
     rng = np.random.default_rng(0)
     laion = LaionLike(rng) if images == "laion" else None

@@ -73,7 +73,7 @@ def subset(work: Path, data: dict, n: int) -> dict:
 
     from PIL import Image
 
-    from mmcl.data import write_shards
+    from mmcl.shards.writer import write_shards
 
     with open(data["csv"], newline="") as f:
         rows = list(csv.reader(f, delimiter="\t"))[1:1 + n]

@@ -89,7 +89,7 @@ def _train(cmd_extra, out: Path, args, log: Path) -> float:
 def digits(args) -> list:
     """The base model's, full fine-tuning's and LoRA's zero-shot accuracy on the held-out digits."""
     import mmcl
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

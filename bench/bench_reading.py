@@ -46,7 +46,7 @@ MEMBERS = ("jpg", "txt", "cls", "json")
 
 
 def make_shards(folder: str, images: str, shards: int, per_shard: int):
-    from mmcl.data import write_shards
+    from mmcl.shards.writer import write_shards
 
     rng = np.random.default_rng(0)
     laion = LaionLike(rng) if images == "laion" else None

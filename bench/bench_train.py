@@ -180,7 +180,7 @@ def cpu_name() -> str:
 # ----------------------------------------------------------------------------------------------------- data
 def prepare_data(work: Path, n_train: int, image_size: int = 64, n_shards: int = 8) -> Tuple[str, Path, int]:
     """Demo shards for mmcl and the very same encoded images as files + a tab-separated CSV for open_clip."""
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     # Enough shards that every mmcl worker reads its own shards (as with real data).
     paths = make_demo_data(str(work / "shards"), n_train=n_train, n_val=1, n_zeroshot=1, image_size=image_size,
@@ -623,7 +623,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.pure_trace:
         work = Path(tempfile.mkdtemp(prefix="mmcl-bench-trace-"))
         register_models(work, args.model)
-        from mmcl.data.demo import make_demo_data
+        from mmcl.shards.demo import make_demo_data
 
         paths = make_demo_data(str(work / "shards"), n_train=args.batch_size * args.pure_batches, n_val=1,
                                n_zeroshot=1, image_size=args.image_size, shard_size=args.batch_size * args.pure_batches,

@@ -29,7 +29,7 @@ import lit_digits  # noqa: E402  (the same data, teacher recipe and evaluation)
 
 def reinforce_shards(work: Path, data: dict, teacher: Path) -> str:
     """The training shards with the teacher's embeddings stored in them (`mmcl reinforce`)."""
-    from mmcl.training.reinforce import reinforce
+    from mmcl.curation.reinforce import reinforce
 
     out = work / "reinforced"
     summary = reinforce(str(teacher), data["shards"], str(out), batch_size=128, progress=False)

@@ -50,7 +50,7 @@ def make_data(work: Path, image_size: int, seed: int) -> dict:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    from mmcl.data import write_shards
+    from mmcl.shards.writer import write_shards
 
     digits = load_digits()
     idx_train, idx_test = train_test_split(np.arange(len(digits.target)), test_size=0.2, random_state=seed,

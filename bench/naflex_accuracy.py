@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from mmcl.data import write_shards
+from mmcl.shards.writer import write_shards
 
 SHAPES = ("circle", "square", "triangle", "cross")
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}

@@ -15,9 +15,9 @@ DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS.parent))
 
 from mmcl.cli import build_parser  # noqa: E402
+from mmcl.cli.open_clip_flag_table import NOT_SUPPORTED_FROM_MAIN, VERSIONS  # noqa: E402
+from mmcl.cli.open_clip_flags import DEFAULTS, FLAGS  # noqa: E402
 from mmcl.config import describe_keys  # noqa: E402
-from mmcl.training.open_clip_flag_table import NOT_SUPPORTED_FROM_MAIN, VERSIONS  # noqa: E402
-from mmcl.training.open_clip_flags import DEFAULTS, FLAGS  # noqa: E402
 
 NOTICE = "<!-- Written by docs/gen_reference.py from the code: edit the code, then run the script. -->\n"
 

@@ -95,7 +95,7 @@ def fresh_accelerate_state_per_module():
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """The embedded demo dataset as shards, small enough for a run of a few dozen steps (`helpers.run_args`)."""
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     root = tmp_path_factory.mktemp("demo")
     return make_demo_data(str(root), n_train=768, n_val=32, n_zeroshot=8, shard_size=96, progress=False)
@@ -144,7 +144,7 @@ def tokenizer_dir():
 def small_demo(tmp_path_factory):
     """The demo dataset at 32 pixels, two shards of 32 training samples: for runs of a few steps that test what a
     run leaves in its folder, not what it learns. Shared by the modules that only read it."""
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     root = tmp_path_factory.mktemp("small_demo")
     return make_demo_data(str(root), n_train=64, n_val=8, n_zeroshot=2, image_size=32, shard_size=32,

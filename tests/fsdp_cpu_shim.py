@@ -42,22 +42,22 @@ def _patch_accelerate() -> None:
 def _slow_evaluation(seconds: float) -> None:
     import time
 
-    import mmcl.training.finish
+    import mmcl.training.end
 
-    real_run_eval = mmcl.training.finish.run_eval
+    real_run_eval = mmcl.training.end.run_eval
 
     def run_eval(cfg, model, tokenizer, pp_cfg, accelerator, *rest):
         if accelerator.is_main_process:
             time.sleep(seconds)
         return real_run_eval(cfg, model, tokenizer, pp_cfg, accelerator, *rest)
 
-    mmcl.training.finish.run_eval = run_eval
+    mmcl.training.end.run_eval = run_eval
 
 
 def _report_precision() -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    import mmcl.training.finish
+    import mmcl.training.end
 
     real_forward = mmcl.training.step._forward
     reported = []

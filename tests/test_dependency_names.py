@@ -243,7 +243,7 @@ def test_accelerate_tensorboard_tracker_init_kwargs_reach_the_writer(tmp_path):
     from accelerate.tracking import TensorBoardTracker
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    where = "mmcl.training.tracking.start"
+    where = "mmcl.run.records.start"
     first = TensorBoardTracker("tensorboard", str(tmp_path))
     first.start()
     for step in range(1, 11):

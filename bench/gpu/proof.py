@@ -516,8 +516,8 @@ def stage_data(summary: Summary, cfg: Dict[str, Any], device: str, budget_end: f
     import open_clip
 
     from mmcl import models
-    from mmcl.data import write_shards
     from mmcl.data.transforms import ImageSpec
+    from mmcl.shards.writer import write_shards
 
     from bench_data import measure, ours_loader
 

@@ -423,7 +423,7 @@ class DistillConfig(_Section):
 
 @dataclass
 class TrackConfig(_Section):
-    """How the ``train.log_with`` trackers name the run (mmcl/training/tracking.py). A key left null takes the
+    """How the ``train.log_with`` trackers name the run (mmcl/run/records.py). A key left null takes the
     tracker's own environment variable (W&B's WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_NOTES, WANDB_TAGS;
     MLflow's MLFLOW_EXPERIMENT_NAME, MLFLOW_TAGS), else mmcl's default."""
 

@@ -56,10 +56,10 @@ from ..data.sizes import SIZES_FILE
 from ..data.skips import SKIP_LOG, SkipLog
 from ..data.skips import record as skip_record
 from ..data.sources import expand_urls, has_scheme, redact
-from ..data.writer import add_tar_member, write_sizes
 from ..errors import ConfigError, DataError, MmclError
 from ..evaluation.embed import MAX_PIXELS, ClipEncoder, embed_image_set, embed_samples
 from ..evaluation.evaluate import shown_path
+from ..shards.writer import add_tar_member, write_sizes
 from ..storage.fsutil import new_file, os_error_text
 from ..storage.manifest import OutputManifest
 from .report import write_report

@@ -1,4 +1,4 @@
-"""WebDataset streaming for training and evaluation, shard writing, and the synthetic demo set.
+"""WebDataset streaming for training and evaluation: sources, reading, decoding, transforms, the resumable stream.
 
 Shards follow the img2dataset / WebDataset convention: consecutive tar members sharing a key form one sample
 (``KEY.jpg|jpeg|png|webp`` image, ``KEY.txt`` caption, optional ``KEY.cls`` label, optional ``KEY.json``).
@@ -23,8 +23,6 @@ One concern per module, imported in this order (each uses only those above it)::
                    of the batches consumed, a saved state and resuming from one
     eval_data.py   evaluation datasets (`build_eval_dataset`): ImageFolder or shards, each sample once
     shard_inputs.py  `mmcl shards`'s inputs (caption folders, ImageFolders, tables) -> the images they name
-    writer.py      writing shards (`write_shards`, `ShardWriter`) and `mmcl shards` (`shards_from_input`)
-    demo.py        the synthetic coloured-shapes set (`make_demo_data`)
 
 The names below are the package's public interface; import them from ``mmcl.data``.
 """
@@ -77,21 +75,19 @@ from .transforms import (
     train_image_stages,
     training_sample_transform,
 )
-from .writer import ShardWriter, shards_from_input, write_shards
 
 __all__ = [
     "IMAGE_EXTS", "SKIP_REASONS", "SHARD_SUFFIXES", "WORKER_STOP_GRACE_S",
     "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "ImageSpec", "NaflexPlan",
     "PyRandomResizedCrop", "RawSample",
-    "ShardEvalDataset", "ShardWriter", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
+    "ShardEvalDataset", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
     "TransformOutputError", "InputSizes", "WorkerOutput",
     "build_eval_dataset", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
     "SampleKeys", "caption_draw", "sample_keys",
-    "pil_to_uint8", "random_crop_box", "read_raw_samples", "redact", "role_batches", "shards_from_input",
-    "shuffle_block",
+    "pil_to_uint8", "random_crop_box", "read_raw_samples", "redact", "role_batches", "shuffle_block",
     "split_transform", "to_rgb", "train_draft_size", "train_image_input", "train_image_stages",
     "aug_dict", "training_sample_transform",
-    "write_shards", "zero_skips",
+    "zero_skips",
 ]

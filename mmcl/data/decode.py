@@ -402,7 +402,7 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
     worker's RNG serves nothing else). With `as_uint8`, `preprocess` is the PIL stage of a split transform
     (`split_transform`) and the image comes back as uint8 RGB. Raises `SkipSample` for bad samples and
     `TransformOutputError` when the PIL stage gives no RGB image. `keys` (a `SampleKeys`) and `caption_draw` choose the
-    members and the caption (`parse_sample`). With `teacher_view` (a `mmcl.training.teacher.TeacherView`) a fourth
+    members and the caption (`parse_sample`). With `teacher_view` (a `mmcl.evaluation.teacher.TeacherView`) a fourth
     element is the teacher's uint8 view of the same decoded image, before any augmentation. With `stored_teacher`
     (``distill.from_shards``) it is the sample's stored teacher embeddings (image, drawn caption, scale), or
     `SkipSample` ``no_teacher_features``.

@@ -345,7 +345,7 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
         seed: base seed; shard order, shuffling and augmentation derive from (seed, rank, worker, epoch).
         rank, world_size: this process's place among data-parallel processes.
         pin_memory: page-locked batches (for a GPU).
-        teacher_view: a `mmcl.training.teacher.TeacherView` (distillation): batches also carry ``teacher_image`` and
+        teacher_view: a `mmcl.evaluation.teacher.TeacherView` (distillation): batches also carry ``teacher_image`` and
             ``teacher_text``, the teacher's view of the un-augmented image and of the same caption.
         stored_teacher: batches carry the teacher embeddings `mmcl reinforce` stored in the shards
             (``teacher_image_features``, ``teacher_text_features``, ``teacher_scale``); samples without them

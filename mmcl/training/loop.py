@@ -1,16 +1,16 @@
 """The training loop.
 
 `train` reads top to bottom: the run folder's rule (`decide_folder`), the `Runtime` (processes, batch, steps),
-the inputs checked, the accelerator and the run's parts (`mmcl.training.build`), `resume_or_start`, then per step
+the inputs checked, the accelerator and the run's parts (`mmcl.training.setup`), `resume_or_start`, then per step
 `Step` (`mmcl.training.step`: forward, loss, the finite-loss decision, backward, update, weight average) and
 `after_step` (the progress, logging, saving, stopping: the host reads the device only where a step is logged or
-saved), and `finish_run` (`mmcl.training.finish`: model/ saved, then the final evaluation). A `Run` holds what
+saved), and `finish_run` (`mmcl.training.end`: model/ saved, then the final evaluation). A `Run` holds what
 these share.
 
 Resumable: checkpoints are written into a temporary directory and renamed into place, then a ``latest``
 pointer is replaced atomically; starting the same command on the same output directory continues from the
 newest complete checkpoint with the same weights, optimiser, RNG and data position; on another number of
-processes, with the same global batch and every sample of the epoch once (`mmcl.training.resume`).
+processes, with the same global batch and every sample of the epoch once (`mmcl.run.resume`).
 """
 
 from __future__ import annotations
@@ -25,18 +25,21 @@ from ..data.sources import redact_values
 from ..errors import MmclError, RunStopped, TrainingError, printable
 from ..evaluation import in_run as eval_sets
 from ..models import flip
+from ..run import folder as runfolder
+from ..run import records as tracking
+from ..run import resume
+from ..run.processes import agreed, any_process, lost_peer, timed_out
+from ..run.records import MetricsLog
+from ..run.signals import StopSignals, exit_code
 from ..storage import checkpoints, pretrained
 from ..storage.checkpoints import CKPT_PREFIX, latest_checkpoint, save_checkpoint
 from ..storage.fsutil import atomic_write_text
 from ..storage.layout import CONFIG, RunLayout
-from . import optim, phases, resume, runfolder, tracking
-from .agree import agreed, any_process, lost_peer, timed_out
-from .build import Trainee, build_trainee, describe_setup, take_folder
+from . import optim, phases
 from .optim import lr_at
-from .preempt import StopSignals, exit_code
-from .runtime import Runtime, accelerator_for, refuse_deepspeed
+from .plan import Runtime, accelerator_for, refuse_deepspeed
+from .setup import Trainee, build_trainee, describe_setup, take_folder
 from .step import Step, StepResult
-from .tracking import MetricsLog
 
 
 class TrainProgress:
@@ -81,7 +84,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 
 def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     """The run from start to end: check the inputs, build, prepare, resume, loop (step, log, save), finish."""
-    from .finish import finish_run
+    from .end import finish_run
     from .preflight import check_inputs
 
     main = is_main_process()
@@ -313,7 +316,7 @@ def after_step(run: Run, result: StepResult, lr: float, last: Dict[str, Any]) ->
             run.window_samples -= n
             skipped_now = skipped_now or bad_step == step
     if run.logged_at(step) and not skipped_now:  # a skipped step is not logged
-        from .finish import log_record
+        from .end import log_record
 
         last = log_record(run, result, lr)
     stopping = maybe_save(run) or stopping
@@ -355,7 +358,7 @@ def count_step(run: Run, pairs: Optional[int] = None) -> None:
     if run.main and run.cfg.train.progress and run.bar is None:
         # Created after the first step, so a data or config error is not preceded by an empty bar. Lines printed
         # while it is shown (warnings, log lines) are written through it, each on its own line.
-        from .console import progress_bar
+        from ..run.console import progress_bar
 
         run.bar = progress_bar(run.rt.total_steps, run.progress.step - 1, run.held, desc="train", unit="step",
                                dynamic_ncols=True)

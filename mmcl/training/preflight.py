@@ -120,9 +120,9 @@ def table_problem(spec) -> Optional[str]:
 
 def batch_problem(cfg: TrainConfig, processes: int, batch: Optional[Tuple[int, int]] = None) -> Optional[str]:
     """A global batch larger than the training data, where the data's size is known (``data.train_num_samples``,
-    else the shards' counts, as `mmcl.training.runtime.run_length` takes them): a contrastive batch would hold the same
+    else the shards' counts, as `mmcl.training.plan.run_length` takes them): a contrastive batch would hold the same
     sample more than once, each copy a false negative of the other. `batch`: the run's (per-process batch,
-    micro-batches) where they are not the config's (`mmcl.training.runtime.batch_plan`)."""
+    micro-batches) where they are not the config's (`mmcl.training.plan.batch_plan`)."""
     from ..data.sizes import shard_samples
 
     batch, accum = batch or (cfg.data.batch_size, cfg.train.accum_steps)

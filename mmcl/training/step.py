@@ -128,7 +128,7 @@ def _stored_teacher(b, device) -> losses.TeacherFeatures:
 
 def _teacher_features(teacher, batches, device, autocast=contextlib.nullcontext):
     """The teacher's features of the micro-batches, concatenated: computed by `teacher` (a
-    `mmcl.training.teacher.Teacher`, under `autocast`, the student's mixed precision), or read from the batches (stored
+    `evaluation.teacher.Teacher`, under `autocast`, the student's mixed precision), or read from the batches (stored
     in
     the shards); None without distillation."""
     if teacher is not None:
@@ -197,7 +197,7 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
     with autograd and back-propagates its slice of the loss's gradient. Loss and parameter gradients equal those of
     the single large batch. `finish_images` turns a batch's images into model input on the device
     (`TrainStream.finish_images`: uint8 -> normalised float). `with_metrics` is passed to the objective (its
-    align/uniform metrics, needed only on logged steps). `teacher` (a `mmcl.training.teacher.Teacher`,
+    align/uniform metrics, needed only on logged steps). `teacher` (a `mmcl.evaluation.teacher.Teacher`,
     distillation) scores the micro-batches' teacher views without gradient; with several micro-batches its
     features join the one contrastive problem like the student's. `capacity` (NaFlex batches, whose number of
     pairs varies) is the most pairs one micro-batch holds: the step's features are padded to ``capacity`` times

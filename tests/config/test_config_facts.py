@@ -10,7 +10,7 @@ from mmcl import data, losses
 from mmcl.config import TRACKERS, TrainConfig, from_dict, get, load_config, term_keys, valid_keys, validate
 from mmcl.errors import ConfigError
 from mmcl.evaluation import evaluate
-from mmcl.training import tracking
+from mmcl.run import records as tracking
 
 
 def _with(values):

@@ -119,7 +119,7 @@ def test_vit_b_32_is_open_clip_laion_recipe():
     assert cfg.optim.warmup_steps == 2000 and cfg.model.name == "ViT-B-32"
     # 32 epochs of LAION-400M's ~407M pairs, as samples seen, so the length does not depend on the GPU count.
     assert abs(cfg.train.samples - 32 * 407e6) / (32 * 407e6) < 0.01
-    from mmcl.training.runtime import total_steps
+    from mmcl.training.plan import total_steps
 
     assert total_steps(cfg, processes) == -(-cfg.train.samples // 32768)
     model_cfg = models.resolve_model_config(cfg.model)
@@ -188,7 +188,7 @@ def _fruit_photos(root: Path, per_class: int, seed: int) -> None:
 def user_dir(tmp_path_factory):
     """A working directory holding ``shards/`` (4 shards, 72 pairs, written as `mmcl shards` writes them) and
     ``photos/eval`` (a held-out ImageFolder); runs started here use relative paths."""
-    from mmcl.data import shards_from_input
+    from mmcl.shards.writer import shards_from_input
 
     root = tmp_path_factory.mktemp("user")
     _fruit_photos(root / "photos" / "train", 24, seed=1)

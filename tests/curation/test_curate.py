@@ -367,7 +367,7 @@ def test_another_rule_set_is_refused_in_one_line(setup, curated, capsys):
 
 def test_stored_embeddings_from_reinforce_are_used(setup, curated, tmp_path):
     from mmcl.cli import main
-    from mmcl.training.reinforce import reinforce
+    from mmcl.curation.reinforce import reinforce
 
     reinforced = tmp_path / "reinforced"
     reinforce(str(setup["model"]), setup["spec"], str(reinforced), batch_size=5, progress=False)

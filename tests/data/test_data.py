@@ -16,6 +16,7 @@ from torchvision import transforms as T
 from mmcl import data
 from mmcl.config import DataConfig
 from mmcl.errors import ConfigError, DataError
+from mmcl.shards import writer as shard_writer
 
 from helpers import PREPROCESS, SIDE, bad_samples, cfg_for, encode, good_members, image_for, tokenizer, write_tar
 
@@ -65,7 +66,8 @@ def test_slots_get_equal_shares_when_shards_do_not_divide_evenly(tmp_path):
     """5 shards of 8 samples for 2 workers: 20 samples each per epoch (2 whole shards + half of the fifth),
     not 24 and 16, which would make the smaller worker wrap sooner and repeat its samples more often."""
     img = Image.new("RGB", (SIDE, SIDE), (10, 200, 30))
-    data.write_shards(({"key": f"k{i:02d}", "image": img, "caption": f"c{i}"} for i in range(40)), str(tmp_path),
+    shard_writer.write_shards(
+        ({"key": f"k{i:02d}", "image": img, "caption": f"c{i}"} for i in range(40)), str(tmp_path),
                       shard_size=8)
     spec = str(tmp_path / "shard-*.tar")
     for epoch_seed in (0, 1):
@@ -594,7 +596,7 @@ def test_write_shards_roundtrip(tmp_path):
     samples = [{"key": f"k{i}", "image": image_for(i), "caption": f"cap {i}", "label": i,
                 "json": {"i": i}} for i in range(5)]
     samples.append({"key": "raw", "image": encode(image_for(9), "JPEG"), "ext": "jpg", "caption": "raw bytes"})
-    summary = data.write_shards(samples, str(tmp_path / "out"), shard_size=4, prefix="x")
+    summary = shard_writer.write_shards(samples, str(tmp_path / "out"), shard_size=4, prefix="x")
     assert summary["n_samples"] == 6 and summary["n_shards"] == 2
     assert [os.path.basename(p) for p in summary["shards"]] == ["x-000000.tar", "x-000001.tar"]
     items = list(data.read_raw_samples([(p, None) for p in summary["shards"]]))
@@ -603,10 +605,10 @@ def test_write_shards_roundtrip(tmp_path):
     assert json.loads(items[2].files["json"]) == {"i": 2}
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(items[2].files["png"]))), np.asarray(image_for(2)))
     assert set(items[5].files) == {"jpg", "txt"}
-    again = data.write_shards(samples, str(tmp_path / "again"), shard_size=4, prefix="x")
+    again = shard_writer.write_shards(samples, str(tmp_path / "again"), shard_size=4, prefix="x")
     assert open(again["shards"][0], "rb").read() == open(summary["shards"][0], "rb").read()
     with pytest.raises(DataError, match="no '.'"):
-        data.write_shards([{"key": "a.b", "image": image_for(0), "caption": "c"}], str(tmp_path / "bad"))
+        shard_writer.write_shards([{"key": "a.b", "image": image_for(0), "caption": "c"}], str(tmp_path / "bad"))
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "bad"))
 
 
@@ -628,7 +630,7 @@ def image_folder(tmp_path):
 
 def test_shards_from_image_folder_and_eval(image_folder, tmp_path, capsys):
     out = tmp_path / "shards"
-    summary = data.shards_from_input(str(image_folder), str(out), shard_size=4, progress=False)
+    summary = shard_writer.shards_from_input(str(image_folder), str(out), shard_size=4, progress=False)
     assert summary["n_samples"] == 6 and summary["n_shards"] == 2
     assert summary["skipped"] == {"decode": 1, "not_image": 1}
     assert "wrote 6 samples in 2 shards" in capsys.readouterr().out
@@ -657,7 +659,7 @@ def test_shards_from_csv_and_jsonl(image_folder, tmp_path):
                      "folder/cat_face/2.png,a cat,x\n"
                      "folder/dog/broken.jpg,broken,1\n"
                      "folder/cat_face/0.png,a cat,\n")
-    summary = data.shards_from_input(str(table), str(tmp_path / "csv"), progress=False)
+    summary = shard_writer.shards_from_input(str(table), str(tmp_path / "csv"), progress=False)
     assert summary["n_samples"] == 2
     assert summary["skipped"] == {"missing_file": 1, "bad_caption": 1, "bad_label": 1, "decode": 1}
     items = list(data.build_eval_dataset(str(tmp_path / "csv"), PREPROCESS))
@@ -665,15 +667,15 @@ def test_shards_from_csv_and_jsonl(image_folder, tmp_path):
     lines = [json.dumps({"image": "folder/dog/1.png", "caption": "one dog", "label": 1}), "{not json",
              json.dumps({"caption": "no image"}), json.dumps({"image": "folder/dog/2.png", "caption": "two"})]
     (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
-    summary = data.shards_from_input(str(tmp_path / "t.jsonl"), str(tmp_path / "jl"), progress=False)
+    summary = shard_writer.shards_from_input(str(tmp_path / "t.jsonl"), str(tmp_path / "jl"), progress=False)
     assert summary["n_samples"] == 2 and summary["skipped"] == {"bad_row": 1, "missing_image": 1}
     assert summary["skipped_examples"][0] == "t.jsonl:2: bad_row"
     with pytest.raises(DataError, match="needs columns 'image' and 'caption'"):
         (tmp_path / "bad.csv").write_text("path,text\nx,y\n")
-        data.shards_from_input(str(tmp_path / "bad.csv"), str(tmp_path / "b"), progress=False)
+        shard_writer.shards_from_input(str(tmp_path / "bad.csv"), str(tmp_path / "b"), progress=False)
     (tmp_path / "t.txt").write_text("x")
     with pytest.raises(DataError, match="unsupported input"):
-        data.shards_from_input(str(tmp_path / "t.txt"), str(tmp_path / "c"), progress=False)
+        shard_writer.shards_from_input(str(tmp_path / "t.txt"), str(tmp_path / "c"), progress=False)
 
 
 # ---------------------------------------------------------------------------------------------- tar reader
@@ -938,7 +940,7 @@ def test_shards_from_img2dataset_files_layout_reads_captions_and_keeps_metadata(
     out = tmp_path / "shards"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        summary = data.shards_from_input(str(root) + os.sep, str(out), shard_size=4, progress=False)
+        summary = shard_writer.shards_from_input(str(root) + os.sep, str(out), shard_size=4, progress=False)
     assert summary["n_samples"] == 5 and summary["skipped"] == {"missing_caption": 1, "missing_image": 1}
     assert summary["skipped_examples"] == [f"{os.path.join('00001', '000010001.jpg')}: missing_caption",
                                            f"{os.path.join('00001', '000019999.txt')}: missing_image"]
@@ -961,7 +963,7 @@ def test_caption_files_beside_class_folders_are_not_read_as_an_image_folder(imag
     counted, never given the folder name as caption."""
     (image_folder / "dog" / "0.txt").write_text("a brown dog on grass")
     with pytest.warns(UserWarning, match="6 images .* have no caption file"):
-        summary = data.shards_from_input(str(image_folder), str(tmp_path / "out"), progress=False)
+        summary = shard_writer.shards_from_input(str(image_folder), str(tmp_path / "out"), progress=False)
     samples = _shard_samples(tmp_path / "out")
     assert [s["txt"].decode() for s in samples.values()] == ["a brown dog on grass"]
     assert summary["skipped"]["missing_caption"] == 6  # the other 5 images and the broken one
@@ -996,21 +998,21 @@ def test_url_tables_name_img2dataset_and_local_urls_are_read(image_folder, tmp_p
     web.write_text("url,caption\nhttps://example.com/a.jpg,a dog\n")
     with pytest.raises(DataError, match=r"img2dataset --url_list .*urls.csv --input_format csv --url_col url "
                                         r"--caption_col caption --output_format webdataset"):
-        data.shards_from_input(str(web), str(tmp_path / "w"), progress=False)
+        shard_writer.shards_from_input(str(web), str(tmp_path / "w"), progress=False)
     laion = tmp_path / "laion.csv"
     laion.write_text("URL,TEXT\nhttps://example.com/a.jpg,a dog\n")
     with pytest.raises(DataError, match="needs columns 'image' and 'caption'.*img2dataset --url_list .* "
                                         "--url_col URL --caption_col TEXT"):
-        data.shards_from_input(str(laion), str(tmp_path / "l"), progress=False)
+        shard_writer.shards_from_input(str(laion), str(tmp_path / "l"), progress=False)
     (tmp_path / "urls.jsonl").write_text(json.dumps({"url": "https://example.com/a.jpg", "caption": "x"}) + "\n")
     with pytest.raises(DataError, match=r"read_json\(.*urls.jsonl', lines=True\).to_parquet\(.*urls.parquet'\).*"
                                         r"--input_format parquet"):
-        data.shards_from_input(str(tmp_path / "urls.jsonl"), str(tmp_path / "j"), progress=False)
+        shard_writer.shards_from_input(str(tmp_path / "urls.jsonl"), str(tmp_path / "j"), progress=False)
     dog0 = image_folder / "dog" / "0.png"
     local = tmp_path / "local.csv"
     local.write_text(f"url,caption\n{dog0.as_uri()},a dog by URI\nfolder/dog/1.png,a dog by path\n"
                      f"file://{tmp_path}/folder/dog/missing.png,gone\n")
-    summary = data.shards_from_input(str(local), str(tmp_path / "loc"), progress=False)
+    summary = shard_writer.shards_from_input(str(local), str(tmp_path / "loc"), progress=False)
     assert summary["n_samples"] == 2 and summary["skipped"] == {"missing_file": 1}
     samples = list(_shard_samples(tmp_path / "loc").values())
     assert [s["txt"].decode() for s in samples] == ["a dog by URI", "a dog by path"]
@@ -1023,8 +1025,8 @@ def test_url_tables_name_img2dataset_and_local_urls_are_read(image_folder, tmp_p
                                          {"url": "http://example.com/x.jpg", "caption": "web"}]),
                    str(tmp_path / "t.parquet"))
     with pytest.raises(DataError, match="--input_format parquet"):
-        data.shards_from_input(str(tmp_path / "t.parquet"), str(tmp_path / "p"), progress=False)
+        shard_writer.shards_from_input(str(tmp_path / "t.parquet"), str(tmp_path / "p"), progress=False)
     pq.write_table(pa.Table.from_pylist([{"url": dog0.as_uri(), "caption": "from parquet"}]),
                    str(tmp_path / "ok.parquet"))
-    summary = data.shards_from_input(str(tmp_path / "ok.parquet"), str(tmp_path / "p2"), progress=False)
+    summary = shard_writer.shards_from_input(str(tmp_path / "ok.parquet"), str(tmp_path / "p2"), progress=False)
     assert [s["txt"].decode() for s in _shard_samples(tmp_path / "p2").values()] == ["from parquet"]

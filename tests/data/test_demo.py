@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from mmcl import data
-from mmcl.data import demo as demo_module
 from mmcl.errors import DataError
+from mmcl.shards import demo as demo_module
 
 
 def read_samples(spec):

@@ -84,7 +84,7 @@ def test_normaliser_and_eval_transform_match_torchvision_on_the_real_patches():
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     root = tmp_path_factory.mktemp("naflex")
     return make_demo_data(str(root), n_train=160, n_val=1, n_zeroshot=1, image_size=32, shard_size=40,
@@ -160,7 +160,7 @@ def test_a_naflex_tower_without_seq_lens_is_refused_when_the_run_is_built():
     from mmcl.config import load_config
     from mmcl.errors import ConfigError
     from mmcl.models import build
-    from mmcl.training.build import naflex_preprocess
+    from mmcl.training.setup import naflex_preprocess
 
     from helpers import ROOT
 

@@ -11,8 +11,9 @@ import pytest
 from PIL import Image
 
 from mmcl.config import load_config
-from mmcl.data import read_raw_samples, write_shards
+from mmcl.data import read_raw_samples
 from mmcl.errors import ConfigError
+from mmcl.shards.writer import write_shards
 
 
 class _Shards(http.server.BaseHTTPRequestHandler):

@@ -10,6 +10,7 @@ import pytest
 from mmcl import data
 from mmcl.cli import main
 from mmcl.data.eval_data import folder_classnames
+from mmcl.shards import writer as shard_writer
 
 from helpers import png
 
@@ -47,7 +48,7 @@ def test_folder_names_stay_captions_when_they_are_not_wordnet_ids(tmp_path, caps
         (root / name).mkdir(parents=True)
         (root / name / "a.png").write_bytes(png(i, 8))
     out = tmp_path / "shards"
-    summary = data.shards_from_input(str(root), str(out), progress=False)
+    summary = shard_writer.shards_from_input(str(root), str(out), progress=False)
     assert summary["n_samples"] == 2
     assert sorted(v for k, v in _shard_texts(out).items() if k.endswith(".txt")) == [
         "a photo of a cat face.", "a photo of a n01440764."]

@@ -10,7 +10,7 @@ from helpers import stream_batch
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     root = tmp_path_factory.mktemp("stream")
     return make_demo_data(str(root), n_train=64, n_val=1, n_zeroshot=1, shard_size=16, progress=False)["train"]

@@ -138,7 +138,7 @@ def test_augmentation_open_clip_would_ignore_or_assert_on_is_a_config_error(over
 
 @pytest.fixture(scope="module")
 def arch_run(tmp_path_factory):
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     root = tmp_path_factory.mktemp("arch")
     demo = make_demo_data(str(root / "demo"), n_train=16, n_val=4, n_zeroshot=2, image_size=32, shard_size=16,

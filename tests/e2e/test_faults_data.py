@@ -20,6 +20,7 @@ from PIL import Image
 from mmcl import data, models
 from mmcl.errors import CheckpointError, ConfigError, DataError
 from mmcl.evaluation import evaluate
+from mmcl.shards import writer as shard_writer
 from mmcl.storage import export as export_mod
 from mmcl.storage import fsutil, weights
 from mmcl.storage.weights import CONFIG_FILE, WEIGHTS_FILE
@@ -303,7 +304,7 @@ def test_the_same_conversion_in_training_eval_folders_and_shards(tmp_path):
     for i in range(len(ds)):
         np.testing.assert_array_equal(_grey_row(ds[i][0]), expected)
     assert ds.classnames == ["scan"] and len(ds) == 2
-    summary = data.shards_from_input(str(tmp_path / "folder"), str(tmp_path / "shards"), progress=False)
+    summary = shard_writer.shards_from_input(str(tmp_path / "folder"), str(tmp_path / "shards"), progress=False)
     assert summary["n_samples"] == 2 and summary["n_skipped"] == 0
     assert (tmp_path / "shards" / "classnames.txt").read_text() == "scan\n"
     shards = data.build_eval_dataset(str(tmp_path / "shards" / "shard-000000.tar"), lambda im: np.asarray(im))

@@ -17,8 +17,8 @@ import torch
 
 from mmcl.cli import main
 from mmcl.errors import TrainingError
+from mmcl.run.lock import RunLock
 from mmcl.storage import checkpoints
-from mmcl.training.runlock import RunLock
 
 from helpers import ACCELERATE_LAUNCH, ROOT, final_weights, metrics, run_args
 
@@ -316,7 +316,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(demo, tmp_path
     out.mkdir()
     # The holder forks a child that outlives it with the lock file open, as data loader workers do for a moment
     # after the training process is SIGKILLed: the lock must die with the holder all the same.
-    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from mmcl.training.runlock import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from mmcl.run.lock import RunLock; "
                                f"RunLock({str(out)!r}).acquire(); child = os.fork(); "
                                # the parent says its child's PID
                                "child and print(child, flush=True); time.sleep(600)"],
@@ -444,7 +444,7 @@ def test_sigterm_to_the_launcher_during_a_save_on_two_processes(demo, reference2
 
 REFUSE_ON_RANK_1 = """\
 import os, sys
-import mmcl.training.resume as resume_mod
+import mmcl.run.resume as resume_mod
 from mmcl.cli import main
 from mmcl.errors import CheckpointError
 

@@ -79,7 +79,7 @@ def test_tiled_equals_dense_on_cuda(kind):
 
 
 def test_stream_batches_are_pinned_and_contiguous_on_cuda(tmp_path):
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     from helpers import stream_batch
 

@@ -52,7 +52,7 @@ def test_an_evaluation_longer_than_the_collective_timeout_does_not_end_the_run(d
 def test_lost_peer_recognises_gloo_and_nccl():
     import torch.distributed as dist
 
-    from mmcl.training.agree import lost_peer, timed_out
+    from mmcl.run.processes import lost_peer, timed_out
 
     gone = {
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:47234: Connection reset "

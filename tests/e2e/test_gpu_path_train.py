@@ -26,7 +26,7 @@ import torch
 from mmcl import models
 from mmcl.config import LossConfig, MochiConfig, load_config
 from mmcl.training.loop import train
-from mmcl.training.runtime import make_accelerator
+from mmcl.training.plan import make_accelerator
 from mmcl.training.step import backward, forward_loss, objective_from_config
 
 from helpers import ACCELERATE_LAUNCH, ROOT, TRAINING_TOWERS, fake_batch, grads_of, metrics, micro_model, run_args
@@ -48,7 +48,7 @@ def test_the_device_is_the_cpu_with_a_gpu_visible(monkeypatch):
 
 def test_auto_precision_takes_the_launchers(monkeypatch):
     from mmcl.config import PRECISIONS
-    from mmcl.training.runtime import choose_precision
+    from mmcl.training.plan import choose_precision
 
     monkeypatch.delenv(LAUNCHER, raising=False)
     assert choose_precision("auto") == ("fp32", "the default (train.precision=auto, no launcher setting)")
@@ -62,7 +62,7 @@ def test_auto_precision_takes_the_launchers(monkeypatch):
 
 def test_a_set_precision_the_launcher_contradicts_is_an_error_naming_both(monkeypatch):
     from mmcl.errors import ConfigError
-    from mmcl.training.runtime import choose_precision
+    from mmcl.training.plan import choose_precision
 
     monkeypatch.setenv(LAUNCHER, "bf16")
     with pytest.raises(ConfigError) as err:
@@ -89,7 +89,7 @@ def test_each_launch_file_trains_in_the_precision_it_names(monkeypatch, launch_f
     assert make_accelerator(load_config(None, []).train.precision).mixed_precision == said
 
     from mmcl.config import PRECISIONS
-    from mmcl.training.runtime import choose_precision
+    from mmcl.training.plan import choose_precision
 
     assert choose_precision("auto") == ({v: k for k, v in PRECISIONS.items()}[said],
                                         f"the launcher (ACCELERATE_MIXED_PRECISION={said})")
@@ -132,7 +132,7 @@ def test_a_run_with_fp32_under_a_bf16_launcher_is_one_error_line(demo, tmp_path,
 
 
 def test_tf32_follows_the_key_on_cuda_and_leaves_other_devices_alone():
-    from mmcl.training.runtime import set_tf32, tf32_setting
+    from mmcl.training.plan import set_tf32, tf32_setting
 
     before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
     try:

@@ -166,7 +166,7 @@ def test_demo_two_processes_ctrl_c_resume_on_one_curate_then_train_on_the_curate
         code = p.wait(timeout=180)
     said = (tmp_path / "launch.log").read_text()
     assert "Traceback" not in said and said.count("checkpoint saved") == 1, said
-    assert code == 130, said  # interrupted (mmcl/training/preempt.py), from every process and the launcher
+    assert code == 130, said  # interrupted (mmcl/run/signals.py), from every process and the launcher
     stopped = metrics(run)[-1]["step"]
     assert 3 <= stopped < 40
 

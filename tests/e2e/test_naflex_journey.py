@@ -166,7 +166,7 @@ def test_naflex_demo_trains_evaluates_resumes_exactly_exports_and_reloads(demo, 
 
     with pytest.raises(ConfigError, match="has a NaFlex image tower, which this command does not take"):
         ClipEncoder.load(str(export))
-    from mmcl.training.teacher import Teacher
+    from mmcl.evaluation.teacher import Teacher
 
     with pytest.raises(ConfigError, match="has a NaFlex image tower; a teacher takes fixed-size images"):
         Teacher.load(str(export))

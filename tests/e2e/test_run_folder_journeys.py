@@ -95,7 +95,7 @@ def test_a_run_that_failed_before_step_1_is_taken_over_by_the_corrected_command(
 
 def test_a_run_that_logged_a_step_is_not_taken_over(tmp_path):
     from mmcl.config import to_yaml
-    from mmcl.training.runfolder import decide, write_record
+    from mmcl.run.folder import decide, write_record
 
     cfg = load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8"])
     write_record(tmp_path, 1, 8)
@@ -114,7 +114,7 @@ def test_a_run_that_logged_a_step_is_not_taken_over(tmp_path):
 PAUSED = """
 import json, sys
 from mmcl.cli import main
-from mmcl.training.runlock import RunLock
+from mmcl.run.lock import RunLock
 
 taken = RunLock.acquire
 def acquire(self):  # waits for a line on stdin before it takes the lock ("before") or after ("after")
@@ -176,7 +176,7 @@ def test_a_lock_file_its_holder_removed_just_after_it_was_opened_is_locked_anew(
     import os
     import socket
 
-    from mmcl.training import runlock
+    from mmcl.run import lock as runlock
 
     out = tmp_path / "run"
     out.mkdir()
@@ -195,7 +195,7 @@ def test_a_lock_file_its_holder_removed_just_after_it_was_opened_is_locked_anew(
     lock.acquire()
     monkeypatch.undo()
     try:
-        other = subprocess.run([sys.executable, "-c", f"from mmcl.training.runlock import RunLock; "
+        other = subprocess.run([sys.executable, "-c", f"from mmcl.run.lock import RunLock; "
                                                       f"RunLock({str(out)!r}).acquire()"],
                                capture_output=True, text=True)
         assert other.returncode != 0, "the lock at the path is not held"

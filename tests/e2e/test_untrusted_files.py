@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mmcl.cli import main
+from mmcl.shards import writer as shard_writer
 from mmcl.storage.checkpoints import latest_checkpoint
 
 from helpers import short_run
@@ -305,7 +306,7 @@ def test_reinforce_refuses_a_folder_of_the_users(small_demo, saved_run, tmp_path
 
 
 def test_writing_commands_refuse_each_others_folders(tmp_path, capsys):
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     d = tmp_path / "demo"
     make_demo_data(str(d), n_train=8, n_val=4, n_zeroshot=1, image_size=16, shard_size=8, progress=False)
@@ -319,8 +320,7 @@ def test_writing_commands_refuse_each_others_folders(tmp_path, capsys):
 def test_a_rerun_into_its_own_folder_replaces_only_its_own_files(small_demo, tmp_path):
     """demo-data and shards write again into their own folder: their earlier files are replaced, those of an
     earlier, larger run deleted (no stale shard left for a glob to mix in), the user's added files kept."""
-    from mmcl import data
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     d = tmp_path / "demo"
     kw = dict(n_val=4, n_zeroshot=1, image_size=16, shard_size=8, progress=False)
@@ -335,10 +335,10 @@ def test_a_rerun_into_its_own_folder_replaces_only_its_own_files(small_demo, tmp
 
     out = tmp_path / "shards"
     src = Path(small_demo["zeroshot_colour"])
-    first = data.shards_from_input(str(src), str(out), shard_size=4, progress=False)
+    first = shard_writer.shards_from_input(str(src), str(out), shard_size=4, progress=False)
     assert first["n_shards"] == 4  # 8 colours x 2 images
     mine = users_folder(out, ["readme.md"])
-    second = data.shards_from_input(str(src), str(out), shard_size=8, progress=False)
+    second = shard_writer.shards_from_input(str(src), str(out), shard_size=8, progress=False)
     assert second["n_shards"] == 2
     assert sorted(p.name for p in out.glob("shard-*")) == ["shard-000000.tar", "shard-000001.tar"]
     assert (out / "classnames.txt").is_file()

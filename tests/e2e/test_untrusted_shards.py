@@ -23,6 +23,7 @@ from torchvision import transforms as T
 from mmcl import data
 from mmcl.config import DataConfig, load_config
 from mmcl.errors import DataError
+from mmcl.shards import writer as shard_writer
 
 ROOT = Path(__file__).resolve().parents[2]
 PREPROCESS = T.Compose([T.Resize(8), T.CenterCrop(8), T.ToTensor()])
@@ -43,7 +44,7 @@ def _samples(n, prefix="s", size=16):
 
 
 def _shards(folder, n=6, shard_size=3):
-    return data.write_shards(_samples(n), str(folder), shard_size=shard_size)["shards"]
+    return shard_writer.write_shards(_samples(n), str(folder), shard_size=shard_size)["shards"]
 
 
 def _epoch(stream):
@@ -186,7 +187,7 @@ class _AuthShards(http.server.BaseHTTPRequestHandler):
 def test_a_credential_in_a_pipe_command_reaches_no_file_and_no_output(tmp_path, capfd):
     from mmcl.cli import main
 
-    shards = data.write_shards(_samples(32, size=32), str(tmp_path / "remote"), shard_size=16)["shards"]
+    shards = shard_writer.write_shards(_samples(32, size=32), str(tmp_path / "remote"), shard_size=16)["shards"]
     _AuthShards.files = {f"/{Path(p).name}": Path(p).read_bytes() for p in shards}
     _AuthShards.authorizations = []
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AuthShards)

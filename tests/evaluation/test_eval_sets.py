@@ -272,7 +272,7 @@ def test_val_loss_scores_every_term_of_the_objective_on_the_same_batches(tmp_pat
 
 
 def test_run_eval_logs_val_entries_in_eval_mode_and_restores_training_mode(tmp_path):
-    from mmcl.training.finish import run_eval
+    from mmcl.training.end import run_eval
     from mmcl.training.step import objective_from_config
 
     torch.manual_seed(2)

@@ -12,6 +12,7 @@ from PIL import Image
 from mmcl import models
 from mmcl.errors import CheckpointError, DataError
 from mmcl.evaluation import index as index_mod
+from mmcl.shards import writer as shard_writer
 from mmcl.storage import weights
 
 
@@ -213,7 +214,6 @@ def test_index_of_an_image_folder_points_at_the_files(indexed, tmp_path):
 def test_index_of_img2dataset_files_points_back_to_source_urls(indexed, tmp_path):
     """img2dataset's files layout -> mmcl shards -> mmcl index: each hit carries the URL img2dataset downloaded
     the image from, its key and the shard it is in."""
-    from mmcl import data
 
     root = tmp_path / "i2d" / "00000"
     root.mkdir(parents=True)
@@ -224,7 +224,7 @@ def test_index_of_img2dataset_files_points_back_to_source_urls(indexed, tmp_path
         (root / f"{key}.txt").write_text(f"caption of {name}")
         urls[key] = f"https://images.example.com/{name}.jpg"
         (root / f"{key}.json").write_text(json.dumps({"url": urls[key], "key": key, "status": "success"}, indent=4))
-    summary = data.shards_from_input(str(tmp_path / "i2d"), str(tmp_path / "shards"), progress=False)
+    summary = shard_writer.shards_from_input(str(tmp_path / "i2d"), str(tmp_path / "shards"), progress=False)
     out = index_mod.build_index(indexed["model_dir"], str(tmp_path / "shards"), tmp_path / "idx", progress=False)
     hits = index_mod.search(out, image=str(root / "000000003.jpg"), k=5)
     assert hits[0]["key"] == "000000003" and hits[0]["url"] == urls["000000003"]

@@ -326,7 +326,7 @@ def _members(path):
 
 @pytest.fixture(scope="module")
 def reinforced(demo, teacher_run, tmp_path_factory):
-    from mmcl.training.reinforce import reinforce
+    from mmcl.curation.reinforce import reinforce
 
     out = tmp_path_factory.mktemp("reinforced") / "shards"
     summary = reinforce(str(teacher_run), "::".join(_two_shards(demo)), str(out), batch_size=16, progress=False)
@@ -339,7 +339,7 @@ def test_reinforce_keeps_every_member_and_stores_the_teachers_embeddings(demo, t
     import numpy as np
     from PIL import Image
 
-    from mmcl.training.teacher import Teacher
+    from mmcl.evaluation.teacher import Teacher
 
     out, summary = reinforced
     assert summary["shards"] == 2 and summary["samples"] == 192 and summary["without_teacher"] == 0
@@ -366,7 +366,7 @@ def test_reinforce_keeps_every_member_and_stores_the_teachers_embeddings(demo, t
 
 def test_reinforce_resumes_shard_by_shard_and_refuses_another_teacher(demo, teacher_run, tmp_path, monkeypatch,
                                                                       capsys):
-    import mmcl.training.reinforce as rf
+    import mmcl.curation.reinforce as rf
     from mmcl.cli import main
 
     out = tmp_path / "out"
@@ -410,8 +410,8 @@ def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinfor
     its embeddings read from the reinforced shards, give the same distillation loss (to float16 rounding)."""
     from mmcl.config import load_config
     from mmcl.data import ImageSpec, build_train_stream
+    from mmcl.evaluation.teacher import Teacher
     from mmcl.training.step import _teacher_features
-    from mmcl.training.teacher import Teacher
 
     out, _ = reinforced
     cfg = load_config(None, [f"data.train={out}/*.tar", "data.batch_size=24", "data.workers=0"])
@@ -435,7 +435,7 @@ def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinfor
 
 @pytest.mark.slow
 def test_training_from_reinforced_shards_never_loads_a_teacher(demo, reinforced, tmp_path, monkeypatch):
-    import mmcl.training.teacher as teacher_mod
+    import mmcl.evaluation.teacher as teacher_mod
     from mmcl.cli import main
 
     def no_teacher(*a, **k):

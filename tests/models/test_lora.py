@@ -204,7 +204,7 @@ def test_lora_with_accumulation_and_the_export_refusals(demo, tmp_path, capsys):
 
 def test_fsdp_with_lora_is_refused_in_one_line(demo, tmp_path, monkeypatch, capsys):
     from mmcl.cli import main
-    from mmcl.training import build
+    from mmcl.training import setup as build
 
     monkeypatch.setattr(build.fsdp, "in_effect", lambda accelerator: True)
     assert main(_args(demo, tmp_path / "r")) == 2

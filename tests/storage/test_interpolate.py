@@ -71,7 +71,7 @@ def test_alphas_are_the_hand_computed_interpolation_and_the_ends_are_the_models(
 
 
 def test_each_alpha_is_evaluated_zero_shot_as_mmcl_zeroshot_does(tmp_path, pair):
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     init, _, tuned, _ = pair
     demo = make_demo_data(str(tmp_path / "demo"), n_train=4, n_val=2, n_zeroshot=3, image_size=32, shard_size=4,
@@ -131,7 +131,7 @@ def test_bad_alpha_and_a_foreign_output_folder_are_one_line(tmp_path, pair, caps
 
 @pytest.mark.slow
 def test_train_wise_ft_interpolates_the_runs_start_and_end_and_evaluates_each(tmp_path, pair):
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     init, init_state, _, _ = pair
     demo = make_demo_data(str(tmp_path / "demo"), n_train=16, n_val=2, n_zeroshot=2, image_size=32, shard_size=16,
@@ -181,7 +181,7 @@ def test_readme_finetune_from_a_tag_then_zeroshot_then_wise_ft(tmp_path, monkeyp
     """docs/finetuning.md's sequence as written (train from a published tag with configs/finetune.yaml, zero-shot,
     WiSE-FT from the run's own start), offline, the tag's weights in a Hugging Face cache built here; the data, and the
     model's size and run length (a ViT-B-32 at a test's size), are the only changes."""
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     commands = _readme_finetune_commands()
     assert [c[:2] for c in commands] == [["mmcl", "train"], ["mmcl", "zeroshot"], ["mmcl", "interpolate"]]

@@ -76,7 +76,7 @@ def test_accumulation_equals_the_large_batch():
 def test_a_loss_input_error_is_one_data_error_and_a_changed_queue_a_checkpoint_error(tmp_path):
     from mmcl.config import MochiConfig
     from mmcl.errors import CheckpointError, DataError
-    from mmcl.training.resume import check_objective_state
+    from mmcl.run.resume import check_objective_state
     from mmcl.training.step import score
 
     img = torch.nn.functional.normalize(torch.randn(4, 8), dim=1)
@@ -441,7 +441,7 @@ def test_final_evaluation_failure_keeps_the_model(demo, tmp_path, capsys):
 
     import mmcl
     from mmcl.cli import main
-    from mmcl.data import write_shards
+    from mmcl.shards.writer import write_shards
 
     # Shards with class names but without .cls labels: the pre-flight check passes (it reads no sample), but they
     # are no zero-shot set.
@@ -470,7 +470,7 @@ def test_final_evaluation_failure_keeps_the_model(demo, tmp_path, capsys):
 def test_a_failing_periodic_evaluation_warns_and_training_goes_on(demo, tmp_path, capsys, monkeypatch):
     """An evaluation set that breaks during the run (removed, unreadable) costs a warning line at each periodic
     evaluation, not the steps since the last checkpoint."""
-    import mmcl.training.finish as finish_mod
+    import mmcl.training.end as finish_mod
     from mmcl.cli import main
     from mmcl.errors import DataError
 
@@ -555,7 +555,7 @@ def test_a_second_run_in_one_process_with_another_precision_is_one_config_error(
     """accelerate keeps its precision for the life of the process: the same precision again is fine, another one
     is a ConfigError naming both; in a fresh process (here: fresh state) bf16 autocasts."""
     from mmcl.errors import ConfigError
-    from mmcl.training.runtime import make_accelerator
+    from mmcl.training.plan import make_accelerator
 
     assert make_accelerator("fp32").mixed_precision == "no"
     assert make_accelerator("fp32").mixed_precision == "no"

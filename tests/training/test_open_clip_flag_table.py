@@ -1,4 +1,4 @@
-"""The table of open_clip_train's flags (mmcl/training/open_clip_flag_table.py) covers both open_clip_train 3.3 (the
+"""The table of open_clip_train's flags (mmcl/cli/open_clip_flag_table.py) covers both open_clip_train 3.3 (the
 installed parser) and open_clip's main branch (its flags below, as data), says which version each comes from, takes
 each flag's values as that version's parser does, and names only real config keys."""
 
@@ -6,9 +6,9 @@ import re
 
 from test_open_clip_flags import open_clip_actions
 
+from mmcl.cli.open_clip_flag_table import FLAGS, MAIN, NAFLEX_SEQ_LENS, NOT_SUPPORTED_FROM_MAIN, VERSIONS
+from mmcl.cli.open_clip_flags import is_command, overrides_for
 from mmcl.config import valid_keys
-from mmcl.training.open_clip_flag_table import FLAGS, MAIN, NAFLEX_SEQ_LENS, NOT_SUPPORTED_FROM_MAIN, VERSIONS
-from mmcl.training.open_clip_flags import is_command, overrides_for
 
 # open_clip main (4.2.0.dev0, commit 89fb801 of 2026-06-27): every option string of open_clip_train/params.py ...
 MAIN_FLAGS = (

@@ -1,4 +1,4 @@
-"""open_clip_train's flags: the table (mmcl/training/open_clip_flags.py) covers open_clip_train's own parser, names
+"""open_clip_train's flags: the table (mmcl/cli/open_clip_flags.py) covers open_clip_train's own parser, names
 real config keys and is the source of docs/migration.md; `mmcl train` answers such flags with the keys they map to,
 and `mmcl from-open-clip` turns a command line into a config file."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mmcl.cli import main
+from mmcl.cli.open_clip_flags import DEFAULTS, FLAGS, explain, overrides_for, parse, translate, write_config
 from mmcl.config import load_config
 from mmcl.data.decode import sample_keys
-from mmcl.training.open_clip_flags import DEFAULTS, FLAGS, explain, overrides_for, parse, translate, write_config
 from mmcl.training.optim import build_optimizer, lr_at, no_weight_decay
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ import torch
 
 from mmcl import models
 from mmcl.config import DataConfig, data_workers, load_config
-from mmcl.training import finish, runtime
+from mmcl.training import end as finish
+from mmcl.training import plan as runtime
 
 from helpers import COLOURS, ROOT, TRAINING_TOWERS, write_folder
 from spawned import free_port

@@ -135,7 +135,8 @@ def test_phases_as_fractions_or_the_rest_follow_the_run_length(demo):
     """A phase given as a fraction of the run, or a last phase that takes the rest, keeps the schedule when the
     run's length changes, whichever key sets it (train.steps, train.samples, train.epochs)."""
     from mmcl.config import phase_lengths
-    from mmcl.training import phases, runtime
+    from mmcl.training import phases
+    from mmcl.training import plan as runtime
 
     spec = "train.phases=[{fraction: 0.9, image_size: 32}, {}]"
     for steps, lengths in ((150, [135, 15]), (4, [3, 1]), (2, [1, 1]), (10, [9, 1])):

@@ -106,7 +106,7 @@ def test_a_folder_with_files_mmcl_did_not_write_is_refused(small_demo, tmp_path,
 
 
 def test_a_folder_of_another_mmcl_command_is_refused(tmp_path):
-    from mmcl.training.runfolder import decide
+    from mmcl.run.folder import decide
 
     (tmp_path / "mmcl-manifest.json").write_text(json.dumps({"command": "demo-data", "files": []}))
     cfg = load_config(None, [f"train.output_dir={tmp_path}"])
@@ -115,7 +115,7 @@ def test_a_folder_of_another_mmcl_command_is_refused(tmp_path):
 
 
 def test_an_empty_folder_or_one_with_a_lock_alone_starts_a_run(tmp_path):
-    from mmcl.training.runfolder import decide
+    from mmcl.run.folder import decide
 
     cfg = load_config(None, [f"train.output_dir={tmp_path}"])
     assert decide(cfg, 1, 10).action == "start"
@@ -128,8 +128,8 @@ def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_comm
     """The second example of docs/getting-started.md's command list (data.batch_size=32 on two processes) on the
     first's folder is another run; the first's own command on two processes is the same run (its global batch is
     kept)."""
-    from mmcl.training.runfolder import decide
-    from mmcl.training.runtime import batch_plan
+    from mmcl.run.folder import decide
+    from mmcl.training.plan import batch_plan
 
     out, _ = finished
     tiny, colour = str(ROOT / "configs" / "tiny.yaml"), small_demo["zeroshot_colour"]
@@ -194,7 +194,7 @@ def test_make_demo_writes_its_own_folder_and_deletes_nothing():
 def test_out_log_holds_the_console_lines_not_the_bar_redraws(tmp_path):
     import sys
 
-    from mmcl.training.runfolder import ConsoleLog
+    from mmcl.run.folder import ConsoleLog
 
     log = ConsoleLog().start()
     try:
@@ -214,7 +214,7 @@ def test_out_log_holds_the_console_lines_not_the_bar_redraws(tmp_path):
 def test_a_run_folder_written_before_the_record_is_still_its_run(tmp_path):
     """config.yaml beside an mmcl checkpoint (no mmcl-manifest.json): the same config resumes, another is refused."""
     from mmcl.config import to_yaml
-    from mmcl.training.runfolder import decide
+    from mmcl.run.folder import decide
 
     cfg = load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8"])
     ckpt = tmp_path / "checkpoints" / "step-00000004"

@@ -1,4 +1,4 @@
-"""mmcl.training.runlock: one run per output folder. The lock names its holder, is refused to another process
+"""mmcl.run.lock: one run per output folder. The lock names its holder, is refused to another process
 with that name in the message, is left as an empty file on release, and a file naming a holder whose lock is free
 (a killed run) is taken over with a warning."""
 
@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from mmcl.errors import TrainingError
-from mmcl.training.runlock import LOCK_NAME, RunLock
+from mmcl.run.lock import LOCK_NAME, RunLock
 
 HOLD = """
 import sys
-from mmcl.training.runlock import RunLock
+from mmcl.run.lock import RunLock
 lock = RunLock(sys.argv[1])
 assert lock.acquire() is None
 print("held", flush=True)

@@ -8,7 +8,7 @@ import pytest
 
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
-from mmcl.training.runtime import Runtime, batch_plan, global_batch_size
+from mmcl.training.plan import Runtime, batch_plan, global_batch_size
 
 
 def _saved_run(root, world, global_batch):

@@ -13,7 +13,7 @@ from mmcl.config import OptimConfig, load_config
 from mmcl.errors import ConfigError, DataError
 from mmcl.training import optim
 from mmcl.training.optim import lr_at
-from mmcl.training.runtime import run_length, total_steps
+from mmcl.training.plan import run_length, total_steps
 from mmcl.training.step import FiniteChecks
 
 from helpers import TRAINING_TOWERS
@@ -215,7 +215,7 @@ def test_a_run_of_epochs_with_a_cooldown(tmp_path, capsys):
     from open_clip_train.scheduler import const_lr_cooldown
 
     from mmcl.cli import main
-    from mmcl.data.demo import make_demo_data
+    from mmcl.shards.demo import make_demo_data
 
     demo = make_demo_data(str(tmp_path / "demo"), n_train=80, n_val=8, n_zeroshot=2, shard_size=48, progress=False)
     folder = Path(demo["train"].split("{")[0]).parent
@@ -247,8 +247,8 @@ def test_shards_written_by_mmcl_carry_their_sizes(tmp_path):
     second writer into the same folder (another prefix) keeps the first one's entries."""
     from PIL import Image
 
-    from mmcl.data import write_shards
     from mmcl.data.sizes import shard_samples
+    from mmcl.shards.writer import write_shards
 
     def samples(n, key):
         return [{"key": f"{key}{i}", "image": Image.new("RGB", (4, 4)), "caption": "c"} for i in range(n)]

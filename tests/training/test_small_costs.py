@@ -50,8 +50,8 @@ class _MatmulDtypes(TorchDispatchMode):
 def test_the_teacher_runs_in_the_students_mixed_precision_and_returns_float32():
     from accelerate import Accelerator
 
+    from mmcl.evaluation.teacher import Teacher
     from mmcl.training.step import _teacher_features
-    from mmcl.training.teacher import Teacher
 
     model = micro_model(3).eval().requires_grad_(False)
     teacher = Teacher(model, view=None, finish=lambda x: x.float() / 255.0, name="micro")

@@ -35,7 +35,7 @@ def test_tensorboard_tracker_through_accelerate_holds_the_scalars(demo, tmp_path
 
 def test_unknown_or_missing_tracker_is_one_clear_error():
     from mmcl.errors import ConfigError
-    from mmcl.training.tracking import accelerator_kwargs
+    from mmcl.run.records import accelerator_kwargs
 
     with pytest.raises(ConfigError, match="train.log_with: unknown tracker"):
         load_config(None, ["train.log_with=[tensorbored]"])

@@ -17,14 +17,14 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from PIL import Image
 
+from ..data.decode import IMAGE_EXTS, SkipSample, decode_image
+from ..data.shard_inputs import SkippedItem, SourceImage, input_items
+from ..data.sizes import SIZES_FILE
+from ..data.skips import SKIP_LOG, SkipLog, counts_text
+from ..data.skips import record as skip_record
 from ..errors import DataError
 from ..storage.fsutil import new_file
 from ..storage.manifest import OutputManifest
-from .decode import IMAGE_EXTS, SkipSample, decode_image
-from .shard_inputs import SkippedItem, SourceImage, input_items
-from .sizes import SIZES_FILE
-from .skips import SKIP_LOG, SkipLog, counts_text
-from .skips import record as skip_record
 
 
 def _encode_image(image: Any, ext: Optional[str], image_format: str, quality: int) -> Tuple[bytes, str]:

@@ -1,4 +1,4 @@
-"""open_clip_train's command-line flags and what each is in mmcl: the data that mmcl/training/open_clip_flags.py reads
+"""open_clip_train's command-line flags and what each is in mmcl: the data that mmcl/cli/open_clip_flags.py reads
 (`mmcl train`'s hint, `mmcl from-open-clip`) and docs/migration.md shows.
 
 The table covers the flags of open_clip_train 3.3 and of open_clip's main branch (4.2.0.dev0, June 2026). A flag's

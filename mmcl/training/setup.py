@@ -23,13 +23,13 @@ from ..errors import ConfigError
 from ..models import lora
 from ..models import naflex as naflex_model
 from ..models import resize as model_phases
+from ..run.lock import LOCK_NAME, RunLock
+from ..run.processes import agreed
 from ..storage import checkpoints, pretrained, weights
 from ..storage.layout import RunLayout
 from . import fsdp, optim, phases
-from .agree import agreed
 from .ema import WeightEMA
-from .runlock import LOCK_NAME, RunLock
-from .runtime import Runtime, choose_precision, tf32_setting
+from .plan import Runtime, choose_precision, tf32_setting
 from .step import Step, objective_from_config
 
 
@@ -47,7 +47,7 @@ class Trainee:
     pp_cfg: Dict[str, Any]
     tokenizer: Any
     ema: Optional[WeightEMA] = None
-    teacher: Any = None  # distill.teacher: a frozen `mmcl.training.teacher.Teacher`, never saved
+    teacher: Any = None  # distill.teacher: a frozen `mmcl.evaluation.teacher.Teacher`, never saved
     patch_dropout: List[torch.nn.Module] = dataclasses.field(default_factory=list)
     phases: List[phases.Phase] = dataclasses.field(default_factory=list)
     param_groups: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -236,7 +236,7 @@ def build_trainee(cfg: TrainConfig, rt: Runtime, accelerator, layout: RunLayout)
         optim.log_groups(described, log)
     teacher = None
     if cfg.distill.teacher:  # frozen, on the device; not prepared, not optimised, never saved
-        from .teacher import Teacher
+        from ..evaluation.teacher import Teacher
 
         teacher = agreed(accelerator, lambda: Teacher.load(cfg.distill.teacher, accelerator.device))
         log(f"distilling from {cfg.distill.teacher} (logit scale {float(teacher.scale):.2f})")

@@ -156,7 +156,7 @@ def finish(accelerator, stopped: bool = False) -> List[str]:
 
 class MetricsLog:
     """metrics.jsonl (flushed each line, so it can be tailed) plus the ``train.log_with`` trackers through
-    accelerate (`mmcl.training.tracking`); main process only."""
+    accelerate (`mmcl.run.records`); main process only."""
 
     def __init__(self, out_dir: Path, resume_step: int, enabled: bool, accelerator=None):
         self.enabled = enabled

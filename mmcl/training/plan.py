@@ -18,8 +18,8 @@ import torch
 
 from ..config import PRECISION_OF, PRECISIONS, TrainConfig, to_dict, world
 from ..errors import ConfigError
+from ..run import folder as runfolder
 from ..storage import checkpoints
-from . import runfolder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +265,7 @@ def make_accelerator(precision: str = "auto", **tracking_kwargs):
 def accelerator_for(cfg: TrainConfig):
     """The run's accelerator: its precision, trackers (``train.log_with``), collective timeout and DDP options, with
     TF32 and cuDNN's autotuner set for its device."""
-    from . import tracking
+    from ..run import records as tracking
 
     accelerator = make_accelerator(cfg.train.precision,
                                    **tracking.accelerator_kwargs(cfg.train.log_with, Path(cfg.train.output_dir)),

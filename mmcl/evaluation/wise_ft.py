@@ -32,8 +32,8 @@ def wise_ft(init, finetuned, alphas: Sequence[float], out_dir, data: Optional[st
     for alpha, folder in written:
         entry: Dict[str, Any] = {"alpha": alpha, "model": str(folder)}
         if data is not None:
-            from ..evaluation.evaluate import zeroshot
             from ..storage.weights import load
+            from .evaluate import zeroshot
 
             model, preprocess, tokenizer = load(folder)
             res = zeroshot(model, preprocess, tokenizer, data, classnames=classnames, templates=templates,

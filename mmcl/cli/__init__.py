@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import MmclError, RunStopped, printable
+from ..errors import MmclError, RunStopped, printable
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -87,8 +87,8 @@ def _device(name: Optional[str]):
 def _config_file(arg: str) -> str:
     """`mmcl train`'s first argument without '=': the config when it names a YAML file, else a one-line error (a data
     file there would be read as the config)."""
-    from .errors import ConfigError
-    from .training.open_clip_flags import is_table
+    from ..errors import ConfigError
+    from .open_clip_flags import is_table
 
     if arg.lower().endswith((".yaml", ".yml")):
         return arg
@@ -99,7 +99,7 @@ def _config_file(arg: str) -> str:
 
 
 def cmd_train(args) -> int:
-    from .config import load_config, to_yaml
+    from ..config import load_config, to_yaml
 
     config, overrides = args.config, list(args.overrides)
     if config is None and overrides and "=" not in overrides[0]:
@@ -108,14 +108,14 @@ def cmd_train(args) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    from .training.loop import train
+    from ..training.loop import train
 
     train(cfg)
     return 0
 
 
 def cmd_from_open_clip(args) -> int:
-    from .training.open_clip_flags import write_config
+    from .open_clip_flags import write_config
 
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     overrides, left, defaults = write_config(flags, args.out)
@@ -131,20 +131,20 @@ def cmd_from_open_clip(args) -> int:
 def _open_clip_train_args(argv: List[str]) -> Optional[argparse.Namespace]:
     """For `mmcl train` given open_clip_train's flags: a command that answers, as an error, with the mmcl keys
     they map to (instead of argparse's "unrecognized arguments")."""
-    from .training.open_clip_flags import FLAGS, explain
+    from .open_clip_flags import FLAGS, explain
 
     if argv[:1] != ["train"] or not any(a.partition("=")[0] in FLAGS for a in argv[1:]):
         return None
 
     def answer(_args):
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(explain(argv[1:]))
     return argparse.Namespace(func=answer)
 
 
 def cmd_launch(args) -> int:
-    from .training.preempt import launch
+    from ..run.signals import launch
 
     return launch(args.argv)
 
@@ -159,7 +159,7 @@ def cmd_init(args) -> int:
     overwritten."""
     import shutil
 
-    from .errors import StorageError
+    from ..errors import StorageError
 
     out = Path(args.dir)
     targets = [(_STARTER / name, out / name) for name in ("configs", "launch")]
@@ -184,7 +184,7 @@ def cmd_init(args) -> int:
 
 
 def cmd_demo_data(args) -> int:
-    from .data.demo import make_demo_data
+    from ..shards.demo import make_demo_data
 
     kwargs = {"n_train": args.n_train} if args.n_train is not None else {}
     paths = make_demo_data(args.out, seed=args.seed, **kwargs)
@@ -193,7 +193,7 @@ def cmd_demo_data(args) -> int:
 
 
 def cmd_shards(args) -> int:
-    from .data import shards_from_input
+    from ..shards.writer import shards_from_input
 
     shards_from_input(args.input, args.out, shard_size=args.shard_size, caption_template=args.caption_template,
                       sep=args.sep, image_col=args.image_col, caption_col=args.caption_col)
@@ -201,7 +201,7 @@ def cmd_shards(args) -> int:
 
 
 def cmd_reinforce(args) -> int:
-    from .training.reinforce import reinforce
+    from ..curation.reinforce import reinforce
 
     keys = _sample_keys(args) if (args.image_key or args.caption_key) else None
     summary = reinforce(args.teacher, args.data, args.out, batch_size=args.batch_size, device=args.device,
@@ -211,8 +211,8 @@ def cmd_reinforce(args) -> int:
 
 
 def cmd_curate(args) -> int:
-    from .config import is_main_process
-    from .curation import Rules, curate
+    from ..config import is_main_process
+    from ..curation import Rules, curate
 
     rules = Rules(clip_score_min=args.clip_score_min, clip_score_top=args.clip_score_top, dedup=args.dedup,
                   decontaminate=args.decontaminate, decontaminate_threshold=args.decontaminate_threshold,
@@ -227,20 +227,20 @@ def cmd_curate(args) -> int:
 
 
 def _load(args):
-    from .storage.weights import load
+    from ..storage.weights import load
 
     return load(args.model)
 
 
 def _sample_keys(args):
     """--image-key / --caption-key as a `mmcl.data.SampleKeys` (None for the default members)."""
-    from .data import sample_keys
+    from ..data import sample_keys
 
     return sample_keys(image_key=args.image_key, caption_key=args.caption_key or "txt")
 
 
 def cmd_zeroshot(args) -> int:
-    from .evaluation.evaluate import zeroshot
+    from ..evaluation.evaluate import zeroshot
 
     model, preprocess, tokenizer = _load(args)
     res = zeroshot(model, preprocess, tokenizer, args.data, classnames=args.classnames, templates=args.templates,
@@ -251,7 +251,7 @@ def cmd_zeroshot(args) -> int:
 
 
 def cmd_retrieval(args) -> int:
-    from .evaluation.evaluate import retrieval
+    from ..evaluation.evaluate import retrieval
 
     model, preprocess, tokenizer = _load(args)
     res = retrieval(model, preprocess, tokenizer, args.data, batch_size=args.batch_size, workers=args.workers,
@@ -261,7 +261,7 @@ def cmd_retrieval(args) -> int:
 
 
 def cmd_linear_probe(args) -> int:
-    from .evaluation.evaluate import linear_probe
+    from ..evaluation.evaluate import linear_probe
 
     model, preprocess, tokenizer = _load(args)
     res = linear_probe(model, preprocess, args.train, args.test, batch_size=args.batch_size, workers=args.workers,
@@ -271,7 +271,7 @@ def cmd_linear_probe(args) -> int:
 
 
 def cmd_interpolate(args) -> int:
-    from .training.wise_ft import RESULTS_FILE, wise_ft
+    from ..evaluation.wise_ft import RESULTS_FILE, wise_ft
 
     res = wise_ft(args.init, args.finetuned, args.alpha, args.out, data=args.data, classnames=args.classnames,
                   templates=args.templates, batch_size=args.batch_size, workers=args.workers,
@@ -284,8 +284,8 @@ def cmd_interpolate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .errors import ConfigError
-    from .storage.export import export, export_adapters
+    from ..errors import ConfigError
+    from ..storage.export import export, export_adapters
 
     if args.adapters_only == bool(args.format):
         raise ConfigError("mmcl export takes one of --format and --adapters-only (a LoRA run's adapters alone)")
@@ -298,7 +298,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_index(args) -> int:
-    from .evaluation.index import build_index
+    from ..evaluation.index import build_index
 
     build_index(args.model, args.data, args.out, batch_size=args.batch_size, workers=args.workers,
                 device=_device(args.device))
@@ -306,7 +306,7 @@ def cmd_index(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from .evaluation.index import search
+    from ..evaluation.index import search
 
     hits = search(args.index, query=args.query, image=args.image, k=args.k)
     if args.json:
@@ -319,7 +319,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .evaluation.plot import plot_run
+    from ..evaluation.plot import plot_run
 
     for p in plot_run(args.run_dir):
         print(f"mmcl: wrote {p}")
@@ -363,13 +363,13 @@ _DEVICE_HELP = "torch device, e.g. cuda:1 or cpu (default: cuda if available, el
 def _config_keys_help() -> str:
     import shutil
 
-    from .config import keys_help
+    from ..config import keys_help
 
     return keys_help(width=shutil.get_terminal_size().columns - 2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     p = _Parser(prog="mmcl", description="CLIP-style multimodal contrastive pretraining")
     p.add_argument("--version", action="version", version=f"mmcl {__version__}", help="print the version and exit")
@@ -558,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _says(err) -> bool:
     """Whether this process prints `err`: the main process always, the others their own errors only (not one that
     every process raised alike), so that a multi-process run ends with one line."""
-    from .config import is_main_process
+    from ..config import is_main_process
 
     return not err.everywhere or is_main_process()
 
@@ -574,7 +574,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if _says(err):
             print(f"mmcl: error: {printable(err)}", file=sys.stderr)
         return 2
-    except RunStopped as err:  # a checkpoint was saved; the exit code: requeue or not (mmcl/training/preempt.py)
+    except RunStopped as err:  # a checkpoint was saved; the exit code: requeue or not (mmcl/run/signals.py)
         if _says(err):
             print(f"mmcl: {printable(err)}", file=sys.stderr)
         return err.exit_code

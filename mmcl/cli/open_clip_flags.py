@@ -1,5 +1,5 @@
 """open_clip_train's command-line flags (3.3 and open_clip main) and what each is in mmcl: the one table
-(mmcl/training/open_clip_flag_table.py, `FLAGS`) that ``mmcl train`` (which answers such flags with their mmcl keys),
+(mmcl/cli/open_clip_flag_table.py, `FLAGS`) that ``mmcl train`` (which answers such flags with their mmcl keys),
 ``mmcl from-open-clip`` (which writes them as a config file) and docs/migration.md read, and the reading of it here.
 
 A flag's mapping can depend on the others given (`in_context`): AdamW's --beta1/--beta2/--eps go to

@@ -8,7 +8,7 @@ The rule (`decide`, printed in one line at start):
   ``train``; for folders written before the record, a ``config.yaml`` beside an mmcl checkpoint or model) and a
   ``config.yaml`` equal to this config apart from `RESUME_KEYS`. ``data.batch_size`` and ``train.accum_steps`` may
   differ where the global batch stays the run's, and the same per-process values on another number of processes
-  are the same run (`mmcl.training.runtime.batch_plan` then keeps the global batch);
+  are the same run (`mmcl.training.plan.batch_plan` then keeps the global batch);
 * this run, finished (``model/`` saved at or after the last step), is reported finished and nothing is touched;
 * a folder whose run stopped before step 1 (no checkpoint, no model, no metrics record: nothing to resume) is
   taken over by the next run, which says so with the differences;

@@ -19,11 +19,12 @@ from ..data.pipeline import skip_units
 from ..errors import MmclError, TrainingError
 from ..evaluation import in_run as eval_sets
 from ..models import lora
+from ..run import folder as runfolder
+from ..run.console import step_line
+from ..run.processes import others_wait
 from ..storage import weights
 from ..storage.fsutil import atomic_write_text
-from . import fsdp, phases, runfolder
-from .agree import others_wait
-from .console import step_line
+from . import fsdp, phases
 from .ema import swapped_in
 from .step import StepResult, objective_from_config
 
@@ -159,8 +160,8 @@ def _final_model_and_eval(run: Run, final_model, last: Dict[str, Any]):
         run.metrics.write(final)
         last = final
     if t.wise_init is not None and failure is None:  # train.wise_ft, each alpha evaluated as above
+        from ..evaluation.wise_ft import wise_ft_of_run
         from ..storage.interpolate import run_start
-        from .wise_ft import wise_ft_of_run
 
         for line in wise_ft_of_run(t.wise_init, run_start(cfg.model), final_model, t.model_cfg, t.pp_cfg,
                                    cfg.train.wise_ft, run.layout.root, evaluate):

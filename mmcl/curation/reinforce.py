@@ -5,7 +5,7 @@ For each input shard one output shard of the same name is written: every origina
 same bytes), plus per sample ``KEY.teacher_image.npy`` (float16 (D,), L2-normalised), ``KEY.teacher_text.npy``
 (float16 (K, D), one row per candidate caption in `mmcl.data.decode.candidate_captions` order) and
 ``KEY.teacher.json`` (``{"scale", "teacher", "dim"}``). The teacher sees what it sees in the loop
-(`mmcl.training.teacher`): its own evaluation view of the un-augmented image and its own tokens. A sample whose image or
+(`mmcl.evaluation.teacher`): its evaluation view of the un-augmented image and its own tokens. A sample whose image or
 captions cannot be read is copied unchanged, without teacher members (training skips it and counts it as
 ``no_teacher_features``, as it would have skipped it as damaged), and counted here.
 
@@ -32,10 +32,10 @@ from ..data.decode import TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys
 from ..data.reading import read_raw_samples
 from ..data.sizes import SIZES_FILE
 from ..data.sources import expand_urls, has_scheme, redact
-from ..data.writer import add_tar_member, write_sizes
 from ..errors import DataError, printable
 from ..evaluation.embed import embed_samples
 from ..evaluation.evaluate import shown_path
+from ..shards.writer import add_tar_member, write_sizes
 from ..storage.fsutil import new_file, os_error_text
 from ..storage.manifest import OutputManifest
 
@@ -132,7 +132,7 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
     summary (shards written and already done, samples, samples without teacher members, seconds)."""
     import warnings
 
-    from .teacher import Teacher
+    from ..evaluation.teacher import Teacher
 
     if batch_size <= 0:
         raise DataError(f"--batch-size must be > 0 (got {batch_size})")

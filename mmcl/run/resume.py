@@ -5,9 +5,9 @@ processes it was written with or on another.
 `load_checkpoint`: the weights, optimiser, scheduler and RNG through accelerate, then this process's rank state
 (data position, the objective's state, the progress and the weight average), every file as plain data. A change of
 architecture (`ARCH_KEYS`) is an error (`check_resumable`); whether the folder holds this run at all is the run
-folder's rule (`mmcl.training.runfolder`), applied before anything is built.
+folder's rule (`mmcl.run.folder`), applied before anything is built.
 
-On another number of processes: the run's `Runtime` keeps the global batch (`mmcl.training.runtime.batch_plan` sets the
+On another number of processes: the run's `Runtime` keeps the global batch (`mmcl.training.plan.batch_plan` sets the
 per-process ``data.batch_size`` and, when it must, ``train.accum_steps``), so the schedule, ``train.samples`` and the
 number of steps stay as they were. `load_resized` loads the checkpoint on the new processes: the weights and optimiser
 state (the same on every process), the loss's state (its queues hold features gathered over all processes, so they are
@@ -30,8 +30,8 @@ from ..config import to_dict
 from ..data.sources import redact_values
 from ..errors import CheckpointError, DamagedCheckpointError, MmclError
 from ..storage import checkpoints
-from . import runfolder
-from .agree import agreed, broadcast_from_main
+from . import folder as runfolder
+from .processes import agreed, broadcast_from_main
 
 GLOBAL_BATCH = runfolder.GLOBAL_BATCH  # recorded in each checkpoint's COMPLETE marker and the run's record
 
