@@ -3,7 +3,7 @@ lists), docs/reference/cli.md (the ``mmcl`` parser) and docs/migration.md (the o
 
     python docs/gen_reference.py
 
-The output depends only on the code; tests/test_docs_reference.py and tests/training/test_open_clip_flags.py check
+The output depends only on the code; tests/test_docs_reference.py and tests/cli/test_open_clip_flags.py check
 that the committed pages are what this writes.
 """
 

@@ -1,5 +1,5 @@
 """Training recipes: per-tower and layer-wise learning rates, FLIP patch dropout, several captions per sample
-(the weight average is in test_ema.py, the trackers in test_tracking.py)."""
+(the weight average is in test_ema.py, the trackers in tests/run/test_records.py)."""
 
 import pytest
 import torch
