@@ -352,3 +352,15 @@ class TinyTowers(torch.nn.Module):
     def forward(self, images, texts):
         return (F.normalize(self.image(images), dim=1), F.normalize(self.text(texts), dim=1),
                 self.logit_scale.exp(), self.logit_bias)
+
+
+def inputs_of(cfg):
+    """The sections `mmcl.training.preflight.input_problems` checks, from a whole config."""
+    return cfg.data, cfg.eval, cfg.model, cfg.distill
+
+
+def check_run_inputs(cfg, processes: int = 1):
+    """`mmcl.training.preflight.check_inputs` as a run of `cfg` on `processes` processes calls it."""
+    from mmcl.training.preflight import check_inputs
+
+    check_inputs(*inputs_of(cfg), processes, (cfg.data.batch_size, cfg.train.accum_steps))

@@ -160,15 +160,15 @@ def test_fused_adamw_skips_a_step_on_found_inf():
 
 def test_torch_assert_async_raises_on_the_cpu():
     """The losses check values on the device without a host read through ``torch._assert_async``
-    (`losses._inputs._check_on_device`): on the CPU it raises at once, which the losses turn into their error."""
+    (`losses.inputs.check_on_device`): on the CPU it raises at once, which the losses turn into their error."""
     from mmcl.losses import LossInputError
-    from mmcl.losses._inputs import _check_on_device
+    from mmcl.losses.inputs import check_on_device
 
     assert callable(getattr(torch, "_assert_async", None)), _name("torch._assert_async",
-                                                                  "mmcl.losses._inputs._check_on_device")
-    _check_on_device(torch.tensor(True), "unused")
+                                                                  "mmcl.losses.inputs.check_on_device")
+    check_on_device(torch.tensor(True), "unused")
     with pytest.raises(LossInputError, match="the message"):
-        _check_on_device(torch.tensor(False), "the message")
+        check_on_device(torch.tensor(False), "the message")
 
 
 def test_torch_foreach_ops_keep_the_ema_update_one_kernel_per_op():

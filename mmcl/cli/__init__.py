@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -49,10 +50,8 @@ def _first_in_run(text: str) -> bool:
     try:
         if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return True
-        from torch.distributed.distributed_c10d import _get_default_store
-
         key = "mmcl/warning/" + hashlib.sha1(text.encode()).hexdigest()
-        return _get_default_store().add(key, 1) == 1
+        return dist.distributed_c10d._get_default_store().add(key, 1) == 1
     except Exception:  # no shared store (another backend, a torch without it): each process shows its own
         return True
 
@@ -77,11 +76,9 @@ def _write_json(obj, path: Optional[str]) -> None:
 
 
 def _device(name: Optional[str]):
-    import torch
+    from ..evaluation.evaluate import device_for
 
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device_for(name)
 
 
 def _config_file(arg: str) -> str:
@@ -157,7 +154,6 @@ _STARTER = Path(_PACKAGE_DIR) / "training" / "starter"
 def cmd_init(args) -> int:
     """Copy the shipped configs/ and launch/ into DIR. Only new folders are written: no file of the user's is
     overwritten."""
-    import shutil
 
     from ..errors import StorageError
 
@@ -361,7 +357,6 @@ _DEVICE_HELP = "torch device, e.g. cuda:1 or cpu (default: cuda if available, el
 
 
 def _config_keys_help() -> str:
-    import shutil
 
     from ..config import keys_help
 

@@ -15,6 +15,11 @@ import json
 import re
 from typing import Dict, List, Optional, Tuple
 
+import yaml
+from omegaconf import OmegaConf
+
+from ..config import OptimConfig, load_config, parse_overrides
+from ..data.shard_inputs import TABLE_EXTS
 from ..errors import ConfigError
 from .open_clip_flag_table import DEFAULTS, FLAGS, NAFLEX_DEFAULTS, Flag
 
@@ -201,9 +206,8 @@ def explain(argv: List[str]) -> Optional[str]:
 
 def is_table(path: str) -> bool:
     """Whether `path` names a table that `mmcl shards` reads (CSV, TSV, JSONL, parquet), not shards."""
-    from ..data.shard_inputs import _TABLE_EXTS
 
-    return path.lower().endswith(_TABLE_EXTS)
+    return path.lower().endswith(TABLE_EXTS)
 
 
 def with_defaults(given: List[Tuple[str, object]]) -> List[Tuple[str, object]]:
@@ -221,7 +225,6 @@ def with_defaults(given: List[Tuple[str, object]]) -> List[Tuple[str, object]]:
     adam = ({"--beta1": "0.9", "--beta2": "0.98", "--eps": "1e-6"} if "vit" in model
             else {"--beta1": "0.9", "--beta2": "0.999", "--eps": "1e-8"})
     if opt == "adamw":
-        from ..config import OptimConfig
 
         mine = OptimConfig()  # mmcl's AdamW defaults: open_clip's for ViT models
         adam = {f: v for f, v in adam.items() if float(v) != getattr(mine, f[2:])}
@@ -234,10 +237,7 @@ def write_config(argv: List[str], out: str) -> Tuple[List[str], List[str], List[
     """Write the mmcl config file `out` (a new file) for an open_clip_train command line, checked as `load_config`
     checks a config first. Returns (overrides written, one line per flag that maps to no config key, open_clip_train's
     defaults written for flags not given)."""
-    import yaml
-    from omegaconf import OmegaConf
 
-    from ..config import load_config, parse_overrides
 
     given, unknown = parse(argv)
     if unknown:

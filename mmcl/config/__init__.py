@@ -32,7 +32,7 @@ from .checks import (
 )
 from .keys import KeyInfo, describe_keys, get, keys_help, term_keys, valid_keys
 from .load import MOVED_KEYS, from_dict, load_config, moved_keys_carried, parse_overrides, to_dict, to_yaml
-from .process import World, data_workers, is_main_process, world
+from .process import World, data_workers, is_main_process, say, world
 from .schema import (
     PRECISION_OF,
     PRECISIONS,
@@ -64,6 +64,6 @@ __all__ = [
     "PRECISIONS", "PRECISION_OF", "PhaseConfig", "TRACKERS", "TextTowerConfig", "TrackConfig", "TrainConfig",
     "TrainSection", "World", "aug_problems", "data_weight_problems", "data_workers", "describe_keys", "described",
     "duplicate_set_names", "eval_sets", "freeze", "from_dict", "get", "is_main_process", "keys_help", "load_config",
-    "moved_keys_carried", "parse_overrides", "phase_lengths", "term_keys", "to_dict", "to_yaml", "valid_keys",
+    "moved_keys_carried", "parse_overrides", "phase_lengths", "say", "term_keys", "to_dict", "to_yaml", "valid_keys",
     "validate", "world",
 ]

@@ -12,7 +12,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+import timm.optim
+import torch
+
 from ..errors import ConfigError
+from ..losses import VARIABLE_PAIR_TERMS
 from .keys import get, term_keys
 from .schema import (
     PRECISIONS,
@@ -262,11 +266,9 @@ def optimizer_problems(optim: OptimConfig) -> List[str]:
     if optim.name == "adamw":
         if not optim.kwargs:
             return problems
-        import torch
 
         cls = torch.optim.AdamW
     else:
-        import timm.optim
 
         names = timm.optim.list_optimizers()
         if optim.name not in names:
@@ -330,7 +332,6 @@ def _eval_problems(cfg: TrainConfig) -> List[str]:
 
 def naflex_problems(cfg: TrainConfig) -> List[str]:
     """``data.naflex``'s values, and what does not work with batches of a varying number of pairs (each one line)."""
-    from ..losses import VARIABLE_PAIR_TERMS
 
     nf, problems = cfg.data.naflex, []
     if not nf.seq_lens:

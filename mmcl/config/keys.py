@@ -13,6 +13,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Dict, List, get_type_hints
 
+from ..losses import TERMS
 from .schema import LossConfig, TrainConfig
 
 
@@ -78,12 +79,12 @@ def describe_keys(schema=TrainConfig, prefix: str = "") -> List[KeyInfo]:
 
 
 @functools.lru_cache(maxsize=None)
-def _fields() -> Dict[str, KeyInfo]:
+def key_infos() -> Dict[str, KeyInfo]:
     return {info.key: info for info in describe_keys()}
 
 
-def _section_keys() -> List[str]:
-    return [k for k in valid_keys() if k not in _fields()]
+def section_keys() -> List[str]:
+    return [k for k in valid_keys() if k not in key_infos()]
 
 
 def keys_help(width: int = 100) -> str:
@@ -102,7 +103,7 @@ def keys_help(width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def _nearest(key: str) -> str:
+def nearest_keys(key: str) -> str:
     keys = valid_keys()
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
     if not close:  # match on the last component, e.g. 'batchsize' -> data.batch_size
@@ -114,7 +115,6 @@ def _nearest(key: str) -> str:
 def term_keys() -> Dict[str, str]:
     """Each loss term of `mmcl.losses.TERMS` -> the key of its weight: ``loss.<term>``, or ``loss.<term>.weight``
     for a term with its own section of parameters (``loss.mochi``)."""
-    from ..losses import TERMS  # here, not above: the losses bring torch, which a model directory's config does not
 
     sections = _subsections(LossConfig)
     return {name: f"loss.{name}.weight" if name in sections else f"loss.{name}" for name in TERMS}

@@ -12,9 +12,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from ..errors import ConfigError
+from ..errors import ConfigError, redact_values
 from .checks import validate
-from .keys import _fields, _nearest, _section_keys
+from .keys import key_infos, nearest_keys, section_keys
 from .schema import TrainConfig, freeze
 
 # Keys that moved to where they act: the old key is an error naming the new one in what the user writes, and is
@@ -44,8 +44,8 @@ def _describe(err: OmegaConfBaseException, key: str, value: Any) -> str:
     internals, e.g. "Merge error: int is not a subclass of OptimConfig")."""
     if key in MOVED_KEYS:
         return f"'{key}' is now '{MOVED_KEYS[key]}': rename the key ({MOVED_KEYS[key]}={value})"
-    fields = _fields()
-    if key in _section_keys():
+    fields = key_infos()
+    if key in section_keys():
         leaves = [k for k in fields if k.startswith(key + ".")]
         return (f"'{key}' is a section, not a value: set its keys, e.g. {leaves[0]}=... "
                 f"(`mmcl train --help` lists them)")
@@ -53,7 +53,7 @@ def _describe(err: OmegaConfBaseException, key: str, value: Any) -> str:
         return f"bad value for '{key}': expected {fields[key].type}, got {value!r}"
     full = getattr(err, "full_key", None) or key
     if isinstance(err, ConfigKeyError) or "not in" in str(err) or full not in fields:
-        return f"unknown config key '{full}'{_nearest(full)}"
+        return f"unknown config key '{full}'{nearest_keys(full)}"
     return f"bad value for '{full}': expected {fields[full].type}, got {value!r}"
 
 
@@ -185,7 +185,6 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
 
 def to_yaml(cfg: TrainConfig) -> str:
     """The config as YAML, every credential a data source carries hidden (`mmcl.errors.redact_values`)."""
-    from ..errors import redact_values
 
     return OmegaConf.to_yaml(OmegaConf.create(redact_values(to_dict(cfg))))
 

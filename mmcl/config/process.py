@@ -1,11 +1,14 @@
 """The process world: this process's place in its launch, read from the launcher's environment (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE) here and nowhere else, and what follows from it before any distributed state exists
-(the main process; the data workers a process may start)."""
+(the main process, the one that speaks: `say`; the data workers a process may start)."""
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import NamedTuple, Optional
+
+from ..errors import printable
 
 
 class World(NamedTuple):
@@ -27,6 +30,16 @@ def world() -> World:
 def is_main_process() -> bool:
     """Whether this is the launch's main process (rank 0), the one that says what every process finds alike."""
     return world().rank == 0
+
+
+def say(line: str, warning: bool = False) -> None:
+    """The one way mmcl says a line on the console: ``mmcl: <line>`` (``mmcl: warning: <line>`` on stderr, which
+    keeps a command's results on stdout clean), its text escaped (`printable`: what came from a file cannot move the
+    cursor), on the main process alone (what every process finds alike is said once), flushed so that it is in order
+    with the progress bar's redraws and in out.log."""
+    if is_main_process():
+        print(printable(f"mmcl: warning: {line}" if warning else f"mmcl: {line}"),
+              file=sys.stderr if warning else sys.stdout, flush=True)
 
 
 def data_workers(configured: Optional[int]) -> int:

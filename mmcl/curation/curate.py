@@ -38,6 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from ..config import world
 from ..data.decode import (
@@ -53,7 +55,7 @@ from ..data.decode import (
 from ..data.limits import load_json
 from ..data.reading import read_raw_samples
 from ..data.sizes import SIZES_FILE
-from ..data.skips import SKIP_LOG, SkipLog
+from ..data.skips import SkipLog
 from ..data.skips import record as skip_record
 from ..data.sources import expand_urls, has_scheme, redact
 from ..errors import ConfigError, DataError, MmclError
@@ -61,14 +63,14 @@ from ..evaluation.embed import MAX_PIXELS, ClipEncoder, embed_image_set, embed_s
 from ..evaluation.evaluate import shown_path
 from ..shards.writer import add_tar_member, write_sizes
 from ..storage.fsutil import new_file, os_error_text
+from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
-from .report import write_report
+from .report import DROPPED_FILE, PLOT_FILE, REPORT_FILE, write_report
 from .rules import KEPT, REASONS, Decision, Rules, caption_languages, decide
 
 MANIFEST = "curate.json"
 EMBED_DIR = "embeddings"
 DECONTAMINATE_FILE = "decontaminate.npz"
-REPORT_FILE, PLOT_FILE, DROPPED_FILE = "report.json", "report.png", "dropped.jsonl"
 _TEMP = ".curate-partial"
 _WINDOW = 256  # samples read ahead of the model per shard
 
@@ -81,7 +83,6 @@ class _Group:
         self.world, self.rank = world().size, world().rank
         self._dist = None
         if self.world > 1:
-            import torch.distributed as dist
 
             if not dist.is_initialized():
                 dist.init_process_group("gloo")
@@ -316,7 +317,6 @@ def _write_shard(url: str, dest: Path, table: Dict[str, np.ndarray], keep: np.nd
 def _bar(progress: bool, total: int, desc: str):
     if not progress:
         return None
-    from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="shard", dynamic_ncols=True)
 

@@ -22,19 +22,23 @@ import json
 import os
 import tarfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from ..config import say
 from ..data.decode import TEACHER_IMAGE, TEACHER_META, TEACHER_TEXT, SampleKeys
 from ..data.reading import read_raw_samples
 from ..data.sizes import SIZES_FILE
 from ..data.sources import expand_urls, has_scheme, redact
-from ..errors import DataError, printable
+from ..errors import DataError
 from ..evaluation.embed import embed_samples
 from ..evaluation.evaluate import shown_path
+from ..evaluation.teacher import Teacher
 from ..shards.writer import add_tar_member, write_sizes
 from ..storage.fsutil import new_file, os_error_text
 from ..storage.manifest import OutputManifest
@@ -130,9 +134,7 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
               keys: Optional[SampleKeys] = None, progress: bool = True) -> Dict[str, Any]:
     """Write reinforced copies of the shards of `data` into `out_dir` (see the module docstring); returns the
     summary (shards written and already done, samples, samples without teacher members, seconds)."""
-    import warnings
 
-    from ..evaluation.teacher import Teacher
 
     if batch_size <= 0:
         raise DataError(f"--batch-size must be > 0 (got {batch_size})")
@@ -153,7 +155,6 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
     start, done_before, totals = time.perf_counter(), 0, {"samples": 0, "without_teacher": 0, "errors": 0}
     bar = None
     if progress:
-        from tqdm import tqdm
 
         bar = tqdm(total=len(urls), desc="reinforce", unit="shard", dynamic_ncols=True)
     try:
@@ -173,7 +174,7 @@ def reinforce(teacher_path: str, data: str, out_dir: str, batch_size: int = 64, 
                 except OSError as err:
                     raise DataError(f"cannot write {dest}: {os_error_text(err)}") from None
             for w in caught[:1]:
-                print(f"mmcl: warning: {printable(w.message)}", flush=True)
+                say(str(w.message), warning=True)
             for k in totals:
                 totals[k] += counts[k]
             manifest["shards"][name] = {"source": redact(url), "bytes": dest.stat().st_size, **counts}

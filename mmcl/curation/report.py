@@ -18,6 +18,8 @@ from .rules import KEPT, REASONS, Decision
 HISTOGRAM_BINS = 40
 EXAMPLES = 5  # samples shown on each side of a threshold
 
+REPORT_FILE, PLOT_FILE, DROPPED_FILE = "report.json", "report.png", "dropped.jsonl"
+
 
 def _sample(i: int, names: List[str], shard_of: np.ndarray, cat: Dict[str, np.ndarray]) -> Dict[str, Any]:
     score = float(cat["score"][i])
@@ -127,7 +129,6 @@ def write_report(out: Path, identity: Dict[str, Any], names: List[str], tables: 
                  cat: Dict[str, np.ndarray], shard_of: np.ndarray, decision: Decision,
                  eval_keys: Optional[np.ndarray], temp_suffix: str) -> Dict[str, Any]:
     """Write report.json, report.png and dropped.jsonl into `out` (each atomically); returns the report."""
-    from .curate import DROPPED_FILE, PLOT_FILE, REPORT_FILE
 
     report = build_report(identity, names, tables, cat, shard_of, decision)
     lines = []

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .decode import SkipSample, TransformOutputError, caption_draw, decode_sample, zero_skips
+from .naflex import patch_batch
 from .pipeline import InputSizes, StreamSpec, epoch_shard_plan, sample_id, shuffle_block
 from .reading import RawSample, read_raw_samples
 from .skips import member_of
@@ -160,7 +161,6 @@ class _Filling:
         batch = collate(self.images if flex is None else None, self.captions, self.labels, self.keys,
                         self.s.tokenizer, self.s.teacher_view, self.teacher, context_length=self.sizes.context_length)
         if flex is not None:
-            from .naflex import patch_batch
 
             batch.update(patch_batch(self.images, flex.seq_len_at(self.batch), flex.patch_size))
         batch["sample_id"] = torch.tensor(self.ids, dtype=torch.long)

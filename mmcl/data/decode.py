@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from ..errors import ConfigError
 from .limits import load_json
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -285,7 +286,6 @@ def sample_keys(cfg=None, image_key: Optional[str] = None, caption_key: Any = "t
     try:
         return SampleKeys(image_key, caption_key, weights)
     except ValueError as err:
-        from ..errors import ConfigError
 
         raise ConfigError(str(err)) from None
 

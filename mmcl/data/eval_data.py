@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
+from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
 from PIL import Image
+from timm.data import ImageNetInfo
 
-from ..config import DataConfig
-from ..errors import DataError, MmclError, printable
+from ..config import DataConfig, say
+from ..errors import DataError, MmclError
 from .decode import SampleKeys, SkipSample, decode_image, needed_members, parse_sample, zero_skips
+from .naflex import stack_patch_dicts
 from .reading import read_raw_samples
 from .sources import SHARD_SUFFIXES, expand_urls, has_scheme, redact
 
@@ -66,8 +68,6 @@ def imagenet_classnames(folders: List[str], where: str = "") -> Optional[List[st
     """
     if not folders or not all(_WNID.fullmatch(f) for f in folders):
         return None
-    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
-    from timm.data import ImageNetInfo
 
     wnids = sorted(ImageNetInfo("imagenet-1k").label_names())
     if len(wnids) != len(IMAGENET_CLASSNAMES):  # the two lists index the same 1000 classes
@@ -76,10 +76,9 @@ def imagenet_classnames(folders: List[str], where: str = "") -> Optional[List[st
     index = {wnid: i for i, wnid in enumerate(wnids)}
     outside = [f for f in folders if f not in index]
     if outside:
-        print(printable(f"mmcl: warning: {len(outside)} class folders{' of ' + where if where else ''} are "
-                        f"WordNet ids outside ImageNet-1k (first {outside[0]}): every class is scored by its folder "
-                        f"name; give readable names in classnames.txt, one per folder in sorted order"),
-              file=sys.stderr, flush=True)
+        say(f"{len(outside)} class folders{' of ' + where if where else ''} are WordNet ids outside ImageNet-1k "
+            f"(first {outside[0]}): every class is scored by its folder name; give readable names in "
+            f"classnames.txt, one per folder in sorted order", warning=True)
         return None
     return [IMAGENET_CLASSNAMES[index[f]] for f in folders]
 
@@ -116,8 +115,8 @@ def names_for_folders(names: List[str], folders: List[str], where: str) -> List[
     """
     if sorted(names) == sorted(folders):
         if names != folders:
-            print(f"mmcl: {where}: its class names are the class folders' names in another order; each folder is "
-                  f"scored against its own name", file=sys.stderr, flush=True)
+            say(f"{where}: its class names are the class folders' names in another order; each folder is scored "
+                f"against its own name", warning=True)
         return list(folders)
     misplaced = [i for i, name in enumerate(names) if name in folders and folders[i] != name]
     if misplaced:
@@ -344,7 +343,6 @@ def eval_collate(items: List[Any]):
     if not good:
         return None, torch.zeros(0, dtype=torch.long), [], [], problems
     if isinstance(good[0][0], dict):
-        from .naflex import stack_patch_dicts
 
         images = stack_patch_dicts([it[0] for it in good])
     else:

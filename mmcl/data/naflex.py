@@ -19,6 +19,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from timm.data.naflex_transforms import ResizeToSequence, patchify_image
+
+from .decode import pil_to_uint8
 
 PATCH_KEYS = ("patches", "patch_coord", "patch_valid")  # the model input of a NaFlex tower, a dict of these
 
@@ -70,7 +73,6 @@ class SeqResize:
 
     def __call__(self, img):
         if self._resize is None:
-            from timm.data.naflex_transforms import ResizeToSequence
 
             self._resize = ResizeToSequence(self.patch_size, self.seq_len, interpolation=self.interpolation)
         return self._resize(img.convert("RGB"))
@@ -80,7 +82,6 @@ def patch_batch(images: Sequence[torch.Tensor], seq_len: int, patch_size: int) -
     """Patchify (3, H, W) images (H, W multiples of `patch_size`, at most `seq_len` patches each) and pad each to
     `seq_len` patches: ``patches`` (B, L, P*P*3) of the images' dtype (channels last within a patch, timm's
     layout), ``patch_coord`` (B, L, 2) int64 (row, column), ``patch_valid`` (B, L) bool."""
-    from timm.data.naflex_transforms import patchify_image
 
     b, dim = len(images), patch_size * patch_size * 3
     dtype = images[0].dtype if images else torch.uint8
@@ -133,7 +134,6 @@ class EvalPatchify:
         self.normalize = PatchNormalizer(mean, std)
 
     def __call__(self, img) -> Dict[str, torch.Tensor]:
-        from .decode import pil_to_uint8
 
         one = patch_batch([pil_to_uint8(self.resize(img))], self.seq_len, self.patch_size)
         return {k: v[0] for k, v in self.normalize(one).items()}

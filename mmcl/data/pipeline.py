@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .decode import zero_skips
+from .naflex import SeqResize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,6 @@ class StreamSpec:
     def sizes_at(self, batch: int) -> InputSizes:
         """The input sizes of process batch `batch` (0-based, counted from the start of the run)."""
         if self.naflex is not None:  # the images resized to fit the batch's drawn sequence length
-            from .naflex import SeqResize
 
             return InputSizes(batch, SeqResize(self.naflex.seq_len_at(batch), self.naflex.patch_size), None)
         current = InputSizes(0, self.preprocess, self.draft_size)

@@ -46,6 +46,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Dict, Iterator, Optional, Sequence, Tuple
 
+import psutil
+
 from ..config import DataConfig
 from .sources import has_scheme, open_shard, redact
 
@@ -266,7 +268,6 @@ class _StallWatch:
 
 def _kill_tree(pid: int) -> None:
     """Kill process `pid` and its descendants (a shell's command holds the pipe open after the shell dies)."""
-    import psutil
 
     try:
         proc = psutil.Process(pid)

@@ -24,7 +24,7 @@ from .sources import SHARD_SUFFIXES
 
 # img2dataset's bookkeeping beside its `files` output: NNNNN.parquet (the shard's metadata) and NNNNN_stats.json.
 _IMG2DATASET_SIDE_FILE = re.compile(r"^\d+(_stats\.json|\.parquet)$")
-_TABLE_EXTS = (".csv", ".tsv", ".jsonl", ".json", ".ndjson", ".parquet")
+TABLE_EXTS = (".csv", ".tsv", ".jsonl", ".json", ".ndjson", ".parquet")
 # Column names tried when none is given, in order: mmcl's and img2dataset's, then open_clip's CSV layout
 # (open_clip_train's --csv-img-key filepath, --csv-caption-key title).
 _IMAGE_COLS = ("image", "url", "filepath")
@@ -338,7 +338,7 @@ def input_items(input_path: str, caption_template: str, sep: Optional[str], imag
         if "{}" not in caption_template:
             raise DataError(f"caption_template needs a '{{}}' for the class name (got {caption_template!r})")
         return _image_folder_items(input_path, folders, classnames, caption_template), classnames
-    if input_path.lower().endswith(_TABLE_EXTS):
+    if input_path.lower().endswith(TABLE_EXTS):
         return _table_items(input_path, sep, image_col, caption_col), None
     raise DataError(f"unsupported input {input_path} (expected a folder of images with captions, an ImageFolder "
                     f"directory, a .csv, .tsv, .jsonl or .parquet)")

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import DataError
 from .limits import load_json
-from .sources import SHARD_SUFFIXES, SIZES_FILE, _split_spec, expand_sources, has_scheme, redact
+from .sources import SHARD_SUFFIXES, SIZES_FILE, expand_sources, has_scheme, redact, split_spec
 
 MAX_COUNT = 10 ** 12  # samples in one shard or folder: more is not a count but a damaged file
 
@@ -144,7 +144,7 @@ def describe_sources(spec: Any, allow_pipe: bool = False, require_all: bool = Fa
     with warnings.catch_warnings():  # the data stream gives each of these warnings when it expands the spec
         warnings.simplefilter("ignore")
         sources = expand_sources(spec, allow_pipe, require_all)
-        names = _split_spec(spec, allow_pipe)
+        names = split_spec(spec, allow_pipe)
     lines = []
     for i, (source, urls) in enumerate(zip(names, sources)):
         label = f"data.train source {i + 1} of {len(sources)}" if len(sources) > 1 else "data.train"

@@ -39,7 +39,6 @@ from typing import Any, Dict, List, Optional
 from .decode import IMAGE_EXTS, SKIP_REASONS
 from .sources import redact
 
-SKIP_LOG = "skipped.jsonl"
 MAX_BYTES = 4 << 20  # about 20,000 records
 REASONS = SKIP_REASONS + ("missing_file", "not_image", "duplicate_key", "bad_json", "bad_row", "left_out")
 _IMAGE_REASONS = ("decode", "too_large", "unsupported_mode")

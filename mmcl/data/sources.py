@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import braceexpand
 import yaml
+from webdataset import gopen
 
 from ..errors import DataError, redact, redact_values  # noqa: F401 (redact_values: for importers)
 from .limits import MAX_LIST_ENTRIES, bounded, check_entries, load_json
@@ -32,7 +33,7 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 SIZES_FILE = "sizes.json"  # each shard's sample count, beside the shards (open_clip's layout; `mmcl shards` writes it)
 
 
-def _split_spec(spec: Any, allow_pipe: bool = False) -> List[str]:
+def split_spec(spec: Any, allow_pipe: bool = False) -> List[str]:
     """Flatten a spec (str, list, YAML list, '::'-joined) into one string per source, at most `MAX_LIST_ENTRIES`
     (a list whose YAML aliases repeat another list is refused after that many, never expanded whole)."""
     shown = redact(spec if isinstance(spec, str) else repr(spec)[:200])
@@ -40,7 +41,7 @@ def _split_spec(spec: Any, allow_pipe: bool = False) -> List[str]:
 
 
 def _spec_parts(spec: Any, allow_pipe: bool = False, listed_in: Optional[str] = None) -> Iterator[str]:
-    """The sources of `spec`, one at a time (`_split_spec`).
+    """The sources of `spec`, one at a time (`split_spec`).
 
     Entries read from a shard list file (`listed_in`) are the data's, not the user's: a ``pipe:`` command there is
     refused unless `allow_pipe` (``data.allow_pipe``)."""
@@ -224,7 +225,7 @@ def missing_shards(spec: Any, allow_pipe: bool = False, require_all: bool = True
     exist is no problem: the data layer trains on those and warns once with the count missing.
     """
     try:
-        sources = _split_spec(spec, allow_pipe)
+        sources = split_spec(spec, allow_pipe)
     except (DataError, OSError) as err:
         return [str(err)]
     if not sources:
@@ -291,7 +292,7 @@ def expand_sources(spec: Any, allow_pipe: bool = False, require_all: bool = Fals
     with some of its shards missing gives those that exist and one warning with the count missing, or a
     `DataError` with `require_all` (``data.require_all_shards``).
     """
-    sources = _split_spec(spec, allow_pipe)
+    sources = split_spec(spec, allow_pipe)
     if not sources:
         raise DataError(f"empty shard spec (got {redact(repr(spec))}, expected e.g. "
                         f"'shards/shard-{{000000..000009}}.tar')")
@@ -322,6 +323,5 @@ def open_shard(url: str):
     ``gopen``."""
     if not has_scheme(url):
         return open(url, "rb")
-    from webdataset import gopen
 
     return gopen(url, "rb")

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import threading
 import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torchvision import transforms as T
 
 from ..config import DataConfig, data_weight_problems, data_workers
 from ..errors import ConfigError, DataError
 from .batching import WorkerOutput, role_batches
 from .decode import needed_members, sample_keys
+from .naflex import PatchNormalizer
 from .pipeline import (
     InputSizes,
     StreamSpec,
@@ -104,7 +107,6 @@ class _SlotStreams(torch.utils.data.IterableDataset):
 
 def _picklable_category(category: type) -> type:
     """`category`, or UserWarning for a warning class that cannot travel between processes."""
-    import pickle
 
     try:
         pickle.dumps(category)
@@ -165,7 +167,6 @@ class TrainStream:
         if naflex is not None:  # uint8 images at each batch's length, patchified in the worker, normalised here
             if not isinstance(preprocess, ImageSpec):
                 raise ConfigError("data.naflex needs the stream to take the model's image numbers (an ImageSpec)")
-            from .naflex import PatchNormalizer
 
             self.uint8, self.draft_size = True, None
             self.finish_images = PatchNormalizer(preprocess.mean, preprocess.std)
@@ -188,7 +189,6 @@ class TrainStream:
         draft = train_draft_size(spec) if self.cfg.fast_decode and self.teacher_view is None else None
         sample_transform, finish = train_image_stages(spec)
         if not self.cfg.uint8_transfer:
-            from torchvision import transforms as T
 
             sample_transform = T.Compose([*sample_transform.transforms, T.ToTensor(), T.Normalize(spec.mean,
                                                                                                   spec.std)])

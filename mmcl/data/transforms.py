@@ -15,13 +15,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+from open_clip.transform import PreprocessCfg, color_jitter, gray_scale, image_transform_v2
+
+try:
+    from open_clip.transform import MaybeToTensor
+except ImportError:  # an older open_clip without it
+    MaybeToTensor = None
 from PIL import Image
+from torchvision import transforms as T
+from torchvision.transforms import functional as F
+
+# What turns a PIL image into a tensor in a torchvision pipeline (open_clip's MaybeToTensor where it has one).
+TO_TENSOR_TYPES: Tuple[type, ...] = (T.ToTensor,) + ((MaybeToTensor,) if MaybeToTensor is not None else ())
 
 
 def crop_draft_size(width: int, height: int, min_scale: float) -> Tuple[int, int]:
@@ -51,7 +63,6 @@ def draft_size_of(preprocess: Any) -> Optional[Tuple[int, int]]:
     Reads the first resizing step of a torchvision ``Compose`` (Resize, CenterCrop, RandomResizedCrop,
     open_clip's ResizeKeepRatio); returns None when the output size cannot be inferred.
     """
-    from torchvision import transforms as T
 
     steps = getattr(preprocess, "transforms", [preprocess])
     for step in steps:
@@ -104,15 +115,8 @@ def split_transform(preprocess: Callable) -> Tuple[Callable, Optional[ImageFinis
     Workers then run only the PIL stage and send uint8 images; the float conversion and normalisation run on
     the batch where the model is. Returns ``(preprocess, None)`` for transforms of any other shape.
     """
-    from torchvision import transforms as T
 
-    to_tensor_types: Tuple[type, ...] = (T.ToTensor,)
-    try:
-        from open_clip.transform import MaybeToTensor
-
-        to_tensor_types += (MaybeToTensor,)
-    except ImportError:  # an older open_clip without it
-        pass
+    to_tensor_types: Tuple[type, ...] = TO_TENSOR_TYPES
     if not isinstance(preprocess, T.Compose):
         return preprocess, None
     steps = list(preprocess.transforms)
@@ -181,7 +185,6 @@ def random_crop_box(width: int, height: int, scale: Sequence[float], ratio: Sequ
 
 def _python_rng_crop(step: Callable) -> Callable:
     """torchvision's RandomResizedCrop as `PyRandomResizedCrop` (same distribution, cheaper draws)."""
-    from torchvision import transforms as T
 
     return PyRandomResizedCrop(step) if type(step) is T.RandomResizedCrop else step
 
@@ -196,7 +199,6 @@ class PyRandomResizedCrop:
         self.crop = crop
 
     def __call__(self, img: Any) -> Any:
-        from torchvision.transforms import functional as F
 
         c = self.crop
         _, height, width = F.get_dimensions(img)
@@ -211,7 +213,6 @@ def training_sample_transform(preprocess: Callable) -> Callable:
     """The per-sample transform the training stream runs: `preprocess` with its steps made cheaper where that
     changes no output distribution (RGB conversion of an RGB image skipped; RandomResizedCrop's box drawn
     with Python's RNG). Anything but a torchvision ``Compose`` is returned as it is."""
-    from torchvision import transforms as T
 
     if not isinstance(preprocess, T.Compose):
         return preprocess
@@ -264,7 +265,6 @@ class ImageSpec:
 def aug_dict(aug: Optional[Any]) -> Dict[str, Any]:
     """open_clip ``AugmentationCfg`` keyword arguments from ``data.aug`` (a config section, a dict, or an
     AugmentationCfg): unset (None) entries and a false ``use_timm`` left out, sequences as tuples."""
-    import dataclasses
 
     if aug is None:
         return {}
@@ -284,7 +284,6 @@ def train_image_input(preprocess_cfg: Mapping[str, Any], aug: Optional[Any] = No
     a = aug_dict(aug)
     if not a.get("use_timm"):
         return ImageSpec.from_config(preprocess_cfg, a)
-    from open_clip.transform import PreprocessCfg, image_transform_v2
 
     pp = PreprocessCfg(**{k: v for k, v in preprocess_cfg.items() if k in PreprocessCfg.__dataclass_fields__})
     return image_transform_v2(pp, is_train=True, aug_cfg=a)
@@ -296,8 +295,6 @@ def train_image_stages(spec: ImageSpec) -> Tuple[Callable, "ImageFinish"]:
     open_clip's own colour-jitter and grayscale steps where ``spec`` sets them, in the data workers; then ToTensor
     and Normalize(mean, std) on the uint8 batch where the model runs. Composed, the two give the pixels of
     open_clip's train transform (``image_transform_v2``) for the same preprocess and augmentation config."""
-    from open_clip.transform import color_jitter, gray_scale
-    from torchvision import transforms as T
 
     crop = T.RandomResizedCrop(spec.size, scale=spec.scale, interpolation=T.InterpolationMode.BICUBIC)
     steps: list = [PyRandomResizedCrop(crop), _ConvertIfNeeded("RGB")]

@@ -12,6 +12,8 @@ Two shapes of data are embedded:
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -19,10 +21,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import data as data_mod
+from ..data import ShardEvalDataset, has_scheme, redact
 from ..data.decode import SampleKeys, SkipSample, candidate_captions, decode_image, image_bytes, pil_to_uint8
+from ..data.limits import load_json
 from ..data.transforms import split_transform
-from ..errors import ConfigError, MmclError
+from ..errors import ConfigError, DataError, MmclError
 from ..models import is_naflex
+from ..storage.weights import load
+from . import evaluate
 
 MAX_PIXELS = 1 << 26  # the largest decoded image (pixels) the pass accepts: a decompression bomb is skipped
 
@@ -48,7 +55,6 @@ class ClipEncoder:
     @classmethod
     def load(cls, path: str, device: Any = "cpu", what: str = "--model") -> "ClipEncoder":
         """The model at `path` (anything `mmcl.load` reads) on `device`; `ConfigError` naming `what` otherwise."""
-        from ..storage.weights import load
 
         try:
             model, eval_tf, tokenizer = load(path)
@@ -132,10 +138,52 @@ def embed_image_set(model, preprocess, data, batch_size: int, workers: int, devi
     Returns:
         ``{"dataset", "features" (N, D) float32 tensor, "labels", "captions", "keys", "skips"}`` in data order.
     """
-    from . import evaluate
 
-    if loader_fn is None:
-        from .index import _index_loader as loader_fn
-    ds, loader = loader_fn(data, preprocess, batch_size, workers)
+    ds, loader = (loader_fn or sourced_loader)(data, preprocess, batch_size, workers)
     feats, labels, captions, keys, skips = evaluate.encode_images(model, loader, device, progress, desc, data)
     return {"dataset": ds, "features": feats, "labels": labels, "captions": captions, "keys": keys, "skips": skips}
+
+
+class SourcedShards(ShardEvalDataset):
+    """Shards for indexing: each item's key is a JSON object with the key, ``__url__`` and the sample's url."""
+
+    def item_key(self, item) -> str:
+        source = {"key": item.key, "__url__": _local_url(item.url)}
+        url = _sample_url(item.files)
+        if url is not None:
+            source["url"] = url
+        return json.dumps(source)
+
+
+def sourced_loader(data, preprocess, batch_size: int, workers: int):
+    """(dataset, DataLoader) like `evaluate.eval_loader`'s, whose keys also say where each image came from."""
+
+    if batch_size <= 0:
+        raise DataError(f"batch size must be > 0 (got {batch_size})")
+    if workers < 0:
+        raise DataError(f"workers must be >= 0 (got {workers})")
+    if isinstance(data, str) and data_mod.is_image_folder(data):
+        ds = data_mod.ImageFolderDataset(data, preprocess)
+    else:
+        ds = SourcedShards(data, preprocess)
+    return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
+                                           collate_fn=data_mod.eval_collate)
+
+
+def _local_url(url: str) -> str:
+    """A shard URL as the index keeps it: local paths absolute (the index may move), other URLs with their
+    credentials hidden (`mmcl.data.redact`: the index is a file others read)."""
+    return redact(url) if has_scheme(url) else os.path.abspath(url)
+
+
+def _sample_url(files: Optional[Dict[str, bytes]]) -> Optional[str]:
+    """The ``url`` field of a sample's ``.json`` (img2dataset's source URL), when it has one."""
+    raw = (files or {}).get("json")
+    if raw is None:
+        return None
+    try:
+        meta = load_json(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    url = meta.get("url") if isinstance(meta, dict) else None
+    return url if isinstance(url, str) else None

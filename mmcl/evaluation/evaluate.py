@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import os
 import re
-import sys
+import string
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
 
+import numpy as np
+import open_clip
 import torch
+from tqdm import tqdm
 
 from .. import data as data_mod
+from ..config import say
 from ..data.eval_data import names_for_folders
-from ..errors import DataError, MmclError, printable
+from ..errors import DataError, MmclError
 
 # open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.
 TEMPLATE_SETS = {"openai_imagenet_template": "OPENAI_IMAGENET_TEMPLATES",
@@ -35,12 +39,18 @@ DEFAULT_CS = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)  # inverse L2 strengths swept
 _SPLIT_DIRS = ("test", "train", "val", "valid", "validation")
 
 
+def device_for(name: Optional[str]) -> torch.device:
+    """The device a command runs on: `name` (``cuda:1``, ``cpu``), else CUDA where there is one, else the CPU."""
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_templates(templates) -> List:
     """Prompt templates: a name of open_clip's sets, a file with one template per line, one template, or a list.
 
     A template holds ``{}`` (or CLIP_benchmark's ``{c}``) where the class name goes; open_clip's sets are callables.
     """
-    import open_clip
 
     set_name = TEMPLATE_ALIASES.get(templates, templates) if isinstance(templates, str) else None
     if isinstance(templates, (list, tuple)):
@@ -66,7 +76,6 @@ def load_templates(templates) -> List:
 
 def _is_template(text: str) -> bool:
     """Whether `text` formats with one class name: it has ``{}`` and no other field (``{0}``, ``{name}``)."""
-    import string
 
     try:
         fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(text) if name is not None]
@@ -124,7 +133,7 @@ def shown_path(source: str) -> str:
     return f"{url.hostname or ''}{url.path}"
 
 
-def _dataset_name(data) -> str:
+def dataset_name(data) -> str:
     """The name results go under: a single file's stem (``coco_val.tar`` -> ``coco_val``), else (a folder, a
     glob or brace range, several files, or a file named by its shard number only) the data's folder, or the
     folder above a split folder (``test/``, ``val/``, ... as in CLIP_benchmark's ``DIR/test/0.tar``). Derived from
@@ -160,12 +169,11 @@ def _find_beside(data, names: Sequence[str]) -> Optional[str]:
 def _progress(iterable, progress: bool, desc: str, total: Optional[int] = None):
     if not progress:
         return iterable
-    from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, unit="batch", total=total, dynamic_ncols=True)
 
 
-def _input_dtype(model) -> torch.dtype:
+def input_dtype(model) -> torch.dtype:
     for p in model.parameters():
         if p.is_floating_point():
             return p.dtype
@@ -206,7 +214,7 @@ def _unwrap_worker_error(err: MmclError) -> MmclError:
     return type(err)(lines[-1].strip())
 
 
-def _batches(loader):
+def eval_batches(loader):
     """The loader's batches; a user error from a worker comes out as itself. When iteration stops early (an
     error, or `close()`), the DataLoader's workers are stopped at once: left to garbage collection they are
     joined with a 5 s timeout each, which delayed the exit of a failed evaluation by 10 s with 2 workers."""
@@ -245,12 +253,12 @@ def encode_images(model, loader, device, progress: bool, desc: str, data: Any = 
     """
     feats, labels, captions, keys = [], [], [], []
     skips: List[Any] = []
-    dtype = _input_dtype(model)
+    dtype = input_dtype(model)
     try:
         total = len(loader)
     except TypeError:  # an IterableDataset (shards) has no length
         total = None
-    batches = _batches(loader)
+    batches = eval_batches(loader)
     try:
         for images, lab, cap, key, problems in _progress(batches, progress, desc, total=total):
             for problem in problems:
@@ -275,8 +283,8 @@ def encode_images(model, loader, device, progress: bool, desc: str, data: Any = 
         raise DataError(f"the evaluation data{where} holds no readable images{detail}")
     if skips:
         n_read = sum(f.shape[0] for f in feats) + len(skips)
-        print(printable(f"mmcl: warning: {desc}: skipped {len(skips)} of {n_read} images{where} "
-                        f"({_counts_text(counts)}; first {_skip_text(skips[0])})"), file=sys.stderr, flush=True)
+        say(f"{desc}: skipped {len(skips)} of {n_read} images{where} ({_counts_text(counts)}; first "
+            f"{_skip_text(skips[0])})", warning=True)
     return torch.cat(feats), torch.cat(labels), captions, keys, {"n_skipped": len(skips), "skipped": counts}
 
 
@@ -324,7 +332,7 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> Dict[s
     return out
 
 
-def _resolve_classnames(data, ds, classnames) -> List[str]:
+def resolve_classnames(data, ds, classnames) -> List[str]:
     if isinstance(classnames, (list, tuple)):
         names = [str(c) for c in classnames]
     elif isinstance(classnames, str):
@@ -378,10 +386,9 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
         class names and templates (as text, ``{}`` for the name) that were scored; unreadable images are skipped
         and counted, see `encode_images`.
     """
-    import open_clip
 
     ds, loader = eval_loader(data, preprocess, batch_size, workers, keys, reading)
-    names = _resolve_classnames(data, ds, classnames)
+    names = resolve_classnames(data, ds, classnames)
     if templates is None or templates == AUTO_TEMPLATES:
         templates = (getattr(ds, "templates", None) or _find_beside(data, TEMPLATE_FILES)
                      or "openai_imagenet_template")
@@ -396,7 +403,7 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     feats, labels, _, _, skips = encode_images(model, loader, device, progress, "zeroshot", data)
     _check_labels(labels, len(names), data, "zero-shot classification")
     logits = feats @ classifier.float().cpu()  # (N, C)
-    return {"dataset": _dataset_name(data), "model": model_name, "task": "zeroshot_classification",
+    return {"dataset": dataset_name(data), "model": model_name, "task": "zeroshot_classification",
             "metrics": classification_metrics(logits, labels), "n_samples": int(labels.numel()),
             "n_classes": len(names), "classnames": names, "templates": template_texts(template_list), **skips}
 
@@ -496,12 +503,11 @@ def retrieval(model, preprocess, tokenizer, data: str, batch_size: int = 128, wo
         raise DataError(f"no captions in {data} (retrieval needs a KEY.txt caption, one per line, for the images)")
     distinct = len(set(texts))
     if distinct < 0.9 * len(texts):  # class labels as captions: the recalls are low whatever the model
-        print(printable(f"mmcl: warning: retrieval of {data}: {len(texts):,} captions, {distinct:,} of them "
-                        f"distinct; a caption several images share cannot tell them apart, so the recalls stay low "
-                        f"whatever the model (for labelled classes, mmcl zeroshot scores the model)"),
-              file=sys.stderr, flush=True)
+        say(f"retrieval of {data}: {len(texts):,} captions, {distinct:,} of them distinct; a caption several images "
+            f"share cannot tell them apart, so the recalls stay low whatever the model (for labelled classes, mmcl "
+            f"zeroshot scores the model)", warning=True)
     txt_feats = encode_texts(model, tokenizer, texts, batch_size, device, progress)
-    return {"dataset": _dataset_name(data), "model": model_name, "task": "zeroshot_retrieval",
+    return {"dataset": dataset_name(data), "model": model_name, "task": "zeroshot_retrieval",
             "metrics": retrieval_recalls(txt_feats, img_feats, owner, ks), "n_images": int(img_feats.shape[0]),
             "n_texts": len(texts), "n_distinct_texts": distinct, **skips}
 
@@ -520,7 +526,6 @@ def fit_linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch
     Returns:
         {"metrics": classification metrics on the test set, "C": chosen C, "val_acc1": {C: accuracy}}.
     """
-    import numpy as np
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import train_test_split
 
@@ -585,7 +590,7 @@ def linear_probe(model, preprocess, train: str, test: str, batch_size: int = 128
     _check_labels(test_y, n_classes, test, "linear probe")
     fit = fit_linear_probe(train_x, train_y, test_x, test_y, n_classes, Cs=Cs, val_fraction=val_fraction,
                            seed=seed)
-    return {"dataset": _dataset_name(test), "model": model_name, "task": "linear_probe", "metrics": fit["metrics"],
+    return {"dataset": dataset_name(test), "model": model_name, "task": "linear_probe", "metrics": fit["metrics"],
             "C": fit["C"], "val_acc1": {str(k): v for k, v in fit["val_acc1"].items()},
             "n_train": int(train_y.numel()), "n_test": int(test_y.numel()), "n_classes": n_classes,
             "n_skipped_train": train_skips["n_skipped"], "n_skipped_test": test_skips["n_skipped"],

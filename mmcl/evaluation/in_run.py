@@ -19,18 +19,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import data as data_mod
-from ..config import EvalConfig, EvalSet, duplicate_set_names, eval_sets
+from .. import models
+from ..config import EvalConfig, EvalSet, duplicate_set_names, eval_sets, is_main_process
 from ..data.sources import redact_values
 from ..errors import ConfigError, DataError
 from .evaluate import (
     AUTO_TEMPLATES,
-    _batches,
-    _dataset_name,
-    _input_dtype,
-    _resolve_classnames,
+    dataset_name,
+    eval_batches,
     eval_loader,
+    input_dtype,
     is_template_name_or_text,
     load_templates,
+    resolve_classnames,
     retrieval,
     zeroshot,
 )
@@ -41,9 +42,9 @@ RESULT_KINDS = ("zeroshot", "retrieval", "val_loss")
 
 
 def set_name(s: EvalSet) -> str:
-    """The name a set's results go under: its own, else its data's (`evaluate._dataset_name`: a file's stem, else
+    """The name a set's results go under: its own, else its data's (`evaluate.dataset_name`: a file's stem, else
     its folder)."""
-    return s.name if s.name is not None else _dataset_name(s.data)
+    return s.name if s.name is not None else dataset_name(s.data)
 
 
 def named_sets(ev: EvalConfig) -> List[EvalSet]:
@@ -150,7 +151,7 @@ def set_problems(ev: EvalConfig, reading: Optional[Dict[str, Any]] = None) -> Li
         if s.classnames and not os.path.isfile(os.path.expanduser(s.classnames)):
             continue  # reported below with the other missing files
         try:
-            _resolve_classnames(s.data, ds, os.path.expanduser(s.classnames) if s.classnames else None)
+            resolve_classnames(s.data, ds, os.path.expanduser(s.classnames) if s.classnames else None)
         except DataError as err:
             problems.append(f"{names_key if s.classnames else s.where}: {err}")
     if ev.val_loss:
@@ -217,7 +218,7 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
         raise DataError(f"{data} is an ImageFolder, which has no captions (a validation loss needs shards with "
                         f"captions, KEY.txt)")
     several = keys is not None and len(keys.caption_keys) > 1
-    dtype = _input_dtype(model)
+    dtype = input_dtype(model)
     sums: Dict[str, float] = {}
     pending: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     counts = {"samples": 0, "batches": 0}
@@ -240,7 +241,7 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
             if img.shape[0] > batch_size:
                 pending.append((img[batch_size:], txt[batch_size:], lab[batch_size:]))
 
-    batches = _batches(loader)
+    batches = eval_batches(loader)
     try:
         for images, labels, captions, _, problems in batches:
             for problem in problems:
@@ -267,7 +268,7 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
         raise DataError(f"the validation data {data} holds no sample with an image and a caption"
                         + (f" (skipped: {', '.join(f'{k}={v}' for k, v in sorted(skipped.items()))})"
                            if skipped else ""))
-    return {"dataset": _dataset_name(data), "task": "val_loss",
+    return {"dataset": dataset_name(data), "task": "val_loss",
             "metrics": {k: v / counts["samples"] for k, v in sums.items()}, "n_samples": counts["samples"],
             "n_batches": counts["batches"], "n_skipped": sum(skipped.values()), "skipped": skipped}
 
@@ -275,3 +276,67 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
 def val_entries(res: Dict[str, Any]) -> Dict[str, float]:
     """A validation loss's metrics-record entries: ``val/loss``, ``val/loss/<term>`` and ``val/<metric>``."""
     return {f"{VAL_PREFIX}{k}": v for k, v in res["metrics"].items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEvaluation:
+    """How a training run evaluates, fixed when it is set up: its ``eval`` section, the training data's sample
+    members (`keys`) and reading limits (`reading`) the sets are read with, the validation loss's objective (a fresh
+    one from ``loss.*`` each time, `make_objective`, reseeded with `seed`), the per-process batch it falls back on,
+    and the name results give the model."""
+
+    ev: EvalConfig
+    keys: Any
+    reading: Dict[str, Any]
+    make_objective: Callable[[], Any]
+    seed: int
+    batch_size: int
+    model_name: str
+
+
+def naflex_views(ev: EvalConfig, pp_cfg: Dict[str, Any], sets: List[EvalSet]) -> List[Tuple[list, Any]]:
+    """With several ``eval.naflex_seq_len``: each length's (sets named ``<name>@<length>``, transform at that
+    length); else nothing (the sets at the model's own transform)."""
+    lengths = list(ev.naflex_seq_len)
+    if len(lengths) < 2 or not pp_cfg.get("naflex_seq_len"):
+        return []
+    return [([dataclasses.replace(s, name=f"{s.name}@{n}") for s in sets],
+             models.build_transforms(dict(pp_cfg, naflex_seq_len=int(n)))[1]) for n in lengths]
+
+
+def run_eval(evaluation: RunEvaluation, model, tokenizer, pp_cfg, accelerator, step: Optional[int] = None,
+             global_batch: Optional[int] = None, results: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+    """The evaluations due after optimiser step `step` (None: the final one, every set), on the main process:
+    returns their ``eval/<task>/<name>/<metric>`` and ``val/...`` entries, and puts each whole result into
+    `results` by kind and name. The validation loss scores batches of `global_batch` (the run's) with a fresh
+    objective in eval mode, so the training objective's state is untouched."""
+    out: Dict[str, float] = {}
+    ev = evaluation.ev
+    if not is_main_process() or not has_evaluation(ev):
+        return out
+    sets, val_due = due(ev, step)
+    if not sets and not val_due:
+        return out
+    _, eval_tf = models.build_transforms(pp_cfg)
+    views = naflex_views(ev, pp_cfg, sets) or [(sets, eval_tf)]
+    keys, reading = evaluation.keys, evaluation.reading
+    was_training = model.training
+    model.eval()
+    try:
+        with accelerator.autocast():  # the run's mixed precision, as the validation loss and open_clip evaluate
+            for view_sets, view_tf in views:
+                out.update(run_sets(view_sets, model, view_tf, tokenizer, ev, accelerator.device, keys=keys,
+                                    reading=reading, results=results, model_name=evaluation.model_name))
+        if val_due:
+            objective = evaluation.make_objective()
+            objective.reseed(evaluation.seed)  # MoCHi's mixing draws: the same at every evaluation
+            objective.to(accelerator.device).eval()
+            res = validation_loss(model, objective, ev.val_loss, eval_tf, tokenizer,
+                                  global_batch or evaluation.batch_size, accelerator.device, chunk=ev.batch_size,
+                                  keys=keys, reading=reading, autocast=accelerator.autocast)
+            out.update(val_entries(res))
+            if results is not None:
+                results["val_loss"] = res
+    finally:
+        model.train(was_training)
+    return out

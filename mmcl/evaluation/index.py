@@ -31,11 +31,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..data import ShardEvalDataset, has_scheme, redact
-from ..data.limits import load_json
+from ..data import open_rgb, redact
 from ..errors import CheckpointError, DataError
 from ..storage import checkpoints, weights
 from ..storage.fsutil import atomic_dir, os_error_text, output_dir
+from .embed import SourcedShards, embed_image_set, sourced_loader
 
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.jsonl"
@@ -94,52 +94,6 @@ def _recorded_sha256(model_dir: Path) -> Optional[str]:
     return record.get("sha256") if record else None
 
 
-def _local_url(url: str) -> str:
-    """A shard URL as the index keeps it: local paths absolute (the index may move), other URLs with their
-    credentials hidden (`mmcl.data.redact`: the index is a file others read)."""
-    return redact(url) if has_scheme(url) else os.path.abspath(url)
-
-
-def _sample_url(files: Optional[Dict[str, bytes]]) -> Optional[str]:
-    """The ``url`` field of a sample's ``.json`` (img2dataset's source URL), when it has one."""
-    raw = (files or {}).get("json")
-    if raw is None:
-        return None
-    try:
-        meta = load_json(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    url = meta.get("url") if isinstance(meta, dict) else None
-    return url if isinstance(url, str) else None
-
-
-class SourcedShards(ShardEvalDataset):
-    """Shards for indexing: each item's key is a JSON object with the key, ``__url__`` and the sample's url."""
-
-    def item_key(self, item) -> str:
-        source = {"key": item.key, "__url__": _local_url(item.url)}
-        url = _sample_url(item.files)
-        if url is not None:
-            source["url"] = url
-        return json.dumps(source)
-
-
-def _index_loader(data, preprocess, batch_size: int, workers: int):
-    """(dataset, DataLoader) like `evaluate.eval_loader`'s, whose keys also say where each image came from."""
-    from .. import data as data_mod
-
-    if batch_size <= 0:
-        raise DataError(f"batch size must be > 0 (got {batch_size})")
-    if workers < 0:
-        raise DataError(f"workers must be >= 0 (got {workers})")
-    if isinstance(data, str) and data_mod.is_image_folder(data):
-        ds = data_mod.ImageFolderDataset(data, preprocess)
-    else:
-        ds = SourcedShards(data, preprocess)
-    return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
-                                           collate_fn=data_mod.eval_collate)
-
-
 def _item(key: str, caption: str, label: int, data, sourced: bool) -> Dict[str, Any]:
     if sourced:  # SourcedShards' key: a JSON object
         source = json.loads(key)
@@ -164,12 +118,11 @@ def build_index(model_path, data, out_dir, batch_size: int = 128, workers: int =
     Returns:
         The index directory (written to a temporary directory first, then moved into place).
     """
-    from .embed import embed_image_set
 
     model_dir = weights.find_model_dir(model_path).resolve()
     model, preprocess, _ = weights.load(model_dir)
     found = embed_image_set(model.to(device).eval(), preprocess, data, batch_size, workers, device, progress,
-                            "index", _index_loader)
+                            "index", sourced_loader)
     ds, feats, labels, captions, keys, skips = (found[k] for k in ("dataset", "features", "labels", "captions",
                                                                    "keys", "skips"))
     index, params = make_index(feats.numpy(), exact_max=exact_max)
@@ -271,7 +224,6 @@ def embed_query(model, preprocess, tokenizer, query: Optional[str] = None, image
                 ) -> np.ndarray:
     """A (1, D) float32 L2-normalised query embedding from a text or an image file."""
     if image is not None:
-        from ..data import open_rgb
 
         if not os.path.isfile(image):
             raise DataError(f"query image not found: {image}")

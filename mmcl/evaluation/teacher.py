@@ -22,6 +22,7 @@ from ..data.transforms import ImageFinish, split_transform
 from ..errors import ConfigError, MmclError
 from ..losses import TeacherFeatures
 from ..models import is_naflex
+from ..storage.weights import load
 
 
 class TeacherView:
@@ -48,7 +49,6 @@ class Teacher:
     @classmethod
     def load(cls, path: str, device: Any = "cpu") -> "Teacher":
         """The teacher at `path`, on `device`. Anything unreadable is a `ConfigError` naming the path."""
-        from ..storage.weights import load
 
         try:
             model, eval_tf, tokenizer = load(path)

@@ -13,9 +13,13 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
+
 from ..storage.fsutil import atomic_write_text
 from ..storage.interpolate import write_alphas, write_interpolations
 from ..storage.layout import RunLayout
+from ..storage.weights import load, load_model_dir
+from .evaluate import zeroshot
 
 RESULTS_FILE = "wise_ft.json"
 
@@ -32,8 +36,6 @@ def wise_ft(init, finetuned, alphas: Sequence[float], out_dir, data: Optional[st
     for alpha, folder in written:
         entry: Dict[str, Any] = {"alpha": alpha, "model": str(folder)}
         if data is not None:
-            from ..storage.weights import load
-            from .evaluate import zeroshot
 
             model, preprocess, tokenizer = load(folder)
             res = zeroshot(model, preprocess, tokenizer, data, classnames=classnames, templates=templates,
@@ -54,7 +56,6 @@ def wise_ft_of_run(init_state, start: str, model, model_cfg: Dict[str, Any], pp_
     `start`, as ``mmcl interpolate`` names them) and its final
     `model` (not changed) written under ``out_dir/wise_ft/alpha_<a>/`` and scored by `evaluate` (the run's final
     evaluation, every set); results in ``out_dir/wise_ft/wise_ft.json``. Returns the lines to log."""
-    import torch
 
     folder = RunLayout(out_dir).wise_ft  # the alphas' models and wise_ft.json
     device = next(model.parameters()).device
@@ -64,7 +65,6 @@ def wise_ft_of_run(init_state, start: str, model, model_cfg: Dict[str, Any], pp_
     del work
     results, lines = [], []
     for alpha, alpha_dir in written:
-        from ..storage.weights import load_model_dir
 
         alpha_model, _, _ = load_model_dir(alpha_dir)
         with torch.no_grad():

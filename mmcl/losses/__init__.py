@@ -37,20 +37,20 @@ gathers the global batch (`gather_batch`) and passes it in. The objective holds 
 queues, the random generator used to synthesise negatives, and the global contrastive term's per-sample estimates
 (`GlobalEstimates`).
 
-Layout: `_inputs` (the `Gathered` batch and the shared argument checks), `tiling` (the shared autograd
+Layout: `inputs` (the `Gathered` batch and the shared argument checks), `tiling` (the shared autograd
 machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and hard-negative), `mochi`, `distill` (KL from a
 teacher's distributions), `global_contrastive` (SogCLR / FastCLIP), `geometry` (align, uniform), `distributed`
 (gather), `variable_pairs` (padding and the masks of a variable number of pairs per process), `objective` and
 `errors`.
 """
 
-from ._inputs import Gathered
 from .clip import clip_loss, infonce_rows, logsumexp_rows
 from .distill import TeacherFeatures, distill_loss
 from .distributed import gather_batch, gather_features
 from .errors import LossInputError
 from .geometry import align_loss, uniform_loss
 from .global_contrastive import GlobalEstimates, gamma_at, global_contrastive_loss
+from .inputs import Gathered
 from .mochi import FeatureQueue, mochi_loss
 from .objective import TERMS, ContrastiveObjective
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss

@@ -7,9 +7,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._inputs import Gathered, _check_chunk, _check_pair, _columns
-from ._precision import float32_math, scaled_products
-from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _coefficient_floor, _exp_, _finite_or_zero, _unit, _upcast
+from .inputs import Gathered, check_chunk, check_pair, gathered_columns
+from .precision import float32_math, scaled_products
+from .tiling import (
+    TiledLogSumExp,
+    acc_dtype,
+    as_scale,
+    coefficient_floor,
+    coefficient_unit,
+    exp_,
+    finite_or_zero,
+    upcast,
+)
 from .variable_pairs import pair_mask, zero_padded
 
 
@@ -26,26 +35,26 @@ def logsumexp_rows(
     Returns:
         row_lse (n,) (float32 for half inputs), and col_lse (M,) when ``with_cols``.
     """
-    _check_chunk(chunk_size)
-    logit_scale = _as_scale(logit_scale, queries)
-    queries, keys = _upcast(queries, keys)
+    check_chunk(chunk_size)
+    logit_scale = as_scale(logit_scale, queries)
+    queries, keys = upcast(queries, keys)
     if chunk_size is None:
-        logits = _dense_logits(queries, keys, logit_scale)
+        logits = dense_logits(queries, keys, logit_scale)
         if with_cols:
             return DenseLogSumExp.apply(logits, 1), DenseLogSumExp.apply(logits, 0)
         return DenseLogSumExp.apply(logits, 1)
     return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, with_cols)
 
 
-def _positive_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor, offset: int) -> Tensor:
-    acc = _acc_dtype(queries.dtype)
+def positive_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor, offset: int) -> Tensor:
+    acc = acc_dtype(queries.dtype)
     positives = keys[offset:offset + queries.shape[0]]
     return logit_scale.to(acc) * torch.linalg.vecdot(queries.to(acc), positives.to(acc))  # (n,)
 
 
-def _dense_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor) -> Tensor:
+def dense_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor) -> Tensor:
     """``s * queries @ keys.T`` built in float32 at least: bf16 logits at scale 100 are off by about 0.4."""
-    acc = _acc_dtype(queries.dtype)
+    acc = acc_dtype(queries.dtype)
     return scaled_products(queries.to(acc), keys.to(acc), logit_scale.to(acc))
 
 
@@ -55,9 +64,9 @@ def _dense_logits(queries: Tensor, keys: Tensor, logit_scale: Tensor) -> Tensor:
 
 
 def _logsumexp(logits: Tensor, dim: int) -> Tensor:
-    """torch.logsumexp with the exp floored as in the tiles (`_exp_`): no subnormal is formed."""
-    top = _finite_or_zero(logits.amax(dim=dim, keepdim=True))
-    return (top + torch.log(_exp_(logits - top).sum(dim=dim, keepdim=True))).squeeze(dim)
+    """torch.logsumexp with the exp floored as in the tiles (`exp_`): no subnormal is formed."""
+    top = finite_or_zero(logits.amax(dim=dim, keepdim=True))
+    return (top + torch.log(exp_(logits - top).sum(dim=dim, keepdim=True))).squeeze(dim)
 
 
 class DenseLogSumExp(torch.autograd.Function):
@@ -81,9 +90,9 @@ class DenseLogSumExp(torch.autograd.Function):
         x, lse = ctx.saved_tensors
         dim = ctx.dim
         grad = grad.to(x.dtype)
-        unit = _unit([grad], x)
-        coef, floor = _coefficient_floor(grad, unit, x.shape[dim])
-        coef, floor, lse = coef.unsqueeze(dim), floor.unsqueeze(dim), _finite_or_zero(lse).unsqueeze(dim)
+        unit = coefficient_unit([grad], x)
+        coef, floor = coefficient_floor(grad, unit, x.shape[dim])
+        coef, floor, lse = coef.unsqueeze(dim), floor.unsqueeze(dim), finite_or_zero(lse).unsqueeze(dim)
         out = torch.sub(x, lse)
         return torch.maximum(out, floor, out=out).exp_().mul_(coef).mul_(unit), None
 
@@ -92,7 +101,7 @@ class DenseInfoNCE(torch.autograd.Function):
     """Per-row (and per-column) InfoNCE losses ``lse - L[i, offset + i]`` of a materialised logit matrix L.
 
     The same numbers as ``F.cross_entropy`` on L (and L.T), with a backward that never forms a subnormal float
-    (`_coefficient_floor`): at logit scale 100 with aligned pairs (a trained model, or fine-tuning one) nearly
+    (`coefficient_floor`): at logit scale 100 with aligned pairs (a trained model, or fine-tuning one) nearly
     every softmax entry lies in float32's subnormal range, where x86 runs ~100x slower per element; the dense
     fwd+bwd of `clip_loss` at N = 2048 took 27 s there against 0.3 s at scale 14.3. It also saves only L and
     the log-sum-exps, not a log-softmax per direction.
@@ -124,10 +133,10 @@ class DenseInfoNCE(torch.autograd.Function):
         if ctx.with_cols and grad_col is not None:
             parts.append((grad_col, col_lse[None, :], 0, n))
         parts = [(g.to(logits.dtype), *rest) for g, *rest in parts if g is not None]
-        unit = _unit([g for g, *_ in parts], logits)
+        unit = coefficient_unit([g for g, *_ in parts], logits)
         grad, diag = None, torch.zeros(n, dtype=logits.dtype, device=logits.device)
         for g, lse, dim, width in parts:
-            coef, floor = _coefficient_floor(g, unit, width)
+            coef, floor = coefficient_floor(g, unit, width)
             coef, floor = (coef[:, None], floor[:, None]) if dim == 1 else (coef[None, :], floor[None, :])
             x = torch.sub(logits, lse)
             x = torch.maximum(x, floor, out=x).exp_().mul_(coef)
@@ -153,11 +162,11 @@ def infonce_rows(
     Returns:
         (n,) per-row losses (float32 for half inputs).
     """
-    _check_chunk(chunk_size)
-    logit_scale = _as_scale(logit_scale, queries)
-    queries, keys = _upcast(queries, keys)
+    check_chunk(chunk_size)
+    logit_scale = as_scale(logit_scale, queries)
+    queries, keys = upcast(queries, keys)
     if chunk_size is None:
-        return DenseInfoNCE.apply(_dense_logits(queries, keys, logit_scale), offset, False)
+        return DenseInfoNCE.apply(dense_logits(queries, keys, logit_scale), offset, False)
     return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, False, offset)
 
 
@@ -186,15 +195,15 @@ def clip_loss(
         0-dim tensor, the mean over the local rows of both directions (with ``valid``: the sum over the real local
         rows times W / N, N the global number of real pairs).
     """
-    _check_pair(image_features, text_features)
-    _check_chunk(chunk_size)
-    logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features = _upcast(image_features, text_features)
+    check_pair(image_features, text_features)
+    check_chunk(chunk_size)
+    logit_scale = as_scale(logit_scale, image_features)
+    image_features, text_features = upcast(image_features, text_features)
     if valid is not None:
         return _masked_clip(image_features, text_features, logit_scale, chunk_size, gathered, valid)
-    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
+    all_img, all_txt, offset, single = gathered_columns(image_features, text_features, gathered)
     if single and chunk_size is None:
-        image_to_text, text_to_image = DenseInfoNCE.apply(_dense_logits(image_features, text_features, logit_scale),
+        image_to_text, text_to_image = DenseInfoNCE.apply(dense_logits(image_features, text_features, logit_scale),
                                                           0, True)
         return (image_to_text.mean() + text_to_image.mean()) / 2
     if single:
@@ -212,7 +221,7 @@ def _masked_clip(image: Tensor, text: Tensor, logit_scale: Tensor, chunk_size: O
                  gathered: Optional[Gathered], valid: Tensor) -> Tensor:
     """`clip_loss` over the real pairs of padded batches: padded columns enter no log-sum-exp (their logits are
     -inf), padded rows add nothing, and the sum over the real local rows is weighted by W / N (`PairMask`)."""
-    all_img, all_txt, offset, _ = _columns(image, text, gathered)
+    all_img, all_txt, offset, _ = gathered_columns(image, text, gathered)
     mask = pair_mask(valid, image.shape[0], image.device, gathered, all_img.shape[0])
     image, text = zero_padded(image, mask.rows), zero_padded(text, mask.rows)
     all_img, all_txt = zero_padded(all_img, mask.cols), zero_padded(all_txt, mask.cols)
@@ -228,6 +237,6 @@ def _biased_infonce_rows(queries: Tensor, keys: Tensor, logit_scale: Tensor, off
                          chunk_size: Optional[int], bias: Tensor) -> Tensor:
     """`infonce_rows` of the logits plus a (M,) column bias (0 or -inf), dense or tiled."""
     if chunk_size is None:
-        return DenseInfoNCE.apply(_dense_logits(queries, keys, logit_scale) + bias, offset, False)
+        return DenseInfoNCE.apply(dense_logits(queries, keys, logit_scale) + bias, offset, False)
     return TiledLogSumExp.apply(queries, keys, logit_scale, chunk_size, False, offset, None, None, False, 0, None,
                                 bias)

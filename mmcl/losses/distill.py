@@ -8,11 +8,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ._inputs import Gathered, _check_chunk, _check_pair, _columns
-from ._precision import float32_math
-from .clip import DenseLogSumExp, _dense_logits
+from .clip import DenseLogSumExp, dense_logits
 from .errors import LossInputError
-from .tiling import TiledLogSumExp, _as_scale, _exp_, _upcast, tile_elements
+from .inputs import Gathered, check_chunk, check_pair, gathered_columns
+from .precision import float32_math
+from .tiling import TiledLogSumExp, as_scale, exp_, tile_elements, upcast
 
 
 class TeacherFeatures(NamedTuple):
@@ -26,8 +26,8 @@ class TeacherFeatures(NamedTuple):
 
 def _teacher_probs_(logits: Tensor, lse: Tensor) -> Tensor:
     """softmax rows of a teacher tile, in place: exp(logits - lse), with the terms a float32 sum cannot see
-    (below e^-63 of the row's total) set to ~0 without forming subnormals (`tiling._exp_`)."""
-    return _exp_(logits.sub_(lse[:, None]))
+    (below e^-63 of the row's total) set to ~0 without forming subnormals (`tiling.exp_`)."""
+    return exp_(logits.sub_(lse[:, None]))
 
 
 class _TeacherWeightedProducts(torch.autograd.Function):
@@ -80,9 +80,9 @@ def _teacher_pass(queries, keys, t_queries, t_keys, t_scale, chunk_size):
 def _kl_rows_sum(queries, keys, logit_scale, t_queries, t_keys, t_scale, chunk_size):
     """Sum over the n rows of KL(p_teacher || p_student) for the queries against the keys (one direction)."""
     if chunk_size is None:
-        student = _dense_logits(queries, keys, logit_scale)  # (n, M) float32 at least
+        student = dense_logits(queries, keys, logit_scale)  # (n, M) float32 at least
         with torch.no_grad():
-            teacher = _dense_logits(t_queries, t_keys, t_scale)
+            teacher = dense_logits(t_queries, t_keys, t_scale)
             lse_t = torch.logsumexp(teacher, dim=1)
             p = _teacher_probs_(teacher.clone(), lse_t)
             expected_t = (p * teacher).sum(dim=1)
@@ -130,23 +130,23 @@ def distill_loss(
     Returns:
         0-dim tensor (float32 for half-precision inputs).
     """
-    _check_pair(image_features, text_features)
-    _check_pair(teacher_image, teacher_text)
-    _check_chunk(chunk_size)
+    check_pair(image_features, text_features)
+    check_pair(teacher_image, teacher_text)
+    check_chunk(chunk_size)
     if teacher_image.shape[0] != image_features.shape[0]:
         raise LossInputError(f"the teacher's features hold {teacher_image.shape[0]} rows, the student's "
                              f"{image_features.shape[0]} (expected one teacher row per pair)")
     if gathered is not None and (gathered.all_teacher_image is None or gathered.all_teacher_text is None):
         raise LossInputError("the distill term needs the teacher's features gathered over ranks with the student's "
                              "(gather_batch(..., teacher=...))")
-    logit_scale = _as_scale(logit_scale, image_features)
-    t_scale = _as_scale(teacher_scale, teacher_image).detach()
-    image_features, text_features = _upcast(image_features, text_features)
+    logit_scale = as_scale(logit_scale, image_features)
+    t_scale = as_scale(teacher_scale, teacher_image).detach()
+    image_features, text_features = upcast(image_features, text_features)
     all_teacher = (None, None) if gathered is None else (gathered.all_teacher_image, gathered.all_teacher_text)
     t_img, t_txt, all_t_img, all_t_txt = (None if x is None else x.detach().to(image_features.dtype)
                                           for x in (teacher_image, teacher_text, *all_teacher))
     t_scale = t_scale.to(image_features.dtype)
-    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
+    all_img, all_txt, offset, single = gathered_columns(image_features, text_features, gathered)
     if single:
         all_t_img, all_t_txt = t_img, t_txt
     elif all_t_img.shape[0] != all_img.shape[0] or all_t_txt.shape != all_t_img.shape:

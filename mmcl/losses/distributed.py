@@ -8,8 +8,14 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.nn.functional import all_gather
 
-from ._inputs import Gathered, _check_labels, _check_on_device, _check_pair
+try:
+    from torch.distributed._functional_collectives import all_gather_single, wait_tensor
+except ImportError:  # an older torch: the autograd all_gather below
+    all_gather_single = wait_tensor = None
+
+from .inputs import Gathered, check_labels, check_on_device, check_pair
 from .variable_pairs import check_valid
 
 
@@ -23,10 +29,7 @@ def _all_gather_with_grad(x: Tensor) -> Tensor:
     torch's functional collective `all_gather_single` where this torch has it, else the older
     `torch.distributed.nn.functional.all_gather`, which torch 2.14 deprecates.
     """
-    try:
-        from torch.distributed._functional_collectives import all_gather_single, wait_tensor
-    except ImportError:
-        from torch.distributed.nn.functional import all_gather
+    if all_gather_single is None:
 
         return torch.cat(all_gather(x.contiguous()), dim=0)
     return wait_tensor(all_gather_single(x.contiguous(), 0, dist.group.WORLD))
@@ -40,7 +43,7 @@ def _check_equal_sizes(n: int, world: int, device: torch.device) -> None:
     parts = [torch.empty(1, dtype=torch.long, device=device) for _ in range(world)]
     dist.all_gather(parts, torch.full((1,), n, dtype=torch.long, device=device))
     sizes = torch.cat(parts)
-    _check_on_device((sizes == n).all(), f"every rank must hold the same number of pairs (this rank holds {n}; "
+    check_on_device((sizes == n).all(), f"every rank must hold the same number of pairs (this rank holds {n}; "
                                          "drop the last partial batch)")
 
 
@@ -88,10 +91,10 @@ def gather_batch(image_features: Tensor, text_features: Tensor, labels: Optional
     capacity n) is gathered into ``all_valid`` ((W * n,) bool, no gradient). Call it on every rank alike."""
     if not _distributed():
         return None
-    _check_pair(image_features, text_features)  # before any collective, so that no rank waits on a bad one
+    check_pair(image_features, text_features)  # before any collective, so that no rank waits on a bad one
     n, device = image_features.shape[0], image_features.device
     if labels is not None:
-        labels = _check_labels(labels.to(device), n, device)
+        labels = check_labels(labels.to(device), n, device)
     if valid is not None:
         valid = check_valid(valid, n, device)
     all_image, all_text, all_labels, offset = gather_features(image_features, text_features, labels)

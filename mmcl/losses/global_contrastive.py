@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ._inputs import Gathered, _check_chunk, _check_pair, _columns
-from ._precision import float32_math
 from .errors import LossInputError
-from .reweighted import _negative_lse
-from .tiling import _as_scale, _upcast
+from .inputs import Gathered, check_chunk, check_pair, gathered_columns
+from .precision import float32_math
+from .reweighted import negative_lse
+from .tiling import as_scale, upcast
 
 GAMMA_SCHEDULES = ("constant", "cosine")
 
@@ -113,8 +113,8 @@ def global_contrastive_loss(
         ``log(eps + u_i)`` carrying the estimator's gradient, and the (n,) updated log estimates (float32 at
         least, no gradient).
     """
-    _check_pair(image_features, text_features)
-    _check_chunk(chunk_size)
+    check_pair(image_features, text_features)
+    check_chunk(chunk_size)
     if not 0.0 < gamma <= 1.0:
         raise LossInputError(f"gamma must be in (0, 1] (got {gamma})")
     if eps is not None and not eps >= 0.0:
@@ -123,13 +123,13 @@ def global_contrastive_loss(
     for name, log_u in (("log_u_image", log_u_image), ("log_u_text", log_u_text)):
         if log_u.shape != (n,):
             raise LossInputError(f"{name} must have shape ({n},) (got {tuple(log_u.shape)})")
-    logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features = _upcast(image_features, text_features)
-    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
+    logit_scale = as_scale(logit_scale, image_features)
+    image_features, text_features = upcast(image_features, text_features)
+    all_img, all_txt, offset, single = gathered_columns(image_features, text_features, gathered)
     m = all_img.shape[0]
     if m < 2:
         raise LossInputError(f"the global contrastive loss needs at least 2 pairs in the global batch (got {m})")
-    (p_i2t, p_t2i), [(lse_i2t, lse_t2i)] = _negative_lse(
+    (p_i2t, p_t2i), [(lse_i2t, lse_t2i)] = negative_lse(
         image_features, text_features, all_img, all_txt, logit_scale, (1.0,), offset, chunk_size, single
     )
     if eps is None:

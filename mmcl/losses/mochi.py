@@ -8,11 +8,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ._inputs import Gathered, _check_chunk, _check_pair, _columns
-from ._precision import float32_math
-from .clip import DenseInfoNCE, _dense_logits, _positive_logits
+from .clip import DenseInfoNCE, dense_logits, positive_logits
 from .errors import LossInputError
-from .tiling import TiledLogSumExp, _acc_dtype, _as_scale, _upcast
+from .inputs import Gathered, check_chunk, check_pair, gathered_columns
+from .precision import float32_math
+from .tiling import TiledLogSumExp, acc_dtype, as_scale, upcast
 
 
 def _to_device(draws: Tensor, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -32,7 +32,7 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
     combined with the synthetic negatives' log-sum-exp; the same value and gradients as the dense form.
     """
     n, m = queries.shape[0], keys.shape[0]
-    acc = _acc_dtype(queries.dtype)  # hard-negative ranking, synthetic features and logits in float32 at least
+    acc = acc_dtype(queries.dtype)  # hard-negative ranking, synthetic features and logits in float32 at least
     n_queue = 0 if queue is None else queue.shape[0]
     k = min(n_hard, m - 1 + n_queue)
     rows = torch.arange(n, device=queries.device)
@@ -61,7 +61,7 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
             synthetic_logits = SyntheticLogits.apply(queries.to(acc), logit_scale, real.detach(), hard,
                                                      hard_logits / logit_scale.detach(), draws, block)
             lse = torch.logaddexp(lse, torch.logsumexp(synthetic_logits.to(lse.dtype), dim=1))
-        return lse - _positive_logits(queries, keys, logit_scale, offset)
+        return lse - positive_logits(queries, keys, logit_scale, offset)
 
     synthetic_logits = None
     if synthetic:
@@ -75,9 +75,9 @@ def _mochi_rows(queries, keys, queue, logit_scale, offset, n_hard, s, s_prime, m
         synthetic_logits = SyntheticLogits.apply(queries.to(acc), logit_scale, candidates, top.indices, top.values,
                                                  draws, block)
 
-    parts = [_dense_logits(queries, keys, logit_scale)]  # (n, M)
+    parts = [dense_logits(queries, keys, logit_scale)]  # (n, M)
     if queue is not None:
-        parts.append(_dense_logits(queries, queue, logit_scale))  # (n, Q)
+        parts.append(dense_logits(queries, queue, logit_scale))  # (n, Q)
     if synthetic_logits is not None:
         parts.append(synthetic_logits)
     # cross-entropy at the positive column, with a backward that forms no subnormal at scale 100
@@ -191,17 +191,17 @@ def mochi_loss(
     Returns:
         0-dim tensor.
     """
-    _check_pair(image_features, text_features)
-    _check_chunk(chunk_size)
+    check_pair(image_features, text_features)
+    check_chunk(chunk_size)
     if n_hard < 1 or s < 0 or s_prime < 0:
         raise LossInputError(
             f"MoCHi needs n_hard >= 1 and s, s_prime >= 0 (got n_hard={n_hard}, s={s}, s_prime={s_prime})"
         )
     if not 0 < mix_max <= 1:
         raise LossInputError(f"MoCHi mix_max must be in (0, 1] (got {mix_max}; the paper uses 0.5)")
-    logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features = _upcast(image_features, text_features)
-    all_img, all_txt, offset, _ = _columns(image_features, text_features, gathered)
+    logit_scale = as_scale(logit_scale, image_features)
+    image_features, text_features = upcast(image_features, text_features)
+    all_img, all_txt, offset, _ = gathered_columns(image_features, text_features, gathered)
     i2t = _mochi_rows(image_features, all_txt, text_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,
                       chunk_size)
     t2i = _mochi_rows(text_features, all_img, image_queue, logit_scale, offset, n_hard, s, s_prime, mix_max, generator,

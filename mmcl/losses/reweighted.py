@@ -8,14 +8,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._inputs import Gathered, _check_chunk, _check_pair, _columns
-from ._precision import float32_math
-from .clip import DenseLogSumExp, _dense_logits, _positive_logits
+from .clip import DenseLogSumExp, dense_logits, positive_logits
 from .errors import LossInputError
-from .tiling import TiledLogSumExp, _as_scale, _upcast
+from .inputs import Gathered, check_chunk, check_pair, gathered_columns
+from .precision import float32_math
+from .tiling import TiledLogSumExp, as_scale, upcast
 
 
-def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
+def negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset, chunk_size,
                   single):
     """The positive logits and, per gamma, the log sums over the negatives j != offset+i of exp(gamma * s * q_i.k_j).
 
@@ -27,13 +27,13 @@ def _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, 
     """
     if chunk_size is None:
         def masked(q, k):
-            logits = _dense_logits(q, k, logit_scale)
+            logits = dense_logits(q, k, logit_scale)
             rows = torch.arange(q.shape[0], device=q.device)
             minus_inf = torch.full((), -math.inf, dtype=logits.dtype, device=logits.device)
             return logits.index_put((rows, rows + offset), minus_inf)
 
-        positives = (_positive_logits(image_features, all_txt, logit_scale, offset),
-                     _positive_logits(text_features, all_img, logit_scale, offset))
+        positives = (positive_logits(image_features, all_txt, logit_scale, offset),
+                     positive_logits(text_features, all_img, logit_scale, offset))
         if single:
             logits = masked(image_features, text_features)
             return positives, [(DenseLogSumExp.apply(g * logits, 1), DenseLogSumExp.apply(g * logits, 0))
@@ -102,12 +102,12 @@ def hard_negative_clip_loss(
     Returns:
         0-dim tensor.
     """
-    _check_pair(image_features, text_features)
-    _check_chunk(chunk_size)
+    check_pair(image_features, text_features)
+    check_chunk(chunk_size)
     _check_tau_beta(tau_plus, beta)
-    logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features = _upcast(image_features, text_features)
-    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
+    logit_scale = as_scale(logit_scale, image_features)
+    image_features, text_features = upcast(image_features, text_features)
+    all_img, all_txt, offset, single = gathered_columns(image_features, text_features, gathered)
     if all_img.shape[0] < 2:
         raise LossInputError(
             f"debiased / hard-negative losses need at least 2 pairs in the batch (got {all_img.shape[0]})")
@@ -115,7 +115,7 @@ def hard_negative_clip_loss(
     # Importance weights exp(beta * L) normalised by their mean: the reweighted negative sum is
     # N * sum exp((1+beta) L) / sum exp(beta L), whose log is a difference of two log-sum-exps.
     gammas = (1.0 + beta, beta) if beta != 0 else (1.0,)
-    positives, lse = _negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset,
+    positives, lse = negative_lse(image_features, text_features, all_img, all_txt, logit_scale, gammas, offset,
                                    chunk_size, single)
     log_neg = lse[0] if beta == 0 else tuple(a - b + math.log(n_neg) for a, b in zip(lse[0], lse[1]))
     i2t = _reweighted_rows(positives[0], log_neg[0], logit_scale, n_neg, tau_plus)

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._inputs import Gathered, _check_chunk, _check_offset, _check_pair
-from ._precision import float32_math
-from .clip import _dense_logits
+from .clip import dense_logits
 from .errors import LossInputError
-from .tiling import _acc_dtype, _as_scale, _tile_positives, _tile_width, _upcast
+from .inputs import Gathered, check_chunk, check_offset, check_pair
+from .precision import float32_math
+from .tiling import acc_dtype, as_scale, tile_positives, tile_width, upcast
 from .variable_pairs import PairMask, pair_mask, zero_padded
 
 
@@ -46,20 +46,20 @@ def siglip_loss(
     Returns:
         0-dim tensor.
     """
-    _check_pair(image_features, text_features)
-    _check_chunk(chunk_size)
-    logit_scale = _as_scale(logit_scale, image_features)
-    logit_bias = _as_scale(logit_bias, image_features)
-    image_features, text_features = _upcast(image_features, text_features)
+    check_pair(image_features, text_features)
+    check_chunk(chunk_size)
+    logit_scale = as_scale(logit_scale, image_features)
+    logit_bias = as_scale(logit_bias, image_features)
+    image_features, text_features = upcast(image_features, text_features)
     keys, offset = text_features, 0
     if gathered is not None:
         if gathered.all_text_features is None:
             raise LossInputError("the siglip loss needs the gathered texts (got gathered.all_text_features=None)")
-        (keys,), offset = _upcast(gathered.all_text_features), gathered.offset
+        (keys,), offset = upcast(gathered.all_text_features), gathered.offset
         if keys.dim() != 2 or keys.shape[1] != image_features.shape[1]:
             raise LossInputError(f"gathered texts must be (M, {image_features.shape[1]}) (got {tuple(keys.shape)})")
     n, m = image_features.shape[0], keys.shape[0]
-    _check_offset(offset, n, m)
+    check_offset(offset, n, m)
     if valid is not None:
         mask = pair_mask(valid, n, image_features.device, gathered, m)
         image_features, keys = zero_padded(image_features, mask.rows), zero_padded(keys, mask.cols)
@@ -75,7 +75,7 @@ def siglip_loss(
 def _signed_logit_tile(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, shift: int) -> Tensor:
     """x_ij = z_ij (s q_i.k_j + b) for one tile, z = +1 where j = i + shift, else -1 (a new (c, w) tensor)."""
     x = torch.mm(q, k.T).mul_(scale).add_(bias).neg_()
-    _tile_positives(x, shift)[0].neg_()
+    tile_positives(x, shift)[0].neg_()
     return x
 
 
@@ -96,11 +96,11 @@ class TiledSigmoidPairs(torch.autograd.Function):
     @float32_math
     def forward(ctx, queries, keys, logit_scale, logit_bias, chunk_size: int, offset: int, row_valid=None,
                 col_valid=None):
-        acc = _acc_dtype(queries.dtype)
+        acc = acc_dtype(queries.dtype)
         q, k = queries.to(acc), keys.to(acc)
         scale, bias = logit_scale.to(acc), logit_bias.to(acc)
         n, m = q.shape[0], k.shape[0]
-        width = _tile_width(chunk_size, m, q.device)
+        width = tile_width(chunk_size, m, q.device)
         total = torch.zeros((), dtype=acc, device=q.device)
         for i0 in range(0, n, chunk_size):
             qi = q[i0:i0 + chunk_size]
@@ -119,12 +119,12 @@ class TiledSigmoidPairs(torch.autograd.Function):
     @float32_math
     def backward(ctx, grad_out):
         queries, keys, logit_scale, logit_bias, row_valid, col_valid = ctx.saved_tensors
-        acc = _acc_dtype(queries.dtype)
+        acc = acc_dtype(queries.dtype)
         q, k = queries.to(acc), keys.to(acc)
         scale, bias = logit_scale.to(acc), logit_bias.to(acc)
         g = grad_out.to(acc)
         n, m = q.shape[0], k.shape[0]
-        width = _tile_width(ctx.chunk_size, m, q.device)
+        width = tile_width(ctx.chunk_size, m, q.device)
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
         ds = torch.zeros((), dtype=acc, device=q.device)
         db = torch.zeros((), dtype=acc, device=q.device)
@@ -136,7 +136,7 @@ class TiledSigmoidPairs(torch.autograd.Function):
                 x = _signed_logit_tile(qi, kj, scale, bias, shift)
                 # G = g z sigmoid(-x): sigmoid(-x) with the sign of z (-1 off the positives).
                 grad = x.neg_().sigmoid_().neg_()
-                _tile_positives(grad, shift)[0].neg_()
+                tile_positives(grad, shift)[0].neg_()
                 _pair_mask_(grad, row_valid, col_valid, i0, j0).mul_(g)
                 gk = grad @ kj
                 dq[i0:i0 + ctx.chunk_size] += gk * scale
@@ -160,7 +160,7 @@ def _siglip_dense(queries: Tensor, keys: Tensor, logit_scale: Tensor, logit_bias
                   mask: Optional[PairMask] = None) -> Tensor:
     """sum_ij log sigmoid(z_ij (s q_i.k_j + b)) from the whole (n, M) logits; row i's positive is column i + offset.
     With `mask`, over the real rows and columns only."""
-    logits = _dense_logits(queries, keys, logit_scale) + logit_bias.to(_acc_dtype(queries.dtype))
+    logits = dense_logits(queries, keys, logit_scale) + logit_bias.to(acc_dtype(queries.dtype))
     positive = logits.diagonal(offset)
     # Positives are taken out of the all-negative sum by -log sigmoid(-(-inf)) = 0 instead of being
     # subtracted, which would cancel catastrophically for large logits. (F.softplus is avoided: it turns

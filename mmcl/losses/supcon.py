@@ -7,10 +7,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._inputs import Gathered, _check_chunk, _check_labels, _check_on_device, _check_pair, _columns
-from ._precision import float32_math
-from .clip import DenseLogSumExp, _dense_logits
-from .tiling import TiledLogSumExp, _as_scale, _upcast
+from .clip import DenseLogSumExp, dense_logits
+from .inputs import Gathered, check_chunk, check_labels, check_on_device, check_pair, gathered_columns
+from .precision import float32_math
+from .tiling import TiledLogSumExp, as_scale, upcast
 
 # Entries of a per-class table: its (M + 1) buckets (one per possible class) are built a block of feature columns
 # at a time, so the table stays at most 1/8 of a feature matrix (or 4 MiB) where a whole (M + 1, D) one would weigh
@@ -27,7 +27,7 @@ def _feature_blocks(buckets: int, width: int):
 
 def _supcon_rows_dense(queries, keys, logit_scale, q_labels, k_labels, offset):
     n = queries.shape[0]
-    logits = _dense_logits(queries, keys, logit_scale)  # (n, M)
+    logits = dense_logits(queries, keys, logit_scale)  # (n, M)
     rows = torch.arange(n, device=queries.device)
     positive = (q_labels[:, None] == k_labels[None, :]) & (q_labels[:, None] >= 0)
     positive[rows, rows + offset] = True  # the pair itself, also for unlabelled (-1) pairs
@@ -70,7 +70,7 @@ def _positive_means(keys, q_labels, k_labels, offset):
 class _PositiveMeanLogits(torch.autograd.Function):
     """``s * q_i . mean_{p in P(i)} k_p`` (n,), with the means rebuilt in backward instead of kept.
 
-    The same numbers as `_positive_logits(queries, _positive_means(keys, ...), s, 0)` through autograd, without
+    The same numbers as `positive_logits(queries, _positive_means(keys, ...), s, 0)` through autograd, without
     the (n, D) means, their masked copy and their gradients held at the peak: each is as large as a feature
     gradient, and at N = 16384 those buffers were what put the tiled SupCon above 5 % of ClipLoss's memory.
     Args (apply): queries (n, D), keys (M, D), logit_scale 0-dim, q_labels (n,), k_labels (M,), offset int.
@@ -140,18 +140,18 @@ def supcon_loss(
     Returns:
         0-dim tensor.
     """
-    _check_pair(image_features, text_features)
-    _check_chunk(chunk_size)
-    logit_scale = _as_scale(logit_scale, image_features)
-    image_features, text_features = _upcast(image_features, text_features)
+    check_pair(image_features, text_features)
+    check_chunk(chunk_size)
+    logit_scale = as_scale(logit_scale, image_features)
+    image_features, text_features = upcast(image_features, text_features)
     n = image_features.shape[0]
-    labels = _check_labels(labels, n, image_features.device)
-    all_img, all_txt, offset, single = _columns(image_features, text_features, gathered)
+    labels = check_labels(labels, n, image_features.device)
+    all_img, all_txt, offset, single = gathered_columns(image_features, text_features, gathered)
     if single:
         all_labels = labels
     else:
-        all_labels = _check_labels(gathered.all_labels, all_img.shape[0], image_features.device)
-        _check_on_device((all_labels[offset:offset + n] == labels).all(),
+        all_labels = check_labels(gathered.all_labels, all_img.shape[0], image_features.device)
+        check_on_device((all_labels[offset:offset + n] == labels).all(),
                          f"all_labels[{offset}:{offset + n}] must equal this rank's labels")
     if chunk_size is None:
         i2t = _supcon_rows_dense(image_features, all_txt, logit_scale, labels, all_labels, offset)

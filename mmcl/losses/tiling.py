@@ -9,8 +9,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._precision import float32_math
 from .errors import LossInputError
+from .precision import float32_math
 
 # Tiles of the logit matrix span chunk_size rows and enough columns to hold about `tile_elements(device)` logits.
 # On a CPU, about 2^22 (16 MiB in float32): few, large elementwise kernels (each a thread barrier) whose tiles stay
@@ -43,7 +43,7 @@ def tile_elements(device: torch.device) -> int:
     return _TILE_ELEMENTS
 
 
-def _tile_width(chunk_size: int, n_cols: int, device: torch.device, live_tiles: int = 1) -> int:
+def tile_width(chunk_size: int, n_cols: int, device: torch.device, live_tiles: int = 1) -> int:
     """Columns per tile: about `tile_elements(device)` logits in all, shared by the `live_tiles` tiles a pass holds
     at once beyond the two every pass holds (the logits and one exp)."""
     return min(n_cols, max(chunk_size, tile_elements(device) // (chunk_size * live_tiles)))
@@ -54,17 +54,17 @@ def _tile_width(chunk_size: int, n_cols: int, device: torch.device, live_tiles: 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half-precision features still build their logits and accumulate their sums in float32.
     return torch.promote_types(dtype, torch.float32)
 
 
-def _finite_or_zero(x: Tensor) -> Tensor:
+def finite_or_zero(x: Tensor) -> Tensor:
     # A maximum over an empty set (every entry masked so far) is -inf; shifting by it would give inf - inf.
     return torch.where(x == -math.inf, torch.zeros((), dtype=x.dtype, device=x.device), x)
 
 
-def _exp_(x: Tensor) -> Tensor:
+def exp_(x: Tensor) -> Tensor:
     """exp of a tile in place, with arguments below log(smallest normal float) + 24 raised to that first.
 
     Such terms (e^-63 in float32) are far below one ulp of any sum they join (every sum here holds a term equal
@@ -83,14 +83,14 @@ def _logit_tile(qs: Tensor, k: Tensor, mask_shift: Optional[int], keep: Optional
     if bias is not None:
         logits.add_(bias)
     if mask_shift is not None:
-        diag, lo, hi = _tile_positives(logits, mask_shift)
+        diag, lo, hi = tile_positives(logits, mask_shift)
         if keep is not None:
             keep[lo:hi] = diag
         diag.fill_(-math.inf)
     return logits
 
 
-def _unit(coefficients, like: Tensor) -> Tensor:
+def coefficient_unit(coefficients, like: Tensor) -> Tensor:
     """The largest |coefficient| of a backward (1 when all are 0): gradient tiles are formed relative to it."""
     unit, seen = torch.ones((), dtype=like.dtype, device=like.device), None
     for c in coefficients:
@@ -101,7 +101,7 @@ def _unit(coefficients, like: Tensor) -> Tensor:
     return torch.where(unit > 0, unit, torch.ones_like(unit))
 
 
-def _coefficient_floor(coef: Tensor, unit: Tensor, width: int) -> Tuple[Tensor, Tensor]:
+def coefficient_floor(coef: Tensor, unit: Tensor, width: int) -> Tuple[Tensor, Tensor]:
     """(coef / unit, floor of the exp argument) for softmax-times-coefficient products with no subnormal.
 
     Subnormal floats cost ~100x per element on x86, in the elementwise ops and in the matmuls they feed. Where
@@ -124,10 +124,10 @@ def _coefficient_floor(coef: Tensor, unit: Tensor, width: int) -> Tuple[Tensor, 
 
 
 def _scaled_exp(x: Tensor, g: float, last: bool) -> Tensor:
-    """exp(g * x) (`_exp_`), in x's own storage when `last` (the caller reads x no more), else in a new tensor."""
+    """exp(g * x) (`exp_`), in x's own storage when `last` (the caller reads x no more), else in a new tensor."""
     if g != 1.0:
-        return _exp_(x.mul_(g) if last else torch.mul(x, g))
-    return _exp_(x if last else x.clone())
+        return exp_(x.mul_(g) if last else torch.mul(x, g))
+    return exp_(x if last else x.clone())
 
 
 def _online_sums(sums: Tensor, run_max: Tensor, tile: Tensor, gammas: Tuple[float, ...], dim: int,
@@ -137,7 +137,7 @@ def _online_sums(sums: Tensor, run_max: Tensor, tile: Tensor, gammas: Tuple[floa
     are added, in place. Returns the new maximum. With `reuse_tile` the tile's storage holds the shifted logits
     and the last gamma's exp afterwards (the caller reads it no more)."""
     new_max = torch.maximum(run_max, tile.amax(dim=dim))
-    shift = _finite_or_zero(new_max)
+    shift = finite_or_zero(new_max)
     d = tile.sub_(shift.unsqueeze(dim)) if reuse_tile else torch.sub(tile, shift.unsqueeze(dim))
     for gi, g in enumerate(gammas):
         e = _scaled_exp(d, g, gi == len(gammas) - 1)
@@ -151,7 +151,7 @@ def _merge_topk(best: Optional[Tuple[Tensor, Tensor]], tile: Tensor, j0: int, to
     first tile) and this tile's, whose first column is `j0`; the tile's entries j = i + `skip` are left out
     (set to -inf in the tile) when `skip` is not None."""
     if skip is not None:
-        _tile_positives(tile, skip)[0].fill_(-math.inf)
+        tile_positives(tile, skip)[0].fill_(-math.inf)
     tile_top = tile.topk(min(topk, tile.shape[1]), dim=1)
     if best is None:
         return tile_top.values, tile_top.indices
@@ -208,7 +208,7 @@ class TiledLogSumExp(torch.autograd.Function):
     @float32_math
     def forward(ctx, queries, keys, logit_scale, chunk_size: int, with_cols: bool, positive_offset=None,
                 mask_offset=None, gammas=None, return_masked=False, topk=0, topk_skip=None, col_bias=None):
-        acc = _acc_dtype(queries.dtype)
+        acc = acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
         bias = None if col_bias is None else col_bias.to(acc)
@@ -229,7 +229,7 @@ class TiledLogSumExp(torch.autograd.Function):
         m_cols = m if with_cols else 0
         col_max = minus_inf.expand(m_cols).clone()  # of L; the maximum of gamma * L is gamma times it
         col_sum = torch.zeros(n_g, m_cols, dtype=acc, device=q32.device)
-        width = _tile_width(chunk_size, m, q32.device, n_g)
+        width = tile_width(chunk_size, m, q32.device, n_g)
         masked = torch.zeros(n if return_masked else 0, dtype=acc, device=q32.device)
         # The positive logits L[i, offset + i], read from the tiles themselves: lse_i - L_ii is then formed from
         # the same rounded number on both sides, exactly 0 + log(sum) when the positive is the row's maximum.
@@ -245,7 +245,7 @@ class TiledLogSumExp(torch.autograd.Function):
                                      masked[i0:i0 + chunk_size] if return_masked else None,
                                      None if bias is None else bias[j0:j1])
                 if positive_offset is not None:
-                    diag, lo, hi = _tile_positives(logits, positive_offset + i0 - j0)
+                    diag, lo, hi = tile_positives(logits, positive_offset + i0 - j0)
                     positive[i0 + lo:i0 + hi] = diag
                 r_max = _online_sums(r_sum, r_max, logits, gammas, dim=1, reuse_tile=False)
                 if topk:  # logits is not read again
@@ -286,7 +286,7 @@ class TiledLogSumExp(torch.autograd.Function):
         grad_masked = grad_outputs[2 if ctx.with_cols else 1] if ctx.return_masked else None
         queries, keys, logit_scale, row_lse, col_lse, bias = ctx.saved_tensors
         c, mask_offset, gammas = ctx.chunk_size, ctx.mask_offset, ctx.gammas
-        acc = _acc_dtype(queries.dtype)
+        acc = acc_dtype(queries.dtype)
         q32, k32, scale = queries.to(acc), keys.to(acc), logit_scale.to(acc)
         n, m = q32.shape[0], k32.shape[0]
         grad_q = torch.zeros_like(q32)  # sum_j G_ij k_j
@@ -298,20 +298,20 @@ class TiledLogSumExp(torch.autograd.Function):
         grads = [(is_row, grad.to(acc).reshape(len(gammas), -1), lse)
                  for is_row, grad, lse in ((True, grad_row, row_lse), (False, grad_col if ctx.with_cols else None,
                                                                          col_lse)) if grad is not None]
-        # Gradient tiles without subnormal products: see `_coefficient_floor`.
+        # Gradient tiles without subnormal products: see `coefficient_floor`.
         coefs = [grad[gi] * g for _, grad, _ in grads for gi, g in enumerate(gammas)]
         if grad_masked is not None:
             coefs.append(grad_masked.to(acc))
-        unit = _unit(coefs, q32)
+        unit = coefficient_unit(coefs, q32)
         terms = []  # (gamma, is_row, lse, coefficient / unit, floor of the exp argument)
         diag = torch.zeros(n if ctx.positive_offset is not None else 0, dtype=acc, device=q32.device)
         for is_row, grad, lse in grads:
             for gi, g in enumerate(gammas):
-                coef, floor = _coefficient_floor(grad[gi] * g, unit, m if is_row else n)
-                terms.append((g, is_row, _finite_or_zero(lse[gi]), coef, floor))
+                coef, floor = coefficient_floor(grad[gi] * g, unit, m if is_row else n)
+                terms.append((g, is_row, finite_or_zero(lse[gi]), coef, floor))
                 if ctx.positive_offset is not None and gi == 0:
                     diag += coef  # d(-L[i, off+i]) / dL = -1 at the positive, from rows and from columns
-        width = _tile_width(c, m, q32.device, len(gammas))
+        width = tile_width(c, m, q32.device, len(gammas))
         if grad_masked is not None:
             grad_masked = grad_masked.to(acc) / unit
         if terms or grad_masked is not None:
@@ -336,10 +336,10 @@ class TiledLogSumExp(torch.autograd.Function):
                     if ctx.positive_offset is not None:
                         # The -1 of the positive inside the tile, so that softmax_ii - 1 is formed before the
                         # matmul (exactly 0 when the positive dominates) instead of cancelling after it.
-                        pos, lo, hi = _tile_positives(g_tile, ctx.positive_offset + i0 - j0)
+                        pos, lo, hi = tile_positives(g_tile, ctx.positive_offset + i0 - j0)
                         pos.sub_(diag[i0 + lo:i0 + hi])
                     if grad_masked is not None:  # d L[i, mask_offset + i] at the entries left out of the sums
-                        pos, lo, hi = _tile_positives(g_tile, mask_offset + i0 - j0)
+                        pos, lo, hi = tile_positives(g_tile, mask_offset + i0 - j0)
                         pos.add_(grad_masked[i0 + lo:i0 + hi])
                     grad_q[i0:i0 + c].addmm_(g_tile, k)
                     grad_k[j0:j1].addmm_(g_tile.T, q_raw)
@@ -362,25 +362,25 @@ class TiledLogSumExp(torch.autograd.Function):
         )
 
 
-def _as_scale(logit_scale, like: Tensor) -> Tensor:
-    # In float32 at least, like the features after `_upcast`.
+def as_scale(logit_scale, like: Tensor) -> Tensor:
+    # In float32 at least, like the features after `upcast`.
     if not torch.is_tensor(logit_scale):
-        return torch.full((), float(logit_scale), dtype=_acc_dtype(like.dtype), device=like.device)
+        return torch.full((), float(logit_scale), dtype=acc_dtype(like.dtype), device=like.device)
     if logit_scale.numel() != 1:
         raise LossInputError(f"logit_scale must be a scalar (got shape {tuple(logit_scale.shape)}, expected ())")
-    return logit_scale.reshape(()).to(_acc_dtype(logit_scale.dtype))
+    return logit_scale.reshape(()).to(acc_dtype(logit_scale.dtype))
 
 
-def _upcast(*features: Optional[Tensor]):
+def upcast(*features: Optional[Tensor]):
     """Half-precision features as float32 (others unchanged): logits, log-sum-exps and every sum are then
     float32, and the gradients of a feature's several uses (as a row and as a column, in the positive) add up
     in float32 behind the one cast, rounded to the input dtype once."""
-    return tuple(None if x is None else x.to(_acc_dtype(x.dtype)) for x in features)
+    return tuple(None if x is None else x.to(acc_dtype(x.dtype)) for x in features)
 
 
 
 
-def _tile_positives(tile: Tensor, shift: int) -> Tuple[Tensor, int, int]:
+def tile_positives(tile: Tensor, shift: int) -> Tuple[Tensor, int, int]:
     """The entries j = i + shift of a 2-D tile as a writable view (its `diagonal`), and the range [lo, hi) of the
     tile's rows they sit in. The range is known from the shapes alone: no mask, no data-dependent op, no host
     sync (a boolean mask would cost a device-to-host read per tile on a GPU)."""

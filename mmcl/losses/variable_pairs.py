@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._inputs import Gathered
 from .errors import LossInputError
-from .geometry import _sq_dists
-from .tiling import _acc_dtype
+from .geometry import sq_dists
+from .inputs import Gathered
+from .tiling import acc_dtype
 
 # The objective's terms that take `valid`: the others refuse it (their sums are not written over a mask).
 VARIABLE_PAIR_TERMS = ("clip", "siglip")
@@ -105,7 +105,7 @@ def masked_geometry(image: Tensor, text: Tensor, mask: PairMask, alpha: float, t
     ``align`` is this rank's sum over its real pairs times ``W / N``: the mean over ranks is the global mean.
     ``uniform_<modality>`` is uniformity over this rank's real rows, weighted by its share of the real rows of the
     ranks that have at least 2 (nan when none has). The mask's columns hold W blocks of ``len(rows)`` rows."""
-    acc = _acc_dtype(image.dtype)
+    acc = acc_dtype(image.dtype)
     image, text, real = image.to(acc), text.to(acc), mask.rows
     counts = mask.cols.reshape(mask.world, -1)[:, :real.shape[0]].sum(1).to(acc)  # real rows per rank
     local = real.sum().to(acc)
@@ -116,7 +116,7 @@ def masked_geometry(image: Tensor, text: Tensor, mask: PairMask, alpha: float, t
     pairs = torch.triu(real[:, None] & real[None, :], diagonal=1)
     log_pairs = torch.log((local * (local - 1) / 2).clamp_min(1))
     for name, x in (("uniform_image", image), ("uniform_text", text)):
-        d = _sq_dists(x, x).masked_fill_(~pairs, math.inf)
+        d = sq_dists(x, x).masked_fill_(~pairs, math.inf)
         value = torch.logsumexp((-t * d).flatten(), dim=0) - log_pairs
         out[name] = torch.where(local >= 2, value, 0) * share
     return out

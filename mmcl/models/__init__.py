@@ -4,12 +4,11 @@ NaFlex image towers (`naflex`: timm's NaFlexVit, `is_naflex`).
 
 The names below are the package's interface (``from mmcl import models; models.build(cfg)``)."""
 
+from .clip_classes import TEXT_WIDTH_STEP, MaskedMaxPooler, hf_custom_code_error
 from .naflex import is_naflex
 from .towers import (
     CONFIG_DIR,
     FROZEN_ATTR,
-    TEXT_WIDTH_STEP,
-    MaskedMaxPooler,
     TrimmedTokenizer,
     apply_locks,
     available_models,
@@ -18,7 +17,6 @@ from .towers import (
     build_transforms,
     clamp_logit_scale,
     create,
-    hf_custom_code_error,
     is_frozen_call,
     is_local_dir,
     named_config,

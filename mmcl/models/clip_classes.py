@@ -10,19 +10,19 @@ it only where a model is built or changed.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from open_clip import hf_model
+from open_clip.hf_configs import arch_dict
 from open_clip.hf_model import HFTextEncoder
 from open_clip.model import CLIP, CLIPTextCfg, CustomTextCLIP, _build_vision_tower
-from open_clip.transformer import VisionTransformer, _expand_token, text_global_pool
+from open_clip.transformer import text_global_pool
 from torch import nn
+from transformers import AutoConfig, AutoModel
 
 from ..errors import ConfigError
-from .resize import resize_grid_embedding
-from .towers import TEXT_WIDTH_STEP, MaskedMaxPooler, _clip_text_modules, hf_custom_code_error
 
 
 # ------------------------------------------------------------------------------------------ open_clip's text
@@ -42,7 +42,7 @@ class ShortTextCLIP(CLIP):
     def encode_text(self, text, normalize: bool = False):
         if not self.text_frozen:
             return self._encode_text(text, normalize)
-        for module in _clip_text_modules(self):  # a locked tower: eval mode, no autograd state
+        for module in clip_text_modules(self):  # a locked tower: eval mode, no autograd state
             module.eval()
         with torch.no_grad():
             return self._encode_text(text, normalize)
@@ -107,7 +107,6 @@ def _hf_width(config) -> int:
 def _hf_pooler(pooler_type: Optional[str], model_type: str) -> nn.Module:
     """The pooler named in the model config (open_clip's names), with mmcl's padding-aware max pooling."""
     if pooler_type is None:  # open_clip's default for the model type (its table; tests/test_dependency_names.py)
-        from open_clip.hf_configs import arch_dict
 
         pooler_type = arch_dict.get(model_type, {}).get("pooler", "mean_pooler")
     poolers = {"mean_pooler": hf_model.MeanPooler, "max_pooler": MaskedMaxPooler, "cls_pooler": hf_model.ClsPooler,
@@ -130,7 +129,6 @@ class HFTextTower(HFTextEncoder):
     def __init__(self, source: str, output_dim: int, pooler_type: Optional[str] = None,
                  proj_type: Optional[str] = None, pretrained: bool = True, output_tokens: bool = False):
         nn.Module.__init__(self)  # not HFTextEncoder.__init__ (see the class docstring)
-        from transformers import AutoConfig, AutoModel
 
         self.output_tokens = output_tokens
         self.output_dim = output_dim
@@ -190,29 +188,36 @@ class HFTextCLIP(CustomTextCLIP):
         self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.ones(shape) * init_logit_bias)
 
 
-# ------------------------------------------------------------------------------------------ image size
-class GridFollowingVisionTransformer(VisionTransformer):
-    """open_clip's ViT image tower whose position embedding follows the patch grid of its input: the parameter
-    resized to that grid (`resize_grid_embedding`) where the grid has another number of patches, the parameter
-    itself otherwise. Every parameter, the state dict and every other method are the tower's own.
+# ------------------------------------------------------------------------------------------------- models
+class MaskedMaxPooler(nn.Module):
+    """Max over the real (non-padding) tokens of a Hugging Face tower's last hidden state.
 
-    Never built directly: `mmcl.models.resize.follow_input_size` turns a built ``VisionTransformer`` into one, in
-    place (same class layout, only `_embeds` differs), so a run keeps its model, optimiser and EMA.
+    open_clip's ``MaxPooler`` fills the *kept* positions with -inf (and passes an integer mask to ``masked_fill``),
+    so it cannot be used; this module has no parameters, so state dicts are unchanged by the swap.
     """
 
-    def grid_embedding(self, grid: Tuple[int, int]) -> torch.Tensor:
-        """The position embedding for a patch grid of `grid` (rows, columns), the class token first."""
-        pos = self.positional_embedding
-        if grid[0] * grid[1] + 1 != pos.shape[0]:
-            return resize_grid_embedding(pos, grid)
-        return pos
+    cls_token_position = 0
 
-    def _embeds(self, x: torch.Tensor) -> torch.Tensor:
-        # open_clip's VisionTransformer._embeds, with the position embedding of the input's grid.
-        x = self.conv1(x)  # (B, width, rows, columns)
-        grid = (x.shape[-2], x.shape[-1])
-        x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)  # (B, rows * columns, width)
-        x = torch.cat([_expand_token(self.class_embedding, x.shape[0]).to(x.dtype), x], dim=1)
-        x = x + self.grid_embedding(grid).to(x.dtype)
-        x = self.patch_dropout(x)
-        return self.ln_pre(x)
+    def forward(self, x, attention_mask: torch.Tensor) -> torch.Tensor:
+        """x.last_hidden_state (B, L, W) float, attention_mask (B, L) 0/1 -> (B, W)."""
+        hidden = x.last_hidden_state
+        pad = attention_mask.unsqueeze(-1) == 0  # (B, L, 1)
+        return hidden.masked_fill(pad, torch.finfo(hidden.dtype).min).max(dim=1).values
+
+
+TEXT_WIDTH_STEP = 8  # a cut token batch runs at its width rounded up to a multiple of this (`ShortTextCLIP`)
+
+
+def hf_custom_code_error(err: ValueError, source: str) -> Optional[ConfigError]:
+    """The one-line error for transformers' refusal of a model, config or tokenizer whose ``auto_map`` points to
+    Python code shipped with it (every load passes ``trust_remote_code=False``: such code is never run, and the
+    user is never asked), or None when `err` is another ValueError."""
+    if "custom code" not in str(err):
+        return None
+    return ConfigError(f"refusing the Hugging Face model '{source}': its files map to custom Python code "
+                       f"(auto_map), which mmcl never runs; use a model that transformers implements")
+
+
+def clip_text_modules(model: nn.Module) -> List[nn.Module]:
+    # open_clip's CLIP class keeps its text transformer's parts as attributes of the model itself.
+    return [model.token_embedding, model.transformer, model.ln_final]

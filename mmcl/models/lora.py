@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import ConfigError
@@ -222,7 +223,6 @@ def adapter_state(model: nn.Module) -> Tuple[Dict[str, torch.Tensor], Any]:
 def save_adapters(model: nn.Module, out: Path) -> List[str]:
     """Write the adapters of `model` into the folder `out` as peft writes them (``adapter_model.safetensors``,
     ``adapter_config.json``); returns the file names."""
-    from safetensors.torch import save_file
 
     state, config = adapter_state(model)
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS),

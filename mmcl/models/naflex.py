@@ -17,9 +17,14 @@ import copy
 from collections import OrderedDict
 from typing import Any, Dict
 
+import timm
 import torch
+from open_clip.timm_model import TimmModel
+from timm.models import is_model, model_entrypoint
+from timm.models.naflexvit import NaFlexVit
 from torch import nn
 
+from ..data.naflex import patch_batch
 from ..errors import ConfigError
 
 KWARGS_KEY = "timm_model_kwargs"  # vision_cfg's key for the NaFlexVitCfg fields mmcl passes to timm
@@ -31,14 +36,12 @@ def is_naflex(obj: Any) -> bool:
     timm NaFlexVit image tower."""
     if isinstance(obj, nn.Module):
         visual = getattr(obj, "visual", obj)
-        from timm.models.naflexvit import NaFlexVit
 
         return isinstance(getattr(visual, "trunk", None), NaFlexVit)
     if isinstance(obj, dict):
         obj = (obj.get("vision_cfg") or {}).get("timm_model_name")
     if not isinstance(obj, str) or not obj:
         return False
-    from timm.models import is_model, model_entrypoint
 
     return is_model(obj) and model_entrypoint(obj).__module__ == "timm.models.naflexvit"
 
@@ -50,7 +53,6 @@ class NaFlexTower(nn.Module):
     def __init__(self, model_name: str, embed_dim: int, timm_kwargs: Dict[str, Any], pool: str = "",
                  proj: str = "linear", proj_bias: bool = False, drop: float = 0.0, pretrained: bool = False):
         super().__init__()
-        import timm
 
         self.trunk = timm.create_model(model_name, pretrained=pretrained, num_classes=0, **timm_kwargs)
         if pool:
@@ -77,7 +79,6 @@ class NaFlexTower(nn.Module):
         return self.head(self.trunk(x))
 
     def lock(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False) -> None:
-        from open_clip.timm_model import TimmModel
 
         TimmModel.lock(self, unlocked_groups, freeze_bn_stats)
 
@@ -121,7 +122,6 @@ def config_patch_size(model_cfg: Dict[str, Any]) -> int:
     kwargs = (model_cfg.get("vision_cfg") or {}).get(KWARGS_KEY) or {}
     if "patch_size" in kwargs:
         return int(kwargs["patch_size"])
-    import timm
 
     with torch.device("meta"):  # the architecture only: no weights are made
         trunk = timm.create_model(model_cfg["vision_cfg"]["timm_model_name"], num_classes=0, **kwargs)
@@ -143,7 +143,6 @@ def check_export_format(model_cfg: Dict[str, Any], fmt: str) -> None:
 
 def example_patches(model_cfg: Dict[str, Any], batch: int, seed: int = 0, seq_len: int = 16) -> Dict[str, torch.Tensor]:
     """A random patch dict of `batch` images of different shapes padded to `seq_len` patches (export checks)."""
-    from ..data.naflex import patch_batch
 
     p, gen = config_patch_size(model_cfg), torch.Generator().manual_seed(seed)
     images = [torch.randn(3, p * (1 + i % 3), p * (1 + (i + 1) % 4), generator=gen) for i in range(batch)]

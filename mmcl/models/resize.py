@@ -22,9 +22,11 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from open_clip.transformer import VisionTransformer, _expand_token
 from torch import nn
 
 from ..errors import ConfigError
+from .towers import create
 
 
 def resize_grid_embedding(pos: torch.Tensor, grid: Tuple[int, int], prefix: int = 1) -> torch.Tensor:
@@ -55,9 +57,7 @@ def follow_input_size(model: nn.Module) -> None:
     """Make `model`'s image tower take images of any size its patch size divides (in place; idempotent): the tower
     becomes a `mmcl.models.clip_classes.GridFollowingVisionTransformer`, with the same parameters and state dict.
     Raises ConfigError for an image tower without patch tokens (a ResNet, a timm trunk)."""
-    from open_clip.transformer import VisionTransformer
 
-    from .clip_classes import GridFollowingVisionTransformer
 
     visual = vit_tower(model)
     if isinstance(visual, GridFollowingVisionTransformer):
@@ -83,7 +83,6 @@ def at_size(model: nn.Module, model_cfg: Dict[str, Any], image_size: Optional[in
             context_length: Optional[int]) -> Tuple[nn.Module, Dict[str, Any]]:
     """A model built for `image_size` and `context_length` (None: the model's own) with `model`'s weights, the
     position embeddings resized as in training (`resize_grid_embedding`, text truncated), and its config."""
-    from .towers import create
 
     size, _, length = full_sizes(model_cfg)
     if (image_size in (None, size)) and (context_length in (None, length)):
@@ -104,3 +103,31 @@ def at_size(model: nn.Module, model_cfg: Dict[str, Any], image_size: Optional[in
     resized = create(cfg)
     resized.load_state_dict(state)
     return resized.to(next(model.parameters()).device), cfg
+
+
+# ------------------------------------------------------------------------------------------ image size
+class GridFollowingVisionTransformer(VisionTransformer):
+    """open_clip's ViT image tower whose position embedding follows the patch grid of its input: the parameter
+    resized to that grid (`resize_grid_embedding`) where the grid has another number of patches, the parameter
+    itself otherwise. Every parameter, the state dict and every other method are the tower's own.
+
+    Never built directly: `mmcl.models.resize.follow_input_size` turns a built ``VisionTransformer`` into one, in
+    place (same class layout, only `_embeds` differs), so a run keeps its model, optimiser and EMA.
+    """
+
+    def grid_embedding(self, grid: Tuple[int, int]) -> torch.Tensor:
+        """The position embedding for a patch grid of `grid` (rows, columns), the class token first."""
+        pos = self.positional_embedding
+        if grid[0] * grid[1] + 1 != pos.shape[0]:
+            return resize_grid_embedding(pos, grid)
+        return pos
+
+    def _embeds(self, x: torch.Tensor) -> torch.Tensor:
+        # open_clip's VisionTransformer._embeds, with the position embedding of the input's grid.
+        x = self.conv1(x)  # (B, width, rows, columns)
+        grid = (x.shape[-2], x.shape[-1])
+        x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)  # (B, rows * columns, width)
+        x = torch.cat([_expand_token(self.class_embedding, x.shape[0]).to(x.dtype), x], dim=1)
+        x = x + self.grid_embedding(grid).to(x.dtype)
+        x = self.patch_dropout(x)
+        return self.ln_pre(x)

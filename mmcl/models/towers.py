@@ -27,13 +27,27 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import open_clip
 import torch
+from open_clip.model import CustomTextCLIP
+from open_clip.modified_resnet import ModifiedResNet
+from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH, HFTokenizer, SimpleTokenizer
+from open_clip.transform import PreprocessCfg, image_transform_v2
+from open_clip.transformer import lock_text_tower
 from torch import nn
 
 from ..config import ModelConfig
 from ..data.limits import BoundedTokenizer
+from ..data.naflex import EvalPatchify
 from ..errors import ConfigError
 from . import naflex
+from .clip_classes import (
+    HFTextCLIP,
+    ShortTextCLIP,
+    clip_text_modules,
+    hf_custom_code_error,
+)
+from .flip import SeededPatchDropout
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # marks a saved Hugging Face tokenizer (model directories use it)
@@ -52,7 +66,6 @@ _HF_POOLERS = {"mean": "mean_pooler", "cls": "cls_last_hidden_state_pooler", "ma
 # ------------------------------------------------------------------------------------------------ configs
 def available_models() -> List[str]:
     """mmcl model-config names followed by every open_clip architecture name."""
-    import open_clip
 
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json")) + list(open_clip.list_models())
 
@@ -95,7 +108,6 @@ def arch_file_config(name: str) -> Dict[str, Any]:
 def named_config(name: str) -> Dict[str, Any]:
     """The model-config dict for a name or a model-config file (`arch_file_config`); `ConfigError` naming close
     matches when unknown."""
-    import open_clip
 
     if is_arch_file(name):
         return arch_file_config(name)
@@ -143,35 +155,13 @@ def resolve_model_config(cfg: ModelConfig) -> Dict[str, Any]:
     return model_cfg
 
 
-# ------------------------------------------------------------------------------------------------- models
-class MaskedMaxPooler(nn.Module):
-    """Max over the real (non-padding) tokens of a Hugging Face tower's last hidden state.
-
-    open_clip's ``MaxPooler`` fills the *kept* positions with -inf (and passes an integer mask to ``masked_fill``),
-    so it cannot be used; this module has no parameters, so state dicts are unchanged by the swap.
-    """
-
-    cls_token_position = 0
-
-    def forward(self, x, attention_mask: torch.Tensor) -> torch.Tensor:
-        """x.last_hidden_state (B, L, W) float, attention_mask (B, L) 0/1 -> (B, W)."""
-        hidden = x.last_hidden_state
-        pad = attention_mask.unsqueeze(-1) == 0  # (B, L, 1)
-        return hidden.masked_fill(pad, torch.finfo(hidden.dtype).min).max(dim=1).values
-
-
-TEXT_WIDTH_STEP = 8  # a cut token batch runs at its width rounded up to a multiple of this (`ShortTextCLIP`)
-
-
 def create(model_cfg: Dict[str, Any]) -> nn.Module:
     """Instantiate an open_clip CLIP / CustomTextCLIP from a model-config dict (fp32, ``output_dict=True``).
 
     Weights are random except a Hugging Face text tower, which is read from its directory / the local
     Hugging Face cache unless ``text_cfg.hf_model_pretrained`` is False.
     """
-    from open_clip.model import CustomTextCLIP
 
-    from .clip_classes import HFTextCLIP, ShortTextCLIP
 
     model_cfg = copy.deepcopy(model_cfg)
     model_cfg.pop("preprocess_cfg", None)  # an architecture file's preprocessing (`arch_file_config`)
@@ -200,16 +190,6 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
     return model
 
 
-def hf_custom_code_error(err: ValueError, source: str) -> Optional[ConfigError]:
-    """The one-line error for transformers' refusal of a model, config or tokenizer whose ``auto_map`` points to
-    Python code shipped with it (every load passes ``trust_remote_code=False``: such code is never run, and the
-    user is never asked), or None when `err` is another ValueError."""
-    if "custom code" not in str(err):
-        return None
-    return ConfigError(f"refusing the Hugging Face model '{source}': its files map to custom Python code "
-                       f"(auto_map), which mmcl never runs; use a model that transformers implements")
-
-
 def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:
     if not hasattr(text, "proj"):
         # open_clip leaves the projection unset when it is 'none' but the widths differ.
@@ -225,7 +205,6 @@ def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:
 
 def preprocess_config(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
     """open_clip PreprocessCfg fields (size, mean, std, interpolation, resize_mode) for a model config."""
-    from open_clip.transform import PreprocessCfg
 
     size = model_cfg["vision_cfg"].get("image_size", 224)
     pp = dataclasses.asdict(PreprocessCfg(size=size))
@@ -239,10 +218,8 @@ def preprocess_config(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
 def build_transforms(preprocess_cfg: Dict[str, Any]):
     """(train transform, eval transform) from open_clip: PIL image -> (3, H, W) float tensor; for a NaFlex tower
     (``naflex_seq_len`` in `preprocess_cfg`) both are `mmcl.data.naflex.EvalPatchify`: PIL image -> patch dict."""
-    from open_clip.transform import PreprocessCfg, image_transform_v2
 
     if preprocess_cfg.get("naflex_seq_len"):
-        from ..data.naflex import EvalPatchify
 
         tf = EvalPatchify(preprocess_cfg["naflex_seq_len"], preprocess_cfg["patch_size"], preprocess_cfg["mean"],
                           preprocess_cfg["std"], preprocess_cfg.get("interpolation", "bicubic"))
@@ -261,7 +238,6 @@ def build_tokenizer(model_cfg: Dict[str, Any], source_dir: Optional[str] = None)
     maps a list of B strings to a (B, context_length) long tensor, each string cut first by
     `mmcl.data.limits.bound_text` (so that no text from a file costs more than its bound to tokenize).
     """
-    from open_clip.tokenizer import DEFAULT_CONTEXT_LENGTH, HFTokenizer, SimpleTokenizer
 
     text_cfg = model_cfg.get("text_cfg", {})
     context_length = text_cfg.get("context_length", DEFAULT_CONTEXT_LENGTH)
@@ -315,8 +291,6 @@ class TrimmedTokenizer:
 def training_tokenizer(model: nn.Module, tokenizer: Callable[[List[str]], torch.Tensor]):
     """The tokenizer the training data loader uses: cut batches (`TrimmedTokenizer`) for the towers that take
     them exactly (open_clip's own text transformer with a causal mask and ``argmax`` pooling), else unchanged."""
-    from .clip_classes import ShortTextCLIP
-
     if (isinstance(model, ShortTextCLIP) and getattr(model, "attn_mask", None) is not None
             and getattr(model, "text_pool_type", None) == "argmax"):
         return TrimmedTokenizer(tokenizer)
@@ -344,7 +318,6 @@ def set_patch_dropout(model: nn.Module, prob: float, seed: int = 0, rank: int = 
     """FLIP patch dropout in `model`'s image tower (training only; `mmcl.models.flip`). Returns the masking modules, for
     `mmcl.models.flip.begin_step`. Raises ConfigError for an image tower without patch tokens (a ResNet, a timm
     trunk)."""
-    from .flip import SeededPatchDropout
 
     visual = getattr(model, "visual", None)
     if visual is None or not hasattr(visual, "patch_dropout") or not hasattr(visual, "class_embedding"):
@@ -355,14 +328,8 @@ def set_patch_dropout(model: nn.Module, prob: float, seed: int = 0, rank: int = 
     return [visual.patch_dropout]
 
 
-# ------------------------------------------------------------------------------------------------ locking
-def _clip_text_modules(model: nn.Module) -> List[nn.Module]:
-    # open_clip's CLIP class keeps its text transformer's parts as attributes of the model itself.
-    return [model.token_embedding, model.transformer, model.ln_final]
-
-
 def _clip_text_params(model: nn.Module) -> List[nn.Parameter]:
-    params = [p for m in _clip_text_modules(model) for p in m.parameters()] + [model.positional_embedding]
+    params = [p for m in clip_text_modules(model) for p in m.parameters()] + [model.positional_embedding]
     if isinstance(model.text_projection, nn.Parameter):
         params.append(model.text_projection)
     elif model.text_projection is not None:
@@ -469,10 +436,6 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
     trainable parameter runs under ``torch.no_grad`` in eval mode. ``lock_text_freeze_layer_norm=False`` keeps the
     text tower's LayerNorm gains and biases trainable, as open_clip does for Hugging Face towers.
     """
-    from open_clip.modified_resnet import ModifiedResNet
-    from open_clip.transformer import lock_text_tower
-
-    from .clip_classes import ShortTextCLIP
 
     if cfg.lock_image:
         groups = cfg.lock_image_unlocked_groups
@@ -496,12 +459,12 @@ def apply_locks(model: nn.Module, cfg: ModelConfig) -> None:
         if text is None:  # open_clip CLIP: text parts live on the model
             lock_text_tower(model, layers)
             if not freeze_ln:
-                _unfreeze_layer_norms(_clip_text_modules(model))
+                _unfreeze_layer_norms(clip_text_modules(model))
             if _all_frozen(_clip_text_params(model)):
                 if isinstance(model, ShortTextCLIP):
                     model.text_frozen = True  # read by its encode_text
                 else:  # another CLIP instance: each part of the text tower runs without autograd
-                    for module in _clip_text_modules(model):
+                    for module in clip_text_modules(model):
                         _run_frozen(module)
         elif hasattr(text, "transformer") and hasattr(text, "config"):  # Hugging Face tower
             _lock_hf_backbone(text.transformer, layers, freeze_ln)

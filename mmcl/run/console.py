@@ -12,6 +12,8 @@ import contextlib
 import sys
 from typing import Any, Dict, Optional
 
+from tqdm import tqdm
+
 
 class _ThroughBar:
     """A text stream that writes whole lines to `stream` with `bar` cleared around them."""
@@ -41,7 +43,6 @@ class _ThroughBar:
 def progress_bar(total: int, initial: int, held: Optional[contextlib.ExitStack] = None, **kwargs: Any):
     """A tqdm bar on stderr with stdout and stderr written through it until it is closed (or `held` unwinds, as
     when the run ends with an error)."""
-    from tqdm import tqdm
 
     saved = (sys.stdout, sys.stderr)
     bar = tqdm(total=total, initial=initial, file=sys.stderr, **kwargs)

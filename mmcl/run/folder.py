@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from ..config import to_dict
-from ..data.skips import SKIP_LOG, counts_text, describe, first_records
+from omegaconf import OmegaConf
+
+from ..config import TrainConfig, moved_keys_carried, to_dict
+from ..data.skips import counts_text, describe, first_records
 from ..data.sources import redact_values
 from ..errors import ConfigError, MmclError, RunStopped, preview
 from ..storage import checkpoints
@@ -42,17 +44,19 @@ from ..storage.layout import (
     CHECKPOINTS_DIR,
     CONFIG,
     EVAL_RESULTS,
+    LOCK,
+    MANIFEST,
     METRICS,
     MODEL,
     OUT_LOG,
     PARAM_GROUPS,
+    SKIP_LOG,
     WISE_FT,
     RunLayout,
 )
-from ..storage.manifest import MANIFEST
+from ..storage.weights import CONFIG_FILE
 
 COMMAND = "train"
-LOCK = ".lock"
 GLOBAL_BATCH = "global_batch"  # recorded in each checkpoint's COMPLETE marker and in the run's record
 # The files of its own that the run writes at the top of its folder (the record lists them)
 RUN_FILES = (CONFIG, PARAM_GROUPS, METRICS, OUT_LOG, EVAL_RESULTS, SKIP_LOG)
@@ -138,7 +142,6 @@ def refuse_links(out: Path) -> None:
 
 def _model_steps(out: Path) -> Optional[int]:
     """The step model/ was saved at (its config's ``mmcl.steps``), or None when there is no readable model/."""
-    from ..storage.weights import CONFIG_FILE
 
     try:
         meta = json.loads((RunLayout(out).model / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -166,13 +169,11 @@ def saved_config(out: Path) -> Optional[Dict[str, Any]]:
     """The run's config.yaml as a dict, or None when it is missing or unreadable."""
     if not RunLayout(out).config.is_file():
         return None
-    from omegaconf import OmegaConf
 
     try:
         c = OmegaConf.to_container(OmegaConf.load(RunLayout(out).config))
     except Exception:  # noqa: BLE001 - an unreadable config.yaml is reported by the caller
         return None
-    from ..config import moved_keys_carried
 
     return moved_keys_carried(c) if isinstance(c, dict) else None
 
@@ -207,7 +208,6 @@ def differences(saved: Dict[str, Any], current: Dict[str, Any], saved_global: Op
 
     Keys of this config only: a key added to mmcl after the run started counts as its default there, and one since
     removed is not compared."""
-    from ..config import TrainConfig
 
     b = flat(current)
     a = {**flat(to_dict(TrainConfig())), **flat(saved)}
@@ -244,13 +244,14 @@ def _last_record(out: Path) -> Dict[str, Any]:
         return {}
 
 
-def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decision:
-    """Apply the rule to ``cfg.train.output_dir`` for a run of `total` steps on `processes` processes (a callable
-    is asked only where the folder holds a saved model, since counting a run's steps may read the data). Reads only.
+def decide(config: Dict[str, Any], processes: int, total: Union[int, Callable[[], int]]) -> Decision:
+    """Apply the rule to ``train.output_dir`` of the run configured by `config` (the config as plain values,
+    `mmcl.config.to_dict`) for `total` steps on `processes` processes (a callable is asked only where the folder holds
+    a saved model, since counting a run's steps may read the data). Reads only.
 
     Raises ConfigError (one line, nothing changed) for a folder with another run or with files mmcl train did not
     write."""
-    out = Path(cfg.train.output_dir)
+    out = Path(config["train"]["output_dir"])
     refuse_links(out)
     if not out.is_dir() or not _entries(out):  # a path that is a file: check_output_dir names it
         return Decision("start", f"{out}: a new run", write_config=True)
@@ -259,7 +260,7 @@ def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decisio
         raise ConfigError(f"train.output_dir {out} holds files mmcl train did not write ({preview(_entries(out))}); "
                           f"nothing was changed: choose another train.output_dir (a new or empty folder starts a "
                           f"run)")
-    force = getattr(cfg.train, "resume", "auto") == "force"
+    force = config["train"].get("resume", "auto") == "force"
     saved = saved_config(out)
     marker = _newest_marker(out)
     step = int(marker["step"]) if marker else 0
@@ -273,7 +274,7 @@ def decide(cfg, processes: int, total: Union[int, Callable[[], int]]) -> Decisio
                               f"config")
         other, allowed = ["config.yaml missing"], []
     else:
-        current = redact_values(to_dict(cfg))  # config.yaml holds no credentials either
+        current = redact_values(config)  # config.yaml holds no credentials either
         other, allowed = differences(saved, current, saved_global_batch(out, saved, record), processes)
     if other and not force and marker is None and _model_steps(out) is None and not _last_record(out):
         return Decision("start", f"taking over {out}: its last run stopped before step 1 (config differences: "

@@ -27,8 +27,7 @@ from typing import Optional
 
 from ..errors import StorageError, TrainingError
 from ..storage.fsutil import open_inside
-
-LOCK_NAME = ".lock"
+from ..storage.layout import LOCK
 
 
 class RunLock:
@@ -38,7 +37,7 @@ class RunLock:
     """
 
     def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / LOCK_NAME
+        self.path = Path(out_dir) / LOCK
         self._fd: Optional[int] = None
 
     def acquire(self) -> Optional[str]:
@@ -60,7 +59,7 @@ class RunLock:
 
     def _lock(self) -> int:
         try:
-            fd = open_inside(self.path.parent, LOCK_NAME, os.O_RDWR | os.O_CREAT)  # a link there is refused
+            fd = open_inside(self.path.parent, LOCK, os.O_RDWR | os.O_CREAT)  # a link there is refused
         except OSError as err:
             raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
         try:

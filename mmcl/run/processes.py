@@ -10,8 +10,13 @@ run ends with that one line.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import re
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import broadcast_object_list, gather_object
 
 from .. import errors
 
@@ -38,7 +43,6 @@ def agreed(accelerator, fn: Callable[[], Any]) -> Any:
         if failure is not None:
             raise failure
         return result
-    from accelerate.utils import gather_object
 
     reports = gather_object([None if failure is None else (accelerator.process_index, *_describe(failure))])
     failed = [r for r in reports if r is not None]
@@ -77,7 +81,6 @@ def lost_peer(err: BaseException) -> Optional[str]:
     ..., remote process exited or there was a network error`` or its watchdog's ``Watchdog caught collective
     operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, ...) ran for 600010 milliseconds before timing out``.
     """
-    import torch.distributed as dist
 
     text = str(err)
     if not (isinstance(err, getattr(dist, "DistError", ())) or any(s in text for s in _PEER_GONE)):
@@ -111,9 +114,7 @@ def others_wait(accelerator, timeout_s: float) -> Iterator[None]:
     if accelerator.num_processes == 1:
         yield
         return
-    import datetime
 
-    import torch.distributed as dist
 
     group = _WAIT_GROUPS.get(timeout_s)
     if group is None:
@@ -127,7 +128,6 @@ def any_process(accelerator, flag: bool) -> bool:
     """True on every process when `flag` is true on at least one (one small all-reduce)."""
     if accelerator.num_processes == 1:
         return flag
-    import torch
 
     t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
     return bool(accelerator.reduce(t, reduction="sum").item() > 0)
@@ -137,7 +137,6 @@ def broadcast_from_main(accelerator, value: Any) -> Any:
     """The main process's `value` on every process."""
     if accelerator.num_processes == 1:
         return value
-    from accelerate.utils import broadcast_object_list
 
     box = [value]
     broadcast_object_list(box, from_process=0)

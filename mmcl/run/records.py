@@ -18,6 +18,7 @@ record is metrics.jsonl (`MetricsLog`), written whichever trackers are on.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -25,6 +26,9 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from accelerate.tracking import TensorBoardTracker
+
+from ..data.sources import redact
 from ..errors import ConfigError
 from ..storage import checkpoints
 from ..storage.fsutil import atomic_write_text, inside, open_inside
@@ -47,7 +51,6 @@ def accelerator_kwargs(names: List[str], out_dir: Path) -> Dict[str, Any]:
         raise ConfigError("; ".join(problems))
     if not names:
         return {}
-    from accelerate.tracking import TensorBoardTracker
 
     # TensorBoard as an instance, so its events keep the run directory's ``tensorboard/`` (accelerate would name
     # the folder after the project) and a resumed run can purge the events after its step (see `start`).
@@ -59,7 +62,6 @@ def hyperparameters(config: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     """The resolved config as flat ``section.key`` scalars (lists, dicts and None as text), as trackers take them,
     with the credentials a ``pipe:`` command or URL may carry hidden (`mmcl.errors.redact`): a tracker's
     records travel to servers and colleagues."""
-    from ..data.sources import redact
 
     out: Dict[str, Any] = {}
     for k, v in config.items():
@@ -187,3 +189,12 @@ class MetricsLog:
     def close(self) -> None:
         if self.enabled:
             self.file.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecords:
+    """Where a run's records go, opened once when it starts or resumes: metrics.jsonl and the trackers
+    (`MetricsLog`) and, on the main process, out.log (`mmcl.run.folder.ConsoleLog`; None elsewhere)."""
+
+    metrics: MetricsLog
+    console: Any = None

@@ -26,6 +26,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
 from ..config import to_dict
 from ..data.sources import redact_values
 from ..errors import CheckpointError, DamagedCheckpointError, MmclError
@@ -102,8 +105,6 @@ def weights_mismatch(model, weights_file: Path, shown: int = 3) -> Optional[str]
     """How the weights saved in `weights_file` (safetensors) differ from `model`'s: the missing, unexpected and
     reshaped keys, each with its count and its first few; None when they fit or the file cannot say."""
     try:
-        from safetensors import safe_open
-
         with safe_open(str(weights_file), framework="pt") as f:
             saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception:  # noqa: BLE001 - no such file (a sharded FSDP checkpoint) or a damaged one
@@ -190,7 +191,6 @@ def load_checkpoint(run: Restorable, resume: Path, cfg, layout) -> None:
     after checking that the run folder's config.yaml (`layout`, a `RunLayout`) has the architecture of `cfg`."""
     accelerator = run.accelerator
     if layout.config.is_file():
-        from omegaconf import OmegaConf
 
         check_resumable(OmegaConf.to_container(OmegaConf.load(layout.config)),
                         redact_values(to_dict(cfg)), run.log)  # config.yaml holds no credentials

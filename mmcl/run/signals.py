@@ -14,6 +14,10 @@ import subprocess
 import threading
 from typing import Dict, List, Optional
 
+from accelerate.commands.launch import launch_command, launch_command_parser
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"; the code a requeueing script checks. Ctrl-C keeps the
 # shell's 128 + SIGINT, since a user who stopped a run by hand does not want it requeued.
 REQUEUE_EXIT_CODE = 75
@@ -35,9 +39,6 @@ def launch(argv: List[str]) -> int:
     happened in one line, so the launcher exits with their code: `exit_code` of the signal it passed on, the code
     the processes agree on, else 1.
     """
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         launch_command(launch_command_parser().parse_args(argv))

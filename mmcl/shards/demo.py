@@ -16,7 +16,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image, ImageDraw
+from tqdm import tqdm
 
+from ..config import say
 from ..errors import DataError
 from ..storage.manifest import OutputManifest
 from .writer import ShardWriter
@@ -189,7 +191,6 @@ def _samples(n: int, seed: int, stream: int, image_size: int, prefix: str) -> It
 def _progress(iterable, total: int, desc: str, show: bool):
     if not show:
         return iterable
-    from tqdm import tqdm
 
     return tqdm(iterable, total=total, desc=desc, unit="img", leave=False)
 
@@ -250,7 +251,7 @@ def make_demo_data(out_dir: str, seed: int = 0, n_train: int = 20000, n_val: int
     if _read_json(done) == settings and all(os.path.isfile(os.path.join(out_dir, f)) for f in planned
                                             if not f.endswith(".tmp")):
         if progress:
-            print(f"mmcl: {out_dir} holds this demo already (seed {seed}, {n_train} training pairs): not written again")
+            say(f"{out_dir} holds this demo already (seed {seed}, {n_train} training pairs): not written again")
         return _demo_paths(out_dir, n_train, n_val, shard_size)
     owned.will_write(planned + [DONE])
     owned.keep_only(planned + [DONE])

@@ -16,14 +16,17 @@ import tarfile
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from PIL import Image
+from tqdm import tqdm
 
+from ..config import say
 from ..data.decode import IMAGE_EXTS, SkipSample, decode_image
 from ..data.shard_inputs import SkippedItem, SourceImage, input_items
 from ..data.sizes import SIZES_FILE
-from ..data.skips import SKIP_LOG, SkipLog, counts_text
+from ..data.skips import SkipLog, counts_text
 from ..data.skips import record as skip_record
 from ..errors import DataError
 from ..storage.fsutil import new_file
+from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
 
 
@@ -290,7 +293,6 @@ def _shard_samples(records: List[SourceImage], problems: List[SkippedItem], prog
     own_keys = all(k and "." not in k for k in keys) and len(set(keys)) == len(keys)
     todo: Iterable[SourceImage] = records
     if progress:
-        from tqdm import tqdm
 
         todo = tqdm(records, desc="shards", unit="img")
     written = 0
@@ -337,13 +339,12 @@ def _report(summary: Dict[str, Any], input_path: str, out_dir: str, problems: Li
     summary.update(n_skipped=len(problems), skipped=counts,
                    skipped_examples=[f"{p.where}: {p.reason}" for p in problems[:10]])
     if before is not None:
-        print(f"replaced the earlier conversion in {out_dir}: {before} -> {summary['n_shards']} shards, "
-              f"{summary['n_samples']} samples")
+        say(f"replaced the earlier conversion in {out_dir}: {before} -> {summary['n_shards']} shards, "
+            f"{summary['n_samples']} samples")
     detail = counts_text(counts)
     first = "; ".join(f"{p.where}: {p.reason}" for p in problems[:3])
-    print(f"wrote {summary['n_samples']} samples in {summary['n_shards']} shards to {out_dir}; "
-          f"skipped {len(problems)}" + (f" ({detail}; each in {os.path.join(out_dir, SKIP_LOG)}; first: {first})"
-                                         if problems else ""))
+    say(f"wrote {summary['n_samples']} samples in {summary['n_shards']} shards to {out_dir}; skipped {len(problems)}"
+        + (f" ({detail}; each in {os.path.join(out_dir, SKIP_LOG)}; first: {first})" if problems else ""))
     if summary["n_samples"] == 0:
         raise DataError(f"no valid sample in {input_path} (skipped {len(problems)}: {detail or 'no images found'})")
     return summary

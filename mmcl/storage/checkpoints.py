@@ -32,17 +32,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import CheckpointError, StorageError
-from .fsutil import atomic_write_text, file_sha256
+import torch
+from accelerate.utils import load
+from safetensors.torch import load_file
 
-CHECKPOINTS_DIR = "checkpoints"  # inside a run's output directory
+from ..errors import CheckpointError, StorageError
+from ..models.lora import merge_state
+from .fsutil import atomic_write_text, file_sha256
+from .layout import CHECKPOINTS_DIR, CKPT_PREFIX, COMPLETE, DAMAGED_PREFIX, LATEST
+
 MODEL_WEIGHTS = "model.safetensors"  # accelerate's name for the model's weights in its saved state
-CKPT_PREFIX = "step-"
-DAMAGED_PREFIX = "damaged-"
-LATEST = "latest"
-COMPLETE = "COMPLETE"
 MODEL_CONFIG = "model_config.json"  # {"model_cfg", "preprocess_cfg"}: what the checkpoint's weights are of
-_STEP_NAME = re.compile(r"^(\.tmp-|damaged-)?step-\d+(-\d+)?$")
+_STEP_NAME = re.compile(rf"^(\.tmp-|{DAMAGED_PREFIX})?{CKPT_PREFIX}\d+(-\d+)?$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # What accelerate names the state of objects given to `register_for_checkpointing`. mmcl registers none; a
 # checkpoint holding such files (an earlier layout) has the progress at index 0 and, with train.ema_decay, the
@@ -65,7 +66,6 @@ def load_plain(path: Path, map_location: Any = "cpu") -> Any:
     way ``weights_only=False`` does would run what it names). Other read errors (a truncated file) propagate
     unchanged, for the caller's damaged-checkpoint handling.
     """
-    import torch
 
     try:
         return torch.load(str(path), map_location=map_location, weights_only=True)
@@ -111,8 +111,6 @@ def generators_not_restored(ckpt: Path, process_index: int) -> Optional[str]:
     """One warning line naming the generators whose state `ckpt` holds for this process but that do not now hold
     it (None: all restored). Asked right after `load_accelerate_state`: accelerate's load skips the random states on any
     error with a log line at INFO only: a dropout tower would then draw other masks."""
-    import torch
-    from accelerate.utils import load
 
     name = f"random_states_{process_index}.pkl"
     try:
@@ -277,7 +275,6 @@ def model_of_checkpoint(ckpt: Path, merge_lora: bool = True) -> Tuple[Dict[str, 
     weights and the files read are checked first; a checkpoint without its marker (an interrupted save, a partial
     copy) or with a missing or altered file is one `CheckpointError` naming it and why.
     """
-    from safetensors.torch import load_file
 
     if not (ckpt / COMPLETE).is_file():
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: it has no {COMPLETE} marker (its save was "
@@ -312,7 +309,6 @@ def model_of_checkpoint(ckpt: Path, merge_lora: bool = True) -> Tuple[Dict[str, 
             raise CheckpointError(f"checkpoint {ckpt} is damaged: {MODEL_CONFIG} is unreadable "
                                   f"({type(err).__name__})") from None
     if merge_lora and isinstance(meta, dict) and meta.get("lora"):  # a LoRA run's: the adapters merged in
-        from ..models.lora import merge_state
 
         state = merge_state(state, meta["lora"])
     return state, meta
@@ -428,7 +424,6 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
     renamed by the main one in three agreed phases (one with-block cannot span them), a checkpoint directory
     holds no user files to keep, and its completeness is the COMPLETE marker, which resume checks.
     """
-    import torch
 
     main = accelerator.is_main_process
     name = f"{CKPT_PREFIX}{progress['step']:08d}"

@@ -43,6 +43,10 @@ import string
 import unicodedata
 from typing import Dict, List, Optional, Tuple
 
+import ftfy
+from open_clip.tokenizer import SimpleTokenizer
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
 SOT_TOKEN, EOT_TOKEN = "<start_of_text>", "<end_of_text>"
 SOT_ID, EOT_ID, PAD_ID = 49406, 49407, 0
 # open_clip's word pattern without its special-token alternatives (those are added tokens here).
@@ -57,7 +61,6 @@ def _char_class(chars) -> str:
 def ftfy_char_map() -> Tuple[Tuple[str, str], ...]:
     """(character, replacement) for every BMP character that ``ftfy.fix_text`` changes on its own to something
     other than its NFC form (about 330: control characters, Windows-1252 C1 bytes, quotes, ligatures, widths)."""
-    import ftfy
 
     out = []
     for cp in range(0x10000):
@@ -110,7 +113,6 @@ def _entity_replacements() -> List[Tuple[str, str]]:
 def _clean_normalizers(clean: str) -> list:
     """open_clip's text cleaning `clean` (``get_clean_fn``: ``whitespace``, ``lower`` or ``canonicalize``, each
     after ``basic_clean``) as ``tokenizers`` normalizers."""
-    from tokenizers import Regex, normalizers
 
     if clean not in ("whitespace", "lower", "canonicalize"):
         raise ValueError(f"unknown open_clip clean function {clean!r}")
@@ -136,7 +138,6 @@ def open_clip_hf_tokenizer_json(text: str, context_length: int, clean: str = "wh
     tokenizer's own normalizer, truncation and padding to the context length, and with `strip_sep_token` the
     separator token (`sep_token`) left out of the template (open_clip writes id 0 in its place, which equals
     padding with `pad_id` 0 after one fewer token). Returns (the new file's text, what it could not express)."""
-    from tokenizers import Tokenizer, normalizers
 
     tok = Tokenizer.from_str(text)
     own = tok.normalizer
@@ -173,8 +174,6 @@ def tokenizer_json(context_length: int = 77) -> str:
     """The ``tokenizer.json`` text of open_clip's ``SimpleTokenizer(context_length)`` (see the module doc).
 
     Building it compiles a few thousand patterns (seconds); the text is kept per context length."""
-    from open_clip.tokenizer import SimpleTokenizer
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     oc = SimpleTokenizer(context_length=context_length)
     if oc.encoder.get(SOT_TOKEN) != SOT_ID or oc.encoder.get(EOT_TOKEN) != EOT_ID:

@@ -38,13 +38,21 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import open_clip
 import torch
+from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+from open_clip.tokenizer import SimpleTokenizer
 from safetensors import SafetensorError
+from safetensors.torch import save_file
 from torch import nn
+from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+from transformers.image_utils import PILImageResampling
 
 from .. import models
 from ..errors import CheckpointError, ConfigError
-from . import hf_clip, weights
+from ..models import lora
+from . import checkpoints, hf_clip, weights
+from .clip_tokenizer_file import EOT_TOKEN, SOT_TOKEN, open_clip_hf_tokenizer_json, write_tokenizer_json
 from .fsutil import atomic_dir, atomic_write_text, files_under, os_error_text, output_dir
 
 FORMATS = ("open_clip", "hf", "onnx", "safetensors")
@@ -110,8 +118,6 @@ def export(model_path, fmt: str, out_dir, verify: bool = True) -> Path:
 def export_adapters(model_path, out_dir) -> Path:
     """The LoRA adapters of a run trained with ``model.lora`` (its newest intact checkpoint's, or the checkpoint
     `model_path`'s) written into `out_dir` in peft's format (`mmcl.models.lora.save_adapters`) as `export` writes."""
-    from ..models import lora
-    from . import checkpoints
 
     path = Path(model_path)
     run = path.parent if path.name == "model" and path.parent.is_dir() else path
@@ -201,7 +207,6 @@ def _write_text_tower_files(model, model_cfg: Dict[str, Any], src_dir: Path, out
 def _write_weights_and_config(model, model_cfg, pp_cfg, out: Path, metadata: Optional[Dict[str, str]] = None
                               ) -> None:
     """The weights, then the config with their size and SHA-256 and the list of files (written last)."""
-    from safetensors.torch import save_file
 
     state = weights.state_dict_for_safetensors(model)
     save_file(state, str(out / weights.WEIGHTS_FILE), metadata=metadata)
@@ -251,7 +256,6 @@ _HF_TEXT_KEYS = ("context_length", "vocab_size", "width", "heads", "layers", "ml
 
 def check_hf_supported(model_cfg: Dict[str, Any], pp_cfg: Dict[str, Any]) -> None:
     """Raise `ConfigError` unless the model maps exactly onto transformers' ``CLIPModel`` and ``CLIPProcessor``."""
-    from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
     text_cfg, vision_cfg = model_cfg.get("text_cfg", {}), model_cfg.get("vision_cfg", {})
     if text_cfg.get("hf_model_name"):
@@ -286,8 +290,6 @@ def _as_int(value) -> int:
 
 def hf_clip_config(model_cfg: Dict[str, Any]):
     """transformers ``CLIPConfig`` with the shapes of an open_clip ViT + text transformer config."""
-    from open_clip.model import CLIPTextCfg, CLIPVisionCfg
-    from transformers import CLIPConfig
 
     v = dataclasses.asdict(CLIPVisionCfg())
     v.update(model_cfg["vision_cfg"])
@@ -333,9 +335,7 @@ def write_hf_tokenizer(context_length: int, out: Path) -> None:
     as the padding token would make transformers split every "!" of the text out as a special token. Neither model reads
     past the first end token (causal attention, pooling at that token), so the embeddings are the same.
     """
-    from open_clip.tokenizer import SimpleTokenizer
 
-    from .clip_tokenizer_file import EOT_TOKEN, SOT_TOKEN, write_tokenizer_json
 
     write_tokenizer_json(out / "tokenizer.json", context_length)
     special = {"bos_token": SOT_TOKEN, "eos_token": EOT_TOKEN, "pad_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
@@ -353,8 +353,6 @@ def write_hf_tokenizer(context_length: int, out: Path) -> None:
 
 def hf_image_processor(pp_cfg: Dict[str, Any]):
     """transformers ``CLIPImageProcessor`` reproducing open_clip's eval transform for `pp_cfg`."""
-    from transformers import CLIPImageProcessor
-    from transformers.image_utils import PILImageResampling
 
     size = pp_cfg.get("size", 224)
     h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
@@ -371,7 +369,6 @@ def hf_image_processor(pp_cfg: Dict[str, Any]):
 
 
 def _write_hf(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path) -> None:
-    from transformers import CLIPModel
 
     config = hf_clip_config(model_cfg)
     state = hf_clip_state_dict(model.state_dict(), config.vision_config.num_hidden_layers,
@@ -452,7 +449,6 @@ def _write_onnx(model, model_cfg, pp_cfg, src_dir: Path, out: Path, final: Path)
     if text_cfg.get("hf_tokenizer_name"):
         tokenizer = _write_onnx_hf_tokenizer(model, text_cfg, src_dir, out, context_length)
     else:
-        from .clip_tokenizer_file import write_tokenizer_json
 
         write_tokenizer_json(out / ONNX_TOKENIZER_FILE, context_length)
         tokenizer = {"file": ONNX_TOKENIZER_FILE, "kind": "open_clip SimpleTokenizer (CLIP BPE)",
@@ -471,7 +467,6 @@ def _write_onnx_hf_tokenizer(model, text_cfg: Dict[str, Any], src_dir: Path, out
     beside open_clip's text tower, as SigLIP's), its files written to `out` and its ``tokenizer.json`` made to give
     open_clip's ``HFTokenizer`` ids: the model's ``tokenizer_kwargs`` (``clean``, ``strip_sep_token``), truncation and
     padding are in the file (`clip_tokenizer_file.open_clip_hf_tokenizer_json`). Returns onnx_config's entry."""
-    from .clip_tokenizer_file import open_clip_hf_tokenizer_json
 
     hf_name = text_cfg["hf_tokenizer_name"]
     folders = [src_dir] + ([Path(hf_name)] if os.path.isdir(hf_name) else [])
@@ -484,7 +479,6 @@ def _write_onnx_hf_tokenizer(model, text_cfg: Dict[str, Any], src_dir: Path, out
     path = out / ONNX_TOKENIZER_FILE
     if not path.is_file():  # a slow-only tokenizer: its files are there, tokenizer.json is not
         return entry
-    from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
     text, not_expressed = open_clip_hf_tokenizer_json(
@@ -532,7 +526,6 @@ def export_encoders(out: Path, fmt: str) -> Tuple[Callable, Callable]:
     """
     out = Path(out)
     if fmt == "open_clip":
-        import open_clip
 
         oc_model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{out}")
         oc_model.eval()
@@ -542,7 +535,6 @@ def export_encoders(out: Path, fmt: str) -> Tuple[Callable, Callable]:
         loaded, _, _ = weights.load(out)
         return (lambda x: loaded.encode_image(x, normalize=True), lambda t: loaded.encode_text(t, normalize=True))
     if fmt == "hf":
-        from transformers import CLIPModel
 
         hf_model = CLIPModel.from_pretrained(str(out)).eval()
 

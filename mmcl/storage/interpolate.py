@@ -15,6 +15,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import models
+from ..config import load_config
 from ..errors import ConfigError
 from . import pretrained, weights
 from .fsutil import inside
@@ -98,8 +100,6 @@ def start_weights(run_dir) -> Tuple[torch.nn.Module, Dict[str, Any], str]:
     (``model.pretrained`` or ``model.init_from``, read from the same files, the same seed for anything they do not
     cover): ``(model, model_cfg, what)``. `ConfigError` when `run_dir` is no run folder or the run started from
     random weights (then ``--from`` must name the start)."""
-    from .. import models
-    from ..config import load_config
 
     config = RunLayout(run_dir).config
     if not config.is_file():

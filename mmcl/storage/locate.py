@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from open_clip import get_pretrained_cfg
+
 from ..errors import CheckpointError
 from . import checkpoints
 from .fsutil import os_error_text
@@ -98,7 +100,6 @@ def read_params_txt(params: Path) -> Dict[str, str]:
 
 def open_clip_train_arch(params: Path) -> Tuple[str, Dict[str, Any]]:
     """The architecture (``--model``) of an open_clip_train run and the preprocessing of the tag it started from."""
-    from open_clip import get_pretrained_cfg
 
     args = read_params_txt(params)
     arch = args.get("model", "")

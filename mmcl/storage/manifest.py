@@ -21,8 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 from ..errors import ConfigError
 from .fsutil import atomic_write_text, files_under, inside
-
-MANIFEST = "mmcl-manifest.json"
+from .layout import MANIFEST
 
 
 def _preview(names: List[str], n: int = 3) -> str:

@@ -28,6 +28,19 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from huggingface_hub import constants
+from open_clip import (
+    download_pretrained,
+    get_pretrained_cfg,
+    is_pretrained_cfg,
+    list_pretrained_models_by_tag,
+    list_pretrained_tags_by_model,
+)
+from open_clip.constants import HF_WEIGHTS_NAME
+from open_clip.pretrained import _get_safe_alternatives, download_pretrained_from_hf
+from open_clip.transformer import QuickGELU
+
+from .. import models
 from ..config import ModelConfig
 from ..errors import CheckpointError, preview
 from . import checkpoints
@@ -50,13 +63,11 @@ class Pretrained:
 
 
 def _hf_cache_dir() -> str:
-    from huggingface_hub import constants
 
     return str(constants.HF_HUB_CACHE)
 
 
 def _hf_offline() -> bool:
-    from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE)
 
@@ -74,8 +85,6 @@ def _in_cache(fetch: Callable[[], str]) -> bool:
 def _weight_alternatives(filename: Optional[str]) -> Tuple[str, ...]:
     """The files open_clip's ``download_pretrained_from_hf`` tries for `filename`, in its order (safetensors first):
     named in the error line when none is in the cache."""
-    from open_clip.constants import HF_WEIGHTS_NAME
-    from open_clip.pretrained import _get_safe_alternatives  # the order open_clip's download follows
 
     filename = filename or HF_WEIGHTS_NAME
     return tuple(_get_safe_alternatives(filename)) + (filename,)
@@ -106,7 +115,6 @@ def _local(name: str) -> Path:
 
 def _hub_problem(name: str) -> Optional[str]:
     """Why ``hf-hub:ORG/NAME`` cannot be resolved: a malformed name, or, offline, a file missing from the cache."""
-    from open_clip.pretrained import download_pretrained_from_hf
 
     repo = name[len(HUB_PREFIX):]
     if repo.count("/") != 1 or not all(repo.split("/")):
@@ -121,13 +129,6 @@ def _hub_problem(name: str) -> Optional[str]:
 def pretrained_problem(name: str, arch: str) -> Optional[str]:
     """Why `model.pretrained=name` (for architecture `arch`) cannot be resolved on this machine, without
     downloading anything; None when it can (or may be downloaded)."""
-    from open_clip import (
-        download_pretrained,
-        get_pretrained_cfg,
-        is_pretrained_cfg,
-        list_pretrained_models_by_tag,
-        list_pretrained_tags_by_model,
-    )
 
     if name.startswith(HUB_PREFIX):
         return _hub_problem(name)
@@ -182,8 +183,6 @@ def _resolve_local(name: str, local: Path, arch: str) -> Pretrained:
 def resolve_pretrained(name: str, arch: str) -> Pretrained:
     """Resolve `model.pretrained` to local files, downloading them through open_clip's own functions (into the
     Hugging Face cache; with HF_HUB_OFFLINE=1 only the cache is read). Raises `CheckpointError` in one line."""
-    from open_clip import download_pretrained, get_pretrained_cfg
-    from open_clip.pretrained import download_pretrained_from_hf
 
     problem = pretrained_problem(name, arch)
     if problem:
@@ -227,23 +226,21 @@ def pretrained_architecture(name: str) -> Optional[str]:
     return f"local-dir:{found.resolve()}"
 
 
-def record_pretrained_architecture(cfg):
-    """The training config `cfg` with ``model.name`` set to the architecture ``model.pretrained`` brings
+def record_pretrained_architecture(model: ModelConfig) -> ModelConfig:
+    """The ``model`` section with ``name`` set to the architecture ``model.pretrained`` brings
     (`pretrained_architecture`), where it brings one: that architecture is the one built, so it is the one the run
     folder's config.yaml records, and a resumed run spelled as the first one is the same run."""
-    brought = pretrained_architecture(cfg.model.pretrained) if cfg.model.pretrained else None
-    if brought is None or brought == cfg.model.name:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=brought))
+    brought = pretrained_architecture(model.pretrained) if model.pretrained else None
+    if brought is None or brought == model.name:
+        return model
+    return dataclasses.replace(model, name=brought)
 
 
 def build_pretrained(cfg: ModelConfig):
     """The model `cfg.pretrained` names, with its weights loaded: ``(model, model_cfg, preprocess_cfg, tokenizer,
     report)``. The architecture is the source's own (hf-hub:, a model directory, an open_clip_train run) or
     model.name's (a tag, a bare weights file); model.* overrides apply on top, as without pretrained."""
-    from open_clip.transformer import QuickGELU
 
-    from .. import models
 
     source = resolve_pretrained(cfg.pretrained, cfg.name)
     section = cfg

@@ -28,9 +28,14 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
+from open_clip.transformer import QuickGELU
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoTokenizer
 
-from ..config import ModelConfig
+from ..config import ModelConfig, load_config
 from ..errors import CheckpointError, ConfigError, preview
 from ..models import towers
 from ..models.towers import (
@@ -40,6 +45,7 @@ from ..models.towers import (
     hf_custom_code_error,
     is_local_dir,
     preprocess_config,
+    resolve_model_config,
 )
 from . import checkpoints, hf_clip
 from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir
@@ -92,7 +98,6 @@ def write_text_tower_files(model: nn.Module, text_cfg: Dict[str, Any], dest: Pat
     files, written into `dest`: the tokenizer files of the first folder of `copy_from` that holds any are copied
     as they are (a saved model or an export being exported again), else the tokenizer that ``hf_tokenizer_name``
     (or ``hf_model_name``) names is loaded with transformers (a local folder or the Hugging Face cache) and saved."""
-    from transformers import AutoTokenizer
 
     if config:
         model.text.config.to_json_file(str(dest / HF_CONFIG_FILE))
@@ -161,8 +166,6 @@ def save_model_dir(model: nn.Module, model_cfg: Dict[str, Any], preprocess_cfg: 
     weights' size and SHA-256 and the files written; files the user added to an earlier `out_dir` are kept.
     Raises `CheckpointError` when the directory cannot be written (read-only, disk full), naming the cause.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
     out_dir = output_dir(out_dir)
     model_cfg = copy.deepcopy(model_cfg)
@@ -299,8 +302,6 @@ def _load_checkpoint(ckpt: Path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, A
 
 def _run_architecture(ckpt: Path) -> Tuple[Dict[str, Any], Dict[str, Any], Path]:
     """(model_cfg, preprocess_cfg, config.yaml) of the run whose checkpoint `ckpt` is, from its ``config.yaml``."""
-    from ..config import load_config
-    from ..models.towers import resolve_model_config
 
     config = RunLayout(ckpt.parent.parent).config
     if ckpt.parent.name != checkpoints.CHECKPOINTS_DIR or not config.is_file():
@@ -319,7 +320,6 @@ def _run_architecture(ckpt: Path) -> Tuple[Dict[str, Any], Dict[str, Any], Path]
 def _load_open_clip_train(ckpt: Path, params: Path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     """An open_clip_train checkpoint as a model: the architecture its ``params.txt`` names (``--model``), the
     preprocessing of the tag it started from (``--pretrained``), the weights of ``state_dict`` loaded strictly."""
-    from ..models.towers import resolve_model_config
 
     arch, tag_pp = open_clip_train_arch(params)
     try:
@@ -351,7 +351,6 @@ def load(path):
 # ------------------------------------------------------------------------------------------------ init_from
 def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
 
         try:
             return load_file(str(path))
@@ -419,7 +418,6 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
 
 def _adapt_to_model(state: Dict[str, torch.Tensor], model: nn.Module) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """open_clip's layout fixes: CLIP -> CustomTextCLIP text keys, scalar vs 1-d scale, resized position grids."""
-    from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
 
     notes = []
     state = dict(state)
@@ -442,7 +440,6 @@ def _adapt_to_model(state: Dict[str, torch.Tensor], model: nn.Module) -> Tuple[D
 
 
 def _hf_activation_note(path: Path, model: nn.Module) -> Optional[str]:
-    from open_clip.transformer import QuickGELU
 
     cfg_file = path / HF_CONFIG_FILE if path.is_dir() else None
     if cfg_file is None or not cfg_file.is_file():

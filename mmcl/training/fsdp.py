@@ -24,8 +24,12 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
+from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+from accelerate.utils.other import get_module_children_bottom_up
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from .. import models
 from ..errors import ConfigError
 
 # accelerate's mixed_precision names and the compute dtype each gives the transformer blocks under FSDP2
@@ -55,7 +59,6 @@ def shard_with_precision(accelerator, model: nn.Module) -> List[str]:
 
     Called before the optimiser is built (it holds the sharded parameters, which `prepare` maps as its own).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     compute = _COMPUTE_DTYPE.get(str(accelerator.mixed_precision))
     plugin = accelerator.state.fsdp_plugin
@@ -65,8 +68,6 @@ def shard_with_precision(accelerator, model: nn.Module) -> List[str]:
         raise ConfigError("fsdp_activation_checkpointing and fsdp_cpu_ram_efficient_loading are not supported under "
                           "mixed precision (mmcl shards the transformer blocks itself); set them to false in the "
                           "launch file (model.grad_checkpointing=true checkpoints the blocks)")
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from accelerate.utils.other import get_module_children_bottom_up
 
     plugin.set_auto_wrap_policy(model)  # as accelerate's prepare does; a second call there changes nothing
     picks = fsdp2_prepare_auto_wrap_policy(plugin, model)
@@ -92,7 +93,6 @@ def full_model(accelerator, model: nn.Module, model_cfg: Dict[str, Any]) -> Opti
     """The full, unsharded weights of an FSDP-prepared `model` in a plain float32 replica in the main process's
     CPU memory (None on the others). Every process must call it (the weights are gathered parameter by
     parameter, each moved to the CPU before the next: torch's full state dict with CPU offload)."""
-    from .. import models
 
     state = accelerator.get_state_dict(model)  # full state dict, gathered to the main process's CPU memory
     if not accelerator.is_main_process:

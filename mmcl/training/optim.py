@@ -46,10 +46,18 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from timm.optim import Muon, create_optimizer_v2, get_optimizer_class
 from torch import nn
+
+try:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+except ImportError:
+    _get_fused_kernels_supported_devices = None
 
 from ..config import OptimConfig
 from ..errors import ConfigError
+from ..storage.fsutil import atomic_write_text
+from ..storage.layout import RunLayout
 
 # Block containers of open_clip (resblocks), Hugging Face encoders (layer), timm (blocks) and GPT-style (h, layers).
 _BLOCK = re.compile(r"(?:^|\.)(?:resblocks|layer|layers|blocks|h)\.(\d+)\.")
@@ -180,8 +188,6 @@ def log_groups(described: List[Dict[str, Any]], log) -> None:
 
 def write_groups(described: List[Dict[str, Any]], out_dir: Path) -> None:
     """``out_dir/param_groups.json`` (replaced atomically)."""
-    from ..storage.fsutil import atomic_write_text
-    from ..storage.layout import RunLayout
 
     atomic_write_text(RunLayout(out_dir).param_groups, json.dumps(described, indent=1) + "\n")
 
@@ -198,12 +204,9 @@ def _fused_problem(groups: List[Dict[str, Any]], device: Optional[torch.device])
     """Why the fused AdamW cannot update these parameters on `device` (where they will train: accelerate moves
     them there after the optimiser is built), or None. torch checks this only at the first step, where it would
     end the run."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        supported = _get_fused_kernels_supported_devices()
-    except ImportError:  # an older torch, which checks when the optimiser is built (below)
+    if _get_fused_kernels_supported_devices is None:  # an older torch, which checks when the optimiser is built
         return None
+    supported = _get_fused_kernels_supported_devices()
     params = [p for g in groups for p in g["params"]]
     kind = torch.device(device).type if device is not None else params[0].device.type
     if kind not in supported:
@@ -264,7 +267,6 @@ def timm_optimizer(model: nn.Module, cfg: OptimConfig, groups: List[Dict[str, An
     and its AdamW fallback), so the optimiser's own defaults hold unless ``optim.kwargs`` sets them. timm's factory
     adds its own defaults (momentum 0.9 where the optimiser takes one, Nesterov for ``sgd``). The name is kept as
     the optimiser's ``timm_name`` for `host_check_line`."""
-    from timm.optim import Muon, create_optimizer_v2, get_optimizer_class
 
     if issubclass(get_optimizer_class(cfg.name, bind_defaults=False), Muon):
         groups = muon_fallback_groups(groups, muon_fallback(model, cfg))

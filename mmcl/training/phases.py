@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..config import TrainConfig, phase_lengths
+from ..config import TrainSection, phase_lengths
 from ..errors import ConfigError
 from ..models import build_tokenizer
 from ..models import resize as model_phases
@@ -50,15 +50,15 @@ class Phase:
         return f"{span}: " + ", ".join(parts)
 
 
-def plan(cfg: TrainConfig, model: nn.Module, model_cfg: Dict[str, Any], total: int) -> List[Phase]:
+def plan(train: TrainSection, model: nn.Module, model_cfg: Dict[str, Any], total: int) -> List[Phase]:
     """The run's phases resolved against its `total` steps (`mmcl.config.phase_lengths`) and the model (none
     without ``train.phases``); makes the image tower follow its input's size when a phase trains at another one.
     Raises ConfigError for lengths that do not make the run and sizes the model cannot take."""
-    if not cfg.train.phases:
+    if not train.phases:
         return []
     size, patch, length = model_phases.full_sizes(model_cfg)
     out, start, problems = [], 0, []
-    for i, (p, steps) in enumerate(zip(cfg.train.phases, phase_lengths(cfg.train.phases, total))):
+    for i, (p, steps) in enumerate(zip(train.phases, phase_lengths(train.phases, total))):
         image_size = size if p.image_size is None else int(p.image_size)
         if p.image_size is not None and (size is None or patch is None):
             problems.append(f"train.phases[{i}].image_size needs a ViT image tower with a patch size (this model "
@@ -72,7 +72,7 @@ def plan(cfg: TrainConfig, model: nn.Module, model_cfg: Dict[str, Any], total: i
         out.append(Phase(start, steps, image_size, p.context_length, p.patch_dropout))
         start += steps
     last = out[-1]
-    if cfg.train.wise_ft and (last.image_size != size or last.context_length not in (None, length)):
+    if train.wise_ft and (last.image_size != size or last.context_length not in (None, length)):
         problems.append("train.wise_ft interpolates the initial and the final weights, which need the same sizes: "
                         "end train.phases with a phase at the model's own image_size and context_length")
     if problems:
@@ -82,9 +82,9 @@ def plan(cfg: TrainConfig, model: nn.Module, model_cfg: Dict[str, Any], total: i
     return out
 
 
-def uses_patch_dropout(cfg: TrainConfig) -> bool:
+def uses_patch_dropout(train: TrainSection) -> bool:
     """Whether some phase drops patches (the masking modules are then needed even at model.patch_dropout=0)."""
-    return any(p.patch_dropout for p in cfg.train.phases)
+    return any(p.patch_dropout for p in train.phases)
 
 
 def phase_at(phases: Sequence[Phase], step: int) -> Optional[Phase]:

@@ -9,16 +9,22 @@ change, and one line says so). The config itself is never rewritten; everything 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, is_initialized
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-from ..config import PRECISION_OF, PRECISIONS, TrainConfig, to_dict, world
+from ..config import PRECISION_OF, PRECISIONS, DataConfig, TrainSection, to_dict, world
+from ..data.sizes import shard_samples
 from ..errors import ConfigError
 from ..run import folder as runfolder
+from ..run import records as tracking
 from ..storage import checkpoints
 
 
@@ -49,57 +55,58 @@ class Runtime:
         return self.batch_size * self.processes * self.accum_steps
 
     @classmethod
-    def plan(cls, cfg: TrainConfig, processes: int) -> "Runtime":
-        """The runtime of `cfg` on `processes` processes, with the batch a resumed run keeps (`batch_plan`)."""
-        batch = batch_plan(cfg, processes)
-        steps, line = run_length(cfg, processes, batch)
+    def plan(cls, data: DataConfig, train: TrainSection, processes: int) -> "Runtime":
+        """The runtime of the ``data`` and ``train`` sections on `processes` processes, with the batch a resumed run
+        keeps (`batch_plan`)."""
+        batch = batch_plan(data, train, processes)
+        steps, line = run_length(data, train, processes, batch)
         return cls(processes, batch.batch_size, batch.accum_steps, steps, line, batch.line)
 
 
-def global_batch_size(cfg: TrainConfig, processes: int) -> int:
+def global_batch_size(data: DataConfig, train: TrainSection, processes: int) -> int:
     """Samples per optimiser step over all processes and micro-batches, as the config sets them."""
-    return cfg.data.batch_size * processes * cfg.train.accum_steps
+    return data.batch_size * processes * train.accum_steps
 
 
-def run_length(cfg: TrainConfig, processes: int, batch: Optional[BatchPlan] = None) -> Tuple[int, str]:
+def run_length(data: DataConfig, train: TrainSection, processes: int,
+               batch: Optional[BatchPlan] = None) -> Tuple[int, str]:
     """(the run's optimiser steps, the line that says how they were found), with the config's batch or `batch`.
     One key decides (`config` refuses train.samples with train.epochs): ``train.epochs`` (passes over the data,
     open_clip's ``--epochs``: the steps of one pass, rounded up, times the epochs, rounded up), else
     ``train.samples`` (the steps that see at least that many samples), else ``train.steps``."""
-    per_step = (global_batch_size(cfg, processes) if batch is None
+    per_step = (global_batch_size(data, train, processes) if batch is None
                 else batch.batch_size * processes * batch.accum_steps)
-    if cfg.train.epochs is not None:
-        if cfg.data.train_num_samples is not None:
-            per_epoch, source = cfg.data.train_num_samples, "data.train_num_samples"
+    if train.epochs is not None:
+        if data.train_num_samples is not None:
+            per_epoch, source = data.train_num_samples, "data.train_num_samples"
         else:
-            from ..data.sizes import shard_samples
 
-            per_epoch, source = shard_samples(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards)
+            per_epoch, source = shard_samples(data.train, data.allow_pipe, data.require_all_shards)
         if per_epoch <= 0:
             raise ConfigError(f"train.epochs: the data holds no samples ({source})")
         epoch_steps = -(-per_epoch // per_step)
-        steps = max(1, math.ceil(cfg.train.epochs * epoch_steps))
-        return steps, (f"train.epochs={cfg.train.epochs:g} of {per_epoch:,} samples ({source}): {steps} steps of "
+        steps = max(1, math.ceil(train.epochs * epoch_steps))
+        return steps, (f"train.epochs={train.epochs:g} of {per_epoch:,} samples ({source}): {steps} steps of "
                        f"{per_step} samples ({epoch_steps} per epoch)")
-    if cfg.train.samples is not None:
-        steps = -(-cfg.train.samples // per_step)
-        return steps, f"train.samples={cfg.train.samples}: {steps} steps of {per_step} samples"
-    return cfg.train.steps, f"train.steps={cfg.train.steps}: {cfg.train.steps} steps of {per_step} samples"
+    if train.samples is not None:
+        steps = -(-train.samples // per_step)
+        return steps, f"train.samples={train.samples}: {steps} steps of {per_step} samples"
+    return train.steps, f"train.steps={train.steps}: {train.steps} steps of {per_step} samples"
 
 
-def total_steps(cfg: TrainConfig, processes: int) -> int:
+def total_steps(data: DataConfig, train: TrainSection, processes: int) -> int:
     """The run's optimiser steps (`run_length`)."""
-    return run_length(cfg, processes)[0]
+    return run_length(data, train, processes)[0]
 
 
-def batch_plan(cfg: TrainConfig, processes: int) -> BatchPlan:
+def batch_plan(data: DataConfig, train: TrainSection, processes: int) -> BatchPlan:
     """The config's per-process batch, unless the run under ``train.output_dir`` is resumed with the per-process
     values it started with (``data.batch_size``, ``train.accum_steps`` as in its config.yaml) on another number of
     processes: then the batch that keeps the run's global batch, with the line that says what was adjusted. Other
     per-process values are the run folder's rule's to judge (`runfolder.decide`). ConfigError when no per-process
     batch gives that global batch."""
-    same = BatchPlan(cfg.data.batch_size, cfg.train.accum_steps)
-    out_dir = Path(cfg.train.output_dir)
+    same = BatchPlan(data.batch_size, train.accum_steps)
+    out_dir = Path(train.output_dir)
     ckpt = checkpoints.latest_checkpoint(out_dir / checkpoints.CHECKPOINTS_DIR)
     if ckpt is None:
         return same
@@ -110,21 +117,21 @@ def batch_plan(cfg: TrainConfig, processes: int) -> BatchPlan:
     saved = int(marker.get("world_size", processes))
     run_cfg = runfolder.saved_config(out_dir)
     total = runfolder.saved_global_batch(out_dir, run_cfg, runfolder.read_record(out_dir))
-    if total is None or total == global_batch_size(cfg, processes):
+    if total is None or total == global_batch_size(data, train, processes):
         return same
     if run_cfg is not None:
         started = (run_cfg.get("data", {}).get("batch_size"), run_cfg.get("train", {}).get("accum_steps", 1))
-        if started != (cfg.data.batch_size, cfg.train.accum_steps):
+        if started != (data.batch_size, train.accum_steps):
             return same  # asked for another batch: refused by the rule, or kept under train.resume=force
-    accum = cfg.train.accum_steps if total % (processes * cfg.train.accum_steps) == 0 else 1
+    accum = train.accum_steps if total % (processes * train.accum_steps) == 0 else 1
     if total % processes != 0:
         raise ConfigError(f"cannot resume {ckpt} on {processes} processes: its global batch of {total} samples "
                           f"does not divide among them (it was written by {saved}); use a number of processes "
                           f"that divides {total}")
     batch_size = total // (processes * accum)
-    what = f"data.batch_size {cfg.data.batch_size} -> {batch_size} per process"
-    if accum != cfg.train.accum_steps:
-        what += f", train.accum_steps {cfg.train.accum_steps} -> {accum}"
+    what = f"data.batch_size {data.batch_size} -> {batch_size} per process"
+    if accum != train.accum_steps:
+        what += f", train.accum_steps {train.accum_steps} -> {accum}"
     return BatchPlan(batch_size, accum, f"resuming on {processes} process(es) a checkpoint written by {saved}: "
                                         f"{what}, keeping the global batch of {total}")
 
@@ -196,9 +203,7 @@ def dist_timeout(seconds: Optional[float]) -> list:
     (none set: torch's default)."""
     if seconds is None:
         return []
-    import datetime
 
-    from accelerate.utils import InitProcessGroupKwargs
 
     return [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=seconds))]
 
@@ -208,7 +213,6 @@ def ddp_options(ddp) -> list:
     options = {k: v for k, v in to_dict(ddp).items() if v is not None}
     if not options:
         return []
-    from accelerate.utils import DistributedDataParallelKwargs
 
     return [DistributedDataParallelKwargs(**options)]
 
@@ -249,8 +253,6 @@ def make_accelerator(precision: str = "auto", **tracking_kwargs):
     a ConfigError naming both, rather than with accelerate's ValueError or with a private reset; tests start each
     test with fresh state (tests/conftest.py).
     """
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, is_initialized
 
     precision, _ = choose_precision(precision)
     mixed_precision = PRECISIONS[precision]
@@ -262,14 +264,13 @@ def make_accelerator(precision: str = "auto", **tracking_kwargs):
     return Accelerator(mixed_precision=mixed_precision, cpu=_cpu_processes(), **tracking_kwargs)
 
 
-def accelerator_for(cfg: TrainConfig):
+def accelerator_for(train: TrainSection):
     """The run's accelerator: its precision, trackers (``train.log_with``), collective timeout and DDP options, with
     TF32 and cuDNN's autotuner set for its device."""
-    from ..run import records as tracking
 
-    accelerator = make_accelerator(cfg.train.precision,
-                                   **tracking.accelerator_kwargs(cfg.train.log_with, Path(cfg.train.output_dir)),
-                                   kwargs_handlers=dist_timeout(cfg.train.dist_timeout_s) + ddp_options(cfg.train.ddp))
-    set_tf32(cfg.train.tf32, accelerator.device)
+    accelerator = make_accelerator(train.precision,
+                                   **tracking.accelerator_kwargs(train.log_with, Path(train.output_dir)),
+                                   kwargs_handlers=dist_timeout(train.dist_timeout_s) + ddp_options(train.ddp))
+    set_tf32(train.tf32, accelerator.device)
     set_cudnn_benchmark(accelerator.device)
     return accelerator

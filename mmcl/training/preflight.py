@@ -16,14 +16,20 @@ larger than the data, where its size is known, with the numbers.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 from typing import List, Optional, Tuple
 
-from ..config import TrainConfig, data_workers
+from ..config import DataConfig, DistillConfig, EvalConfig, ModelConfig, data_workers
 from ..data import has_scheme, missing_shards
-from ..data.sources import _split_spec, redact
+from ..data.shard_inputs import TABLE_EXTS
+from ..data.sizes import shard_samples
+from ..data.sources import redact, split_spec
 from ..errors import ConfigError, DataError
 from ..evaluation.evaluate import reading_options
 from ..evaluation.in_run import set_problems
+from ..models.towers import arch_file_config, is_arch_file
+from ..storage.pretrained import pretrained_problem
 
 _SET_TRAIN = "set it with data.train=... (e.g. data.train='shards/shard-{000000..000009}.tar')"
 
@@ -45,12 +51,10 @@ def _path_problem(key: str, path: str) -> List[str]:
 def _pipe_problems(spec) -> List[str]:
     """``pipe:`` commands whose program is not installed (a missing gsutil would otherwise fail, be retried and
     skipped shard after shard)."""
-    import shlex
-    import shutil
 
     missing = {}
     try:
-        urls = _split_spec(spec, allow_pipe=True)  # a list file's commands, if not allowed, are reported elsewhere
+        urls = split_spec(spec, allow_pipe=True)  # a list file's commands, if not allowed, are reported elsewhere
     except (DataError, OSError):
         return []  # an unreadable spec: `missing_shards` says why
     for url in urls:  # the program is the same for every shard a braced command names
@@ -67,35 +71,34 @@ def _pipe_problems(spec) -> List[str]:
             for program, url in missing.items()]
 
 
-def input_problems(cfg: TrainConfig) -> List[str]:
-    """Every missing input of a training run, one ``key: what`` entry each (empty when all are in place)."""
+def input_problems(data: DataConfig, ev: EvalConfig, model: ModelConfig, distill: DistillConfig) -> List[str]:
+    """Every missing input of a training run, one ``key: what`` entry each (empty when all are in place): the
+    shards (``data``), the evaluation sets (``eval``), the model's files (``model``), the teacher (``distill``)."""
     problems = []
-    if cfg.data.train is None or (isinstance(cfg.data.train, str) and not cfg.data.train.strip()):
+    if data.train is None or (isinstance(data.train, str) and not data.train.strip()):
         problems.append(f"data.train is not set: {_SET_TRAIN}")
     else:
         # Holes in a range (some shards missing) are trained around by the data layer, with one warning.
-        problems += [f"data.train: {p}" for p in missing_shards(cfg.data.train, cfg.data.allow_pipe,
-                                                                 require_all=cfg.data.require_all_shards)]
-        problems += _pipe_problems(cfg.data.train)
+        problems += [f"data.train: {p}" for p in missing_shards(data.train, data.allow_pipe,
+                                                                 require_all=data.require_all_shards)]
+        problems += _pipe_problems(data.train)
     # Each evaluation set opened as its evaluation will open it, with its class names, templates and name.
-    problems += set_problems(cfg.eval, reading_options(cfg.data))
-    if cfg.model.init_from:
-        problems += _path_problem("model.init_from", cfg.model.init_from)
-    from ..models.towers import arch_file_config, is_arch_file
+    problems += set_problems(ev, reading_options(data))
+    if model.init_from:
+        problems += _path_problem("model.init_from", model.init_from)
 
-    if is_arch_file(cfg.model.name):  # a model-config file: there, readable, an open_clip model config
+    if is_arch_file(model.name):  # a model-config file: there, readable, an open_clip model config
         try:
-            arch_file_config(cfg.model.name)
+            arch_file_config(model.name)
         except ConfigError as err:
             problems.append(str(err))
-    if cfg.model.pretrained:  # a tag of model.name, a hub name cached when offline, or a local path
-        from ..storage.pretrained import pretrained_problem
+    if model.pretrained:  # a tag of model.name, a hub name cached when offline, or a local path
 
-        problem = pretrained_problem(cfg.model.pretrained, cfg.model.name)
+        problem = pretrained_problem(model.pretrained, model.name)
         problems += [f"model.pretrained: {problem}"] if problem else []
-    if cfg.distill.teacher:
-        problems += _path_problem("distill.teacher", cfg.distill.teacher)
-    hf = cfg.model.text.hf
+    if distill.teacher:
+        problems += _path_problem("distill.teacher", distill.teacher)
+    hf = model.text.hf
     if hf and not os.path.isdir(os.path.expanduser(hf)) and not _is_hub_name(hf):
         problems.append(f"model.text.hf: {os.path.abspath(os.path.expanduser(hf))} is not a directory (expected "
                         f"a local model directory or a hub name such as sentence-transformers/all-MiniLM-L6-v2)")
@@ -105,32 +108,29 @@ def input_problems(cfg: TrainConfig) -> List[str]:
 def table_problem(spec) -> Optional[str]:
     """A table (the CSV open_clip trains from, or any table `mmcl shards` reads) named as a training source: the
     line that names the command making shards of it."""
-    from ..data.shard_inputs import _TABLE_EXTS
 
     try:
-        sources = _split_spec(spec)
+        sources = split_spec(spec)
     except (DataError, OSError):
         return None  # `missing_shards` says why
     for source in sources:
-        if source.lower().endswith(_TABLE_EXTS) and not (has_scheme(source) and not source.startswith("file://")):
+        if source.lower().endswith(TABLE_EXTS) and not (has_scheme(source) and not source.startswith("file://")):
             return (f"data.train: {redact(source)} is a table, not WebDataset shards: make shards of it with "
                     f"`mmcl shards --input {redact(source)} --out DIR`, then train with data.train=DIR")
     return None
 
 
-def batch_problem(cfg: TrainConfig, processes: int, batch: Optional[Tuple[int, int]] = None) -> Optional[str]:
+def batch_problem(data: DataConfig, processes: int, batch: Tuple[int, int]) -> Optional[str]:
     """A global batch larger than the training data, where the data's size is known (``data.train_num_samples``,
     else the shards' counts, as `mmcl.training.plan.run_length` takes them): a contrastive batch would hold the same
     sample more than once, each copy a false negative of the other. `batch`: the run's (per-process batch,
-    micro-batches) where they are not the config's (`mmcl.training.plan.batch_plan`)."""
-    from ..data.sizes import shard_samples
-
-    batch, accum = batch or (cfg.data.batch_size, cfg.train.accum_steps)
-    if cfg.data.train_num_samples is not None:
-        samples, source = cfg.data.train_num_samples, "data.train_num_samples"
+    micro-batches), as `mmcl.training.plan.batch_plan` finds them."""
+    batch, accum = batch
+    if data.train_num_samples is not None:
+        samples, source = data.train_num_samples, "data.train_num_samples"
     else:
         try:
-            samples, source = shard_samples(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards)
+            samples, source = shard_samples(data.train, data.allow_pipe, data.require_all_shards)
         except (DataError, OSError):
             return None  # not known before reading the data
     if batch * processes * accum <= samples:
@@ -143,17 +143,19 @@ def batch_problem(cfg: TrainConfig, processes: int, batch: Optional[Tuple[int, i
                                                                              "train.accum_steps, or more data"))
 
 
-def check_inputs(cfg: TrainConfig, processes: int = 1, batch: Optional[Tuple[int, int]] = None) -> None:
+def check_inputs(data: DataConfig, ev: EvalConfig, model: ModelConfig, distill: DistillConfig, processes: int,
+                 batch: Tuple[int, int]) -> None:
     """Raise one `ConfigError`: a table given as shards (`table_problem`), every missing input of the run (see
-    `input_problems`), or a global batch of `processes` larger than the data (`batch_problem`)."""
-    text = table_problem(cfg.data.train)
-    problems = [] if text else input_problems(cfg)
+    `input_problems`), or a global batch of `processes` x `batch` (per-process batch, micro-batches) larger than the
+    data (`batch_problem`)."""
+    text = table_problem(data.train)
+    problems = [] if text else input_problems(data, ev, model, distill)
     if problems:
         text = "; ".join(problems)
         if any(not p.startswith("data.train is not set") for p in problems):
             text = (f"missing input{'s' if len(problems) > 1 else ''} (relative paths resolve against the current "
                     f"directory, {os.getcwd()}): {text}")
-    text = text or batch_problem(cfg, processes, batch)
+    text = text or batch_problem(data, processes, batch)
     if not text:
         return
     err = ConfigError(text)

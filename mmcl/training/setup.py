@@ -1,7 +1,9 @@
-"""Building a run's parts, once, in the order they depend on each other: the run folder taken (`take_folder`), the
-model with its locks, sharding, patch dropout and phases (`build_model`), the objective and optimiser, the teacher,
-the data stream (`build_stream`), then accelerate's ``prepare`` and the compiled forms (`build_trainee`). User errors
-end every process alike (`agreed`)."""
+"""Building a run's parts, once, in the order they depend on each other (`setup`, which returns the frozen
+`Parts`): the accelerator and stop signals, the run folder taken (`take_folder`), the model with its locks,
+sharding, patch dropout and phases (`build_model`), the objective and optimiser, the teacher, the data stream
+(`build_stream`), then accelerate's ``prepare``, the compiled forms and the `Step`. With the loop, the one reader of
+the whole training config: each builder it calls gets its own section. User errors end every process alike
+(`agreed`)."""
 
 from __future__ import annotations
 
@@ -10,35 +12,60 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+from accelerate.utils import set_seed
 
 from .. import data as data_mod
 from .. import models
-from ..config import TrainConfig, is_main_process, world
+from ..config import TrainConfig, is_main_process, say, world
 from ..data.sizes import describe_sources
 from ..data.skips import SkipLog
 from ..errors import ConfigError
+from ..evaluation import evaluate
+from ..evaluation.in_run import RunEvaluation
+from ..evaluation.teacher import Teacher
 from ..models import lora
 from ..models import naflex as naflex_model
 from ..models import resize as model_phases
-from ..run.lock import LOCK_NAME, RunLock
+from ..run.lock import RunLock
 from ..run.processes import agreed
+from ..run.signals import StopSignals
 from ..storage import checkpoints, pretrained, weights
-from ..storage.layout import RunLayout
+from ..storage.interpolate import run_start
+from ..storage.layout import LOCK, RunLayout
 from . import fsdp, optim, phases
 from .ema import WeightEMA
-from .plan import Runtime, choose_precision, tf32_setting
+from .plan import Runtime, accelerator_for, choose_precision, tf32_setting
+from .preflight import check_shared_memory
 from .step import Step, objective_from_config
 
 
-@dataclasses.dataclass
-class Trainee:
-    """The model and what trains it: the prepared and unwrapped model, optimiser and objective (and the forms a step
-    calls, compiled under ``train.compile``), the architecture and preprocessing, the weight average, the teacher,
-    the masking modules, the phases and the parameter groups as param_groups.json describes them."""
+@dataclasses.dataclass(frozen=True)
+class WiseFT:
+    """``train.wise_ft`` at the end of the run: the initial weights (main process, on the CPU), what they were
+    (``model.pretrained``, ``model.init_from``) and the alphas."""
 
+    init_state: Dict[str, torch.Tensor]
+    start: str
+    alphas: Tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """A run's parts, built once by `setup` and never replaced: the accelerator and the run's `Runtime`, folder,
+    stop signals and exit stack; the model (prepared, and unwrapped: `raw_model`), optimiser and objective (the
+    forms the `Step` calls, compiled under ``train.compile``), the architecture, preprocessing and tokenizer, the
+    weight average, the teacher, the masking modules, the phases, the parameter groups as param_groups.json describes
+    them, the LoRA settings; the data stream and the `Step`; how the run evaluates (`RunEvaluation`), whether it
+    plots, WiSE-FT's start, and the bytes a checkpoint takes."""
+
+    accelerator: Any
+    rt: Runtime
+    layout: RunLayout
+    stop: StopSignals
+    held: contextlib.ExitStack
     model: torch.nn.Module
     raw_model: torch.nn.Module
     optimizer: Any
@@ -46,26 +73,24 @@ class Trainee:
     model_cfg: Dict[str, Any]
     pp_cfg: Dict[str, Any]
     tokenizer: Any
+    stream: Any
+    step: Step
+    evaluation: RunEvaluation
     ema: Optional[WeightEMA] = None
     teacher: Any = None  # distill.teacher: a frozen `mmcl.evaluation.teacher.Teacher`, never saved
-    patch_dropout: List[torch.nn.Module] = dataclasses.field(default_factory=list)
-    phases: List[phases.Phase] = dataclasses.field(default_factory=list)
-    param_groups: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
-    wise_init: Optional[Dict[str, torch.Tensor]] = None  # train.wise_ft: the initial weights (main process)
+    patch_dropout: Tuple[torch.nn.Module, ...] = ()
+    phases: Tuple[phases.Phase, ...] = ()
+    param_groups: Tuple[Dict[str, Any], ...] = ()
     lora: Optional[Dict[str, Any]] = None  # model.lora's settings when adapters train (`mmcl.models.lora.settings`)
+    wise_ft: Optional[WiseFT] = None
+    plot: bool = False
+    ckpt_bytes: int = 0
 
     def meta(self) -> Dict[str, Any]:
         """The architecture and preprocessing each checkpoint records beside its weights (a checkpoint is a model),
         and the LoRA settings its adapters were made with, by which a loader merges them."""
         meta = {"model_cfg": self.model_cfg, "preprocess_cfg": self.pp_cfg}
         return {**meta, "lora": self.lora} if self.lora else meta
-
-
-def log_line(accelerator, msg: str) -> None:
-    from ..errors import printable
-
-    if accelerator.is_main_process:
-        print(f"mmcl: {printable(msg)}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ the folder
@@ -85,10 +110,10 @@ def _remove_unused(out_dir: Path, made: Optional[Path], locked: bool) -> None:
     nothing, or nothing but the lock file it holds (`locked`; another run's lock is never removed)."""
     if made is None or not out_dir.is_dir():
         return
-    if any(entry.name != LOCK_NAME or not locked for entry in out_dir.iterdir()):
+    if any(entry.name != LOCK or not locked for entry in out_dir.iterdir()):
         return
     with contextlib.suppress(OSError):
-        (out_dir / LOCK_NAME).unlink(missing_ok=True)
+        (out_dir / LOCK).unlink(missing_ok=True)
         folder = out_dir.absolute()
         while True:
             folder.rmdir()  # only an empty folder; stops at the first that is not
@@ -102,7 +127,7 @@ def take_folder(accelerator, layout: RunLayout, held: contextlib.ExitStack) -> N
     anything (a full disk, a wrong model.name) leaves no folder behind; one refused by the lock removes nothing of
     the holder's."""
     def take():
-        if not accelerator.is_main_process:
+        if not is_main_process():
             return
         made, lock = _first_missing(layout.root), RunLock(layout.root)
         held.callback(lock.release)
@@ -110,7 +135,7 @@ def take_folder(accelerator, layout: RunLayout, held: contextlib.ExitStack) -> N
         checkpoints.check_output_dir(layout.root, layout.checkpoints)
         warning = lock.acquire()
         if warning:
-            log_line(accelerator, warning)
+            say(warning)
 
     agreed(accelerator, take)
 
@@ -120,7 +145,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     """The model as configured (pretrained or built, ``model.init_from``'s weights, the locks, FSDP's sharding),
     with its architecture, preprocessing, tokenizer, the masking modules and the run's phases. Returns
     (model, model_cfg, pp_cfg, tokenizer, patch_dropout, phases, wise_init)."""
-    log = lambda msg: log_line(accelerator, msg)  # noqa: E731
+    log = say
     if cfg.model.pretrained:  # by name: architecture (where the source has one), preprocessing and weights
         built = agreed(accelerator, lambda: pretrained.build_pretrained(cfg.model))
         model, model_cfg, pp_cfg, tokenizer, report = built
@@ -132,7 +157,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
         log(weights.init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
     wise_init = None
-    if cfg.train.wise_ft and accelerator.is_main_process:  # WiSE-FT's start point, on the CPU until the end
+    if cfg.train.wise_ft and is_main_process():  # WiSE-FT's start point, on the CPU until the end
         wise_init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     if cfg.model.lora.r:  # after WiSE-FT's start point, which is the plain model's
         log(lora.apply_lora(model, cfg.model.lora))
@@ -151,10 +176,10 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
         fsdp.vector_scalars(model)
         fsdp.shard_with_precision(accelerator, model)  # bf16/fp16: float32 reduction, temperature and bias
     masking = []
-    if cfg.model.patch_dropout or phases.uses_patch_dropout(cfg):
+    if cfg.model.patch_dropout or phases.uses_patch_dropout(cfg.train):
         masking = models.set_patch_dropout(model, cfg.model.patch_dropout, cfg.train.seed, accelerator.process_index,
                                            accelerator.num_processes, rt.accum_steps)
-    planned = agreed(accelerator, lambda: phases.plan(cfg, model, model_cfg, rt.total_steps))
+    planned = agreed(accelerator, lambda: phases.plan(cfg.train, model, model_cfg, rt.total_steps))
     model_size, _, model_length = model_phases.full_sizes(model_cfg)
     for p in planned:
         log(f"phase {p.describe(model_size, model_length)}")
@@ -189,86 +214,99 @@ def naflex_plan(cfg: TrainConfig, pp_cfg: Dict[str, Any]):
                                      cfg.train.seed)
 
 
-def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, trainee: "Trainee", layout: RunLayout):
+def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, tokenizer, pp_cfg: Dict[str, Any],
+                 model_cfg: Dict[str, Any], teacher, planned, layout: RunLayout):
     """The training stream at the run's per-process batch (`Runtime`), the training transform from the model's
     preprocessing and ``data.aug``, the teacher's view and the phases' input sizes; /dev/shm checked for its
     batches; skipped samples named in skipped.jsonl by every process."""
-    from .preflight import check_shared_memory
-
-    image_spec = data_mod.train_image_input(trainee.pp_cfg, cfg.data.aug)
-    model_size = model_phases.full_sizes(trainee.model_cfg)[0]
+    image_spec = data_mod.train_image_input(pp_cfg, cfg.data.aug)
+    model_size = model_phases.full_sizes(model_cfg)[0]
     data_cfg = dataclasses.replace(cfg.data, batch_size=rt.batch_size)  # the run's batch (`Runtime`)
-    teacher = trainee.teacher
-    plan = naflex_plan(cfg, trainee.pp_cfg)
+    plan = naflex_plan(cfg, pp_cfg)
     stream = agreed(accelerator, lambda: data_mod.build_train_stream(
-        data_cfg, image_spec, models.training_tokenizer(model, trainee.tokenizer), seed=cfg.train.seed,
+        data_cfg, image_spec, models.training_tokenizer(model, tokenizer), seed=cfg.train.seed,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         pin_memory=accelerator.device.type == "cuda",
         teacher_view=None if teacher is None else teacher.view, stored_teacher=cfg.distill.from_shards,
-        sizes=phases.input_sizes(trainee.phases, model_size, rt.accum_steps),
+        sizes=phases.input_sizes(planned, model_size, rt.accum_steps),
         naflex=plan))
     # Each batch a data worker sends is a shared-memory segment: a container's small /dev/shm fails mid-run.
-    size = getattr(image_spec, "size", None) or trainee.pp_cfg["size"]
+    size = getattr(image_spec, "size", None) or pp_cfg["size"]
     if plan is not None:  # the largest NaFlex batch: capacity images of the shortest length's patches
         data_cfg = dataclasses.replace(data_cfg, batch_size=plan.capacity)
         size = plan.patch_size * math.ceil(math.sqrt(min(plan.seq_lens)))
-        log_line(accelerator, f"NaFlex: sequence lengths {list(plan.seq_lens)} (weights "
-                 f"{[round(p, 3) for p in plan.probs]}), {plan.max_tokens} patch tokens per process batch: "
-                 f"{plan.max_tokens // max(plan.seq_lens)}-{plan.capacity} pairs, padded to {plan.capacity} in the "
-                 f"loss (data.batch_size is not used)")
+        say(f"NaFlex: sequence lengths {list(plan.seq_lens)} (weights {[round(p, 3) for p in plan.probs]}), "
+            f"{plan.max_tokens} patch tokens per process batch: {plan.max_tokens // max(plan.seq_lens)}-"
+            f"{plan.capacity} pairs, padded to {plan.capacity} in the loss (data.batch_size is not used)")
     check_shared_memory(data_cfg, size, stream.uint8, world().local_size)
     stream.skip_log = SkipLog(layout.skipped)  # appended to by every process
     return stream
 
 
-def build_trainee(cfg: TrainConfig, rt: Runtime, accelerator, layout: RunLayout):
-    """The model, objective, optimiser, teacher and data stream, prepared by accelerate; the `Step` that trains
-    them. Returns (trainee, stream, step)."""
-    log = lambda msg: log_line(accelerator, msg)  # noqa: E731
+def evaluation_for(cfg: TrainConfig) -> RunEvaluation:
+    """How the run evaluates (`mmcl.evaluation.in_run.RunEvaluation`): its ``eval`` section, the training data's
+    members and reading limits, the validation loss's objective from ``loss.*``."""
+    return RunEvaluation(cfg.eval, data_mod.sample_keys(cfg.data), evaluate.reading_options(cfg.data),
+                         lambda: objective_from_config(cfg.loss), cfg.train.seed, cfg.data.batch_size,
+                         str(cfg.train.output_dir))
+
+
+def setup(cfg: TrainConfig, rt: Runtime, held: contextlib.ExitStack) -> Parts:
+    """The run's parts, in the order they depend on each other: the accelerator and the stop signals, the run folder
+    taken, the model, objective, optimiser, teacher and data stream, prepared by accelerate, and the `Step` that
+    trains them."""
+    accelerator = accelerator_for(cfg.train)
+    stop = held.enter_context(StopSignals())
+    layout = RunLayout(cfg.train.output_dir)
+    take_folder(accelerator, layout, held)
+    if rt.resized_line:  # a checkpoint written by another number of processes: the same global batch
+        say(rt.resized_line)
+    optim.check_schedule(cfg.optim, rt.total_steps)
+    set_seed(cfg.train.seed)
     model, model_cfg, pp_cfg, tokenizer, masking, planned, wise_init = build_model(cfg, rt, accelerator)
     objective = objective_from_config(cfg.loss)
     objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     groups = optim.param_groups(model, cfg.optim)
     optimizer = optim.build_optimizer(model, cfg.optim, groups, device=accelerator.device)
     described = []
-    if accelerator.is_main_process:
+    if is_main_process():
         described = optim.describe(model, groups, cfg.optim)  # printed once; param_groups.json at the start
-        optim.log_groups(described, log)
+        optim.log_groups(described, say)
     teacher = None
     if cfg.distill.teacher:  # frozen, on the device; not prepared, not optimised, never saved
-        from ..evaluation.teacher import Teacher
-
         teacher = agreed(accelerator, lambda: Teacher.load(cfg.distill.teacher, accelerator.device))
-        log(f"distilling from {cfg.distill.teacher} (logit scale {float(teacher.scale):.2f})")
-    trainee = Trainee(model, model, optimizer, objective, model_cfg, pp_cfg, tokenizer, teacher=teacher,
-                      patch_dropout=masking, phases=planned, param_groups=described, wise_init=wise_init,
-                      lora=lora.settings(cfg.model.lora) if cfg.model.lora.r else None)
-    stream = build_stream(cfg, rt, accelerator, model, trainee, layout)
-    trainee.model, trainee.optimizer = accelerator.prepare(model, optimizer)
-    trainee.raw_model = accelerator.unwrap_model(trainee.model)
-    step_model, loss_fn = trainee.model, objective
+        say(f"distilling from {cfg.distill.teacher} (logit scale {float(teacher.scale):.2f})")
+    stream = build_stream(cfg, rt, accelerator, model, tokenizer, pp_cfg, model_cfg, teacher, planned, layout)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    raw_model = accelerator.unwrap_model(prepared)
+    step_model, loss_fn = prepared, objective
     if cfg.train.compile:
         # After prepare: dynamo then compiles the DDP-wrapped model in pieces cut at DDP's gradient buckets, so each
         # bucket's all-reduce overlaps the rest of the backward (compiled before wrapping, one graph would finish
         # its backward before any all-reduce starts). The objective (tiled losses included) is compiled too;
         # checkpoints, the EMA and evaluation keep using the modules themselves.
-        step_model, loss_fn = torch.compile(trainee.model), torch.compile(objective)
+        step_model, loss_fn = torch.compile(prepared), torch.compile(objective)
     objective.to(accelerator.device)
-    if cfg.train.ema_decay:  # after the locks: locked parameters get no average
-        trainee.ema = WeightEMA(trainee.raw_model, cfg.train.ema_decay)
-    step = Step(accelerator, step_model, trainee.raw_model, trainee.optimizer, loss_fn, grad_clip=cfg.optim.grad_clip,
-                max_logit_scale=cfg.model.max_logit_scale, ema=trainee.ema, teacher=teacher,
+    ema = WeightEMA(raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None  # after the locks
+    step = Step(accelerator, step_model, raw_model, optimizer, loss_fn, grad_clip=cfg.optim.grad_clip,
+                max_logit_scale=cfg.model.max_logit_scale, ema=ema, teacher=teacher,
                 finish_images=stream.finish_images,
                 capacity=None if stream.naflex is None else stream.naflex.capacity)
     if not step.checks.on_device:  # one line: what the run does instead, and why
-        log(optim.host_check_line(trainee.optimizer, getattr(accelerator, "scaler", None))
+        say(optim.host_check_line(optimizer, getattr(accelerator, "scaler", None))
             or "a step with a non-finite loss is detected on the host (one device sync per step)")
-    return trainee, stream, step
+    evaluation = evaluation_for(cfg)
+    wise = None if wise_init is None else WiseFT(wise_init, run_start(cfg.model), tuple(cfg.train.wise_ft))
+    return Parts(accelerator, rt, layout, stop, held, prepared, raw_model, optimizer, objective, model_cfg, pp_cfg,
+                 tokenizer, stream, step, evaluation, ema=ema, teacher=teacher, patch_dropout=tuple(masking),
+                 phases=tuple(planned), param_groups=tuple(described),
+                 lora=lora.settings(cfg.model.lora) if cfg.model.lora.r else None, wise_ft=wise,
+                 plot=bool(cfg.train.plot), ckpt_bytes=checkpoints.state_bytes(raw_model))
 
 
 def describe_setup(cfg: TrainConfig, rt: Runtime, accelerator, workers: int) -> None:
     """Log the processes, distribution, device, precision and global batch, and launch settings not in effect."""
-    log = lambda msg: log_line(accelerator, msg)  # noqa: E731
+    log = say
     dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     precision, source = choose_precision(cfg.train.precision)
     log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
@@ -279,7 +317,7 @@ def describe_setup(cfg: TrainConfig, rt: Runtime, accelerator, workers: int) -> 
             log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
                 f"the model is replicated on every process")
     log(rt.length_line)
-    if accelerator.is_main_process:  # what each source of data.train resolved to: its shards and, where known, counts
+    if is_main_process():  # what each source of data.train resolved to: its shards and, where known, counts
         for line in describe_sources(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards,
                                      cfg.data.train_num_samples):
             log(line)

@@ -31,6 +31,7 @@ import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .. import losses, models
 from ..config import LossConfig, get, term_keys
@@ -126,7 +127,7 @@ def _stored_teacher(b, device) -> losses.TeacherFeatures:
     return losses.TeacherFeatures(image, text, _moved(b["teacher_scale"][0], device).float())
 
 
-def _teacher_features(teacher, batches, device, autocast=contextlib.nullcontext):
+def teacher_targets(teacher, batches, device, autocast=contextlib.nullcontext):
     """The teacher's features of the micro-batches, concatenated: computed by `teacher` (a
     `evaluation.teacher.Teacher`, under `autocast`, the student's mixed precision), or read from the batches (stored
     in
@@ -205,7 +206,7 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
     """
     device = accelerator.device
     step_capacity = None if capacity is None else capacity * len(batches)
-    teacher_features = _teacher_features(teacher, batches, device, accelerator.autocast)
+    from_teacher = teacher_targets(teacher, batches, device, accelerator.autocast)
     ids = _sample_ids(batches, device)
     if len(batches) == 1:
         b = batches[0]
@@ -214,7 +215,7 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
                 model, _images(b, device, finish_images), _moved(b["text"], device))
             loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
                                 None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics, teacher_features, ids, step_capacity)
+                                with_metrics, from_teacher, ids, step_capacity)
         return loss, terms, None
     feats, rng_states = [], []
     # Each micro-batch replays the same RNG states, the CPU's and the device's, on its second pass (dropout and
@@ -234,7 +235,7 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
     # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
     labels = torch.cat([_moved(b["label"], device) for b in batches])
     loss, terms = score(objective, cache.image_features, cache.text_features, cache.logit_scale, cache.logit_bias,
-                        labels, with_metrics, teacher_features, ids, step_capacity)
+                        labels, with_metrics, from_teacher, ids, step_capacity)
     return loss, terms, cache
 
 
@@ -290,7 +291,6 @@ class FiniteChecks:
         0.0 (a flag, never a count: see the module's notes on ``found_inf``)."""
         bad = (~torch.isfinite(loss.detach())).reshape(()).to(torch.float32)
         if self.accelerator.num_processes > 1:
-            import torch.distributed as dist
 
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # in place; nothing is read on the host
         return bad

@@ -121,7 +121,7 @@ def test_vit_b_32_is_open_clip_laion_recipe():
     assert abs(cfg.train.samples - 32 * 407e6) / (32 * 407e6) < 0.01
     from mmcl.training.plan import total_steps
 
-    assert total_steps(cfg, processes) == -(-cfg.train.samples // 32768)
+    assert total_steps(cfg.data, cfg.train, processes) == -(-cfg.train.samples // 32768)
     model_cfg = models.resolve_model_config(cfg.model)
     assert model_cfg["embed_dim"] == 512 and model_cfg["vision_cfg"]["patch_size"] == 32
 

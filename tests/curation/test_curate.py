@@ -30,7 +30,7 @@ from helpers import png
 curate_mod = importlib.import_module("mmcl.curation.curate")  # the module (the package exports its function)
 
 
-def _unit(rows):
+def coefficient_unit(rows):
     x = np.asarray(rows, dtype=np.float64)
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
@@ -45,7 +45,7 @@ def test_text_and_score_rules_by_hand():
     readable = np.array([True, True, True, True, True, False])
     caption_len = np.array([3, 10, 25, 12, 8, 0])
     score = np.array([0.30, 0.10, 0.25, 0.31, 0.05, np.nan], dtype=np.float32)
-    images = _unit(np.eye(n, 4, k=0) + 0.01)
+    images = coefficient_unit(np.eye(n, 4, k=0) + 0.01)
     rules = Rules(min_caption_len=5, max_caption_len=20, clip_score_min=0.08).check()
     d = decide(rules, readable, caption_len, score, images)
     # 0: 3 chars < 5; 2: 25 > 20; 4: 0.05 < 0.08; 5: no embedding
@@ -58,7 +58,7 @@ def test_top_fraction_is_exact_over_the_whole_set_with_ties_to_the_earlier_sampl
     # 5 readable samples: round(0.5 * 5) = 3 kept (half up), ranked 0.9 > 0.5 (index 1) = 0.5 (index 3) > ...
     readable = np.array([True, True, True, True, True, False])
     score = np.array([0.9, 0.5, 0.1, 0.5, 0.3, np.nan], dtype=np.float32)
-    images = _unit(np.ones((6, 3)))
+    images = coefficient_unit(np.ones((6, 3)))
     d = decide(Rules(clip_score_top=0.5).check(), readable, np.full(6, 10), score, images)
     assert _reasons(d) == [None, None, "clip_score_top", None, "clip_score_top", "unreadable"]
     assert d.top_threshold == pytest.approx(0.5)
@@ -79,7 +79,7 @@ def test_dedup_keeps_the_first_of_each_group_greedily(monkeypatch):
     c = [0.28, 0.96, 0.0]
     d_ = [0.0, 0.0, 1.0]
     e = [1.0, 0.0, 0.0]  # an exact copy of a
-    images = _unit([a, b, c, d_, e])
+    images = coefficient_unit([a, b, c, d_, e])
     keep, of, sim = greedy_dedup(images, 0.75)
     assert keep.tolist() == [True, False, True, True, False]
     assert of.tolist() == [-1, 0, -1, -1, 0]
@@ -92,7 +92,7 @@ def test_dedup_keeps_the_first_of_each_group_greedily(monkeypatch):
     assert d.other.tolist() == [-1, -1, 1, -1, 1]
     # the blocks of the scan do not change the answer
     rng = np.random.default_rng(0)
-    many = _unit(rng.standard_normal((2500, 8)))
+    many = coefficient_unit(rng.standard_normal((2500, 8)))
     many[1500] = many[3]
     reference = greedy_dedup(many, 0.9)
     monkeypatch.setattr(rules_mod, "_BLOCK", 7)
@@ -102,8 +102,8 @@ def test_dedup_keeps_the_first_of_each_group_greedily(monkeypatch):
 
 
 def test_decontamination_drops_matches_of_any_evaluation_image():
-    images = _unit([[1, 0, 0], [0, 1, 0], [0.6, 0.8, 0], [0, 0, 1]])
-    eval_images = _unit([[0, 0.1, 1], [0.62, 0.78, 0]])
+    images = coefficient_unit([[1, 0, 0], [0, 1, 0], [0.6, 0.8, 0], [0, 0, 1]])
+    eval_images = coefficient_unit([[0, 0.1, 1], [0.62, 0.78, 0]])
     d = decide(Rules(decontaminate="x", decontaminate_threshold=0.99).check(), np.ones(4, bool), np.full(4, 9),
                np.zeros(4, np.float32), images, eval_images)
     cos_2 = float(images[2] @ eval_images[1])  # 0.9995
@@ -119,7 +119,7 @@ def test_language_rule_by_hand_and_by_py3langid(setup, tmp_path):
 
     languages = np.array(["en", "de", "en", "fr", ""])
     d = decide(Rules(language=("en", "fr")).check(), np.array([True, True, True, True, False]), np.full(5, 9),
-               np.zeros(5, np.float32), _unit(np.ones((5, 2))), languages=languages)
+               np.zeros(5, np.float32), coefficient_unit(np.ones((5, 2))), languages=languages)
     assert _reasons(d) == [None, "language", None, None, "unreadable"]
     assert caption_languages(["a dog runs in the park with a red ball",
                               "ein Hund läuft mit einem roten Ball im Park"]).tolist() == ["en", "de"]

@@ -15,6 +15,8 @@ from mmcl.data import read_raw_samples
 from mmcl.errors import ConfigError
 from mmcl.shards.writer import write_shards
 
+from helpers import check_run_inputs
+
 
 class _Shards(http.server.BaseHTTPRequestHandler):
     files: dict = {}
@@ -125,12 +127,11 @@ def test_the_training_stream_sees_every_sample_once_through_dropped_connections(
 
 
 def test_a_pipe_command_that_is_not_installed_is_one_line_before_training(tmp_path):
-    from mmcl.training.preflight import check_inputs
 
     cfg = load_config(None, ["data.train=pipe:gsutil-not-installed cat gs://bucket/shard-{000..003}.tar"])
     with pytest.raises(ConfigError, match="the command 'gsutil-not-installed' of pipe:.* is not installed"):
-        check_inputs(cfg)
-    check_inputs(load_config(None, [f"data.train=pipe:cat {tmp_path}/x.tar"]))  # cat exists: nothing to say
+        check_run_inputs(cfg)
+    check_run_inputs(load_config(None, [f"data.train=pipe:cat {tmp_path}/x.tar"]))  # cat exists: nothing to say
     with pytest.raises(ConfigError, match="data.retries must be >= 0"):
         load_config(None, ["data.retries=-1"])
 

@@ -265,8 +265,8 @@ def test_tile_elements_per_device():
     assert tiling.cuda_tile_elements(24 * 10 ** 9) == 1 << 26
     assert tiling.cuda_tile_elements(4 * 10 ** 9) == 1 << 24
     assert tiling.cuda_tile_elements(10 ** 15) == 1 << 28
-    assert tiling._tile_width(1024, 262144, torch.device("cpu")) == 4096
-    assert tiling._tile_width(64, 100, torch.device("cpu")) == 100
+    assert tiling.tile_width(1024, 262144, torch.device("cpu")) == 4096
+    assert tiling.tile_width(64, 100, torch.device("cpu")) == 100
 
 
 def test_ops_per_tiled_step_at_32k_per_gpu_on_8_gpus_with_the_gpu_tile(monkeypatch):

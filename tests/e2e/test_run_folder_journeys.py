@@ -11,11 +11,10 @@ import pytest
 
 from mmcl import models
 from mmcl.cli import main
-from mmcl.config import load_config
+from mmcl.config import load_config, to_dict
 from mmcl.errors import ConfigError
-from mmcl.training.preflight import check_inputs
 
-from helpers import short_run
+from helpers import check_run_inputs, short_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,10 +70,10 @@ def test_a_global_batch_larger_than_the_data_is_refused_with_the_numbers(small_d
     cfg = load_config(None, short_run(small_demo["train"], out, "data.batch_size=24", "train.accum_steps=2")[3:])
     with pytest.raises(ConfigError, match=r"global batch of 96 samples \(data.batch_size=24 x 2 processes x "
                                           r"train.accum_steps=2\) is larger than the data's 64 samples.*at most 16"):
-        check_inputs(cfg, processes=2)
-    check_inputs(cfg, processes=1)  # 48 of 64
+        check_run_inputs(cfg, processes=2)
+    check_run_inputs(cfg, processes=1)  # 48 of 64
     with pytest.raises(ConfigError, match=r"the data's 40 samples \(data.train_num_samples\)"):
-        check_inputs(load_config(None, short_run(small_demo["train"], out, "data.train_num_samples=40",
+        check_run_inputs(load_config(None, short_run(small_demo["train"], out, "data.train_num_samples=40",
                                                  "train.epochs=1")[3:]), 6)
 
 
@@ -102,13 +101,13 @@ def test_a_run_that_logged_a_step_is_not_taken_over(tmp_path):
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
     (tmp_path / "metrics.jsonl").write_text("")
     other = load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8", "optim.lr=0.01"])
-    decision = decide(other, 1, 10)
+    decision = decide(to_dict(other), 1, 10)
     assert (decision.action, decision.write_config) == ("start", True)
     assert decision.line == (f"taking over {tmp_path}: its last run stopped before step 1 (config differences: "
                              f"optim.lr 0.0005 -> 0.01)")
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     with pytest.raises(ConfigError, match=r"holds another run \(step 0\): optim.lr 0.0005 -> 0.01;"):
-        decide(other, 1, 10)
+        decide(to_dict(other), 1, 10)
 
 
 PAUSED = """

@@ -127,9 +127,11 @@ def test_a_shard_list_runs_pipe_commands_only_when_allowed(tmp_path, monkeypatch
         data.expand_urls(str(folder / "upper.yaml"))
     from mmcl.training.preflight import input_problems
 
-    problems = input_problems(load_config(overrides=[f"data.train={listing}"]))
+    from helpers import inputs_of
+
+    problems = input_problems(*inputs_of(load_config(overrides=[f"data.train={listing}"])))
     assert len(problems) == 1 and "data.allow_pipe=true" in problems[0] and problems[0].startswith("data.train:")
-    assert input_problems(load_config(overrides=[f"data.train={listing}", "data.allow_pipe=true"])) == []
+    assert input_problems(*inputs_of(load_config(overrides=[f"data.train={listing}", "data.allow_pipe=true"]))) == []
     assert not (tmp_path / MARKER).exists()
     # Allowed: the command runs, and its samples are read with the file's.
     keys, _ = _epoch(_stream(str(listing), allow_pipe=True))
@@ -312,6 +314,8 @@ import json, resource, sys, warnings
 from torchvision import transforms as T
 from mmcl import data
 from mmcl.config import DataConfig
+
+from helpers import inputs_of
 
 cfg = DataConfig(train=sys.argv[1], batch_size=1, workers=0, shuffle_buffer=1)
 stream = data.build_train_stream(cfg, T.Compose([T.Resize(8), T.CenterCrop(8), T.ToTensor()]),

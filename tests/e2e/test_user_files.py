@@ -16,7 +16,7 @@ from mmcl.config import load_config
 from mmcl.data import epoch_shard_plan, missing_shards
 from mmcl.training.preflight import input_problems
 
-from helpers import TRAINING_TOWERS
+from helpers import TRAINING_TOWERS, inputs_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,11 +110,11 @@ def test_holes_are_one_rule_for_preflight_and_the_data_layer(tmp_path):
 
     spec = _holes(tmp_path)
     assert missing_shards(spec, require_all=False) == []
-    assert input_problems(load_config(None, [f"data.train={spec}"])) == []
+    assert input_problems(*inputs_of(load_config(None, [f"data.train={spec}"]))) == []
     with pytest.warns(UserWarning, match=r"^1 of 4 shards of .* do not exist, e\.g\. .*s-2\.tar; using the 3 that do"):
         assert [os.path.basename(u) for u in expand_sources(spec)[0]] == ["s-0.tar", "s-1.tar", "s-3.tar"]
     strict = load_config(None, [f"data.train={spec}", "data.require_all_shards=true"])
-    assert input_problems(strict) == [f"data.train: 1 of the 4 paths that '{spec}' names are missing "
+    assert input_problems(*inputs_of(strict)) == [f"data.train: 1 of the 4 paths that '{spec}' names are missing "
                                       f"({tmp_path}/shards/s-2.tar)"]
     with pytest.raises(DataError, match="1 of 4 shards .* do not exist.*data.require_all_shards=true"):
         expand_sources(spec, require_all=True)
@@ -127,7 +127,7 @@ def test_holes_are_one_rule_for_preflight_and_the_data_layer(tmp_path):
                            seed=0)
     # A range of which no shard exists is refused whatever the key says.
     gone = str(tmp_path / "none" / "s-{0..3}.tar")
-    assert input_problems(load_config(None, [f"data.train={gone}"])) == [
+    assert input_problems(*inputs_of(load_config(None, [f"data.train={gone}"]))) == [
         f"data.train: all of the 4 paths that '{gone}' names are missing ({tmp_path}/none/s-0.tar, "
         f"{tmp_path}/none/s-1.tar, {tmp_path}/none/s-2.tar, ...)"]
 

@@ -14,7 +14,7 @@ from mmcl.data import build_eval_dataset
 from mmcl.errors import DataError
 from mmcl.evaluation import evaluate
 
-from helpers import TRAINING_TOWERS, write_folder, write_shard
+from helpers import TRAINING_TOWERS, inputs_of, write_folder, write_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,14 +136,14 @@ def test_preflight_refuses_a_wrong_classnames_file_before_training(tmp_path):
     (root / "classnames.txt").write_text("red\ngreen\n")
     shard = write_shard(tmp_path / "train" / "shard-000000.tar", [("a", (255, 0, 0), "red", None)])
     cfg = load_config(None, [f"data.train={shard}", f"eval.zeroshot={root}"])
-    problems = input_problems(cfg)
+    problems = input_problems(*inputs_of(cfg))
     assert any(p.startswith("eval.zeroshot: ") and "has 2 class names" in p for p in problems), problems
     (root / "classnames.txt").write_text("red\ngreen\nblue\n")
-    assert input_problems(cfg) == []
+    assert input_problems(*inputs_of(cfg)) == []
     names = tmp_path / "names.txt"
     names.write_text("blue\ngreen\nred\nyellow\n")
     cfg = load_config(None, [f"data.train={shard}", f"eval.zeroshot={root}", f"eval.classnames={names}"])
-    problems = input_problems(cfg)
+    problems = input_problems(*inputs_of(cfg))
     # The words `mmcl zeroshot --classnames` uses for the same mistake (one loader, one message).
     assert any(p.startswith("eval.classnames: ") and "4 class names given for the 3 class folders" in p
                for p in problems), problems

@@ -21,7 +21,7 @@ from mmcl.config import load_config
 from mmcl.errors import ConfigError, DataError
 from mmcl.evaluation import in_run as eval_sets
 
-from helpers import ACCELERATE_LAUNCH, ROOT, TRAINING_TOWERS, metrics, run_args
+from helpers import ACCELERATE_LAUNCH, ROOT, TRAINING_TOWERS, inputs_of, metrics, run_args
 
 # ---------------------------------------------------------------------------------------------------------
 # eval.zeroshot / eval.retrieval: one path, or a list of named sets
@@ -184,7 +184,7 @@ def test_retrieval_of_an_image_folder_and_a_missing_val_set_are_named_before_ste
     shard = write_shard(tmp_path / "train" / "0.tar", [("k", (255, 0, 0), "red", None)])
     cfg = load_config(None, [f"data.train={shard}", f"eval.retrieval={folder}",
                              f"eval.val_loss={tmp_path}/held-out/{{0..1}}.tar"])
-    assert input_problems(cfg) == [
+    assert input_problems(*inputs_of(cfg)) == [
         f"eval.retrieval: {folder} is an ImageFolder, which has no captions (retrieval needs shards with captions, "
         f"KEY.txt)",
         f"eval.val_loss: all of the 2 paths that '{tmp_path}/held-out/{{0..1}}.tar' names are missing "
@@ -272,7 +272,8 @@ def test_val_loss_scores_every_term_of_the_objective_on_the_same_batches(tmp_pat
 
 
 def test_run_eval_logs_val_entries_in_eval_mode_and_restores_training_mode(tmp_path):
-    from mmcl.training.end import run_eval
+    from mmcl.evaluation.in_run import run_eval
+    from mmcl.training.setup import evaluation_for
     from mmcl.training.step import objective_from_config
 
     torch.manual_seed(2)
@@ -282,10 +283,10 @@ def test_run_eval_logs_val_entries_in_eval_mode_and_restores_training_mode(tmp_p
     model, _, pp, _, eval_tf, tokenizer = models.build(cfg.model)
     model.train()  # patch dropout in training mode: the validation loss must not depend on it
     accelerator = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), autocast=contextlib.nullcontext)
-    assert run_eval(cfg, model, tokenizer, pp, accelerator, 1, 4) == {}  # not due at step 1
+    assert run_eval(evaluation_for(cfg), model, tokenizer, pp, accelerator, 1, 4) == {}  # not due at step 1
     results = {}
-    first = run_eval(cfg, model, tokenizer, pp, accelerator, 2, 4, results)
-    second = run_eval(cfg, model, tokenizer, pp, accelerator, None, 4)  # the final evaluation: everything
+    first = run_eval(evaluation_for(cfg), model, tokenizer, pp, accelerator, 2, 4, results)
+    second = run_eval(evaluation_for(cfg), model, tokenizer, pp, accelerator, None, 4)  # final: everything
     assert model.training
     assert set(first) == {"val/loss", "val/loss/clip", "val/align", "val/uniform_image", "val/uniform_text"}
     assert first == second
@@ -305,7 +306,7 @@ def test_val_loss_with_distillation_is_refused():
 
 @pytest.mark.slow
 def test_several_named_sets_each_on_its_own_steps(demo, tmp_path):
-    from mmcl.evaluation.evaluate import _dataset_name
+    from mmcl.evaluation.evaluate import dataset_name
 
     out = tmp_path / "run"
     code = main(["train", *run_args(demo, out, "train.steps=6", "data.batch_size=8", "data.workers=0",
@@ -317,7 +318,7 @@ def test_several_named_sets_each_on_its_own_steps(demo, tmp_path):
     assert code == 0
     rows = {r["step"]: r for r in metrics(out)}
     colours, shapes = ("eval/zeroshot_classification/colours/acc1", "eval/zeroshot_classification/shapes/acc1")
-    held_out = _dataset_name(demo["val"])  # a bare path: named after it
+    held_out = dataset_name(demo["val"])  # a bare path: named after it
     retrieval = f"eval/zeroshot_retrieval/{held_out}/image_retrieval_recall@1"
     assert sorted(rows) == [2, 3, 4, 5, 6]  # each set's steps, the logged step 5 and the last
     assert [s for s in sorted(rows) if colours in rows[s]] == [2, 4, 6]

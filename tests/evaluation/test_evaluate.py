@@ -348,13 +348,13 @@ def test_training_loop_call_and_cli(tiny_model_dir, tmp_path):
 def test_classnames_given_in_another_order_follow_the_folder_labels(tmp_path):
     from types import SimpleNamespace
 
-    from mmcl.evaluation.evaluate import _resolve_classnames
+    from mmcl.evaluation.evaluate import resolve_classnames
 
     ds = SimpleNamespace(folders=["blue", "green", "red"], classnames=["blue", "green", "red"])
     # Labels index the sorted folders; names given as red, blue, green must not be paired by position.
-    assert _resolve_classnames(str(tmp_path), ds, ["red", "blue", "green"]) == ["blue", "green", "red"]
+    assert resolve_classnames(str(tmp_path), ds, ["red", "blue", "green"]) == ["blue", "green", "red"]
     # Human-readable names that are not the folder names are taken in the order given.
-    assert _resolve_classnames(str(tmp_path), ds, ["sky", "grass", "fire"]) == ["sky", "grass", "fire"]
+    assert resolve_classnames(str(tmp_path), ds, ["sky", "grass", "fire"]) == ["sky", "grass", "fire"]
 
 
 def test_zeroshot_over_ten_classes_equals_open_clips_classifier_and_labels_its_bar(tiny_model_dir, tmp_path, capsys):

@@ -411,7 +411,7 @@ def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinfor
     from mmcl.config import load_config
     from mmcl.data import ImageSpec, build_train_stream
     from mmcl.evaluation.teacher import Teacher
-    from mmcl.training.step import _teacher_features
+    from mmcl.training.step import teacher_targets
 
     out, _ = reinforced
     cfg = load_config(None, [f"data.train={out}/*.tar", "data.batch_size=24", "data.workers=0"])
@@ -421,8 +421,8 @@ def test_stored_and_online_teacher_give_the_same_term(demo, teacher_run, reinfor
     stored = build_train_stream(cfg.data, ImageSpec.from_config(pp), tokenizer, seed=0, stored_teacher=True)
     b_online, b_stored = next(iter(online)), next(iter(stored))
     assert b_online["key"] == b_stored["key"] and torch.equal(b_online["text"], b_stored["text"])
-    t_online = _teacher_features(teacher, [b_online], torch.device("cpu"))
-    t_stored = _teacher_features(None, [b_stored], torch.device("cpu"))
+    t_online = teacher_targets(teacher, [b_online], torch.device("cpu"))
+    t_stored = teacher_targets(None, [b_stored], torch.device("cpu"))
     assert (t_online.image - t_stored.image).abs().max() < 2e-3
     assert float(t_stored.scale) == pytest.approx(float(t_online.scale), rel=1e-6)
     with torch.no_grad():

@@ -138,9 +138,9 @@ def test_objective_terms_are_one_table_read_through_the_config_keys():
     term list; training reads each weight through its config key and a term's own section (``loss.mochi``) as the
     objective's keywords."""
     from mmcl.config import term_keys
-    from mmcl.losses.objective import _TABLE
+    from mmcl.losses.objective import TABLE
 
-    assert tuple(row.name for row in _TABLE) == losses.TERMS == tuple(term_keys())
+    assert tuple(row.name for row in TABLE) == losses.TERMS == tuple(term_keys())
     assert term_keys()["mochi"] == "loss.mochi.weight"
     obj = objective_from_config(LossConfig(clip=0.0, mochi=MochiConfig(weight=0.5, n_hard=7, s=3, s_prime=2,
                                                                        mix_max=0.25, queue_size=12)))
@@ -316,3 +316,24 @@ def test_the_losses_import_torch_and_nothing_else_of_mmcl():
                 continue
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def test_a_new_term_is_one_row_of_the_table(monkeypatch):
+    """A toy term registered the way a new one is (its function and one row of `objective.TABLE`) is computed, weighted
+    and logged by the objective like the others; the config side is its weight in `LossConfig` (not needed here,
+    where the objective is built from numbers)."""
+    from mmcl.losses import objective as objective_mod
+
+    def toy_loss(image, text):  # mean squared distance of the pairs, float64 reference below
+        return (image.float() - text.float()).pow(2).sum(1).mean()
+
+    row = objective_mod.Term("toy", (), lambda o, x: toy_loss(x.image, x.text))
+    monkeypatch.setattr(objective_mod, "TABLE", objective_mod.TABLE + (row,))
+    monkeypatch.setattr(objective_mod, "TERMS", objective_mod.TERMS + ("toy",))
+    img, txt = pair_features(8, 16, seed=3)
+    scale = torch.tensor(10.0)
+    obj = objective_mod.ContrastiveObjective({"clip": 1.0, "toy": 0.5})
+    total, terms = obj(img, txt, scale)
+    expected_toy = (img.double() - txt.double()).pow(2).sum(1).mean()
+    assert terms["loss/toy"] == pytest.approx(float(expected_toy), rel=1e-6)
+    assert float(total) == pytest.approx(terms["loss/clip"] + 0.5 * float(expected_toy), rel=1e-6)

@@ -70,7 +70,7 @@ def test_supcon_rejects_bad_labels():
 def test_supcon_positive_mean_logits_gradcheck():
     """The tiled SupCon's positive term (class means rebuilt in backward): gradcheck with repeated, single and
     unlabelled (-1) classes, rows at an offset into a longer key set, and values against the autograd form."""
-    from mmcl.losses.clip import _positive_logits
+    from mmcl.losses.clip import positive_logits
     from mmcl.losses.supcon import _positive_means, _PositiveMeanLogits
 
     g = torch.Generator().manual_seed(9)
@@ -82,5 +82,5 @@ def test_supcon_positive_mean_logits_gradcheck():
     assert torch.autograd.gradcheck(lambda q, k, s: _PositiveMeanLogits.apply(q, k, s, q_labels, k_labels, 2),
                                     (q, k, s))
     ours = _PositiveMeanLogits.apply(q, k, s, q_labels, k_labels, 2)
-    ref = _positive_logits(q, _positive_means(k, q_labels, k_labels, 2), s, 0)
+    ref = positive_logits(q, _positive_means(k, q_labels, k_labels, 2), s, 0)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)

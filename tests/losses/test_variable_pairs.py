@@ -199,7 +199,7 @@ DDP_CASES = {"clip": ({"clip": 1.0}, None), "clip_tiled": ({"clip": 1.0}, 4), "s
              "siglip_tiled": ({"siglip": 1.0}, 4)}
 
 
-def _inputs():
+def inputs():
     g = torch.Generator().manual_seed(1)
     return (torch.randn(sum(SIZES), 6, generator=g, dtype=torch.float64),
             torch.randn(sum(SIZES), 7, generator=g, dtype=torch.float64))
@@ -221,7 +221,7 @@ def _step(model, raw, weights, chunk, images, texts, capacity=None):
 
 def _worker(rank, port, path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    images, texts = _inputs()
+    images, texts = inputs()
     start = sum(SIZES[:rank])
     rows = slice(start, start + SIZES[rank])
     results = {}
@@ -230,7 +230,7 @@ def _worker(rank, port, path):
         model = DistributedDataParallel(raw)
         results[name] = _step(model, raw, weights, chunk, images[rows], texts[rows], CAPACITY)
         full = slice(rank * CAPACITY, (rank + 1) * CAPACITY)  # both ranks full: 12 pairs, masked and unmasked
-        wide = _inputs()[0].repeat(2, 1)[full], _inputs()[1].repeat(2, 1)[full]
+        wide = inputs()[0].repeat(2, 1)[full], inputs()[1].repeat(2, 1)[full]
         results[name + "/full"] = _step(model, raw, weights, chunk, *wide, CAPACITY)
         results[name + "/unmasked"] = _step(model, raw, weights, chunk, *wide)
     valid = torch.arange(CAPACITY) < SIZES[rank]
@@ -258,7 +258,7 @@ def _assert_same(got, want, rel):
 
 @pytest.mark.slow
 def test_two_ranks_of_different_sizes_equal_one_process(two_ranks):
-    images, texts = _inputs()
+    images, texts = inputs()
     for name, (weights, chunk) in DDP_CASES.items():
         raw = TinyTowers(with_bias="siglip" in weights, dim=D)
         reference = _step(raw, raw, weights, chunk, images, texts)  # one process, the 8 pairs, no padding

@@ -628,8 +628,8 @@ def test_mmcl_model_classes_equal_open_clips_for_the_same_config_and_weights():
     from open_clip.model import resize_pos_embed
 
     from mmcl.config import load_config
-    from mmcl.models.clip_classes import GridFollowingVisionTransformer, ShortTextCLIP
-    from mmcl.models.resize import follow_input_size
+    from mmcl.models.clip_classes import ShortTextCLIP
+    from mmcl.models.resize import GridFollowingVisionTransformer, follow_input_size
 
     torch.manual_seed(0)
     model, model_cfg, *_, tokenizer = models.build(load_config(None, []).model)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmcl.cli import main
-from mmcl.config import load_config
+from mmcl.config import load_config, to_dict
 from mmcl.errors import ConfigError
 
 from helpers import short_run
@@ -111,16 +111,16 @@ def test_a_folder_of_another_mmcl_command_is_refused(tmp_path):
     (tmp_path / "mmcl-manifest.json").write_text(json.dumps({"command": "demo-data", "files": []}))
     cfg = load_config(None, [f"train.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="holds the output of mmcl demo-data"):
-        decide(cfg, 1, 10)
+        decide(to_dict(cfg), 1, 10)
 
 
 def test_an_empty_folder_or_one_with_a_lock_alone_starts_a_run(tmp_path):
     from mmcl.run.folder import decide
 
     cfg = load_config(None, [f"train.output_dir={tmp_path}"])
-    assert decide(cfg, 1, 10).action == "start"
+    assert decide(to_dict(cfg), 1, 10).action == "start"
     (tmp_path / ".lock").write_text("")
-    assert decide(cfg, 1, 10).action == "start"
+    assert decide(to_dict(cfg), 1, 10).action == "start"
 
 
 @pytest.mark.slow
@@ -135,14 +135,14 @@ def test_the_readme_second_example_on_two_processes_is_refused_and_the_same_comm
     tiny, colour = str(ROOT / "configs" / "tiny.yaml"), small_demo["zeroshot_colour"]
     other = load_config(tiny, short_run(small_demo, out, "data.batch_size=32", zeroshot=colour)[3:])
     with pytest.raises(ConfigError, match=r"data.batch_size 8 -> 32 \(a global batch of 64, the run's is 8\)"):
-        decide(other, 2, 2)
+        decide(to_dict(other), 2, 2)
     same = load_config(tiny, short_run(small_demo, out, zeroshot=colour)[3:])
-    plan = batch_plan(same, 2)
+    plan = batch_plan(same.data, same.train, 2)
     assert plan.batch_size == 4 and "keeping the global batch of 8" in plan.line
-    assert decide(same, 2, 2).action == "finished"
+    assert decide(to_dict(same), 2, 2).action == "finished"
     # The same global batch split otherwise is the same run too.
     split = load_config(tiny, short_run(small_demo, out, "data.batch_size=4", zeroshot=colour)[3:])
-    assert decide(split, 2, 2).action == "finished"
+    assert decide(to_dict(split), 2, 2).action == "finished"
 
 
 @pytest.mark.slow
@@ -221,11 +221,12 @@ def test_a_run_folder_written_before_the_record_is_still_its_run(tmp_path):
     ckpt.mkdir(parents=True)
     (ckpt / "COMPLETE").write_text(json.dumps({"step": 4, "samples": 32, "world_size": 1, "files": {}}))
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
-    decision = decide(cfg, 1, 10)
+    decision = decide(to_dict(cfg), 1, 10)
     assert (decision.action, decision.write_config) == ("resume", True)  # the record is written then
     assert decision.line == f"{tmp_path} holds this run (step 4 of 10): resuming it"
     with pytest.raises(ConfigError, match=r"holds another run \(step 4\): optim.lr 0.0005 -> 0.01;"):
-        decide(load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8", "optim.lr=0.01"]), 1, 10)
+        other = load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8", "optim.lr=0.01"])
+        decide(to_dict(other), 1, 10)
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from mmcl.errors import TrainingError
-from mmcl.run.lock import LOCK_NAME, RunLock
+from mmcl.run.lock import RunLock
+from mmcl.storage.layout import LOCK as LOCK_NAME
 
 HOLD = """
 import sys

@@ -50,10 +50,10 @@ def watched_train(cfg, long_caption: bool = False):
     real_step, real_after, real_next = Step.__call__, loop_mod.after_step, loop_mod.next_batches
     events, current, watch = {}, [0], [None]
 
-    def next_batches(run, data_iter):
-        batches = real_next(run, data_iter)
+    def next_batches(parts, state, data_iter):
+        batches = real_next(parts, state, data_iter)
         if long_caption:  # the batch as the data loader gives it when one caption fills the context
-            full = run.trainee.tokenizer(["word " * 200])
+            full = parts.tokenizer(["word " * 200])
             for b in batches:
                 text = F.pad(b["text"], (0, full.shape[1] - b["text"].shape[1]))
                 text[0] = full[0]

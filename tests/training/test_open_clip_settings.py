@@ -10,8 +10,9 @@ import torch
 
 from mmcl import models
 from mmcl.config import DataConfig, data_workers, load_config
-from mmcl.training import end as finish
+from mmcl.evaluation.in_run import run_eval
 from mmcl.training import plan as runtime
+from mmcl.training.setup import evaluation_for
 
 from helpers import COLOURS, ROOT, TRAINING_TOWERS, write_folder
 from spawned import free_port
@@ -62,7 +63,7 @@ def test_evaluation_runs_under_the_run_mixed_precision(tmp_path, fresh_accelerat
         fresh_accelerate_state()
         accelerator = runtime.make_accelerator(precision)
         results[precision] = {}
-        finish.run_eval(cfg, model, tokenizer, pp, accelerator, None, 4, results[precision])
+        run_eval(evaluation_for(cfg), model, tokenizer, pp, accelerator, None, 4, results[precision])
     fresh_accelerate_state()
     assert seen[0] is False and seen[-1] is True, seen
     fp32, bf16 = (results[p]["zeroshot"]["zs"]["metrics"] for p in ("fp32", "bf16"))

@@ -128,7 +128,7 @@ def test_phases_config_from_the_command_line_and_its_errors():
     model, model_cfg, *_ = models.build(bad.model)
     with pytest.raises(ConfigError, match=r"image_size=36 is not a multiple of the patch size 8.*context_length=40 "
                                           r"exceeds the model's context length 32"):
-        phases.plan(bad, model, model_cfg, 10)
+        phases.plan(bad.train, model, model_cfg, 10)
 
 
 def test_phases_as_fractions_or_the_rest_follow_the_run_length(demo):
@@ -157,8 +157,8 @@ def test_phases_as_fractions_or_the_rest_follow_the_run_length(demo):
     model, model_cfg, *_ = models.build(load_config(None, TRAINING_TOWERS).model)
     for length in ("train.samples=800", "train.epochs=2"):
         cfg = load_config(None, [*TRAINING_TOWERS, f"data.train={demo['train']}", "data.batch_size=8", length, spec])
-        total = runtime.total_steps(cfg, 1)
-        plan = phases.plan(cfg, model, model_cfg, total)
+        total = runtime.total_steps(cfg.data, cfg.train, 1)
+        plan = phases.plan(cfg.train, model, model_cfg, total)
         assert [(p.start, p.steps, p.image_size) for p in plan] == [
             (0, math.floor(0.9 * total), 32), (math.floor(0.9 * total), total - math.floor(0.9 * total), 64)]
 

@@ -8,7 +8,9 @@ import pytest
 from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
-from mmcl.training.preflight import check_inputs, input_problems
+from mmcl.training.preflight import input_problems
+
+from helpers import check_run_inputs, inputs_of
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -33,7 +35,7 @@ def test_every_missing_input_is_named_with_its_resolved_path(tmp_path, monkeypat
         "model.text.hf=shards/minilm",  # one slash, like a hub id, but ./shards is a directory here
         "data.require_all_shards=true"])  # holes in a range are refused only with this key
     home = os.path.expanduser("~")
-    assert input_problems(cfg) == [
+    assert input_problems(*inputs_of(cfg)) == [
         f"data.train: 2 of the 5 paths that 'shards/shard-{{000000..000004}}.tar' names are missing "
         f"({tmp_path}/shards/shard-000002.tar, {tmp_path}/shards/shard-000004.tar)",
         f"data.train: no file matches {tmp_path}/nowhere/*.tar",
@@ -46,7 +48,7 @@ def test_every_missing_input_is_named_with_its_resolved_path(tmp_path, monkeypat
         f"such as sentence-transformers/all-MiniLM-L6-v2)",
     ]
     with pytest.raises(ConfigError) as err:
-        check_inputs(cfg)
+        check_run_inputs(cfg)
     assert str(err.value).startswith(f"missing inputs (relative paths resolve against the current directory, "
                                      f"{tmp_path}): data.train: 2 of the 5 paths")
     # Once everything is there (hub names and URLs are not checked), nothing is reported.
@@ -55,17 +57,18 @@ def test_every_missing_input_is_named_with_its_resolved_path(tmp_path, monkeypat
     ok = load_config(None, ["data.train=shards/shard-{000000..000004}.tar::pipe:cat /nope/{0..3}.tar",
                             "eval.zeroshot=folder", "model.text.hf=sentence-transformers/all-MiniLM-L6-v2",
                             "eval.templates=openai_imagenet_template"])
-    assert input_problems(ok) == []
-    check_inputs(ok)
+    assert input_problems(*inputs_of(ok)) == []
+    check_run_inputs(ok)
 
 
 def test_one_template_in_eval_templates_is_checked_as_a_template_not_looked_for_as_a_file(tmp_path):
     train = f"data.train={_touch(tmp_path / 'a.tar')}"
     _touch(tmp_path / "folder" / "cat" / "0.png")
     ok = load_config(None, [train, f"eval.zeroshot={tmp_path / 'folder'}", "eval.templates=a sketch of a {}."])
-    assert input_problems(ok) == []
+    assert input_problems(*inputs_of(ok)) == []
     bad = load_config(None, [train, f"eval.zeroshot={tmp_path / 'folder'}", "eval.templates=a {name} of a {}."])
-    assert input_problems(bad) == ["eval.templates: templates a {name} of a {}.: every template needs '{}' for the "
+    assert input_problems(*inputs_of(bad)) == [
+        "eval.templates: templates a {name} of a {}.: every template needs '{}' for the "
                                    "class name, and no other field in braces (write a brace as '{{' or '}}') (got "
                                    "'a {name} of a {}.')"]
 
@@ -73,7 +76,8 @@ def test_one_template_in_eval_templates_is_checked_as_a_template_not_looked_for_
 def test_an_eval_directory_without_images_or_shards_is_missing_data(tmp_path):
     (tmp_path / "eval").mkdir()
     cfg = load_config(None, [f"data.train={_touch(tmp_path / 'a.tar')}", f"eval.zeroshot={tmp_path / 'eval'}"])
-    assert input_problems(cfg) == [f"eval.zeroshot: no images or shards in {tmp_path}/eval (expected an ImageFolder "
+    assert input_problems(*inputs_of(cfg)) == [
+        f"eval.zeroshot: no images or shards in {tmp_path}/eval (expected an ImageFolder "
                                    f"{tmp_path}/eval/<class>/<image>.jpg|png|... or .tar shards)"]
 
 

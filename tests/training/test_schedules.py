@@ -19,6 +19,10 @@ from mmcl.training.step import FiniteChecks
 from helpers import TRAINING_TOWERS
 
 
+def _sections(cfg):
+    return cfg.data, cfg.train
+
+
 def _sgd():
     return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
@@ -123,11 +127,11 @@ def test_epochs_from_train_num_samples_as_open_clip():
     # open_clip: ceil(samples / global batch) steps per epoch, times the epochs.
     cfg = load_config(None, ["train.epochs=3", "data.train_num_samples=1000", "data.batch_size=32",
                              "train.accum_steps=2"])
-    steps, line = run_length(cfg, 4)  # global batch 256: 4 steps per epoch
-    assert steps == 12 == total_steps(cfg, 4)
+    steps, line = run_length(cfg.data, cfg.train, 4)  # global batch 256: 4 steps per epoch
+    assert steps == 12 == total_steps(cfg.data, cfg.train, 4)
     assert line == "train.epochs=3 of 1,000 samples (data.train_num_samples): 12 steps of 256 samples (4 per epoch)"
     half = load_config(None, ["train.epochs=0.5", "data.train_num_samples=1000", "data.batch_size=100"])
-    assert run_length(half, 1)[0] == 5
+    assert run_length(half.data, half.train, 1)[0] == 5
 
 
 def test_epochs_from_sizes_json_beside_the_shards(tmp_path):
@@ -135,12 +139,12 @@ def test_epochs_from_sizes_json_beside_the_shards(tmp_path):
     (tmp_path / "a" / "sizes.json").write_text(json.dumps(
         {"shard-000000.tar": 100, "shard-000001.tar": 90, "shard-000002.tar": 10, "other.tar": 5000}))
     cfg = load_config(None, [f"data.train={spec}", "train.epochs=2", "data.batch_size=64"])
-    steps, line = run_length(cfg, 1)
+    steps, line = run_length(cfg.data, cfg.train, 1)
     assert steps == 2 * math.ceil(200 / 64) and "200 samples (sizes.json)" in line
     # A range with a hole: the shards that exist count (the data layer trains on them).
     cfg = load_config(None, [f"data.train={str(tmp_path / 'a' / 'shard-{000000..000003}.tar')}", "train.epochs=1",
                              "data.batch_size=64"])
-    assert run_length(cfg, 1)[0] == math.ceil(200 / 64)
+    assert run_length(cfg.data, cfg.train, 1)[0] == math.ceil(200 / 64)
 
 
 def test_epochs_from_img2dataset_stats_and_len_files(tmp_path):
@@ -148,11 +152,11 @@ def test_epochs_from_img2dataset_stats_and_len_files(tmp_path):
     for i, n in enumerate((7, 5)):
         (tmp_path / "b" / f"shard-{i:06d}_stats.json").write_text(json.dumps({"successes": n, "count": 10}))
     cfg = load_config(None, [f"data.train={spec}", "train.epochs=1", "data.batch_size=4"])
-    assert run_length(cfg, 1)[0] == 3  # 12 samples
+    assert run_length(cfg.data, cfg.train, 1)[0] == 3  # 12 samples
     spec = _shards(tmp_path / "c", 2)
     (tmp_path / "c" / "__len__").write_text("41\n")
     cfg = load_config(None, [f"data.train={spec}::{tmp_path / 'b'}", "train.epochs=1", "data.batch_size=4"])
-    steps, line = run_length(cfg, 1)
+    steps, line = run_length(cfg.data, cfg.train, 1)
     assert steps == math.ceil((41 + 12) / 4) and "__len__" in line
 
 
@@ -160,15 +164,15 @@ def test_epochs_with_unknown_counts_or_two_lengths_is_one_error(tmp_path):
     spec = _shards(tmp_path / "d", 2)
     cfg = load_config(None, [f"data.train={spec}", "train.epochs=1"])
     with pytest.raises(DataError, match=r"shard-000000.tar is unknown .*data.train_num_samples"):
-        run_length(cfg, 1)
+        run_length(cfg.data, cfg.train, 1)
     # __len__ is a folder's total: it cannot count for part of the folder.
     (tmp_path / "d" / "__len__").write_text("50")
     cfg = load_config(None, [f"data.train={tmp_path / 'd' / 'shard-000000.tar'}", "train.epochs=1"])
     with pytest.raises(DataError, match="unknown"):
-        run_length(cfg, 1)
+        run_length(cfg.data, cfg.train, 1)
     remote = load_config(None, ["data.train=https://example.com/shard-{0..3}.tar", "train.epochs=1"])
     with pytest.raises(DataError, match="URL or pipe: command has no sizes file"):
-        run_length(remote, 1)
+        run_length(remote.data, remote.train, 1)
     with pytest.raises(ConfigError, match=r"train.samples \(100\) and train.epochs \(2.0\) both set"):
         load_config(None, ["train.samples=100", "train.epochs=2"])
     with pytest.raises(ConfigError, match="data.train_num_samples is set but train.epochs is not"):
@@ -178,9 +182,9 @@ def test_epochs_with_unknown_counts_or_two_lengths_is_one_error(tmp_path):
 
 
 def test_steps_and_samples_keep_their_meaning():
-    assert run_length(load_config(None, ["train.steps=7", "data.batch_size=8"]), 2) == (
+    assert run_length(*_sections(load_config(None, ["train.steps=7", "data.batch_size=8"])), 2) == (
         7, "train.steps=7: 7 steps of 16 samples")
-    assert run_length(load_config(None, ["train.samples=100", "data.batch_size=8"]), 2)[0] == 7
+    assert run_length(*_sections(load_config(None, ["train.samples=100", "data.batch_size=8"])), 2)[0] == 7
 
 
 # ------------------------------------------------------------------------------------------------ found_inf

@@ -51,7 +51,7 @@ def test_the_teacher_runs_in_the_students_mixed_precision_and_returns_float32():
     from accelerate import Accelerator
 
     from mmcl.evaluation.teacher import Teacher
-    from mmcl.training.step import _teacher_features
+    from mmcl.training.step import teacher_targets
 
     model = micro_model(3).eval().requires_grad_(False)
     teacher = Teacher(model, view=None, finish=lambda x: x.float() / 255.0, name="micro")
@@ -60,7 +60,7 @@ def test_the_teacher_runs_in_the_students_mixed_precision_and_returns_float32():
     reference = teacher.embed(batch["teacher_image"], batch["teacher_text"])  # float32 throughout
     acc = Accelerator(cpu=True, mixed_precision="bf16")
     with _MatmulDtypes() as seen:
-        features = _teacher_features(teacher, [batch], torch.device("cpu"), acc.autocast)
+        features = teacher_targets(teacher, [batch], torch.device("cpu"), acc.autocast)
     assert seen.dtypes[torch.bfloat16] > 0 and seen.dtypes[torch.float32] == 0, seen.dtypes
     assert features.image.dtype == features.text.dtype == torch.float32
     # bf16 towers: the same directions to bf16 precision (cosine ~1 - 1e-4), unit norm in float32.

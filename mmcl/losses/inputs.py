@@ -1,5 +1,5 @@
 """What every loss takes besides its own parameters, in one place: the gathered global batch (`Gathered`), the key
-sets it resolves to (`_columns`), and the argument checks the losses share."""
+sets it resolves to (`gathered_columns`), and the argument checks the losses share."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .errors import LossInputError
-from .tiling import _upcast
+from .tiling import upcast
 
 
 class Gathered(NamedTuple):
@@ -33,11 +33,11 @@ class Gathered(NamedTuple):
     all_valid: Optional[Tensor] = None  # (M,) bool, or None: the real rows of padded batches (`pad_pairs`)
 
 
-def _columns(image_features: Tensor, text_features: Tensor,
+def gathered_columns(image_features: Tensor, text_features: Tensor,
              gathered: Optional[Gathered]) -> Tuple[Tensor, Tensor, int, bool]:
     """The key sets of a two-modality loss: (all_image, all_text, offset, single), single=True when this process
     holds the whole batch (no gathered columns, or columns that are the rows themselves). Call it with the rows
-    already upcast (`_upcast`); gathered columns come back upcast the same way."""
+    already upcast (`upcast`); gathered columns come back upcast the same way."""
     if gathered is None:
         return image_features, text_features, 0, True
     all_img, all_txt, offset = gathered.all_image_features, gathered.all_text_features, gathered.offset
@@ -49,18 +49,18 @@ def _columns(image_features: Tensor, text_features: Tensor,
             f"gathered features must be (M, {image_features.shape[1]}) for both modalities (got "
             f"{tuple(all_img.shape)} and {tuple(all_txt.shape)})"
         )
-    _check_offset(offset, n, m)
+    check_offset(offset, n, m)
     single = offset == 0 and all_img is image_features and all_txt is text_features
-    all_img, all_txt = _upcast(all_img, all_txt)
+    all_img, all_txt = upcast(all_img, all_txt)
     return all_img, all_txt, offset, single
 
 
-def _check_offset(offset: int, n: int, m: int) -> None:
+def check_offset(offset: int, n: int, m: int) -> None:
     if not 0 <= offset <= m - n:
         raise LossInputError(f"offset must be in [0, {m - n}] for {n} local rows of {m} (got {offset})")
 
 
-def _check_pair(image_features: Tensor, text_features: Tensor) -> None:
+def check_pair(image_features: Tensor, text_features: Tensor) -> None:
     if image_features.dim() != 2 or text_features.dim() != 2:
         raise LossInputError(
             f"features must be 2-D (B, D) (got image {tuple(image_features.shape)}, "
@@ -75,12 +75,12 @@ def _check_pair(image_features: Tensor, text_features: Tensor) -> None:
         raise LossInputError("empty batch (got 0 pairs, expected at least 1)")
 
 
-def _check_chunk(chunk_size: Optional[int]) -> None:
+def check_chunk(chunk_size: Optional[int]) -> None:
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
         raise LossInputError(f"chunk_size must be a positive integer or None (got {chunk_size!r})")
 
 
-def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
+def check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
     """(n,) long labels, -1 for "no label" (all -1 when `labels` is None)."""
     if labels is None:
         return torch.full((n,), -1, dtype=torch.long, device=device)
@@ -92,7 +92,7 @@ def _check_labels(labels: Optional[Tensor], n: int, device) -> Tensor:
     return labels.long()
 
 
-def _check_on_device(condition: Tensor, message: str) -> None:
+def check_on_device(condition: Tensor, message: str) -> None:
     """Require a 0-dim bool `condition` without reading it on the host: a device-side assertion on a GPU (no
     wait; a failure stops the run there), `LossInputError` at once on the CPU."""
     try:
