@@ -349,3 +349,43 @@ def test_the_checker_sees_a_function_that_takes_the_whole_config(tmp_path):
     mods = [_fake(tmp_path, "training.end", "def f(run):\n    return run.cfg.eval, run.cfg.train.plot\n"
                                             "def g(ev):\n    return ev.every\n")]
     assert whole_config_problems(mods) == ["mmcl/training/end.py:1 f(run) takes the whole config (reads eval, train)"]
+
+
+# Rule 5: one home for each run-folder name, one is-main, one way to say a line.
+SAYS = {"config.process"}  # `say`; the CLI prints a command's results and its one error line
+
+
+def layout_names():
+    from mmcl.storage import layout
+
+    return {v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str)}
+
+
+def one_home_problems(mods):
+    names, problems = layout_names(), []
+    # Names that are also plain words elsewhere (a results key "model", a stage "latest") are matched only as a path
+    # joined to a folder: the file names below are matched wherever they stand.
+    spelled = {n for n in names if "." in n or "-" in n or n in ("COMPLETE",)}
+    for name, path in mods:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if name != "storage.layout" and isinstance(node, ast.Constant) and node.value in spelled:
+                problems.append(f"mmcl/{name.replace('.', '/')}.py:{node.lineno} spells {node.value!r}")
+            if (isinstance(node, ast.Attribute) and node.attr == "is_main_process"
+                    and not name.startswith("config.")):
+                problems.append(f"mmcl/{name.replace('.', '/')}.py:{node.lineno} asks .is_main_process")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+                    and name not in SAYS and not name.startswith("cli")):
+                problems.append(f"mmcl/{name.replace('.', '/')}.py:{node.lineno} prints")
+    return problems
+
+
+def test_each_run_folder_name_is_spelled_once_with_one_is_main_and_one_way_to_say_a_line():
+    assert {".lock", "skipped.jsonl", "metrics.jsonl", "out.log", "config.yaml", "step-"} <= layout_names()
+    assert one_home_problems(MODS) == []
+
+
+def test_the_checker_sees_a_second_spelling_another_is_main_and_a_print(tmp_path):
+    mods = [_fake(tmp_path, "run.lock", "LOCK = '.lock'\nif accelerator.is_main_process:\n    print('x')\n")]
+    assert one_home_problems(mods) == ["mmcl/run/lock.py:1 spells '.lock'",
+                                       "mmcl/run/lock.py:2 asks .is_main_process", "mmcl/run/lock.py:3 prints"]

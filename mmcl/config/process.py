@@ -28,7 +28,12 @@ def world() -> World:
 
 
 def is_main_process() -> bool:
-    """Whether this is the launch's main process (rank 0), the one that says what every process finds alike."""
+    """Whether this is the launch's main process (rank 0), the one that says what every process finds alike: the
+    rank of torch.distributed's group where one is set up (accelerate's ``is_main_process`` reads the same), else
+    the launcher's RANK. Never imports torch."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     return world().rank == 0
 
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Tuple
 
 from accelerate.tracking import TensorBoardTracker
 
+from ..config import is_main_process
 from ..data.sources import redact
 from ..errors import ConfigError
 from ..storage import checkpoints
@@ -77,7 +78,7 @@ def hyperparameters(config: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
 
 def start(accelerator, names: List[str], config: Dict[str, Any], out_dir: Path, resume_step: int) -> None:
     """``init_trackers`` with the resolved config (main process; no-op without trackers)."""
-    if not names or not accelerator.is_main_process:
+    if not names or not is_main_process():
         return
     for tracker in accelerator.log_with:
         if getattr(tracker, "name", None) == "tensorboard" and resume_step:
@@ -122,7 +123,7 @@ _MLFLOW_BAD = re.compile(r"[^0-9A-Za-z_\-. ]")
 
 def log(accelerator, record: Dict[str, Any]) -> None:
     """The record's numeric values (``step`` as the step) to every tracker; main process only."""
-    if not accelerator.is_main_process or not getattr(accelerator, "trackers", None):
+    if not is_main_process() or not getattr(accelerator, "trackers", None):
         return
     values = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
     for tracker in accelerator.trackers:
@@ -139,7 +140,7 @@ def finish(accelerator, stopped: bool = False) -> List[str]:
     an MLflow run is ended as KILLED (the resumed run starts a new one). A tracker that fails to close does not
     stop the others; returns one line per failure for the caller to print."""
     problems = []
-    if not accelerator.is_main_process:
+    if not is_main_process():
         return problems
     for tracker in list(getattr(accelerator, "trackers", None) or []):
         try:

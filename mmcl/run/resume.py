@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from ..config import to_dict
+from ..config import is_main_process, to_dict
 from ..data.sources import redact_values
 from ..errors import CheckpointError, DamagedCheckpointError, MmclError
 from ..storage import checkpoints
@@ -143,7 +143,7 @@ def resume_from_newest(accelerator, ckpt_dir: Path, load, log) -> Optional[Path]
     named in a log line, then the next older one is tried. When checkpoints exist but none is intact, nothing is
     renamed and CheckpointError is raised: a run never starts afresh over the user's checkpoints on its own.
     """
-    main = accelerator.is_main_process
+    main = is_main_process()
     while True:
         def choose():
             if not main:

@@ -36,6 +36,7 @@ import torch
 from accelerate.utils import load
 from safetensors.torch import load_file
 
+from ..config import is_main_process
 from ..errors import CheckpointError, StorageError
 from ..models.lora import merge_state
 from .fsutil import atomic_write_text, file_sha256
@@ -425,7 +426,7 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
     holds no user files to keep, and its completeness is the COMPLETE marker, which resume checks.
     """
 
-    main = accelerator.is_main_process
+    main = is_main_process()
     name = f"{CKPT_PREFIX}{progress['step']:08d}"
     tmp = ckpt_dir / f".tmp-{name}"
     final = ckpt_dir / name

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .. import models
+from ..config import is_main_process
 from ..errors import ConfigError
 
 # accelerate's mixed_precision names and the compute dtype each gives the transformer blocks under FSDP2
@@ -95,7 +96,7 @@ def full_model(accelerator, model: nn.Module, model_cfg: Dict[str, Any]) -> Opti
     parameter, each moved to the CPU before the next: torch's full state dict with CPU offload)."""
 
     state = accelerator.get_state_dict(model)  # full state dict, gathered to the main process's CPU memory
-    if not accelerator.is_main_process:
+    if not is_main_process():
         return None
     replica = models.create(model_cfg)
     own = replica.state_dict()
