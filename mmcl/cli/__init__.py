@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from ..errors import MmclError, RunStopped, printable
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mmcl/
 
 
 class _WarningLines:
