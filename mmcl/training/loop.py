@@ -40,7 +40,7 @@ from ..run.processes import agreed, any_process, lost_peer, timed_out
 from ..run.records import MetricsLog, RunRecords
 from ..run.signals import exit_code
 from ..storage import checkpoints, pretrained
-from ..storage.checkpoints import latest_checkpoint, save_checkpoint
+from ..storage.checkpoints import save_checkpoint
 from ..storage.fsutil import atomic_write_text
 from ..storage.layout import CKPT_PREFIX, CONFIG
 from . import optim, phases
@@ -50,7 +50,7 @@ from .plan import Runtime, refuse_deepspeed
 from .preflight import check_inputs
 from .setup import Parts, describe_setup, setup
 from .state import RunState
-from .step import StepResult
+from .step import StepResult, settle_skipped
 
 
 def train(cfg: TrainConfig) -> Dict[str, Any]:
@@ -219,48 +219,25 @@ def after_step(cfg: TrainConfig, parts: Parts, state: RunState, records: RunReco
     reads their flags, on logged and saved steps (and the last, or a stop), and taken off the progress then. One
     process reads its own stop flag every step; several agree on logged and saved steps (and with each host
     decision)."""
-    rt, checks, progress = parts.rt, parts.step.checks, state.progress
+    rt, progress = parts.rt, state.progress
     if result.applied:
         count_step(parts, state, result.pairs, cfg.train.progress)
-    else:
-        non_finite_step(cfg, parts, progress.step + 1, result.loss.item())  # raises under train.nan_policy=stop
-        progress.skipped_steps += 1
-        progress.step += 1
-    step, save_every = progress.step, cfg.train.save_every
+    step, save_every = progress.step + (not result.applied), cfg.train.save_every
     logged = logged_at(cfg, rt, step)
     read = logged or step == rt.total_steps or bool(save_every and step % save_every == 0)
     stopping = result.stop
     if stopping is None:  # one process reads its own flag; several agree where the host reads the device anyway
         stopping = parts.stop.requested if rt.processes == 1 else read and any_process(parts.accelerator,
                                                                                       parts.stop.requested)
-    skipped_now = not result.applied
-    if checks.on_device and (read or stopping):
-        for bad_step, value in checks.resolve():
-            non_finite_step(cfg, parts, bad_step, value)  # raises under train.nan_policy=stop, before any save
-            progress.skipped_steps += 1
-            n = step_samples(parts, bad_step)
-            progress.samples -= n
-            state.window_samples -= n
-            skipped_now = skipped_now or bad_step == step
+    skipped_now = settle_skipped(parts.step.checks, state, result.applied, result.loss, read or stopping,
+                                 lambda s: step_samples(parts, s), rt.processes, cfg.train.nan_policy,
+                                 parts.layout.checkpoints)
     if logged and not skipped_now:  # a skipped step is not logged
         last = log_record(parts, state, records, result, lr, eval_sets.any_due(cfg.eval, step, rt.total_steps))
     stopping = maybe_save(cfg, parts, state) or stopping
     if stopping and step < rt.total_steps:  # on the last step the run simply finishes
         stop_run(cfg, parts, state, records)
     return last
-
-
-def non_finite_step(cfg: TrainConfig, parts: Parts, step: int, value: float) -> None:
-    """Step `step` (1-based) had a loss that is not finite on some process (`value` here): raise TrainingError
-    (``train.nan_policy=stop``), or say that it was skipped (``skip``)."""
-    where = f"{value}" if parts.rt.processes == 1 else f"not finite on some process ({value} here)"
-    if cfg.train.nan_policy == "stop":
-        good = latest_checkpoint(parts.layout.checkpoints)
-        err = TrainingError(f"loss is {where} at step {step}; last good checkpoint: "
-                            f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
-        err.everywhere = True  # all processes stop alike; one line
-        raise err
-    say(f"skipped step {step}: loss is {where}")
 
 
 def step_samples(parts: Parts, step: int) -> int:

@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import losses, models
-from ..config import LossConfig, get, term_keys
+from ..config import LossConfig, get, say, term_keys
 from ..data import naflex as data_naflex
-from ..errors import DataError
+from ..errors import DataError, TrainingError
+from ..storage.checkpoints import latest_checkpoint
 from .optim import takes_found_inf
+from .state import RunState
 
 
 def _forward(model, images, texts):
@@ -313,6 +316,44 @@ class FiniteChecks:
         return [(step, float(loss)) for (step, _, loss), f in zip(pending, flags) if f > 0]
 
 
+
+
+def non_finite_step(step: int, value: float, processes: int, nan_policy: str, checkpoints_dir: Path) -> None:
+    """Step `step` (1-based) had a loss that is not finite on some process (`value` here): raise TrainingError
+    (``train.nan_policy=stop``, naming the last good checkpoint under `checkpoints_dir`), or say that it was skipped
+    (``skip``)."""
+    where = f"{value}" if processes == 1 else f"not finite on some process ({value} here)"
+    if nan_policy == "stop":
+        good = latest_checkpoint(checkpoints_dir)
+        err = TrainingError(f"loss is {where} at step {step}; last good checkpoint: "
+                            f"{good if good else 'none'} (set train.nan_policy=skip to skip such steps)")
+        err.everywhere = True  # all processes stop alike; one line
+        raise err
+    say(f"skipped step {step}: loss is {where}")
+
+
+def settle_skipped(checks: FiniteChecks, state: RunState, applied: bool, loss: torch.Tensor, read: bool,
+                   samples_of: Callable[[int], int], processes: int, nan_policy: str, checkpoints_dir: Path) -> bool:
+    """The host's side of the finite-loss decision after a step: a step the host decided to skip (not `applied`)
+    is counted at once; the steps the device skipped are found where the host reads their flags (`read`: logged and
+    saved steps, the last, a stop) and taken off the progress then, their samples (`samples_of(step)`) un-counted.
+    Advances `state`'s progress for a skipped step (an applied one is counted by the loop). Returns whether the
+    step just taken was skipped."""
+    progress = state.progress
+    skipped_now = not applied
+    if not applied:
+        non_finite_step(progress.step + 1, loss.item(), processes, nan_policy, checkpoints_dir)  # raises on stop
+        progress.skipped_steps += 1
+        progress.step += 1
+    if checks.on_device and read:
+        for bad_step, value in checks.resolve():
+            non_finite_step(bad_step, value, processes, nan_policy, checkpoints_dir)  # before any save
+            progress.skipped_steps += 1
+            n = samples_of(bad_step)
+            progress.samples -= n
+            state.window_samples -= n
+            skipped_now = skipped_now or bad_step == progress.step
+    return skipped_now
 
 
 def agree_on_step(accelerator, loss: torch.Tensor, stop_requested: bool) -> Tuple[bool, bool]:
