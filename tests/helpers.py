@@ -6,6 +6,8 @@ import io
 import json
 import math
 import random
+import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -364,3 +366,22 @@ def check_run_inputs(cfg, processes: int = 1):
     from mmcl.training.preflight import check_inputs
 
     check_inputs(*inputs_of(cfg), processes, (cfg.data.batch_size, cfg.train.accum_steps))
+
+
+def empty_tars(root):
+    """Archives without members, as tarfile (ustar, pax, GNU; plain and gzip) and GNU tar's CLI write them."""
+    paths = []
+    for fmt, name in ((tarfile.USTAR_FORMAT, "ustar"), (tarfile.PAX_FORMAT, "pax"), (tarfile.GNU_FORMAT, "gnu")):
+        for mode, ext in (("w", "tar"), ("w:gz", "tar.gz")):
+            path = root / f"empty-{name}.{ext}"
+            with tarfile.open(path, mode, format=fmt):
+                pass
+            paths.append(path)
+    assert shutil.which("tar"), "GNU tar is needed to write the CLI's empty archive"
+    cli = root / "empty-cli.tar"
+    subprocess.run(["tar", "-cf", str(cli), "-T", "/dev/null"], check=True)
+    paths.append(cli)
+    one_block = root / "empty-one-block.tar"  # only the first end-of-archive block
+    one_block.write_bytes(bytes(512))
+    paths.append(one_block)
+    return paths

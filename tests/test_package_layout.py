@@ -13,6 +13,7 @@ The rules' own checker is tested on small made-up modules at the end.
 """
 
 import ast
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -389,3 +390,26 @@ def test_the_checker_sees_a_second_spelling_another_is_main_and_a_print(tmp_path
     mods = [_fake(tmp_path, "run.lock", "LOCK = '.lock'\nif accelerator.is_main_process:\n    print('x')\n")]
     assert one_home_problems(mods) == ["mmcl/run/lock.py:1 spells '.lock'",
                                        "mmcl/run/lock.py:2 asks .is_main_process", "mmcl/run/lock.py:3 prints"]
+
+
+# The mmcl modules the data package may use: plain values and errors, and storage's two file-system leaves (atomic
+# writes, and the manifest that tells a command's files from the user's), which import only errors
+# (BELOW_DATA).
+DATA_MAY_IMPORT = ("config", "errors", "storage.fsutil", "storage.manifest")
+
+
+def test_data_modules_import_only_the_modules_before_them():
+    order = ["limits", "sources", "sizes", "reading", "decode", "skips", "transforms", "naflex", "pipeline",
+             "batching", "stream", "eval_data", "shard_inputs"]
+    folder = str(PACKAGE / "data")
+    assert sorted(order + ["__init__"]) == sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py"))
+    for i, name in enumerate(order):
+        tree = ast.parse(open(os.path.join(folder, name + ".py")).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                assert node.module in order[:i], f"{name}.py imports .{node.module}"
+            elif isinstance(node, ast.ImportFrom) and node.level == 2:
+                assert node.module in DATA_MAY_IMPORT, f"{name}.py imports ..{node.module}"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                assert not any(m.split(".")[0] == "mmcl" for m in modules), f"{name}.py imports {modules}"

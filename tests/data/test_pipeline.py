@@ -1,9 +1,11 @@
 """What travels beside a training batch: a data worker sends each batch in a `WorkerOutput` with its position, its
 skips, the warnings it caught and any user error, so the batches training receives hold data keys only, while the
-positions, skip records, warnings and errors still reach the training process."""
+positions, skip records, warnings and errors still reach the training process. Then the epoch's shard plan and the
+seeded shuffle blocks."""
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as loader_pin_memory
@@ -128,3 +130,29 @@ def test_a_stream_without_workers_pins_its_batches_as_the_loader_would(tmp_path,
     batch = next(iter(stream))
     assert set(batch) == DATA_KEYS
     assert all(_is_one_of(v, fake_pinning) for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+def test_epoch_shard_plan_partitions_and_reshuffles():
+    sources = [[f"s{i}" for i in range(10)]]
+    for epoch in range(3):
+        plans = [data.epoch_shard_plan(sources, epoch, 0, slot, 4) for slot in range(4)]
+        # 8 shards are dealt whole, 2 each; the other 2 are read by all 4 slots, each taking index k mod 4.
+        whole = [u for p in plans for u, m in p if m is None]
+        split = [(u, m) for p in plans for u, m in p if m is not None]
+        assert len(whole) == 8 and len(set(whole)) == 8 and all(sum(m is None for _, m in p) == 2 for p in plans)
+        split_urls = sorted({u for u, _ in split})
+        assert len(split_urls) == 2 and not set(split_urls) & set(whole)
+        assert sorted(split) == sorted((u, (k, 4)) for u in split_urls for k in range(4))
+        assert sorted(whole + split_urls) == sorted(sources[0])
+    orders = [[u for u, _ in data.epoch_shard_plan(sources, e, 0, 0, 1)] for e in range(3)]
+    assert orders[0] != orders[1] != orders[2]
+    assert orders[0] == [u for u, _ in data.epoch_shard_plan(sources, 0, 0, 0, 1)]
+
+
+def test_shuffle_block_is_a_seeded_permutation():
+    a = data.shuffle_block(50, 0, 1, 2, (3, 4))
+    assert sorted(a.tolist()) == list(range(50))
+    assert np.array_equal(a, data.shuffle_block(50, 0, 1, 2, (3, 4)))
+    others = [data.shuffle_block(50, *args) for args in ((1, 1, 2, (3, 4)), (0, 2, 2, (3, 4)), (0, 1, 3, (3, 4)),
+                                                        (0, 1, 2, (3, 5)))]
+    assert all(not np.array_equal(a, o) for o in others)

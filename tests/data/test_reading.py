@@ -1,21 +1,28 @@
 """Remote shards that fail: an http server on 127.0.0.1 that drops the connection part-way through a shard. The
 shard is opened again (``data.retries``, after ``data.retry_delay``) and read on from the sample that broke: every
-sample once, in order; past the retries it is skipped and counted; a missing ``pipe:`` program is one line."""
+sample once, in order; past the retries it is skipped and counted; a missing ``pipe:`` program is one line. Then
+the tar reader against tarfile: formats, compression, pipes, damage, cuts and empty archives."""
 
 import http.server
+import io
+import os
+import tarfile
 import threading
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
+from mmcl import data
 from mmcl.config import load_config
 from mmcl.data import read_raw_samples
 from mmcl.errors import ConfigError
 from mmcl.shards.writer import write_shards
 
 from helpers import check_run_inputs
+from helpers import empty_tars, good_members, write_tar
 
 
 class _Shards(http.server.BaseHTTPRequestHandler):
@@ -272,3 +279,143 @@ def test_a_command_that_never_exits_or_a_consumer_that_stops_does_not_block_the_
     start = time.perf_counter()
     reader.close()  # the consumer stops while the command still runs (and would for 377 s)
     assert time.perf_counter() - start < 5 and _hung(377.875) == []
+
+
+def test_read_raw_samples_positions_and_pipe(tmp_path):
+    path = tmp_path / "p.tar"
+    write_tar(path, [m for j in range(5) for m in good_members(f"k{j}", j)])
+    items = list(data.read_raw_samples([(str(path), None)]))
+    assert [i.key for i in items] == [f"k{j}" for j in range(5)]
+    assert [i.pos for i in items] == [(0, j + 1) for j in range(5)]
+    assert set(items[0].files) == {"png", "txt", "cls"}
+    resumed = list(data.read_raw_samples([(str(path), None)], start=(0, 3)))
+    assert [i.key for i in resumed] == ["k3", "k4"]
+    piped = list(data.read_raw_samples([(f"pipe:cat {path}", None)]))
+    assert [i.files for i in piped] == [i.files for i in items]
+
+
+def _tar_bytes(members, fmt=tarfile.USTAR_FORMAT, compression=""):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:" + compression, format=fmt) as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+        d = tarfile.TarInfo("a-folder")
+        d.type = tarfile.DIRTYPE
+        tar.addfile(d)
+    return buf.getvalue()
+
+
+class _Pipe(io.RawIOBase):
+    """A non-seekable stream that returns short reads, like a pipe."""
+
+    def __init__(self, data):
+        self.data, self.pos = data, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, buf):
+        n = min(len(buf), 700, len(self.data) - self.pos)
+        buf[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def _read_all(stream, keep=lambda name: True):
+    reader = data.TarReader(stream)
+    return [(name, reader.read()) for name in reader if keep(name)]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("compression", ["", "gz", "bz2", "xz"])
+def test_tar_reader_matches_tarfile(fmt, compression):
+    long_dir = "d" * 120 if fmt != tarfile.USTAR_FORMAT else "d" * 90  # ustar splits paths <= 255 into prefix/name
+    members = [(f"{long_dir}/k{i:03d}.{ext}", os.urandom(int(n)))
+               for i, n in enumerate(np.random.default_rng(0).integers(0, 3000, 12)) for ext in ("jpg", "txt")]
+    members.append(("ünïcode/naïve.txt", b"x"))
+    raw = _tar_bytes(members, fmt, compression)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        want = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
+    assert want == members
+    assert _read_all(io.BytesIO(raw)) == want
+    assert _read_all(io.BufferedReader(_Pipe(raw))) == want
+    # Members that are not read are passed over, on seekable streams and pipes alike.
+    txt_only = [m for m in want if m[0].endswith(".txt")]
+    assert _read_all(io.BytesIO(raw), lambda n: n.endswith(".txt")) == txt_only
+    assert _read_all(io.BufferedReader(_Pipe(raw)), lambda n: n.endswith(".txt")) == txt_only
+
+
+def test_tar_reader_reports_damage_that_tarfile_would_hide():
+    members = [(f"k{i}.txt", bytes([i]) * 600) for i in range(5)]
+    raw = bytearray(_tar_bytes(members))
+    with tarfile.open(fileobj=io.BytesIO(bytes(raw))) as tar:
+        third = [m for m in tar.getmembers() if m.name == "k2.txt"][0]
+    raw[third.offset + 10] ^= 0xFF  # a damaged header in the middle of the archive
+    with tarfile.open(fileobj=io.BytesIO(bytes(raw)), mode="r|") as tar:
+        assert [m.name for m in tar] == ["k0.txt", "k1.txt"]  # tarfile silently stops here
+    reader = data.TarReader(io.BytesIO(bytes(raw)))
+    got = []
+    with pytest.raises(data.TarFormatError, match="bad header checksum"):
+        for name in reader:
+            got.append(name)
+    assert got == ["k0.txt", "k1.txt"]
+    # Cut inside a member that is skipped (not read): still an error, seekable or not.
+    cut = bytes(_tar_bytes(members))[:third.offset_data + 100]
+    for stream in (io.BytesIO(cut), io.BufferedReader(_Pipe(cut))):
+        with pytest.raises(data.TarFormatError, match="unexpected end of data"):
+            for _ in data.TarReader(stream):
+                pass
+    for bad, why in ((b"", "empty file"), (b"not a tar" * 100, "not a tar file")):
+        with pytest.raises(data.TarFormatError, match=why):
+            data.TarReader(io.BytesIO(bad))
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_cut_anywhere_is_an_error_unless_cut_between_members(fmt):
+    sizes = [0, 1, 511, 512, 513, 1500, 7]
+    members = [(f"k{i}.{'p' * 120 if fmt == tarfile.PAX_FORMAT else 'bin'}", os.urandom(n))
+               for i, n in enumerate(sizes)]
+    raw = _tar_bytes(members, fmt)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        every = tar.getmembers()  # the files and a folder
+        ends = {m.offset_data + m.size + (-m.size) % 512 for m in every}
+    starts = [m.offset for m in every if m.isfile()]  # where a member's first header (pax: extended header) begins
+    last = max(ends)
+    for cut in sorted(set(range(0, last + 1024, 97)) | {m.offset for m in every} | ends):
+        # Clean: the archive ends between two members (as if written without end-of-archive blocks) or after its
+        # first end-of-archive block.
+        clean = cut in ends or cut >= last + 512
+        for stream in (io.BytesIO(raw[:cut]), io.BufferedReader(_Pipe(raw[:cut]))):
+            got = []
+            try:
+                reader = data.TarReader(stream)
+                for name in reader:
+                    got.append((name, reader.read()))
+            except data.TarFormatError:
+                assert not clean or cut == 0, cut  # a 0-byte stream is no archive
+                continue
+            assert clean, f"cut at byte {cut} of {len(raw)} went unnoticed"
+            assert got == [m for m, start in zip(members, starts) if start < cut], cut
+
+
+def test_empty_tar_archives_yield_nothing_and_count_nothing(tmp_path):
+    paths = empty_tars(tmp_path)
+    for path in paths:
+        with tarfile.open(path) as tar:  # the standard library's reading: a valid archive with no members
+            assert tar.getmembers() == [], path
+        with open(path, "rb") as f:
+            assert list(data.TarReader(f)) == [], path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        items = list(data.read_raw_samples([(str(p), None) for p in paths]))
+    assert items == [] and caught == []
+    # A 0-byte file is no archive: tarfile refuses it ("empty file"), and so does the reader (a lost shard).
+    zero = tmp_path / "zero.tar"
+    zero.write_bytes(b"")
+    with pytest.raises(tarfile.ReadError, match="empty file"):
+        tarfile.open(zero)
+    with pytest.warns(UserWarning, match="cannot open shard .*zero.tar.*empty file"):
+        items = list(data.read_raw_samples([(str(zero), None)]))
+    assert [(i.error, i.url) for i in items] == [("shard_open", str(zero))]

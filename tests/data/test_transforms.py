@@ -23,7 +23,7 @@ from mmcl.cli import main
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
 
-from helpers import cfg_for, tokenizer
+from helpers import SIDE, cfg_for, image_for, tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGLIP_PP = {"size": 32, "mode": "RGB", "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5],
@@ -61,7 +61,7 @@ def _image(i, w, h):
 def test_train_stages_give_open_clip_train_pixels(monkeypatch, pp, aug):
     """The training transform mmcl builds from a preprocess config and ``data.aug`` (PIL stage in the workers,
     `ImageFinish` on the batch) equals open_clip's train transform pixel for pixel, seeded identically. mmcl draws
-    the crop box from Python's RNG with torchvision's law (tests/data/test_data.py tests the law); here open_clip's crop
+    the crop box from Python's RNG with torchvision's law (a test below checks the law); here open_clip's crop
     draws it the same way, so the two consume the same random numbers in the same order."""
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), _overrides(aug))
     spec = data.train_image_input(pp, cfg.data.aug)
@@ -238,3 +238,85 @@ def test_bad_architecture_file_is_one_error_line(tmp_path, capsys, content, mess
     assert code == 2 and len(err) == 1 and err[0].startswith("mmcl: error:"), err
     assert message in err[0] and str(arch) in err[0]
     assert not (tmp_path / "run").exists()  # refused before the run folder is made
+
+
+def test_split_transform_recognises_open_clip_transforms_and_leaves_others_whole():
+    import open_clip
+
+    _, train_tf, eval_tf = open_clip.create_model_and_transforms("ViT-B-32", pretrained=None)
+    img = image_for(0, size=300)
+    for tf in (train_tf, eval_tf):
+        pil_stage, finish = data.split_transform(tf)
+        assert finish is not None and finish.mean == [float(m) for m in tf.transforms[-1].mean]
+        torch.manual_seed(0)
+        want = tf(img)
+        torch.manual_seed(0)
+        got = finish(data.pil_to_uint8(pil_stage(img))[None])[0]
+        assert torch.equal(got, want)
+    odd = T.Compose([T.Resize(SIDE), T.ToTensor(), T.Lambda(lambda x: x * 2)])
+    assert data.split_transform(odd) == (odd, None)
+    assert data.split_transform(T.ToTensor())[1] is None  # not a Compose
+
+
+def _ks_statistic(a, b):
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
+    grid = np.union1d(a, b)
+    cdf = lambda x: np.searchsorted(np.sort(x), grid, side="right") / len(x)  # noqa: E731
+    return float(np.abs(cdf(a) - cdf(b)).max())
+
+
+@pytest.mark.parametrize("size,scale,ratio", [((300, 200), (0.08, 1.0), (3 / 4, 4 / 3)),
+                                              ((64, 64), (0.9, 1.0), (3 / 4, 4 / 3)),
+                                              ((400, 40), (0.3, 1.0), (3 / 4, 4 / 3))])  # often falls back
+def test_random_crop_box_has_torchvisions_distribution(size, scale, ratio):
+    import random
+
+    n = 20_000
+    img = Image.new("RGB", size)
+    torch.manual_seed(0)
+    ref = np.array([T.RandomResizedCrop.get_params(img, list(scale), list(ratio)) for _ in range(n)])
+    rng = random.Random(0)
+    ours = np.array([data.random_crop_box(size[0], size[1], scale, ratio, rng) for _ in range(n)])
+    w, h = size
+    assert (ours[:, 2] > 0).all() and (ours[:, 3] > 0).all()
+    assert (ours[:, 0] + ours[:, 2] <= h).all() and (ours[:, 1] + ours[:, 3] <= w).all() and (ours >= 0).all()
+    # top, left, height, width and area each follow the same law: KS distance below the 0.1 % critical value
+    # for two samples of 20000 (1.95 * sqrt(2 / n) = 0.0195).
+    for k in range(4):
+        assert _ks_statistic(ours[:, k], ref[:, k]) < 0.0195, k
+    assert _ks_statistic(ours[:, 2] * ours[:, 3], ref[:, 2] * ref[:, 3]) < 0.0195
+
+
+@pytest.mark.parametrize("size,ratio", [((100, 100), (2.0, 3.0)), ((100, 100), (0.2, 0.4)), ((90, 110), (0.5, 2.0))])
+def test_random_crop_box_falls_back_to_torchvisions_centre_crop(size, ratio):
+    img = Image.new("RGB", size)
+    # With the whole area required, no box of these aspect ratios fits, so both take the deterministic fallback
+    # (for the last case the image's own ratio is inside `ratio`, and the fallback is the whole image).
+    scale = (1.0, 1.0) if size == (100, 100) else (1.5, 1.5)
+    want = T.RandomResizedCrop.get_params(img, list(scale), list(ratio))
+    assert data.random_crop_box(size[0], size[1], scale, ratio) == tuple(want)
+
+
+def test_training_transform_draws_crops_from_python_rng_and_keeps_the_rest():
+    import random
+
+    tf = T.Compose([T.RandomResizedCrop(SIDE, scale=(0.3, 1.0)), T.ToTensor()])
+    fast = data.training_sample_transform(tf)
+    assert type(fast.transforms[0]).__name__ == "PyRandomResizedCrop" and fast.transforms[1] is tf.transforms[1]
+    img = image_for(3, size=40)
+    random.seed(11)
+    top, left, h, w = data.random_crop_box(40, 40, (0.3, 1.0), (3 / 4, 4 / 3))
+    want = T.ToTensor()(T.functional.resized_crop(img, top, left, h, w, [SIDE, SIDE],
+                                                  T.InterpolationMode.BILINEAR, antialias=True))
+    random.seed(11)
+    assert torch.equal(fast(img), want)  # torchvision's own crop and resize: open_clip_train's pixels
+    assert data.training_sample_transform(T.ToTensor()).__class__ is T.ToTensor  # not a Compose: as it is
+
+
+def test_draft_size_of_open_clip_transforms():
+    import open_clip
+
+    assert data.draft_size_of(open_clip.image_transform(224, is_train=False)) == (224, 224)
+    # RandomResizedCrop keeps >= 90% of the area, so a side may be 0.9 of the image's: 224 / 0.9 = 248.9.
+    assert data.draft_size_of(open_clip.image_transform(224, is_train=True)) == (249, 249)
+    assert data.draft_size_of(T.ToTensor()) is None
