@@ -52,7 +52,8 @@ def test_a_saved_model_loads_back_bit_for_bit(saved):
         assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
     model.eval()
     g = torch.Generator().manual_seed(1)
-    image, text = torch.randn(2, 3, 32, 32, generator=g), torch.randint(1, 400, (2, cfg["text_cfg"]["context_length"]), generator=g)
+    image = torch.randn(2, 3, 32, 32, generator=g)
+    text = torch.randint(1, 400, (2, cfg["text_cfg"]["context_length"]), generator=g)
     with torch.no_grad():
         assert torch.equal(model.encode_image(image), loaded.encode_image(image))
         assert torch.equal(model.encode_text(text), loaded.encode_text(text))
