@@ -1,15 +1,21 @@
 """Model folders (mmcl/storage/weights.py): open_clip's local-dir layout written atomically, read back bit for bit,
-with the weights' size and SHA-256 recorded so that a truncated or altered file is named at load."""
+with the weights' size and SHA-256 recorded so that a truncated or altered file is named at load; and `init_from`,
+weights from open_clip, transformers and mmcl files loaded into a model exactly."""
 
+import hashlib
 import json
+from pathlib import Path
 
+import open_clip
 import pytest
 import torch
+from open_clip.model import CLIP
 from safetensors.torch import load_file
 
 from mmcl import models
+from mmcl.config import ModelConfig, TextTowerConfig
 from mmcl.errors import CheckpointError
-from mmcl.storage import weights
+from mmcl.storage import checkpoints, weights
 
 
 def _json(value):
@@ -108,3 +114,179 @@ def test_model_file_names_and_the_safetensors_state_share_no_memory():
     assert sorted(state) == ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert state["0.weight"].data_ptr() != state["1.weight"].data_ptr()
     assert torch.equal(state["0.weight"], tied.weight) and all(t.is_contiguous() for t in state.values())
+
+
+# ------------------------------------------------------------------------------------------------- init_from
+TINY = json.loads((models.CONFIG_DIR / "tiny.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def minilm_dir(tokenizer_dir) -> str:
+    return str(tokenizer_dir)
+
+
+def lit_config(hf: str, **kw) -> ModelConfig:
+    text = TextTowerConfig(hf=hf, pooling=kw.pop("pooling", "mean"), projection=kw.pop("projection", "none"))
+    return ModelConfig(name="tiny", embed_dim=kw.pop("embed_dim", 384), context_length=16, text=text, **kw)
+
+
+SENTENCES = ["the digit seven", "handwriting: 7", "a photo of a small red circle on a blue background"]
+
+
+def images(n=2, size=64, seed=0):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def open_clip_reference():
+    torch.manual_seed(123)
+    ref = CLIP(**TINY).eval()  # open_clip's own class and init
+    tokens = open_clip.tokenizer.SimpleTokenizer(context_length=32)(SENTENCES)
+    with torch.no_grad():
+        return ref, tokens, ref.encode_image(images()), ref.encode_text(tokens)
+
+
+def _write(kind, ref, tmp_path) -> Path:
+    state = ref.state_dict()
+    if kind == "open_clip_train .pt":  # what open_clip_train.main saves under DDP
+        path = tmp_path / "epoch_1.pt"
+        torch.save({"epoch": 1, "name": "run", "state_dict": {f"module.{k}": v for k, v in state.items()}}, path)
+    elif kind == ".safetensors":
+        from safetensors.torch import save_file
+
+        path = tmp_path / "weights.safetensors"
+        save_file(state, str(path))
+    elif kind == ".bin":
+        path = tmp_path / "open_clip_pytorch_model.bin"
+        torch.save(state, path)
+    else:  # open_clip local-dir, as its hub exports lay it out
+        from safetensors.torch import save_file
+
+        path = tmp_path / "local"
+        path.mkdir()
+        save_file(state, str(path / "open_clip_model.safetensors"))
+        (path / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY, "preprocess_cfg": {}}))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["open_clip_train .pt", ".safetensors", ".bin", "local-dir"])
+def test_init_from_open_clip_checkpoint_is_exact(kind, tmp_path, open_clip_reference):
+    ref, tokens, ref_img, ref_txt = open_clip_reference
+    path = _write(kind, ref, tmp_path)
+    model = models.build(ModelConfig(name="tiny"))[0].eval()
+    report = weights.init_from(model, path)
+    n = len(model.state_dict())
+    assert f"loaded {n}/{n} tensors; missing 0; unexpected 0" in report
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(images()), ref_img)
+        assert torch.equal(model.encode_text(tokens), ref_txt)
+    if kind == "local-dir":  # open_clip reads the directory to the same model
+        with torch.no_grad():
+            assert torch.equal(open_clip.create_model(f"local-dir:{path}").eval().encode_image(images()), ref_img)
+
+
+def test_init_from_mmcl_run_and_export(tmp_path, open_clip_reference):
+    ref, tokens, ref_img, ref_txt = open_clip_reference
+    weights.save_model_dir(ref, TINY, {}, tmp_path / "run" / "model")
+    for path in (tmp_path / "run", tmp_path / "run" / "model"):
+        model = models.build(ModelConfig(name="tiny"))[0].eval()
+        assert "missing 0; unexpected 0" in weights.init_from(model, path)
+        with torch.no_grad():
+            assert torch.equal(model.encode_text(tokens), ref_txt)
+
+
+def test_init_from_training_checkpoint(tmp_path, open_clip_reference):
+    from safetensors.torch import save_file
+
+    ref, tokens, ref_img, _ = open_clip_reference
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    weights_file = step / checkpoints.MODEL_WEIGHTS  # accelerate's save_state name
+    save_file(ref.state_dict(), str(weights_file))
+    record = {"size": weights_file.stat().st_size, "sha256": hashlib.sha256(weights_file.read_bytes()).hexdigest()}
+    (step / checkpoints.COMPLETE).write_text(json.dumps({"step": 10, "files": {weights_file.name: record}}))
+    (step.parent / checkpoints.LATEST).write_text(step.name)
+    newer = step.with_name("step-00000020")  # newer, but its weights were altered after its marker was written
+    newer.mkdir()
+    save_file({k: v + 1 for k, v in ref.state_dict().items()}, str(newer / weights_file.name))
+    (newer / checkpoints.COMPLETE).write_text(json.dumps({"step": 20, "files": {weights_file.name: record}}))
+    model = models.build(ModelConfig(name="tiny"))[0].eval()
+    assert "mmcl training checkpoint" in weights.init_from(model, tmp_path / "run")
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(images()), ref_img)
+
+
+def test_init_from_transformers_clip(tmp_path):
+    from transformers import CLIPConfig, CLIPModel
+
+    hf_cfg = CLIPConfig(
+        text_config=dict(vocab_size=49408, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, max_position_embeddings=32, hidden_act="gelu",
+                         bos_token_id=49406, eos_token_id=49407, pad_token_id=0),
+        vision_config=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                           image_size=64, patch_size=8, hidden_act="gelu"),
+        projection_dim=128)
+    torch.manual_seed(0)
+    hf = CLIPModel(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf-clip")
+    model = models.build(ModelConfig(name="tiny"))[0].eval()
+    report = weights.init_from(model, tmp_path / "hf-clip")
+    assert "transformers CLIP" in report and "missing 0; unexpected 0" in report and "WARNING" not in report
+    tokens = open_clip.tokenizer.SimpleTokenizer(context_length=32)(SENTENCES)
+    with torch.no_grad():
+        expected_img = hf.get_image_features(pixel_values=images()).pooler_output
+        expected_txt = hf.get_text_features(input_ids=tokens).pooler_output
+        # Same math; open_clip's fused q/k/v projection and transformers' three matmuls round differently in fp32.
+        assert torch.allclose(model.encode_image(images()), expected_img, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(model.encode_text(tokens), expected_txt, atol=1e-5, rtol=1e-4)
+    assert torch.equal(model.logit_scale.detach(), hf.logit_scale.detach())
+
+
+def test_init_from_reports_missing_and_unexpected(tmp_path, open_clip_reference, minilm_dir):
+    ref = open_clip_reference[0]
+    path = _write(".safetensors", ref, tmp_path)
+    model = models.build(lit_config(minilm_dir, embed_dim=128, projection="linear"))[0]
+    minilm_before = model.text.transformer.embeddings.word_embeddings.weight.detach().clone()
+    report = weights.init_from(model, path)
+    # The image tower and scale come from the CLIP checkpoint; the Hugging Face tower keeps its weights.
+    n_visual = sum(1 for k in model.state_dict() if k.startswith("visual."))
+    assert f"loaded {n_visual + 1}/" in report and "missing" in report and "text.transformer." in report
+    assert "unexpected" in report and "text.token_embedding.weight" in report
+    assert torch.equal(model.visual.proj, ref.visual.proj)
+    assert torch.equal(model.text.transformer.embeddings.word_embeddings.weight, minilm_before)
+
+
+def test_init_from_shape_mismatch_is_a_checkpoint_error(tmp_path):
+    other = models.build(ModelConfig(name="tiny", embed_dim=64))[0]
+    path = tmp_path / "small.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(other.state_dict(), str(path))
+    model = models.build(ModelConfig(name="tiny"))[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"has shape \(128, 64\) in the checkpoint, expected \(128, 128\)"):
+        weights.init_from(model, path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing half-loaded
+
+
+def test_init_from_bad_paths(tmp_path):
+    model = models.build(ModelConfig(name="tiny"))[0]
+    with pytest.raises(CheckpointError, match="init_from path not found"):
+        weights.init_from(model, tmp_path / "missing.pt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no weights found in"):
+        weights.init_from(model, tmp_path / "empty")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        weights.init_from(model, tmp_path / "junk.pt")
+    torch.save({"a": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="none of its 1 tensors matches"):
+        weights.init_from(model, tmp_path / "other.pt")
+
+
+def test_image_position_grid_is_resized(tmp_path, open_clip_reference):
+    ref = open_clip_reference[0]
+    path = _write(".safetensors", ref, tmp_path)
+    model = models.build(ModelConfig(name="tiny", image_size=96))[0]
+    report = weights.init_from(model, path)
+    assert "resized image position grid (65, 128) -> (145, 128)" in report
