@@ -1,8 +1,8 @@
 """The tests mirror the package: the tests of mmcl/<package>/<module>.py are in tests/<package>/test_<module>.py
-(a private module's, _name.py, in test_name.py; mmcl/errors.py's in tests/, the CLI package's own in
-tests/cli/test_cli.py), or, for at most a tenth of the modules, the module is listed in `TESTED_ELSEWHERE` with the
-file(s) that exercise it and why it has none of its own. Scenario suites that cross packages are in tests/e2e/;
-checks of the repository as a whole (layout, docs, README, benchmarks, dependency pins) are at tests/ itself."""
+(mmcl/errors.py's in tests/, the CLI package's own in tests/cli/test_cli.py), or, for at most a tenth of the
+modules, the module is listed in `TESTED_ELSEWHERE` with the file(s) that exercise it and why it has none of its own.
+Scenario suites that cross packages are in tests/e2e/; checks of the repository as a whole (layout, docs, README,
+benchmarks, dependency pins) are at tests/ itself."""
 
 from pathlib import Path
 
@@ -42,7 +42,7 @@ def _modules():
 
 def _own_test(rel: str) -> Path:
     parts = rel.split("/")
-    name = f"test_{parts[-1].lstrip('_')}"  # losses/_inputs.py: tests/losses/test_inputs.py
+    name = f"test_{parts[-1]}"
     if len(parts) == 1:  # a top-level module: tests/test_errors.py, or its folder (tests/cli/test_cli.py)
         top = TESTS / name
         return top if top.is_file() else TESTS / parts[0][:-3] / name

@@ -21,8 +21,7 @@ from mmcl.data import read_raw_samples
 from mmcl.errors import ConfigError
 from mmcl.shards.writer import write_shards
 
-from helpers import check_run_inputs
-from helpers import empty_tars, good_members, write_tar
+from helpers import check_run_inputs, empty_tars, good_members, write_tar
 
 
 class _Shards(http.server.BaseHTTPRequestHandler):

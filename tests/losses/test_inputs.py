@@ -1,4 +1,4 @@
-"""What every loss takes (mmcl/losses/_inputs.py): the gathered global batch, and the argument checks the losses
+"""What every loss takes (mmcl/losses/inputs.py): the gathered global batch, and the argument checks the losses
 share, each one `LossInputError` naming what was expected; seen through the public losses."""
 
 import pytest

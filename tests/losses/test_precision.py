@@ -1,11 +1,11 @@
-"""Float32 math for every loss (mmcl/losses/_precision.py): half inputs computed in float32 with autocast off, each
+"""Float32 math for every loss (mmcl/losses/precision.py): half inputs computed in float32 with autocast off, each
 tensor cast once, and `scaled_products` float32 forward and backward under any autocast, against float64."""
 
 from typing import NamedTuple
 
 import torch
 
-from mmcl.losses._precision import float32_math, scaled_products
+from mmcl.losses.precision import float32_math, scaled_products
 
 from helpers import pair_features
 

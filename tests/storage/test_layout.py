@@ -2,9 +2,7 @@
 
 from pathlib import Path
 
-from mmcl.data.skips import SKIP_LOG
 from mmcl.storage import layout
-from mmcl.storage.checkpoints import CHECKPOINTS_DIR
 
 
 def test_run_layout_gives_every_path_of_a_run_folder(tmp_path):
@@ -13,13 +11,15 @@ def test_run_layout_gives_every_path_of_a_run_folder(tmp_path):
     assert repr(run) == f"RunLayout({str(tmp_path / 'run')!r})"
     want = {"model": "model", "checkpoints": "checkpoints", "config": "config.yaml", "metrics": "metrics.jsonl",
             "out_log": "out.log", "eval_results": "eval_results.json", "param_groups": "param_groups.json",
-            "wise_ft": "wise_ft", "skipped": SKIP_LOG}
+            "wise_ft": "wise_ft", "skipped": "skipped.jsonl", "lock": ".lock"}
     assert {k: getattr(run, k) for k in want} == {k: tmp_path / "run" / v for k, v in want.items()}
-    assert run.checkpoints.name == CHECKPOINTS_DIR
 
 
 def test_the_names_are_distinct_and_plain():
     names = [layout.MODEL, layout.CONFIG, layout.METRICS, layout.OUT_LOG, layout.EVAL_RESULTS, layout.PARAM_GROUPS,
-             layout.WISE_FT, CHECKPOINTS_DIR, SKIP_LOG]
+             layout.WISE_FT, layout.SKIP_LOG, layout.LOCK, layout.MANIFEST, layout.CHECKPOINTS_DIR, layout.LATEST]
     assert len(set(names)) == len(names)
-    assert all("/" not in n and not n.startswith(".") for n in names)
+    assert all(n and "/" not in n and n == n.strip() for n in names)
+    assert [n for n in names if n.startswith(".")] == [layout.LOCK]  # only the lock is hidden
+    # a checkpoint's name, its set-aside name and its marker
+    assert (layout.CKPT_PREFIX, layout.DAMAGED_PREFIX, layout.COMPLETE) == ("step-", "damaged-", "COMPLETE")
