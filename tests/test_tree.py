@@ -20,7 +20,6 @@ TESTED_ELSEWHERE = {
                               "`mmcl reinforce`'s stored teacher targets, used by distillation"),
     "evaluation/embed.py": (["tests/evaluation/test_evaluate.py", "tests/evaluation/test_index.py"],
                             "the embedding loops, through the zero-shot, retrieval and index results they give"),
-    "evaluation/in_run.py": (["tests/evaluation/test_eval_sets.py"], "the evaluation sets a run scores on its steps"),
     "losses/errors.py": (["tests/losses/test_inputs.py", "tests/losses/test_objective.py"],
                          "LossInputError, raised by the input checks (test_errors.py is mmcl/errors.py's name)"),
     "models/naflex.py": (["tests/models/test_naflex_tower.py", "tests/e2e/test_naflex_journey.py"],
