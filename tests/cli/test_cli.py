@@ -93,3 +93,33 @@ def test_mmcl_warnings_are_one_line_once_and_others_keep_their_format(capsys):
         "mmcl: warning: shard x.tar is bad; skipping it", "mmcl: warning: another cause"]
     assert [(str(m), c, f, n) for m, c, f, n in others] == [
         ("a library's own warning", DeprecationWarning, "/site-packages/lib/mod.py", 7)]
+
+
+def test_init_copies_the_shipped_configs_and_launch_folders(tmp_path, capsys):
+    code, err = run_main(capsys, "init", str(tmp_path / "project"))
+    assert code == 0, err
+    shipped = ROOT / "mmcl" / "training" / "starter"
+    for name in ("configs", "launch"):
+        want = sorted(p.relative_to(shipped / name).as_posix() for p in (shipped / name).rglob("*") if p.is_file())
+        got = sorted(p.relative_to(tmp_path / "project" / name).as_posix()
+                     for p in (tmp_path / "project" / name).rglob("*") if p.is_file())
+        assert got == want and want
+
+
+def test_a_warning_raised_anywhere_in_mmcl_is_one_mmcl_warning_line(capsys):
+    """`mmcl.cli.warning_lines` shows the warnings of every mmcl module (the data package's here) in its one-line
+    format, once per message, and hands other warnings to the handler before it."""
+    import warnings
+
+    from mmcl.cli import warning_lines
+    from mmcl.data import sources
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with warning_lines():
+            for _ in range(2):
+                warnings.warn_explicit("a data warning", UserWarning, sources.__file__, 1)
+            warnings.warn_explicit("a library's warning", UserWarning, "/elsewhere/lib.py", 1)
+    err = capsys.readouterr().err
+    assert err.count("mmcl: warning: a data warning") == 1, err
+    assert "library" not in err  # handed to the previous handler (pytest's record here), not an mmcl line
