@@ -6,8 +6,8 @@
 2. No module imports another module's private name (``_name``), nor reads one through a module it imported.
 3. Only `training/loop.py` and `training/setup.py` (and the config's own package) receive the whole training
    config; every other function takes its section or plain values.
-4. The run's parts are frozen (`training.setup.Parts`); `training.loop.RunState` is the one state that changes
-   during a run.
+4. The run's parts are frozen (`training.setup.Parts`); `training.state.RunState` is the one state that changes
+   during a run (`training/state.py`).
 5. Each run-folder name is spelled once (`storage/layout.py`); one is-main; one way to print a line.
 The rules' own checker is tested on small made-up modules at the end.
 """

@@ -57,7 +57,7 @@ _LONG_HEADER_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
                       tarfile.GNUTYPE_LONGLINK)
 # A `TarFile` lists every member it has read, for random access a stream never makes. `TarFile(stream=True)`
 # (Python 3.13+) keeps none; before it, `_forget_members` empties that list after each member, so that a reader's
-# memory stays flat over any number of members (tests/data/test_data.py measures it).
+# memory stays flat over any number of members (tests/data/test_reading.py measures it).
 _STREAM_KWARGS = {"stream": True} if "stream" in inspect.signature(tarfile.TarFile).parameters else {}
 
 

@@ -49,14 +49,14 @@ def inside(folder, rel) -> Path:
         try:
             mode = os.lstat(path).st_mode
         except (FileNotFoundError, NotADirectoryError):
-            break
+            break  # nothing below a missing part exists yet: no link to refuse there
         if stat.S_ISLNK(mode):
             raise ConfigError(f"{path} is a symbolic link; mmcl never writes through links inside a folder it "
                               f"writes (it was left as it is: remove it or choose another folder)")
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise ConfigError(f"{path} is not a regular file or folder; mmcl does not write to it (it was left as "
                               f"it is: remove it or choose another folder)")
-    return path
+    return Path(folder).joinpath(*parts)
 
 
 def open_inside(folder, rel, flags: int, mode: int = 0o644) -> int:
