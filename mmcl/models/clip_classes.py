@@ -74,8 +74,8 @@ class ShortTextCLIP(CLIP):
     def _encode_cut_text(self, text, normalize: bool):
         """open_clip's ``CLIP.encode_text`` for a batch of width n below the context length, with the position table
         and the causal mask cut to their first n positions (views: the gradient reaches the model's table). Only
-        with ``argmax`` pooling (`_encode_text`), which open_clip's releases pool alike; tests/models/test_clip_classes.py
-        checks the features against open_clip's own on the full context."""
+        with ``argmax`` pooling (`_encode_text`), which open_clip's releases pool alike;
+        tests/models/test_clip_classes.py checks the features against open_clip's own on the full context."""
         n = text.shape[1]
         cast_dtype = self.transformer.get_cast_dtype()
         x = self.token_embedding(text).to(cast_dtype)  # (B, n, width)
