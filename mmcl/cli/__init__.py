@@ -192,7 +192,8 @@ def cmd_shards(args) -> int:
     from ..shards.writer import shards_from_input
 
     shards_from_input(args.input, args.out, shard_size=args.shard_size, caption_template=args.caption_template,
-                      sep=args.sep, image_col=args.image_col, caption_col=args.caption_col)
+                      sep=args.sep, image_col=args.image_col, caption_col=args.caption_col,
+                      negatives_col=args.negatives_col)
     return 0
 
 
@@ -202,6 +203,17 @@ def cmd_reinforce(args) -> int:
     keys = _sample_keys(args) if (args.image_key or args.caption_key) else None
     summary = reinforce(args.teacher, args.data, args.out, batch_size=args.batch_size, device=args.device,
                         keys=keys, progress=not args.no_progress)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_negatives(args) -> int:
+    from ..shards.negatives import write_negative_shards
+
+    keys = _sample_keys(args) if (args.image_key or args.caption_key) else None
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+    summary = write_negative_shards(args.input, args.out, rules=rules, seed=args.seed, keys=keys,
+                                    progress=not args.no_progress)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -413,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a table's image column (open_clip's --csv-img-key; default: image, url or filepath)")
     s.add_argument("--caption-col", default=None,
                    help="a table's caption column (open_clip's --csv-caption-key; default: caption or title)")
+    s.add_argument("--negatives-col", default=None,
+                   help="a table's column of negative captions (a list, a JSON list, or one a line), written as each "
+                        "sample's JSON negatives for data.negatives")
     s.set_defaults(func=cmd_shards)
 
     rf = sub.add_parser("reinforce", help="copy shards with a teacher's image and caption embeddings stored in "
@@ -427,6 +442,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="caption member(s), as data.caption_key: every caption is embedded")
     rf.add_argument("--no-progress", action="store_true", help="no progress bar")
     rf.set_defaults(func=cmd_reinforce)
+
+    ng = sub.add_parser("negatives", help="copy shards with negative captions made by rule (attributes or objects "
+                                          "swapped, words shuffled) in each sample's neg.txt, for data.negatives")
+    ng.add_argument("--input", required=True, help="input shards (brace-expanded spec, a directory or a list); "
+                                                   "never changed")
+    ng.add_argument("--out", required=True, help="output directory (one shard per input shard, same names)")
+    ng.add_argument("--rules", default="attributes,objects,order",
+                    help="comma-separated rules, each making at most one negative per caption: attributes (swap two "
+                         "attribute words between objects), objects (swap two objects), order (shuffle the words)")
+    ng.add_argument("--seed", type=int, default=0, help="seed of the rules' random choices")
+    ng.add_argument("--image-key", default=None, help="image member (default: first of jpg, jpeg, png, webp)")
+    ng.add_argument("--caption-key", nargs="+", default=None,
+                    help="caption member(s), as data.caption_key: every caption gets its negatives")
+    ng.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ng.set_defaults(func=cmd_negatives)
 
     cu = sub.add_parser("curate", help="filter, deduplicate and decontaminate shards with a CLIP model "
                                        "(filtered shards, report.json/.png, dropped.jsonl)")

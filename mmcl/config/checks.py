@@ -97,6 +97,11 @@ def validate(cfg: TrainConfig) -> List[str]:
     if loss.siglip > 0 and cfg.model.init_logit_bias is None:
         problems.append("loss.siglip > 0 needs a model with a logit bias (got none; set model.init_logit_bias, "
                         "e.g. -10)")
+    if cfg.data.negatives < 0:
+        problems.append(f"data.negatives must be >= 0 (got {cfg.data.negatives})")
+    elif cfg.data.negatives > 0 and loss.clip <= 0 and loss.siglip <= 0:
+        problems.append(f"data.negatives={cfg.data.negatives} brings negative captions that only loss.clip and "
+                        "loss.siglip score, and neither is > 0")
     if not 0 <= cfg.data.worker_nice <= 19:
         problems.append(f"data.worker_nice must be in [0, 19] (got {cfg.data.worker_nice})")
     for key in ("optim.image_layer_decay", "optim.text_layer_decay"):

@@ -77,7 +77,12 @@ class ModelConfig(_Section):
         "open_clip's model-config format (embed_dim, vision_cfg, text_cfg; optionally preprocess_cfg)")
     embed_dim: Optional[int] = described(None, "width of the shared embedding; null: the model config's")
     image_size: Optional[int] = described(None, "input resolution of the image tower; null: the model config's")
-    context_length: Optional[int] = described(None, "tokens per caption; null: the model config's")
+    context_length: Optional[int] = described(
+        None,
+        "tokens per caption; null: the model config's. Longer than the text positions of the weights that "
+        "model.pretrained or model.init_from loads: their table is stretched as Long-CLIP does (the first 20 as "
+        "trained, the rest interpolated); a Hugging Face text tower up to its max_position_embeddings. Captions "
+        "still longer are cut and counted (data/cut_captions)")
     vision_cfg: Dict[str, Any] = described(factory=dict, help="raw overrides of open_clip's vision_cfg")
     text_cfg: Dict[str, Any] = described(factory=dict, help="raw overrides of open_clip's text_cfg")
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
@@ -196,6 +201,11 @@ class DataConfig(_Section):
         None,
         "Samples in one pass over data.train (open_clip's --train-num-samples), for train.epochs; null: read from the "
         "counts beside the shards (sizes.json, img2dataset's _stats.json, __len__; mmcl/data/sizes.py).")
+    negatives: int = described(
+        0,
+        "Negative captions from the data (NegCLIP): each sample brings up to this many (the lines of its neg.txt "
+        "member, then its JSON member's negatives list; drawn per epoch when it has more, at most 64), and each adds "
+        "a column to its own image's row of the image-to-text logits of loss.clip and loss.siglip. 0: none read.")
     aug: AugConfig = field(default_factory=AugConfig)  # training augmentation: open_clip's AugmentationCfg
     naflex: NaflexConfig = field(default_factory=NaflexConfig)  # native-resolution batches (NaFlex towers)
 

@@ -1,7 +1,8 @@
 """WebDataset streaming for training and evaluation: sources, reading, decoding, transforms, the resumable stream.
 
 Shards follow the img2dataset / WebDataset convention: consecutive tar members sharing a key form one sample
-(``KEY.jpg|jpeg|png|webp`` image, ``KEY.txt`` caption, optional ``KEY.cls`` label, optional ``KEY.json``).
+(``KEY.jpg|jpeg|png|webp`` image, ``KEY.txt`` caption, optional ``KEY.cls`` label, optional ``KEY.json``, optional
+``KEY.neg.txt`` negative captions, one a line).
 One concern per module, imported in this order (each uses only those above it)::
 
     sources.py     shard specs (braces, globs, directories, '::' sources, YAML lists) -> URLs (names found on

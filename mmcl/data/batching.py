@@ -18,7 +18,7 @@ import torch
 
 from .decode import SkipSample, TransformOutputError, caption_draw, decode_sample, zero_skips
 from .naflex import patch_batch
-from .pipeline import InputSizes, StreamSpec, epoch_shard_plan, sample_id, shuffle_block
+from .pipeline import CAPTION_COUNTS, InputSizes, StreamSpec, epoch_shard_plan, sample_id, shuffle_block
 from .reading import RawSample, read_raw_samples
 from .skips import member_of
 from .skips import record as skip_record
@@ -67,7 +67,7 @@ def _role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: 
     epoch, shard, sample, emitted = start["epoch"], start["shard"], start["sample"], start["emitted"]
     skipped = dict(zero_skips(), **start["skipped"])
     skipped_before_epoch = dict(zero_skips(), **start.get("skipped_before_epoch", start["skipped"]))
-    filling = _Filling(s, first_batch, stride)
+    filling = _Filling(s, first_batch, stride, {k: int(start.get(k, 0)) for k in CAPTION_COUNTS})
     records: List[Dict[str, Any]] = []  # the skips since the last batch
 
     def sent(batch: Optional[Dict[str, Any]], position: Optional[Dict[str, Any]] = None,
@@ -78,7 +78,8 @@ def _role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: 
 
     def state(**extra) -> Dict[str, Any]:
         return {"epoch": epoch, "shard": shard, "sample": sample, "emitted": emitted,
-                "skipped": dict(skipped), "skipped_before_epoch": dict(skipped_before_epoch), **extra}
+                "skipped": dict(skipped), "skipped_before_epoch": dict(skipped_before_epoch), **filling.counts,
+                **extra}
 
     # After a resume on another number of processes or workers: the rest of the saved run's epochs, as tasks
     # (`resized_positions`), before this slot's own epochs begin.
@@ -126,8 +127,10 @@ class _Filling:
     """The decoded samples of the batch being filled: process batch `batch`; the role's next one is `stride`
     batches later."""
 
-    def __init__(self, s: StreamSpec, batch: int = 0, stride: int = 1):
+    def __init__(self, s: StreamSpec, batch: int = 0, stride: int = 1, counts: Optional[Dict[str, int]] = None):
         self.s, self.batch, self.stride = s, batch, stride
+        # The captions batched so far and those cut at the text context (`CAPTION_COUNTS`), carried in the position
+        self.counts = dict(counts or dict.fromkeys(CAPTION_COUNTS, 0))
         self.sizes = s.sizes_at(batch)
         self.clear()
 
@@ -138,10 +141,13 @@ class _Filling:
         self.keys: List[str] = []
         self.ids: List[int] = []  # `sample_id` of each sample
         self.teacher: List[Any] = []  # the teacher's view, or its stored embeddings, of each image; else empty
+        self.negatives: List[List[str]] = []  # each sample's negative captions (data.negatives); else empty
 
     def add(self, key: str, decoded, url: str = "") -> bool:
         """Add one `decode_sample` result of the sample `key` of shard `url`; whether the batch is full."""
         tensor, caption, label, *teacher = decoded
+        if self.s.negatives:
+            self.negatives.append(teacher.pop())
         self.images.append(tensor)
         self.captions.append(caption)
         self.labels.append(label)
@@ -159,9 +165,10 @@ class _Filling:
         """The full batch; empties the filling for the role's next batch (at that batch's input sizes)."""
         flex = self.s.naflex
         batch = collate(self.images if flex is None else None, self.captions, self.labels, self.keys,
-                        self.s.tokenizer, self.s.teacher_view, self.teacher, context_length=self.sizes.context_length)
+                        self.s.tokenizer, self.s.teacher_view, self.teacher, context_length=self.sizes.context_length,
+                        negatives=self.negatives if self.s.negatives else None, max_negatives=self.s.negatives,
+                        counts=self.counts)
         if flex is not None:
-
             batch.update(patch_batch(self.images, flex.seq_len_at(self.batch), flex.patch_size))
         batch["sample_id"] = torch.tensor(self.ids, dtype=torch.long)
         self.clear()
@@ -189,12 +196,12 @@ def _decode_or_count_skip(s: StreamSpec, item: RawSample, slot: int, epoch: int,
 
 def _decode_seeded(s: StreamSpec, item: RawSample, slot: int, epoch: int, sizes: InputSizes):
     """`decode_sample` of a raw item drawn by `slot` in `epoch`, at `sizes` (its augmentation and caption draw
-    follow from them and the item's place, whichever process reads it)."""
+    follow from them and the item's place, whichever process reads it; so does the draw of its negatives)."""
+    drawn = s.keys is not None or s.negatives > 0
     return decode_sample(item.files, sizes.preprocess, s.max_pixels, sizes.draft_size,
                          aug_seed=_mix(s.seed, slot, epoch, item.shard, item.index), as_uint8=s.as_uint8,
-                         keys=s.keys,
-                         caption_draw=caption_draw(s.seed, epoch, item.key) if s.keys is not None else 0,
-                         teacher_view=s.teacher_view, stored_teacher=s.stored_teacher)
+                         keys=s.keys, caption_draw=caption_draw(s.seed, epoch, item.key) if drawn else 0,
+                         teacher_view=s.teacher_view, stored_teacher=s.stored_teacher, negatives=s.negatives)
 
 
 def _shuffled_blocks(s: StreamSpec, plan, slot: int, epoch: int,
@@ -326,17 +333,26 @@ def _empty_epoch_problem(s: StreamSpec, rank: int, role: int, n_slots: int, raw_
 
 def collate(images: Optional[List[torch.Tensor]], captions: List[str], labels: List[int], keys: List[str],
             tokenizer: Callable[[List[str]], torch.Tensor], teacher_view=None,
-            teacher_images: Optional[List[torch.Tensor]] = None, context_length: Optional[int] = None
-            ) -> Dict[str, Any]:
+            teacher_images: Optional[List[torch.Tensor]] = None, context_length: Optional[int] = None,
+            negatives: Optional[List[List[str]]] = None, max_negatives: int = 0,
+            counts: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
     """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list;
     with `teacher_view` (distillation) also teacher_image (B,3,Ht,Wt) uint8 and teacher_text (B,Lt) long, the
     same captions in the teacher's tokens; with stored teacher embeddings in `teacher_images` (no view),
     teacher_image_features and teacher_text_features (B, Dt) float32 and teacher_scale (B,). `images` None: no
-    image key (NaFlex batches carry patches instead, `mmcl.data.naflex.patch_batch`)."""
-    text = tokenizer(captions)
-    if not isinstance(text, torch.Tensor):
-        text = torch.as_tensor(text)
-    text = cut_tokens(text, context_length)
+    image key (NaFlex batches carry patches instead, `mmcl.data.naflex.patch_batch`). With `negatives` (each
+    sample's negative captions, at most `max_negatives` = K each): negatives_valid (B, K) bool, the slots that
+    hold one, and negatives (R, L) long, the R real ones in the order of those slots (row-major), tokenized with
+    the captions (the same width L). `counts` (a dict of `CAPTION_COUNTS`), when given, counts the captions and
+    those the tokenizer cut at its context (`tokenize_counting_cut`)."""
+    negatives = negatives or []
+    flat = [neg for negs in negatives for neg in negs]
+    tokens, cut = tokenize_counting_cut(tokenizer, captions + flat, len(captions))
+    if counts is not None:
+        counts["captions"] += len(captions)
+        counts["cut_captions"] += cut
+    tokens = cut_tokens(tokens, context_length)
+    text = tokens[:len(captions)]
     out = None
     if images is not None and torch.utils.data.get_worker_info() is not None:
         # Stacking straight into shared memory saves the copy the DataLoader's queue would make to send it.
@@ -344,6 +360,10 @@ def collate(images: Optional[List[torch.Tensor]], captions: List[str], labels: L
     # Every tensor of a batch contiguous: a cut token batch (`TrimmedTokenizer`, `cut_tokens`) is a view with the
     # full context's row stride, which pinning and the copy to the device would otherwise carry as strided memory.
     batch = {"text": text.long().contiguous(), "label": torch.tensor(labels, dtype=torch.long), "key": list(keys)}
+    if max_negatives:
+        counts = torch.tensor([len(negs) for negs in negatives] or [0] * len(captions), dtype=torch.long)
+        batch["negatives_valid"] = torch.arange(max_negatives)[None, :] < counts[:, None]
+        batch["negatives"] = tokens[len(captions):].long().contiguous()
     if images is not None:
         batch["image"] = torch.stack(images, out=out)
     if teacher_view is not None:
@@ -354,6 +374,31 @@ def collate(images: Optional[List[torch.Tensor]], captions: List[str], labels: L
         batch["teacher_text_features"] = torch.from_numpy(np.stack([t[1] for t in teacher_images]))
         batch["teacher_scale"] = torch.tensor([t[2] for t in teacher_images], dtype=torch.float32)
     return batch
+
+
+def tokenize_counting_cut(tokenizer: Callable, texts: List[str], first: int) -> Tuple[torch.Tensor, int]:
+    """``tokenizer(texts)`` as a tensor, and how many of the first `first` texts were longer than the tokenizer's
+    context (``tokenizer.context_length``) and so were cut by it.
+
+    A text can only have been cut when its tokens reach the last column of a full-width batch (its last token is
+    not padding); those texts alone are tokenized again with one more position, and the ones holding a token
+    there were longer. No extra work for batches of short captions; a tokenizer without an integer
+    ``context_length`` (or without the ``context_length`` keyword) counts none."""
+    tokens = tokenizer(texts)
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.as_tensor(tokens)
+    context = getattr(tokenizer, "context_length", None)
+    if not isinstance(context, int) or isinstance(context, bool) or tokens.shape[1] != context or not first:
+        return tokens, 0
+    pad = getattr(getattr(tokenizer, "tokenizer", None), "pad_token_id", None) or 0
+    full = (tokens[:first, -1] != pad).nonzero().flatten().tolist()
+    if not full:
+        return tokens, 0
+    try:
+        wide = torch.as_tensor(tokenizer([texts[i] for i in full], context_length=context + 1))
+    except TypeError:  # a tokenizer of the caller's without the keyword
+        return tokens, 0
+    return tokens, int((wide[:, context:] != pad).any(dim=1).sum()) if wide.shape[1] > context else 0
 
 
 def cut_tokens(tokens: torch.Tensor, context_length: Optional[int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError
-from .limits import load_json
+from .limits import MAX_NEGATIVE_CANDIDATES, load_json
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SKIP_REASONS = (
@@ -34,6 +34,8 @@ SKIP_REASONS = (
 # its caption embeddings (float16, (K, D), one row per candidate caption in `candidate_captions` order) and
 # {"scale", "teacher", "dim"}.
 TEACHER_IMAGE, TEACHER_TEXT, TEACHER_META = "teacher_image.npy", "teacher_text.npy", "teacher.json"
+# Where a sample's negative captions (NegCLIP) are: a member with one caption a line, and a list in its JSON member.
+NEGATIVES_MEMBER, NEGATIVES_JSON, NEGATIVES_FIELD = "neg.txt", "json", "negatives"
 
 
 def zero_skips() -> Dict[str, int]:
@@ -291,16 +293,19 @@ def sample_keys(cfg=None, image_key: Optional[str] = None, caption_key: Any = "t
 
 
 def needed_members(keys: Optional[SampleKeys] = None, stored_teacher: bool = False,
-                   extra: Sequence[str] = ()) -> FrozenSet[str]:
+                   extra: Sequence[str] = (), negatives: bool = False) -> FrozenSet[str]:
     """The member extensions a sample's reading needs (`read_raw_samples` passes over the others unread): the
     image (``data.image_key``, else every image extension), the caption members, ``cls``, the teacher members of
-    reinforced shards when `stored_teacher`, and `extra` (e.g. ``json`` for an index's source URLs)."""
+    reinforced shards when `stored_teacher`, the negative captions' members with `negatives`, and `extra` (e.g.
+    ``json`` for an index's source URLs)."""
     keys = keys or DEFAULT_KEYS
     out = set(IMAGE_EXTS) if keys.image_key is None else {keys.image_key, keys.image_key.lower()}
     out.update(member for member, _ in keys.sources)
     out.add("cls")
     if stored_teacher:
         out.update((TEACHER_IMAGE, TEACHER_TEXT, TEACHER_META))
+    if negatives:
+        out.update((NEGATIVES_MEMBER, NEGATIVES_JSON))
     out.update(extra)
     return frozenset(out)
 
@@ -342,6 +347,42 @@ def parse_sample(files: Dict[str, bytes], caption_required: bool = True, keys: O
             raise
         caption = ""
     return data, caption, parse_label(files.get("cls"))
+
+
+def parse_negatives(files: Dict[str, bytes], limit: int, draw: int = 0) -> List[str]:
+    """A sample's negative captions (NegCLIP): the lines of its ``neg.txt`` member, then the strings of the
+    ``negatives`` list of its ``json`` member, whitespace collapsed, empty ones dropped, at most
+    `MAX_NEGATIVE_CANDIDATES` in all; when there are more than `limit`, `limit` of them drawn by `draw` (an integer
+    seed, `caption_draw`), in their order. None is fine (an empty list). `SkipSample` ``bad_caption`` for a member
+    that is not UTF-8 (JSON), or a ``negatives`` field that is not text or a list of texts."""
+    found: List[str] = []
+    data = files.get(NEGATIVES_MEMBER)
+    if data is not None:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise SkipSample("bad_caption", f".{NEGATIVES_MEMBER} is not UTF-8 ({err})")
+        for line in text.splitlines():
+            if len(found) == MAX_NEGATIVE_CANDIDATES:
+                break
+            if line.strip():
+                found.append(" ".join(line.split()))
+    data = files.get(NEGATIVES_JSON)
+    if data is not None and len(found) < MAX_NEGATIVE_CANDIDATES:
+        try:
+            meta = load_json(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as err:
+            raise SkipSample("bad_caption", f".{NEGATIVES_JSON} is not UTF-8 JSON ({err})")
+        value = meta.get(NEGATIVES_FIELD) if isinstance(meta, dict) else None
+        items = [] if value is None else value if isinstance(value, list) else [value]
+        if not all(isinstance(v, str) for v in items):
+            raise SkipSample("bad_caption", f"{NEGATIVES_JSON}:{NEGATIVES_FIELD} holds {type(value).__name__}, "
+                                            "not text or a list of texts")
+        found += [" ".join(v.split()) for v in items[:MAX_NEGATIVE_CANDIDATES - len(found)] if v.strip()]
+    if len(found) <= limit:
+        return found
+    rng = np.random.default_rng(draw & 0xFFFFFFFFFFFFFFFF)
+    return [found[i] for i in sorted(rng.choice(len(found), size=limit, replace=False))]
 
 
 def candidate_captions(files: Dict[str, bytes], keys: Optional[SampleKeys] = None) -> List[str]:
@@ -393,7 +434,7 @@ def pil_to_uint8(img: Any) -> torch.Tensor:
 def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int,
                   draft_size: Optional[Tuple[int, int]] = None,
                   aug_seed: Optional[int] = None, as_uint8: bool = False, keys=None,
-                  caption_draw: int = 0, teacher_view=None, stored_teacher: bool = False):
+                  caption_draw: int = 0, teacher_view=None, stored_teacher: bool = False, negatives: int = 0):
     """Raw files of one sample -> (image tensor (3, H, W), caption str, label int (-1 if none)).
 
     Cheap checks (image/caption present, caption and label valid) run before the image is decoded. When `aug_seed` is
@@ -405,9 +446,11 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
     members and the caption (`parse_sample`). With `teacher_view` (a `mmcl.evaluation.teacher.TeacherView`) a fourth
     element is the teacher's uint8 view of the same decoded image, before any augmentation. With `stored_teacher`
     (``distill.from_shards``) it is the sample's stored teacher embeddings (image, drawn caption, scale), or
-    `SkipSample` ``no_teacher_features``.
+    `SkipSample` ``no_teacher_features``. With `negatives` > 0 (``data.negatives``) a last element is the list of
+    the sample's negative captions, at most that many (`parse_negatives`, drawn with `caption_draw`).
     """
     data, caption, label = parse_sample(files, keys=keys, draw=caption_draw)  # keys: data.image_key/caption_key
+    negs = (parse_negatives(files, negatives, caption_draw),) if negatives > 0 else ()
     stored = stored_teacher_features(files, caption, keys) if stored_teacher else None
     img = decode_image(data, max_pixels, draft_size)
     if aug_seed is None:
@@ -429,7 +472,7 @@ def decode_sample(files: Dict[str, bytes], preprocess: Callable, max_pixels: int
             torch.set_rng_state(torch_state)
     image = pil_to_uint8(out) if as_uint8 else out
     if teacher_view is not None:
-        return image, caption, label, teacher_view.image(img)
+        return (image, caption, label, teacher_view.image(img)) + negs
     if stored is not None:
-        return image, caption, label, stored
-    return image, caption, label
+        return (image, caption, label, stored) + negs
+    return (image, caption, label) + negs

@@ -8,6 +8,9 @@
   Texts that were cut are counted (``BoundedTokenizer.cut``) and said once, in one warning.
 * A JSON member of a sample is parsed by `load_json`: nesting too deep for the parser is a ``ValueError``, as
   any other text that is not JSON, which the callers count as a bad sample.
+* Negative captions (``data.negatives``): a sample is read for at most `MAX_NEGATIVES` of them per batch, chosen
+  from at most `MAX_NEGATIVE_CANDIDATES` it offers (the first lines of its ``neg.txt``, the first entries of its
+  JSON ``negatives``); each is a text like any other (`BoundedTokenizer`).
 * A list that expands (brace ranges, globs, shard lists whose YAML aliases repeat a list) is taken through
   `bounded`: more than `MAX_LIST_ENTRIES` entries is a `DataError`, found after reading that many entries.
 """
@@ -25,6 +28,8 @@ from ..errors import DataError
 MAX_TEXT_CHARS = 4096
 MAX_WORD_CHARS = 320
 MAX_LIST_ENTRIES = 1_000_000
+MAX_NEGATIVES = 64
+MAX_NEGATIVE_CANDIDATES = 1024
 
 _LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD_CHARS + 1))
 

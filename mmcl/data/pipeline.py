@@ -79,6 +79,7 @@ class StreamSpec:
     max_member_bytes: int
     sizes: Tuple[InputSizes, ...] = ()  # by start; none: every batch at the model's own sizes
     naflex: Any = None  # a `mmcl.data.naflex.NaflexPlan`: each batch's sequence length and pairs; None: fixed size
+    negatives: int = 0  # data.negatives: the most negative captions a sample brings to its batch (0: none read)
 
     def sizes_at(self, batch: int) -> InputSizes:
         """The input sizes of process batch `batch` (0-based, counted from the start of the run)."""
@@ -129,6 +130,16 @@ def shard_split(n_shards: int, n_slots: int, resampled: bool) -> str:
     shards that do not divide evenly among the slots are split by sample index (states saved before that rule,
     which dealt them whole, lack the key), "whole" where both rules give the same plan."""
     return "whole" if resampled or n_shards < n_slots or n_shards % n_slots == 0 else "balanced"
+
+# The captions a slot has batched, and of them those longer than the text context (cut by the tokenizer): counters
+# of a position, like its skips (states saved before them lack them: 0).
+CAPTION_COUNTS = ("captions", "cut_captions")
+
+
+def summed_caption_counts(positions: Iterable[Dict[str, Any]]) -> Dict[str, int]:
+    """`CAPTION_COUNTS` summed over `positions`."""
+    return {k: sum(int(p.get(k, 0)) for p in positions) for k in CAPTION_COUNTS}
+
 
 def fresh_position() -> Dict[str, Any]:
     """A slot's position at the start of the stream: epoch 0, nothing read, nothing skipped."""
@@ -218,6 +229,7 @@ def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int, n_roles: i
              and all(st["layout"]["batch_size"] == old_batch for st in states)
              and old_batch * len(saved) == batch_size * n_slots and tasks)
     totals = summed_skips(pos for _, _, pos in saved)
+    captions = summed_caption_counts(pos for _, _, pos in saved)
     out = []
     for _ in range(n_slots):
         p = fresh_position()
@@ -225,6 +237,7 @@ def resized_positions(states: Sequence[Dict[str, Any]], n_slots: int, n_roles: i
         p["leftover"] = []
         out.append(p)
     out[0]["skipped"], out[0]["skipped_before_epoch"] = dict(totals), dict(totals)
+    out[0].update(captions)
     if exact:
         for j, p in enumerate(out):
             p["leftover"] = [{"kind": "interleave", "streams": copy.deepcopy(tasks), "per_slot": old_batch,

@@ -65,7 +65,8 @@ def _csv_separator(path: str, sep: Optional[str]) -> str:
 
 
 def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[str] = None,
-                     caption_col: Optional[str] = None) -> Iterator[Tuple[int, Any]]:
+                     caption_col: Optional[str] = None, negatives_col: Optional[str] = None
+                     ) -> Iterator[Tuple[int, Any]]:
     """Yield (line or row number, row dict or an error string) from a CSV, TSV, JSONL or parquet file."""
     lower = path.lower()
     if lower.endswith((".csv", ".tsv")):
@@ -73,7 +74,7 @@ def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[s
         shown = "tab" if delimiter == "\t" else repr(delimiter)
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f, delimiter=delimiter)
-            _check_columns(path, reader.fieldnames or [], image_col, caption_col, f"{shown}-separated")
+            _check_columns(path, reader.fieldnames or [], image_col, caption_col, f"{shown}-separated", negatives_col)
             try:
                 for row in reader:
                     yield reader.line_num, row
@@ -90,7 +91,7 @@ def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[s
             table = pq.read_table(path)
         except Exception as err:  # pyarrow raises its own error types for a damaged or foreign file
             raise DataError(f"cannot read {path} as parquet ({' '.join(str(err).split())[:200]})") from None
-        _check_columns(path, table.column_names, image_col, caption_col)
+        _check_columns(path, table.column_names, image_col, caption_col, negatives_col=negatives_col)
         for i, row in enumerate(table.to_pylist(), 1):
             yield i, row
         return
@@ -107,12 +108,14 @@ def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[s
 
 
 def _check_columns(path: str, fields: List[str], image_col: Optional[str] = None, caption_col: Optional[str] = None,
-                   layout: str = "") -> None:
+                   layout: str = "", negatives_col: Optional[str] = None) -> None:
     """Raise `DataError` unless the header `fields` hold an image column and a caption column (the given ones, or
-    one of `_IMAGE_COLS` and one of `_CAPTION_COLS`)."""
+    one of `_IMAGE_COLS` and one of `_CAPTION_COLS`), and `negatives_col` when one is named."""
     images = [image_col] if image_col else list(_IMAGE_COLS)
     captions = [caption_col] if caption_col else list(_CAPTION_COLS)
     if any(c in fields for c in images) and any(c in fields for c in captions):
+        if negatives_col and negatives_col not in fields:
+            raise DataError(f"{path} has no column {negatives_col!r} for --negatives-col (got {', '.join(fields)})")
         return
     hint = ""
     url_cols = [c for c in fields if c.lower() == "url"]
@@ -282,16 +285,33 @@ def _image_folder_items(root: str, folders: List[str], classnames: List[str],
                 yield SkippedItem(where, "not_image")
 
 
+def table_negatives(value: Any) -> List[str]:
+    """The negative captions of a table's cell: a list of texts (JSONL, parquet), a JSON list in a string, or texts
+    one a line; whitespace collapsed, empty ones dropped. ``ValueError`` for anything else."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("["):
+            value = load_json(stripped)
+        else:
+            value = stripped.splitlines()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"negatives must be texts, a list of them or a JSON list (got {type(value).__name__})")
+    return [" ".join(v.split()) for v in value if v.strip()]
+
+
 def _table_items(table: str, sep: Optional[str], image_col: Optional[str],
-                 caption_col: Optional[str]) -> Iterator[_Item]:
+                 caption_col: Optional[str], negatives_col: Optional[str] = None) -> Iterator[_Item]:
     """The rows of a CSV / TSV / JSONL / parquet table: the first named image column with a value (a path or a
-    ``file://`` URI), the caption column, an optional non-negative integer ``label``."""
+    ``file://`` URI), the caption column, an optional non-negative integer ``label``, and with `negatives_col`
+    the row's negative captions (`table_negatives`; the sample's JSON ``negatives``)."""
     base = os.path.dirname(os.path.abspath(table))
     if sep is not None and not table.lower().endswith((".csv", ".tsv")):
         raise DataError(f"--sep is for a .csv or .tsv input (got {table})")
     image_cols = [image_col] if image_col else list(_IMAGE_COLS)
     caption_cols = [caption_col] if caption_col else list(_CAPTION_COLS)
-    for line_no, row in _rows_from_table(table, sep, image_col, caption_col):
+    for line_no, row in _rows_from_table(table, sep, image_col, caption_col, negatives_col):
         where = f"{os.path.basename(table)}:{line_no}"
         if isinstance(row, str):
             yield SkippedItem(where, "bad_row")
@@ -318,18 +338,30 @@ def _table_items(table: str, sep: Optional[str], image_col: Optional[str],
             except (TypeError, ValueError):
                 yield SkippedItem(where, "bad_label")
                 continue
+        negatives = []
+        if negatives_col:
+            try:
+                negatives = table_negatives(row.get(negatives_col))
+            except ValueError as err:
+                yield SkippedItem(where, "bad_caption", f"{negatives_col}: {err}")
+                continue
         path = _local_image_path(image, base, table, url_col)
-        meta = {"source": where, **({"url": str(image).strip()} if url_col else {})}
+        meta = {"source": where, **({"url": str(image).strip()} if url_col else {}),
+                **({"negatives": negatives} if negatives else {})}
         yield SourceImage(path, text.strip(), where, label=label, meta=meta)
 
 
 def input_items(input_path: str, caption_template: str, sep: Optional[str], image_col: Optional[str],
-                caption_col: Optional[str]) -> Tuple[Iterable[_Item], Optional[List[str]]]:
+                caption_col: Optional[str], negatives_col: Optional[str] = None
+                ) -> Tuple[Iterable[_Item], Optional[List[str]]]:
     """The items of `input_path` (see `writer.shards_from_input` for the layouts), and the class names of an
     ImageFolder (None for the other inputs): raises `DataError` for a missing or unsupported input."""
     if not os.path.exists(input_path):
         raise DataError(f"input not found: {input_path} (expected a folder of images with captions, an ImageFolder "
                         f"directory, a .csv, .tsv, .jsonl or .parquet)")
+    if negatives_col and (os.path.isdir(input_path) or not input_path.lower().endswith(TABLE_EXTS)):
+        raise DataError(f"--negatives-col names a column of a table (got {input_path}; a caption folder's KEY.json "
+                        "may hold a negatives list)")
     paired = _paired_files(input_path) if os.path.isdir(input_path) else None
     if paired is not None:
         return _caption_folder_items(input_path, paired), None
@@ -339,6 +371,6 @@ def input_items(input_path: str, caption_template: str, sep: Optional[str], imag
             raise DataError(f"caption_template needs a '{{}}' for the class name (got {caption_template!r})")
         return _image_folder_items(input_path, folders, classnames, caption_template), classnames
     if input_path.lower().endswith(TABLE_EXTS):
-        return _table_items(input_path, sep, image_col, caption_col), None
+        return _table_items(input_path, sep, image_col, caption_col, negatives_col), None
     raise DataError(f"unsupported input {input_path} (expected a folder of images with captions, an ImageFolder "
                     f"directory, a .csv, .tsv, .jsonl or .parquet)")

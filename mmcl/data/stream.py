@@ -22,6 +22,7 @@ from ..config import DataConfig, data_weight_problems, data_workers
 from ..errors import ConfigError, DataError
 from .batching import WorkerOutput, role_batches
 from .decode import needed_members, sample_keys
+from .limits import MAX_NEGATIVES
 from .naflex import PatchNormalizer
 from .pipeline import (
     InputSizes,
@@ -31,6 +32,7 @@ from .pipeline import (
     resized_positions,
     shard_split,
     skip_units,
+    summed_caption_counts,
     summed_skips,
 )
 from .sources import expand_sources, has_scheme
@@ -127,7 +129,9 @@ class TrainStream:
     ``image`` is what the transform gives, or, with ``data.uint8_transfer`` and a transform ending in ToTensor
     [+ Normalize], uint8 pixels: `finish_images` turns either into the float model input (call it where the
     model runs). Each new iteration continues after the last batch consumed. `skipped`, `epoch` and `state_dict`
-    describe the batches consumed so far, not those prefetched by workers.
+    describe the batches consumed so far, not those prefetched by workers. With ``data.negatives`` = K > 0 a batch
+    also holds ``negatives_valid`` (B, K) bool and ``negatives`` (R, L) long, the R negative captions the samples
+    brought (`mmcl.data.batching.collate`).
     """
 
     def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
@@ -136,6 +140,10 @@ class TrainStream:
                  naflex=None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
+        self.negatives = int(cfg.negatives)  # the most negative captions per sample in a batch (0: none read)
+        if not 0 <= self.negatives <= MAX_NEGATIVES:
+            raise ConfigError(f"data.negatives must be in [0, {MAX_NEGATIVES}] (got {self.negatives}): each one is "
+                              "a caption more through the text tower per sample")
         self.sources = expand_sources(cfg.train, allow_pipe=bool(cfg.allow_pipe),
                                       require_all=bool(cfg.require_all_shards))
         self.urls = [u for src in self.sources for u in src]
@@ -215,8 +223,9 @@ class TrainStream:
             as_uint8=self.uint8, tokenizer=self.tokenizer, worker_nice=self.worker_nice, keys=self.keys,
             teacher_view=self.teacher_view, stored_teacher=self.stored_teacher, retries=int(self.cfg.retries),
             retry_delay=float(self.cfg.retry_delay), read_timeout=float(self.cfg.read_timeout),
-            members=needed_members(self.keys, self.stored_teacher), max_member_bytes=int(self.cfg.max_member_bytes),
-            sizes=self.sizes, naflex=self.naflex)
+            members=needed_members(self.keys, self.stored_teacher, negatives=self.negatives > 0),
+            max_member_bytes=int(self.cfg.max_member_bytes), sizes=self.sizes, naflex=self.naflex,
+            negatives=self.negatives)
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [copy_position(p) for p in self._positions]
@@ -249,6 +258,12 @@ class TrainStream:
         out = summed_skips(self._positions)
         out["total"] = sum(out.values())
         return out
+
+    @property
+    def caption_counts(self) -> Dict[str, int]:
+        """This process's batched captions so far, ``captions``, and of them ``cut_captions``: those longer than the
+        text context, which the tokenizer cut (`mmcl.data.batching.tokenize_counting_cut`)."""
+        return summed_caption_counts(self._positions)
 
     @property
     def skipped_units(self) -> Dict[str, int]:
@@ -289,11 +304,13 @@ class TrainStream:
                 "); restarting the earliest saved epoch, exact data order is not preserved")
             epoch = min(p["epoch"] for p in state["positions"])
             totals = summed_skips(state["positions"])
+            captions = summed_caption_counts(state["positions"])
             self._positions = [fresh_position() for _ in range(self.n_roles)]
             for p in self._positions:
                 p["epoch"] = epoch
             self._positions[0]["skipped"] = totals
             self._positions[0]["skipped_before_epoch"] = dict(totals)
+            self._positions[0].update(captions)
             self._next_role = 0
         else:
             self._positions = [copy_position(p) for p in state["positions"]]

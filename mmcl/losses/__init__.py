@@ -22,6 +22,12 @@ global set of real pairs: padded columns enter no log-sum-exp, padded rows and p
 loss is its sum over its real rows times W / N, N the global number of real pairs counted on the device. The other
 terms refuse ``valid``.
 
+Negatives from the data (NegCLIP). A sample may carry negative captions; their features come as one
+`DataNegatives` ((n, K, D) and the (n, K) mask of the real ones, a variable number per sample) to the objective
+(``negatives=``) or to `clip_loss` / `siglip_loss`. Each adds a column to its own image's row of the image-to-text
+logits only (`data_negatives`); since no other row reads it, it is not gathered, and the split over ranks still
+gives the loss and gradients of one process.
+
 Memory. ``chunk_size`` switches the softmax losses (clip, supcon, debiased, hard-negative) to a tiled
 computation (`TiledLogSumExp`): tiles of ``chunk_size`` rows (by up to `tile_elements` / chunk_size columns: 2^22
 logits on a CPU, 2^24-2^28 on a GPU by its memory) of the logits are formed, reduced into row and column sums and
@@ -40,11 +46,13 @@ queues, the random generator used to synthesise negatives, and the global contra
 Layout: `inputs` (the `Gathered` batch and the shared argument checks), `tiling` (the shared autograd
 machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and hard-negative), `mochi`, `distill` (KL from a
 teacher's distributions), `global_contrastive` (SogCLR / FastCLIP), `geometry` (align, uniform), `distributed`
-(gather), `variable_pairs` (padding and the masks of a variable number of pairs per process), `objective` and
+(gather), `variable_pairs` (padding and the masks of a variable number of pairs per process), `data_negatives`
+(negative captions from the data), `objective` and
 `errors`.
 """
 
 from .clip import clip_loss, infonce_rows, logsumexp_rows
+from .data_negatives import DATA_NEGATIVE_TERMS, DataNegatives
 from .distill import TeacherFeatures, distill_loss
 from .distributed import gather_batch, gather_features
 from .errors import LossInputError
@@ -81,6 +89,8 @@ __all__ = [
     "gather_batch",
     "pad_pairs",
     "VARIABLE_PAIR_TERMS",
+    "DataNegatives",
+    "DATA_NEGATIVE_TERMS",
     "Gathered",
     "FeatureQueue",
     "ContrastiveObjective",

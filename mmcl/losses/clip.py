@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .data_negatives import DataNegatives, check_negatives, negative_gaps, with_negative_columns
 from .inputs import Gathered, check_chunk, check_pair, gathered_columns
 from .precision import float32_math, scaled_products
 from .tiling import (
@@ -179,6 +180,7 @@ def clip_loss(
     *,
     gathered: Optional[Gathered] = None,
     valid: Optional[Tensor] = None,
+    negatives: Optional[DataNegatives] = None,
 ) -> Tensor:
     """Symmetric InfoNCE of CLIP (Radford et al. 2021): mean of image->text and text->image cross-entropies.
 
@@ -191,6 +193,9 @@ def clip_loss(
             row 0 in them; None when this process holds the whole batch.
         valid: (n,) bool, the real rows of a padded batch (`pad_pairs`), with ``gathered.all_valid`` the real
             columns: the loss is then over the real pairs alone (`_masked_clip`).
+        negatives: the negative captions that came with this process's rows (`DataNegatives`, NegCLIP): each
+            real one adds a column to its own image's row of the image-to-text direction only
+            (`mmcl.losses.data_negatives`); the text-to-image direction is unchanged.
     Returns:
         0-dim tensor, the mean over the local rows of both directions (with ``valid``: the sum over the real local
         rows times W / N, N the global number of real pairs).
@@ -199,26 +204,30 @@ def clip_loss(
     check_chunk(chunk_size)
     logit_scale = as_scale(logit_scale, image_features)
     image_features, text_features = upcast(image_features, text_features)
+    if negatives is not None:
+        negatives = check_negatives(negatives, image_features)
     if valid is not None:
-        return _masked_clip(image_features, text_features, logit_scale, chunk_size, gathered, valid)
+        return _masked_clip(image_features, text_features, logit_scale, chunk_size, gathered, valid, negatives)
     all_img, all_txt, offset, single = gathered_columns(image_features, text_features, gathered)
     if single and chunk_size is None:
         image_to_text, text_to_image = DenseInfoNCE.apply(dense_logits(image_features, text_features, logit_scale),
                                                           0, True)
-        return (image_to_text.mean() + text_to_image.mean()) / 2
-    if single:
+    elif single:
         # One pass over the blocks gives both directions: the text->image rows are the image->text columns.
         image_to_text, text_to_image = TiledLogSumExp.apply(
             image_features, text_features, logit_scale, chunk_size, True, 0
         )
-        return (image_to_text.mean() + text_to_image.mean()) / 2
-    image_to_text = infonce_rows(image_features, all_txt, logit_scale, offset, chunk_size)
-    text_to_image = infonce_rows(text_features, all_img, logit_scale, offset, chunk_size)
+    else:
+        image_to_text = infonce_rows(image_features, all_txt, logit_scale, offset, chunk_size)
+        text_to_image = infonce_rows(text_features, all_img, logit_scale, offset, chunk_size)
+    if negatives is not None:
+        image_to_text = with_negative_columns(
+            image_to_text, negative_gaps(image_features, text_features, negatives, logit_scale))
     return (image_to_text.mean() + text_to_image.mean()) / 2
 
 
 def _masked_clip(image: Tensor, text: Tensor, logit_scale: Tensor, chunk_size: Optional[int],
-                 gathered: Optional[Gathered], valid: Tensor) -> Tensor:
+                 gathered: Optional[Gathered], valid: Tensor, negatives: Optional[DataNegatives] = None) -> Tensor:
     """`clip_loss` over the real pairs of padded batches: padded columns enter no log-sum-exp (their logits are
     -inf), padded rows add nothing, and the sum over the real local rows is weighted by W / N (`PairMask`)."""
     all_img, all_txt, offset, _ = gathered_columns(image, text, gathered)
@@ -228,6 +237,9 @@ def _masked_clip(image: Tensor, text: Tensor, logit_scale: Tensor, chunk_size: O
     bias = mask.column_bias(image.dtype)
     image_to_text = _biased_infonce_rows(image, all_txt, logit_scale, offset, chunk_size, bias)
     text_to_image = _biased_infonce_rows(text, all_img, logit_scale, offset, chunk_size, bias)
+    if negatives is not None:  # a padded row's +inf set to 0 first, so that its log-sum-exp stays finite
+        image_to_text = with_negative_columns(torch.where(mask.rows, image_to_text, 0),
+                                              negative_gaps(image, text, negatives, logit_scale, mask.rows))
     # A padded row's loss is +inf (its positive column is -inf): `where` drops it, and its gradient with it.
     per_row = torch.where(mask.rows, image_to_text + text_to_image, 0)
     return per_row.sum() * mask.weight(per_row.dtype) / 2

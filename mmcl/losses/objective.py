@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .clip import clip_loss
+from .data_negatives import DATA_NEGATIVE_TERMS, DataNegatives
 from .distill import TeacherFeatures, distill_loss
 from .errors import LossInputError
 from .geometry import align_loss, uniform_log_partial, uniform_loss
@@ -58,6 +59,7 @@ class TermInputs(NamedTuple):
     teacher: Optional[TeacherFeatures]  # the teacher's features of this rank's pairs
     sample_ids: Optional[Tensor] = None  # (n,) long, the stable ids of this rank's pairs (the global term's keys)
     valid: Optional[Tensor] = None  # (n,) bool, the real rows of a padded batch (`VARIABLE_PAIR_TERMS` only)
+    negatives: Optional[DataNegatives] = None  # this rank's rows' negative captions (`DATA_NEGATIVE_TERMS` read them)
 
     def columns(self) -> Tuple[Tensor, Tensor, int]:
         """(all_image, all_text, offset): the global batch's columns and this rank's first row among them."""
@@ -95,12 +97,12 @@ def _distill_term(obj: "ContrastiveObjective", x: TermInputs) -> Tensor:
 
 TABLE: Tuple[Term, ...] = (
     Term("clip", (), lambda o, x: clip_loss(x.image, x.text, x.logit_scale, o.chunk_size, gathered=x.gathered,
-                                            valid=x.valid)),
+                                            valid=x.valid, negatives=x.negatives)),
     Term("supcon", (), lambda o, x: supcon_loss(x.image, x.text, x.labels, x.logit_scale, o.chunk_size,
                                                 gathered=x.gathered)),
     Term("siglip", ("logit_bias",), lambda o, x: siglip_loss(x.image, x.text, x.logit_scale, x.logit_bias,
                                                              gathered=x.gathered, chunk_size=o.chunk_size,
-                                                             valid=x.valid)),
+                                                             valid=x.valid, negatives=x.negatives)),
     Term("align", (), lambda o, x: align_loss(x.image, x.text, o.align_alpha)),
     Term("uniform", (), _uniform_term),
     Term("debiased", (), lambda o, x: debiased_clip_loss(x.image, x.text, x.logit_scale, o.tau_plus, o.chunk_size,
@@ -152,6 +154,11 @@ class ContrastiveObjective(nn.Module):
     with ``gathered``, ``gather_batch(..., valid=valid)``): the terms then score the real pairs alone, exactly as
     one process holding only them, and the metrics read the real rows only. Only the terms of
     `VARIABLE_PAIR_TERMS` take it; another term with a positive weight is a `LossInputError`.
+
+    ``negatives`` (a `DataNegatives`: (n, K, D) features and (n, K) mask of the negative captions that came with
+    this rank's rows, NegCLIP) add columns to their own images' rows in the terms of `DATA_NEGATIVE_TERMS` (clip,
+    siglip; `mmcl.losses.data_negatives`); they are never gathered. The other terms score the pairs as without
+    them; with none of those two terms active they are a `LossInputError`.
 
     ``state_dict`` holds the queues, the estimates and the generator state.
     """
@@ -206,6 +213,7 @@ class ContrastiveObjective(nn.Module):
         teacher: Optional[TeacherFeatures] = None,
         sample_ids: Optional[Tensor] = None,
         valid: Optional[Tensor] = None,
+        negatives: Optional[DataNegatives] = None,
     ):
         """Weighted loss and the logged numbers. ``with_metrics`` adds the align/uniform metrics, which cost a
         pairwise pass over the batch; a trainer may leave them out on steps it does not log (pass the same value
@@ -217,8 +225,12 @@ class ContrastiveObjective(nn.Module):
             labels = check_labels(labels.to(image_features.device), image_features.shape[0], image_features.device)
         distributed = gathered is not None
         mask = self._check_batch(image_features, gathered, valid)
+        if negatives is not None and not any(w[name] > 0 for name in DATA_NEGATIVE_TERMS):
+            terms = " or ".join(DATA_NEGATIVE_TERMS)
+            raise LossInputError(f"negative captions from the data are scored by the {terms} term, and neither has a "
+                                 "positive weight")
         inputs = TermInputs(image_features, text_features, logit_scale, logit_bias, labels, gathered, teacher,
-                            sample_ids, valid)
+                            sample_ids, valid, negatives)
         values: Dict[str, Tensor] = {}
         for term in TABLE:
             if w[term.name] <= 0:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .clip import dense_logits
+from .data_negatives import DataNegatives, check_negatives, negative_pairs_logsigmoid
 from .errors import LossInputError
 from .inputs import Gathered, check_chunk, check_offset, check_pair
 from .precision import float32_math
@@ -27,6 +28,7 @@ def siglip_loss(
     gathered: Optional[Gathered] = None,
     chunk_size: Optional[int] = None,
     valid: Optional[Tensor] = None,
+    negatives: Optional[DataNegatives] = None,
 ) -> Tensor:
     """Pairwise sigmoid loss ``-1/n sum_ij log sigmoid(z_ij (s x_i.y_j + b))``, z = +1 on the diagonal, else -1.
 
@@ -43,6 +45,9 @@ def siglip_loss(
         valid: (n,) bool, the real rows of a padded batch (`pad_pairs`), with ``gathered.all_valid`` the real
             columns: the sum is then over real rows x real columns only, times W / N instead of 1 / n (N the global
             number of real pairs, W the ranks: the mean over ranks is the sum over all real pairs / N).
+        negatives: the negative captions that came with this process's rows (`DataNegatives`, NegCLIP): each real
+            one is one more negative pair of its own image, ``log sigmoid(-(s x_i . n_ik + b))`` in the sum (the
+            divisor stays the number of images).
     Returns:
         0-dim tensor.
     """
@@ -67,9 +72,15 @@ def siglip_loss(
     else:
         mask, scale = None, -1.0 / n
     if chunk_size is None:
-        return _siglip_dense(image_features, keys, logit_scale, logit_bias, offset, mask) * scale
-    masks = (None, None) if mask is None else (mask.rows, mask.cols)
-    return TiledSigmoidPairs.apply(image_features, keys, logit_scale, logit_bias, chunk_size, offset, *masks) * scale
+        total = _siglip_dense(image_features, keys, logit_scale, logit_bias, offset, mask)
+    else:
+        masks = (None, None) if mask is None else (mask.rows, mask.cols)
+        total = TiledSigmoidPairs.apply(image_features, keys, logit_scale, logit_bias, chunk_size, offset, *masks)
+    if negatives is not None:
+        negatives = check_negatives(negatives, image_features)
+        total = total + negative_pairs_logsigmoid(image_features, negatives, logit_scale, logit_bias,
+                                                  None if mask is None else mask.rows)
+    return total * scale
 
 
 def _signed_logit_tile(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, shift: int) -> Tensor:

@@ -44,6 +44,29 @@ def resize_grid_embedding(pos: torch.Tensor, grid: Tuple[int, int], prefix: int 
     return torch.cat([tok, img.to(tok.dtype)], dim=0)
 
 
+# Long-CLIP (Zhang et al. 2024) keeps the first 20 trained text positions as they are: captions' first words sit
+# there, and short captions stay as the model read them.
+LONG_CLIP_KEEP = 20
+
+
+def stretch_text_positions(pos: torch.Tensor, length: int, keep: int = LONG_CLIP_KEEP) -> torch.Tensor:
+    """A text tower's (L, D) position table stretched to (`length`, D), length > L, as Long-CLIP does: the first
+    `keep` rows (at most L - 2) as trained, and the rest, rows keep..L-1, spread over length - keep rows by
+    linear interpolation: new row keep + t reads the trained table at keep + t (L - keep) / (length - keep), so
+    with 77 -> 248 every fourth new row is a trained row, and the rows after the last trained one continue along
+    the last two. Differentiable; the dtype is kept."""
+    n, width = pos.shape
+    if length <= n:
+        raise ValueError(f"stretching needs a longer table (got {n} rows -> {length})")
+    keep = max(0, min(keep, n - 2))
+    tail = pos[keep:].to(torch.promote_types(pos.dtype, torch.float32))
+    x = torch.arange(length - keep, dtype=tail.dtype, device=pos.device) * ((n - keep) / (length - keep))
+    lo = x.floor().long().clamp(max=n - keep - 2)
+    w = (x - lo.to(x.dtype)).unsqueeze(1)
+    stretched = tail[lo] * (1 - w) + tail[lo + 1] * w
+    return torch.cat([pos[:keep], stretched.to(pos.dtype)], dim=0)
+
+
 def vit_tower(model: nn.Module) -> Optional[nn.Module]:
     """`model`'s image tower when it is an open_clip ViT with a class token and a learned position embedding."""
     visual = getattr(model, "visual", None)

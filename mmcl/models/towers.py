@@ -277,8 +277,8 @@ class TrimmedTokenizer:
     def __init__(self, tokenizer: Callable[[List[str]], torch.Tensor], pad_id: int = 0):
         self.tokenizer, self.pad_id = tokenizer, pad_id
 
-    def __call__(self, texts) -> torch.Tensor:
-        tokens = torch.as_tensor(self.tokenizer(texts))
+    def __call__(self, texts, *args, **kwargs) -> torch.Tensor:
+        tokens = torch.as_tensor(self.tokenizer(texts, *args, **kwargs))
         used = (tokens != self.pad_id).any(dim=0).nonzero()
         return tokens[:, : int(used.max()) + 1 if used.numel() else 1]
 

@@ -243,7 +243,8 @@ def _conversion_in(owned: OutputManifest) -> Optional[str]:
 
 def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
                       caption_template: str = "a photo of a {}.", progress: bool = True, sep: Optional[str] = None,
-                      image_col: Optional[str] = None, caption_col: Optional[str] = None) -> Dict[str, Any]:
+                      image_col: Optional[str] = None, caption_col: Optional[str] = None,
+                      negatives_col: Optional[str] = None) -> Dict[str, Any]:
     """Convert an image-caption folder, an ImageFolder, or a CSV / TSV / JSONL / parquet table into WebDataset
     shards.
 
@@ -262,14 +263,16 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
     --csv-caption-key). A .tsv is tab-separated, a .csv too when its header holds a tab (open_clip's layout), else
     comma-separated; `sep` sets the separator (open_clip's --csv-separator). Relative image paths resolve against
     the table's folder (open_clip resolves them against the current directory: give absolute paths to be read
-    alike by both). Web URLs are a `DataError` naming the img2dataset command that downloads them.
+    alike by both). Web URLs are a `DataError` naming the img2dataset command that downloads them. `negatives_col`
+    names a column of negative captions (NegCLIP, ``data.negatives``: a list, a JSON list, or texts one a line),
+    written into each sample's ``.json`` as its ``negatives`` list (a caption folder's ``KEY.json`` may hold one).
     Unreadable images and bad rows are skipped, counted per reason and reported; a summary line is printed.
 
     Returns:
         {"out_dir", "shards", "n_shards", "n_samples", "n_skipped", "skipped": {reason: n},
          "skipped_examples": [first few "item: reason" strings]}.
     """
-    items, classnames = input_items(input_path, caption_template, sep, image_col, caption_col)
+    items, classnames = input_items(input_path, caption_template, sep, image_col, caption_col, negatives_col)
     records: List[SourceImage] = []
     problems: List[SkippedItem] = []
     for item in items:

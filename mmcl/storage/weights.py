@@ -38,6 +38,7 @@ from transformers import AutoTokenizer
 from ..config import ModelConfig, load_config
 from ..errors import CheckpointError, ConfigError, preview
 from ..models import towers
+from ..models.resize import LONG_CLIP_KEEP, stretch_text_positions
 from ..models.towers import (
     build_tokenizer,
     build_transforms,
@@ -434,6 +435,12 @@ def _adapt_to_model(state: Dict[str, torch.Tensor], model: nn.Module) -> Tuple[D
         if key in state and key in own and state[key].shape != own[key].shape \
                 and state[key].shape[-1] == own[key].shape[-1]:
             before = tuple(state[key].shape)
+            if key != "visual.positional_embedding" and state[key].shape[0] < own[key].shape[0]:
+                # A longer context (model.context_length): Long-CLIP's stretch, the first positions as trained.
+                state[key] = stretch_text_positions(state[key], own[key].shape[0])
+                notes.append(f"stretched {label} {before} -> {tuple(state[key].shape)} (the first "
+                             f"{min(LONG_CLIP_KEEP, before[0] - 2)} as trained, the rest interpolated: Long-CLIP)")
+                continue
             resize(state, model)
             notes.append(f"resized {label} {before} -> {tuple(state[key].shape)}")
     return state, notes

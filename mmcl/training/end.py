@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
 from ..config import is_main_process, say
 from ..data.decode import SKIP_REASONS
-from ..data.pipeline import skip_units
+from ..data.pipeline import CAPTION_COUNTS, skip_units
 from ..errors import MmclError, TrainingError
 from ..evaluation.in_run import run_eval
 from ..evaluation.plot import plot_run
@@ -32,13 +32,16 @@ from .state import RunState
 from .step import StepResult
 
 
-def _skipped_everywhere(parts: Parts) -> Dict[str, int]:
-    """Data skipped by reason, summed over the processes."""
-    mine, accelerator = parts.stream.skipped, parts.accelerator
-    counts = [float(mine.get(r, 0)) for r in SKIP_REASONS]
+def _skipped_everywhere(parts: Parts) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """Data skipped by reason, and the captions batched and cut at the text context (`CAPTION_COUNTS`), summed
+    over the processes (one reduction)."""
+    mine, captions, accelerator = parts.stream.skipped, parts.stream.caption_counts, parts.accelerator
+    counts = [float(mine.get(r, 0)) for r in SKIP_REASONS] + [float(captions[k]) for k in CAPTION_COUNTS]
     if parts.rt.processes > 1:
         counts = accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
-    return {r: int(n) for r, n in zip(SKIP_REASONS, counts)}
+    n = len(SKIP_REASONS)
+    return ({r: int(c) for r, c in zip(SKIP_REASONS, counts)},
+            {k: int(c) for k, c in zip(CAPTION_COUNTS, counts[n:])})
 
 
 def log_record(parts: Parts, state: RunState, records: RunRecords, result: StepResult, lr: float,
@@ -47,14 +50,17 @@ def log_record(parts: Parts, state: RunState, records: RunRecords, result: StepR
     step, whose record waits for the final evaluation. Starts the next timing window."""
     progress, raw_model, total = state.progress, parts.raw_model, parts.rt.total_steps
     elapsed = time.perf_counter() - state.window_start
-    state.skips = _skipped_everywhere(parts)
+    state.skips, captions = _skipped_everywhere(parts)
     units = skip_units(state.skips)  # samples and shards apart
     record = {"step": progress.step, "samples": progress.samples, "loss": float(result.loss.detach()),
               **{k: float(v) for k, v in result.terms.items()}, "lr": lr,
               "logit_scale": float(fsdp.full(raw_model.logit_scale.detach()).exp()),
               "samples_per_s": state.window_samples / max(elapsed, 1e-9),
               "data_time_frac": state.data_time / max(elapsed, 1e-9),
-              "data/skipped_samples": units["samples"], "data/skipped_shards": units["shards"]}
+              "data/skipped_samples": units["samples"], "data/skipped_shards": units["shards"],
+              # captions longer than the text context, cut by the tokenizer, and their share of those batched
+              "data/cut_captions": captions["cut_captions"],
+              "data/cut_captions_share": captions["cut_captions"] / max(1, captions["captions"])}
     if getattr(raw_model, "logit_bias", None) is not None:
         record["logit_bias"] = float(fsdp.full(raw_model.logit_bias.detach()))
     if result.grad_norm is not None:
@@ -123,6 +129,9 @@ def finish_run(parts: Parts, state: RunState, records: RunRecords, last: Dict[st
                                         int(last.get("data/skipped_samples", 0)), progress.skipped_steps, last,
                                         parts.layout.model, int(last.get("data/skipped_shards", 0)), state.skips):
         say(line)  # the summary, also the end of out.log
+    if last.get("data/cut_captions"):  # never silent: the captions the text context cut
+        say(f"captions cut at the text context: {int(last['data/cut_captions'])} "
+            f"({last['data/cut_captions_share']:.1%} of those trained on; model.context_length sets it)")
     accelerator.end_training()
     if eval_failure is not None:
         raise TrainingError(eval_failure)

@@ -61,6 +61,25 @@ def _images(b, device, finish_images):
     return x if finish_images is None else finish_images(x)
 
 
+def _texts(b, device) -> torch.Tensor:
+    """The text tower's input for a batch: its captions' tokens, then those of the negative captions its samples
+    brought (``data.negatives``: only the real ones, so padding costs no forward)."""
+    if "negatives" not in b:
+        return _moved(b["text"], device)
+    return torch.cat([_moved(b["text"], device), _moved(b["negatives"], device)])
+
+
+def _split_negatives(text_features: torch.Tensor, b, device):
+    """(the captions' features, the batch's `losses.DataNegatives` or None) from the text tower's output on
+    `_texts`. The real negatives' slots are known on the host (the batch's mask is a host tensor): no device read."""
+    if "negatives" not in b:
+        return text_features, None
+    n, valid = _pairs(b), b["negatives_valid"]
+    slots = _moved(valid.reshape(-1).nonzero().squeeze(1), device)
+    feats = text_features.new_zeros((valid.numel(), text_features.shape[1])).index_copy(0, slots, text_features[n:])
+    return text_features[:n], losses.DataNegatives(feats.reshape(*valid.shape, -1), _moved(valid, device))
+
+
 def _pairs(b) -> int:
     """The pairs of a micro-batch (known on the host: its captions' rows)."""
     return int(b["text"].shape[0])
@@ -94,12 +113,13 @@ def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
 
 
 def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True,
-          teacher=None, sample_ids=None, capacity: Optional[int] = None):
+          teacher=None, sample_ids=None, capacity: Optional[int] = None, negatives=None):
     """The objective on this process's features: the global batch is gathered here when several processes run
     (`losses.gather_batch`, with the teacher's features for distillation), and a loss's complaint about its
     inputs becomes a `DataError` (one line). `sample_ids` (the batches' ``sample_id``) key the global
     contrastive term's estimates. `capacity` (NaFlex: a varying number of pairs per process) pads the features
-    to that many rows (`losses.pad_pairs`) and scores the real pairs only (``valid``)."""
+    to that many rows (`losses.pad_pairs`) and scores the real pairs only (``valid``). `negatives` (a
+    `losses.DataNegatives` of these rows, ``data.negatives``) add columns to their own images' rows."""
     try:
         valid = None
         if capacity is not None:
@@ -107,9 +127,13 @@ def score(objective, image_features, text_features, logit_scale, logit_bias, lab
             image_features, text_features, valid = losses.pad_pairs(image_features, text_features, capacity)
             labels = torch.nn.functional.pad(labels, (0, capacity - n))
             sample_ids = None  # the terms that take a varying number of pairs keep no per-sample state
+            if negatives is not None:  # padded rows carry no negative
+                negatives = losses.DataNegatives(
+                    torch.nn.functional.pad(negatives.features, (0, 0, 0, 0, 0, capacity - n)),
+                    torch.nn.functional.pad(negatives.valid, (0, 0, 0, capacity - n)))
         gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher, valid=valid)
         return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
-                         gathered=gathered, teacher=teacher, sample_ids=sample_ids, valid=valid)
+                         gathered=gathered, teacher=teacher, sample_ids=sample_ids, valid=valid, negatives=negatives)
     except losses.LossInputError as err:
         raise DataError(str(err)) from None
 
@@ -188,6 +212,7 @@ class GradCache:
     logit_scale: torch.Tensor
     logit_bias: Optional[torch.Tensor]
     rng_states: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
+    negatives: Optional[losses.DataNegatives] = None  # their features held like the captions' (data.negatives)
 
 
 def forward_loss(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
@@ -215,10 +240,11 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
         b = batches[0]
         with accelerator.autocast():
             image_features, text_features, logit_scale, logit_bias = _forward(
-                model, _images(b, device, finish_images), _moved(b["text"], device))
-            loss, terms = score(objective, image_features.float(), text_features.float(), logit_scale.float(),
+                model, _images(b, device, finish_images), _texts(b, device))
+            text_features, negatives = _split_negatives(text_features.float(), b, device)
+            loss, terms = score(objective, image_features.float(), text_features, logit_scale.float(),
                                 None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics, from_teacher, ids, step_capacity)
+                                with_metrics, from_teacher, ids, step_capacity, negatives)
         return loss, terms, None
     feats, rng_states = [], []
     # Each micro-batch replays the same RNG states, the CPU's and the device's, on its second pass (dropout and
@@ -228,17 +254,21 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
             rng_states.append(rng_state(device))
             with accelerator.autocast():
                 image_features, text_features, logit_scale, logit_bias = _forward(
-                    model, _images(b, device, finish_images), _moved(b["text"], device))
-            feats.append((image_features.float(), text_features.float()))
+                    model, _images(b, device, finish_images), _texts(b, device))
+            feats.append((image_features.float(), *_split_negatives(text_features.float(), b, device)))
     # The scale and bias as the model's forward returns them (the same for every micro-batch), held like the
     # features: the loss's gradient with respect to them reaches the parameters through the last re-run.
+    negatives = None
+    if feats[0][2] is not None:  # every micro-batch has K slots per sample (data.negatives)
+        negatives = losses.DataNegatives(torch.cat([f[2].features for f in feats]).requires_grad_(True),
+                                         torch.cat([f[2].valid for f in feats]))
     cache = GradCache(torch.cat([f[0] for f in feats]).requires_grad_(True),
                       torch.cat([f[1] for f in feats]).requires_grad_(True), _leaf(logit_scale),
-                      None if logit_bias is None else _leaf(logit_bias), rng_states)
+                      None if logit_bias is None else _leaf(logit_bias), rng_states, negatives)
     # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
     labels = torch.cat([_moved(b["label"], device) for b in batches])
     loss, terms = score(objective, cache.image_features, cache.text_features, cache.logit_scale, cache.logit_bias,
-                        labels, with_metrics, from_teacher, ids, step_capacity)
+                        labels, with_metrics, from_teacher, ids, step_capacity, negatives)
     return loss, terms, cache
 
 
@@ -257,9 +287,12 @@ def backward(accelerator, model, loss: torch.Tensor, batches, cache: Optional[Gr
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             with replayed_rng(cache.rng_states[i], device), accelerator.autocast():
                 image_features, text_features, scale_out, bias_out = _forward(
-                    model, _images(b, device, finish_images), _moved(b["text"], device))
+                    model, _images(b, device, finish_images), _texts(b, device))
+            text_features, negatives = _split_negatives(text_features.float(), b, device)
             surrogate = ((image_features.float() * cache.image_features.grad[start:start + n]).sum()
-                         + (text_features.float() * cache.text_features.grad[start:start + n]).sum())
+                         + (text_features * cache.text_features.grad[start:start + n]).sum())
+            if negatives is not None:
+                surrogate = surrogate + (negatives.features * cache.negatives.features.grad[start:start + n]).sum()
             if last:  # once, inside the backward DDP averages across processes
                 surrogate = surrogate + _through(scale_out, cache.logit_scale.grad)
                 if bias_out is not None:

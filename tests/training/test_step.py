@@ -133,3 +133,53 @@ def test_the_host_decision_reads_a_stop_signal_that_came_during_the_forward(monk
 
     monkeypatch.setattr(step_mod, "forward_loss", signalled)
     assert step([fake_batch(8, seed=1)], 1, False, lambda: flag[0]).stop is True
+
+
+def _with_negatives(batch, seed, k=3):
+    """`batch` with negative captions (data.negatives = k): 0..k per sample, their tokens in slot order."""
+    g = torch.Generator().manual_seed(seed)
+    n, context = batch["text"].shape
+    counts = torch.arange(n) % (k + 1)
+    valid = torch.arange(k)[None, :] < counts[:, None]
+    return dict(batch, negatives_valid=valid,
+                negatives=torch.randint(1, 1000, (int(valid.sum()), context), generator=g))
+
+
+def test_a_step_scores_each_samples_negative_captions_against_its_own_image():
+    """The forward encodes the real negatives with the captions; the loss is the objective's on the features the
+    model gives each of them separately."""
+    from accelerate import Accelerator
+
+    from mmcl.losses import DataNegatives
+    from mmcl.training.step import forward_loss
+
+    model = micro_model()
+    batch = _with_negatives(fake_batch(8, seed=4), seed=5)
+    objective = objective_from_config(LossConfig())
+    loss, _, _ = forward_loss(model, objective, [batch], Accelerator(cpu=True), with_metrics=False)
+    with torch.no_grad():
+        out = model(batch["image"], batch["text"])
+        neg = model(batch["image"], batch["negatives"])["text_features"]
+    slots = torch.zeros(batch["negatives_valid"].numel(), neg.shape[1])
+    slots[batch["negatives_valid"].reshape(-1)] = neg
+    want, _ = objective(out["image_features"], out["text_features"], out["logit_scale"], with_metrics=False,
+                        negatives=DataNegatives(slots.reshape(8, 3, -1), batch["negatives_valid"]))
+    without, _, _ = forward_loss(model, objective, [fake_batch(8, seed=4)], Accelerator(cpu=True),
+                                 with_metrics=False)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert loss.item() > without.item() + 1e-3  # the negatives are in it
+
+
+def test_two_micro_batches_with_negatives_make_the_update_of_the_one_large_batch():
+    big = _with_negatives(fake_batch(12, seed=3), seed=6)
+    counts = big["negatives_valid"].sum(1)
+    first = int(counts[:6].sum())
+    halves = [dict({k: v[:6] for k, v in big.items() if k != "negatives"}, negatives=big["negatives"][:first]),
+              dict({k: v[6:] for k, v in big.items() if k != "negatives"}, negatives=big["negatives"][first:])]
+    one, _ = _step(micro_model(), False, grad_clip=None, sgd=True)
+    two, _ = _step(micro_model(), False, grad_clip=None, sgd=True)
+    a, b = one([big], 1, True), two(halves, 1, True)
+    assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-5)
+    wa, wb = _weights(one.raw_model), _weights(two.raw_model)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-6)
