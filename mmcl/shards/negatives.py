@@ -23,6 +23,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from tqdm import tqdm
+
 from ..data.decode import NEGATIVES_MEMBER, SampleKeys, SkipSample, candidate_captions
 from ..data.reading import read_raw_samples
 from ..data.sizes import SIZES_FILE
@@ -215,8 +217,6 @@ def write_negative_shards(data: str, out_dir: str, rules: Sequence[str] = RULES,
     totals = {"samples": 0, "with_negatives": 0, "negatives": 0, "errors": 0}
     todo: Any = list(zip(urls, names))
     if progress:
-        from tqdm import tqdm
-
         todo = tqdm(todo, desc="negatives", unit="shard")
     for url, name in todo:
         owned.will_write([name, name + ".partial", SIZES_FILE, SIZES_FILE + ".tmp"])
