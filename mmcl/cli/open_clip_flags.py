@@ -19,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from ..config import OptimConfig, load_config, parse_overrides
-from ..data.shard_inputs import TABLE_EXTS
+from ..data.sources import TABLE_EXTS
 from ..errors import ConfigError
 from .open_clip_flag_table import DEFAULTS, FLAGS, NAFLEX_DEFAULTS, Flag
 

@@ -16,12 +16,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from .decode import SkipSample, TransformOutputError, caption_draw, decode_sample, zero_skips
+from .decode import DEFAULT_KEYS, IMAGE_EXTS, SkipSample, TransformOutputError, caption_draw, decode_sample, zero_skips
 from .naflex import patch_batch
 from .pipeline import CAPTION_COUNTS, InputSizes, StreamSpec, epoch_shard_plan, sample_id, shuffle_block
 from .reading import RawSample, read_raw_samples
 from .skips import member_of
 from .skips import record as skip_record
+from .sources import redact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +307,23 @@ def _first_valid_sample(s: StreamSpec) -> Optional[str]:
     return None
 
 
+def _members_held(s: StreamSpec) -> str:
+    """What the first sample of the shards holds against what the run reads (``data.image_key``,
+    ``data.caption_key``), as the end of a no-valid-sample line: the members named wrongly show there."""
+    urls = [(u, None) for src in s.sources for u in src]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = next((item for item in read_raw_samples(urls, max_member_bytes=s.max_member_bytes)
+                      if item.error is None), None)
+    if first is None:
+        return ""
+    keys = s.keys or DEFAULT_KEYS
+    image = keys.image_key or "the first of " + "/".join(IMAGE_EXTS)
+    return (f"; the first sample ({first.key} in {redact(first.url)}) holds members "
+            f"{', '.join(sorted(first.files)) or 'none'}, where this run reads its image from {image} "
+            f"(data.image_key) and its caption from {', '.join(keys.caption_keys)} (data.caption_key)")
+
+
 def _empty_epoch_problem(s: StreamSpec, rank: int, role: int, n_slots: int, raw_seen: int,
                          skipped: Dict[str, int], plan: Sequence, empty_epochs: int) -> Optional[str]:
     """Why a slot's epoch without a valid sample must stop the stream, or None to go on to the next epoch.
@@ -317,7 +335,7 @@ def _empty_epoch_problem(s: StreamSpec, rank: int, role: int, n_slots: int, raw_
     n_urls = sum(len(src) for src in s.sources)
     counts = ", ".join(f"{k}={v}" for k, v in skipped.items() if v) or "none"
     if _first_valid_sample(s) is None:
-        return f"no valid sample in any of the {n_urls} shards (skipped so far: {counts})"
+        return f"no valid sample in any of the {n_urls} shards (skipped so far: {counts}){_members_held(s)}"
     within_shards = all(modulo is not None for _, modulo in plan)  # the same samples in every epoch
     if within_shards and raw_seen == 0:
         return (f"no samples reach rank {rank} worker {role}: {n_urls} shards for {n_slots} rank x worker slots "

@@ -20,11 +20,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 from ..errors import DataError
 from .eval_data import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
 from .limits import load_json
-from .sources import SHARD_SUFFIXES
+from .sources import SHARD_SUFFIXES, TABLE_EXTS
 
 # img2dataset's bookkeeping beside its `files` output: NNNNN.parquet (the shard's metadata) and NNNNN_stats.json.
 _IMG2DATASET_SIDE_FILE = re.compile(r"^\d+(_stats\.json|\.parquet)$")
-TABLE_EXTS = (".csv", ".tsv", ".jsonl", ".json", ".ndjson", ".parquet")
 # Column names tried when none is given, in order: mmcl's and img2dataset's, then open_clip's CSV layout
 # (open_clip_train's --csv-img-key filepath, --csv-caption-key title).
 _IMAGE_COLS = ("image", "url", "filepath")
@@ -128,13 +127,18 @@ def _check_columns(path: str, fields: List[str], image_col: Optional[str] = None
     else:
         wanted = ("columns 'image' and 'caption' (or 'url' and 'caption', with local paths or file:// URIs; or "
                   "open_clip's 'filepath' and 'title'; other names with --image-col and --caption-col)")
-    read_as = f", read as {layout}; set another separator with --sep" if layout else ""
+    # one column read from a header that has several names: the separator is the likely fault; several columns: the
+    # separator split the header, and the names are what to pick from
+    read_as = ""
+    if layout:
+        read_as = (f", read as {layout}; set another separator with --sep" if len(fields) <= 1 else
+                   f": {len(fields)} columns, read as {layout}; name yours with --image-col and --caption-col")
     raise DataError(f"{path} needs {wanted} (got {', '.join(fields) or 'none'}{read_as}){hint}")
 
 
-def _local_image_path(value: Any, base: str, table: str, url_col: bool) -> str:
-    """A table's image reference as a local path: a path (relative to the table's folder) or a ``file://`` URI.
-    Raises `DataError` for a web URL, which img2dataset downloads (the message gives its command)."""
+def _local_image_path(value: Any, table: str, url_col: bool) -> str:
+    """A table's image reference as a local path, as written (a path or a ``file://`` URI): `TablePaths` resolves a
+    relative one. Raises `DataError` for a web URL, which img2dataset downloads (the message gives its command)."""
     text = str(value).strip()
     if text.lower().startswith("file://"):
         return urllib.parse.unquote(urllib.parse.urlparse(text).path)
@@ -142,7 +146,49 @@ def _local_image_path(value: Any, base: str, table: str, url_col: bool) -> str:
         col = "url" if url_col else "image"
         raise DataError(f"{table} names images by URL (got {text[:100]}); mmcl shards reads local files: download "
                         f"them into shards with img2dataset: {_img2dataset_command(table, col)}")
-    return os.path.join(base, os.path.expanduser(text))
+    return os.path.expanduser(text)
+
+
+class TablePaths:
+    """Where a table's relative image paths are read: as open_clip's ``CsvDataset`` reads them, relative to the current
+    directory; where only the path relative to the table's own folder exists, that one. `resolve` picks per row and
+    counts; `line` says once which rule applied to how many rows."""
+
+    def __init__(self, table: str):
+        self.table = table
+        self.folder = os.path.dirname(table)  # as given: the paths tried are shown as the user would type them
+        self.counts = {"cwd": 0, "table": 0, "missing": 0}  # relative paths, by where they were found
+
+    def resolve(self, path: str) -> Tuple[str, Optional[str]]:
+        """(the path to read, None) or, when no candidate exists, (the path open_clip would read, the skip detail
+        naming every path tried)."""
+        if os.path.isabs(path):
+            return path, None if os.path.isfile(path) else f"no file {path}"
+        beside = os.path.join(self.folder, path)
+        if os.path.isfile(path):
+            self.counts["cwd"] += 1
+            return path, None
+        if self.folder and os.path.isfile(beside):
+            self.counts["table"] += 1
+            return beside, None
+        self.counts["missing"] += 1
+        tried = f"no file {path}" + (f" (nor {beside})" if self.folder else "")
+        return path, tried + f" relative to {os.getcwd()}"
+
+    def line(self) -> Optional[str]:
+        """The rule the relative paths were read by, with the counts; None when the table names no relative path."""
+        c = self.counts
+        if not (c["cwd"] or c["table"] or c["missing"]):
+            return None
+        parts = []
+        if c["cwd"]:
+            parts.append(f"{c['cwd']} relative to the current directory {os.getcwd()}, as open_clip reads them")
+        if c["table"]:
+            parts.append(f"{c['table']} relative to the table's folder {os.path.abspath(self.folder)} (the only place "
+                         f"they exist; open_clip would not find them: run from that folder or give paths from here)")
+        if c["missing"]:
+            parts.append(f"{c['missing']} found in neither (missing_file)")
+        return f"image paths of {self.table}: " + "; ".join(parts)
 
 
 def _paired_files(root: str) -> Optional[Dict[str, Any]]:
@@ -203,7 +249,10 @@ class SourceImage:
     """One image an input names for a shard, before the image is read.
 
     ``where`` names it in the summary and in skip reports (a path relative to the input, or ``table:line``);
-    ``key`` is the shard key the input gives it (a caption folder's file name), None to number it.
+    ``key`` is the shard key the input gives it (a caption folder's file name), None to number it; ``named`` the
+    path a skip record names beside ``where`` (a table row's image, read where `TablePaths` found it), empty where
+    ``where`` is the file's own path; ``tried`` where the file was looked for (a table row's paths), the detail of
+    its ``missing_file`` record.
     """
 
     path: str
@@ -212,6 +261,8 @@ class SourceImage:
     label: Optional[int] = None
     meta: Optional[Dict[str, Any]] = None
     key: Optional[str] = None
+    named: str = ""
+    tried: str = ""
 
 
 @dataclass(frozen=True)
@@ -303,14 +354,16 @@ def table_negatives(value: Any) -> List[str]:
 
 def _table_items(table: str, sep: Optional[str], image_col: Optional[str],
                  caption_col: Optional[str], negatives_col: Optional[str] = None) -> Iterator[_Item]:
-    """The rows of a CSV / TSV / JSONL / parquet table: the first named image column with a value (a path or a
-    ``file://`` URI), the caption column, an optional non-negative integer ``label``, and with `negatives_col`
-    the row's negative captions (`table_negatives`; the sample's JSON ``negatives``)."""
-    base = os.path.dirname(os.path.abspath(table))
+    """The rows of a CSV / TSV / JSONL / parquet table: the first named image column with a value (a path, read
+    where `TablePaths` finds it, or a ``file://`` URI), the caption column, an optional non-negative integer
+    ``label``, and with `negatives_col` the row's negative captions (`table_negatives`; the sample's JSON
+    ``negatives``). A row whose image is in no place tried carries the paths tried (its ``missing_file`` record's
+    detail); once the table is read, one line says where its relative paths were read."""
     if sep is not None and not table.lower().endswith((".csv", ".tsv")):
         raise DataError(f"--sep is for a .csv or .tsv input (got {table})")
     image_cols = [image_col] if image_col else list(_IMAGE_COLS)
     caption_cols = [caption_col] if caption_col else list(_CAPTION_COLS)
+    paths = TablePaths(table)
     for line_no, row in _rows_from_table(table, sep, image_col, caption_col, negatives_col):
         where = f"{os.path.basename(table)}:{line_no}"
         if isinstance(row, str):
@@ -345,10 +398,13 @@ def _table_items(table: str, sep: Optional[str], image_col: Optional[str],
             except ValueError as err:
                 yield SkippedItem(where, "bad_caption", f"{negatives_col}: {err}")
                 continue
-        path = _local_image_path(image, base, table, url_col)
+        path, tried = paths.resolve(_local_image_path(image, table, url_col))
         meta = {"source": where, **({"url": str(image).strip()} if url_col else {}),
                 **({"negatives": negatives} if negatives else {})}
-        yield SourceImage(path, text.strip(), where, label=label, meta=meta)
+        yield SourceImage(path, text.strip(), where, label=label, meta=meta, named=path, tried=tried or "")
+    line = paths.line()
+    if line:
+        print(line, flush=True)
 
 
 def input_items(input_path: str, caption_template: str, sep: Optional[str], image_col: Optional[str],

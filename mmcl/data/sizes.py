@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import DataError
 from .limits import load_json
-from .sources import SHARD_SUFFIXES, SIZES_FILE, expand_sources, has_scheme, redact, split_spec
+from .sources import SHARD_SUFFIXES, SIZES_FILE, expand_sources, has_scheme, redact, split_spec, table_problem
 
 MAX_COUNT = 10 ** 12  # samples in one shard or folder: more is not a count but a damaged file
 
@@ -103,8 +103,12 @@ def known_total(urls: List[str]) -> Optional[int]:
 def shard_samples(spec: Any, allow_pipe: bool = False, require_all: bool = False) -> Tuple[int, str]:
     """(samples in one pass over the shards of `spec`, where the counts came from).
 
-    Raises `DataError` naming a shard whose count is unknown and the way on (``data.train_num_samples``).
+    Raises `DataError` naming a shard whose count is unknown and the way on (``data.train_num_samples``), or, before
+    anything else, a table named as shards (`sources.table_problem`: the way on is `mmcl shards`, not a count).
     """
+    table = table_problem(spec)
+    if table is not None:
+        raise DataError(table)
     total, used = 0, set()
     sizes: Dict[str, Dict[str, Any]] = {}
     with warnings.catch_warnings():  # a source with holes: the data layer gives its one warning when it reads them

@@ -31,6 +31,8 @@ from .limits import MAX_LIST_ENTRIES, bounded, check_entries, load_json
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 SIZES_FILE = "sizes.json"  # each shard's sample count, beside the shards (open_clip's layout; `mmcl shards` writes it)
+# Tables `mmcl shards` reads (open_clip's CSV among them): named as training data, they are what to convert first.
+TABLE_EXTS = (".csv", ".tsv", ".jsonl", ".json", ".ndjson", ".parquet")
 
 
 def split_spec(spec: Any, allow_pipe: bool = False) -> List[str]:
@@ -94,6 +96,21 @@ def _entries(items: Any, counted: Dict[int, int]) -> int:
     if id(items) not in counted:
         counted[id(items)] = sum(_entries(item, counted) for item in items)
     return counted[id(items)]
+
+
+def table_problem(spec: Any) -> Optional[str]:
+    """The line for a table (a CSV open_clip trains from, or any table `mmcl shards` reads) named as a training
+    source of `spec`: the command that makes shards of it. None when no source is a local table (or the spec cannot
+    be read: the shards' own checks say why)."""
+    try:
+        sources = split_spec(spec)
+    except (DataError, OSError):
+        return None
+    for source in sources:
+        if source.lower().endswith(TABLE_EXTS) and not (has_scheme(source) and not source.startswith("file://")):
+            return (f"data.train: {redact(source)} is a table, not WebDataset shards: make shards of it with "
+                    f"`mmcl shards --input {redact(source)} --out DIR`, then train with data.train=DIR")
+    return None
 
 
 def has_scheme(url: str) -> bool:

@@ -257,15 +257,17 @@ def shards_from_input(input_path: str, out_dir: str, shard_size: int = 1000,
     evaluation scores the folder by (the root's ``classnames.txt``, ImageNet-1k's readable names for WordNet-id
     folders such as ``n01440764``, else the folder name with underscores as spaces); ``.cls`` is the sorted folder
     index, and ``classnames.txt`` is written next to the shards.
-    Tables: rows carry ``image`` (a path relative to the file, or a ``file://`` URI) or ``url`` (the same, as
+    Tables: rows carry ``image`` (a path, or a ``file://`` URI) or ``url`` (the same, as
     img2dataset's input names it) or ``filepath`` (open_clip's), ``caption`` or ``title`` (open_clip's), and
     optionally ``label``; `image_col` / `caption_col` name other columns (open_clip's --csv-img-key /
     --csv-caption-key). A .tsv is tab-separated, a .csv too when its header holds a tab (open_clip's layout), else
-    comma-separated; `sep` sets the separator (open_clip's --csv-separator). Relative image paths resolve against
-    the table's folder (open_clip resolves them against the current directory: give absolute paths to be read
-    alike by both). Web URLs are a `DataError` naming the img2dataset command that downloads them. `negatives_col`
-    names a column of negative captions (NegCLIP, ``data.negatives``: a list, a JSON list, or texts one a line),
-    written into each sample's ``.json`` as its ``negatives`` list (a caption folder's ``KEY.json`` may hold one).
+    comma-separated; `sep` sets the separator (open_clip's --csv-separator). Relative image paths are read as
+    open_clip's CsvDataset reads them, relative to the current directory, or relative to the table's folder where
+    only that path exists (`shard_inputs.TablePaths`; one line says which rule applied to how many rows). Web URLs
+    are a `DataError` naming the img2dataset command that downloads them.
+    `negatives_col` names a column of negative captions (NegCLIP, ``data.negatives``: a list, a JSON list, or texts
+    one a line), written into each sample's ``.json`` as its ``negatives`` list (a caption folder's ``KEY.json`` may
+    hold one).
     Unreadable images and bad rows are skipped, counted per reason and reported; a summary line is printed.
 
     Returns:
@@ -301,12 +303,16 @@ def _shard_samples(records: List[SourceImage], problems: List[SkippedItem], prog
     written = 0
     for record in todo:
         if not os.path.isfile(record.path):
-            problems.append(SkippedItem(record.where, "missing_file"))
+            problems.append(SkippedItem(record.where, "missing_file",
+                                        record.tried or f"no file {record.named or record.path}"))
             continue
         try:
             data, ext = _load_for_shard(record.path)
         except SkipSample as skip:
-            problems.append(SkippedItem(record.where, skip.reason, str(skip).partition(": ")[2]))
+            detail = str(skip).partition(": ")[2]
+            if record.named:  # a table row: the file it named, then why it was not read
+                detail = f"{record.named}: {detail}" if detail else record.named
+            problems.append(SkippedItem(record.where, skip.reason, detail))
             continue
         yield {"key": record.key if own_keys else f"{written:09d}", "image": data, "ext": ext,
                "caption": record.caption, "label": record.label,
@@ -345,7 +351,7 @@ def _report(summary: Dict[str, Any], input_path: str, out_dir: str, problems: Li
         say(f"replaced the earlier conversion in {out_dir}: {before} -> {summary['n_shards']} shards, "
             f"{summary['n_samples']} samples")
     detail = counts_text(counts)
-    first = "; ".join(f"{p.where}: {p.reason}" for p in problems[:3])
+    first = "; ".join(f"{p.where}: {p.reason}" + (f" ({p.detail})" if p.detail else "") for p in problems[:3])
     say(f"wrote {summary['n_samples']} samples in {summary['n_shards']} shards to {out_dir}; skipped {len(problems)}"
         + (f" ({detail}; each in {os.path.join(out_dir, SKIP_LOG)}; first: {first})" if problems else ""))
     if summary["n_samples"] == 0:

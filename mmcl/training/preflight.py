@@ -22,9 +22,9 @@ from typing import List, Optional, Tuple
 
 from ..config import DataConfig, DistillConfig, EvalConfig, ModelConfig, data_workers
 from ..data import has_scheme, missing_shards
-from ..data.shard_inputs import TABLE_EXTS
 from ..data.sizes import shard_samples
 from ..data.sources import redact, split_spec
+from ..data.sources import table_problem as table_line
 from ..errors import ConfigError, DataError
 from ..evaluation.evaluate import reading_options
 from ..evaluation.in_run import set_problems
@@ -107,17 +107,8 @@ def input_problems(data: DataConfig, ev: EvalConfig, model: ModelConfig, distill
 
 def table_problem(spec) -> Optional[str]:
     """A table (the CSV open_clip trains from, or any table `mmcl shards` reads) named as a training source: the
-    line that names the command making shards of it."""
-
-    try:
-        sources = split_spec(spec)
-    except (DataError, OSError):
-        return None  # `missing_shards` says why
-    for source in sources:
-        if source.lower().endswith(TABLE_EXTS) and not (has_scheme(source) and not source.startswith("file://")):
-            return (f"data.train: {redact(source)} is a table, not WebDataset shards: make shards of it with "
-                    f"`mmcl shards --input {redact(source)} --out DIR`, then train with data.train=DIR")
-    return None
+    line that names the command making shards of it (`mmcl.data.sources.table_problem`)."""
+    return table_line(spec)
 
 
 def batch_problem(data: DataConfig, processes: int, batch: Tuple[int, int]) -> Optional[str]:

@@ -65,7 +65,9 @@ def test_a_worker_side_error_is_one_data_error_after_its_skips(tmp_path, workers
     expected = "decode=1, missing_image=1" if workers == 0 else "missing_image=1"
     with pytest.raises(DataError) as err:
         next(iter(stream))
-    assert str(err.value) == f"no valid sample in any of the 1 shards (skipped so far: {expected})"
+    assert str(err.value) == (f"no valid sample in any of the 1 shards (skipped so far: {expected}); the first sample "
+                              f"(x in {bad}) holds members txt, where this run reads its image from the first of "
+                              f"jpg/jpeg/png/webp (data.image_key) and its caption from txt (data.caption_key)")
     assert stream.skip_log.records  # the skips of the failed epoch travelled with the error
 
 
@@ -156,3 +158,17 @@ def test_shuffle_block_is_a_seeded_permutation():
     others = [data.shuffle_block(50, *args) for args in ((1, 1, 2, (3, 4)), (0, 2, 2, (3, 4)), (0, 1, 3, (3, 4)),
                                                         (0, 1, 2, (3, 5)))]
     assert all(not np.array_equal(a, o) for o in others)
+
+
+def test_a_caption_key_no_sample_has_names_the_members_the_samples_do_have(tmp_path):
+    shard = tmp_path / "s.tar"
+    write_tar(shard, [m for j in range(4) for m in good_members(f"k{j}", j) + [(f"k{j}.json", b'{"a": 1}')]])
+    stream = data.build_train_stream(cfg_for(str(shard), workers=0, caption_key="caption"), PREPROCESS, tokenizer,
+                                     seed=0)
+    stream.skip_log = _Log()
+    with pytest.raises(DataError) as err:
+        next(iter(stream))
+    assert str(err.value) == (f"no valid sample in any of the 1 shards (skipped so far: missing_caption=4); the "
+                              f"first sample (k0 in {shard}) holds members cls, json, png, txt, where this run reads "
+                              f"its image from the first of jpg/jpeg/png/webp (data.image_key) and its caption from "
+                              f"caption (data.caption_key)")

@@ -3,12 +3,14 @@ transformers' own functions, the weight-decay exclusion pattern, and the optimis
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mmcl import models
+from mmcl.cli import main
 from mmcl.config import OptimConfig, load_config
 from mmcl.errors import ConfigError, DataError
 from mmcl.training import optim
@@ -17,6 +19,8 @@ from mmcl.training.plan import run_length, total_steps
 from mmcl.training.step import FiniteChecks
 
 from helpers import TRAINING_TOWERS
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _sections(cfg):
@@ -262,3 +266,23 @@ def test_shards_written_by_mmcl_carry_their_sizes(tmp_path):
     assert json.loads((tmp_path / "sizes.json").read_text()) == {
         "other-000000.tar": 3, "shard-000000.tar": 2, "shard-000001.tar": 2, "shard-000002.tar": 1}
     assert shard_samples(str(tmp_path / "shard-{000000..000002}.tar"))[0] == 5
+
+
+@pytest.mark.parametrize("length", [["train.epochs=2"], ["train.epochs=2", "data.train_num_samples=10"],
+                                    ["train.samples=64"], ["train.steps=3"]])
+def test_a_table_given_as_data_train_is_recognised_first_whatever_the_length_key(tmp_path, monkeypatch, capsys,
+                                                                               length):
+    """open_clip's CSV named as data.train: the first line names `mmcl shards`, before any question about its size."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.csv").write_text("filepath\ttitle\nimages/0.png\ta cat\n")
+    cfg = load_config(None, ["data.train=train.csv", *length])
+    if "train.epochs=2" in length and len(length) == 1:
+        with pytest.raises(DataError, match=r"train.csv is a table, not WebDataset shards: make shards of it with "
+                                            r"`mmcl shards --input train.csv --out DIR`"):
+            run_length(cfg, 1)
+    code = main(["train", "--config", str(CONFIGS / "tiny.yaml"), "data.train=train.csv", *length,
+                 "train.output_dir=run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == ("mmcl: error: data.train: train.csv is a table, not WebDataset shards: make shards of it with "
+                      "`mmcl shards --input train.csv --out DIR`, then train with data.train=DIR")
