@@ -9,14 +9,20 @@ the flag. A second SIGINT (Ctrl-C pressed twice) stops at once: it raises Keyboa
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
+import warnings
 from typing import Dict, List, Optional
 
+import torch
+from accelerate.commands.config import default_config_file
 from accelerate.commands.launch import launch_command, launch_command_parser
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from ..errors import ConfigError
 
 # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"; the code a requeueing script checks. Ctrl-C keeps the
 # shell's 128 + SIGINT, since a user who stopped a run by hand does not want it requeued.
@@ -41,7 +47,7 @@ def launch(argv: List[str]) -> int:
     """
 
     try:
-        launch_command(launch_command_parser().parse_args(argv))
+        launch_command(_launch_args(launch_command_parser().parse_args(argv)))
     except SignalException as err:
         return exit_code(err.sigval.name)
     except ChildFailedError as err:
@@ -50,6 +56,33 @@ def launch(argv: List[str]) -> int:
     except subprocess.CalledProcessError as err:  # one process: accelerate runs it as a plain subprocess
         return err.returncode if err.returncode > 0 else 1
     return 0
+
+
+def _launch_args(args):
+    """accelerate launch's parsed `args`, checked and completed where accelerate would do what was not asked.
+
+    A script that is not a file (``mmcl`` without ``-m`` before it) is one error line, not Python's "can't open
+    file" from every process. ``--num_processes N`` without a launch file on a machine without GPUs starts N CPU
+    processes (accelerate alone would start one, silently), with a line saying so; with fewer GPUs than asked, a
+    warning gives both numbers.
+    """
+    script = args.training_script
+    if not args.module and not args.no_python and not os.path.isfile(script):
+        hint = f" (to run mmcl, put -m before it: ... -m {script} train --config ...)" if script == "mmcl" else ""
+        raise ConfigError(f"mmcl launch: the training script {script} is not a file{hint}")
+    asked = args.num_processes or 0
+    if (asked < 2 or args.config_file or os.path.isfile(default_config_file) or args.multi_gpu or args.use_fsdp
+            or args.use_deepspeed or args.tpu or (args.num_machines or 1) > 1):
+        return args
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() < asked:
+            warnings.warn(f"--num_processes {asked} without a launch file: this machine has "
+                          f"{torch.cuda.device_count()} GPU(s), and accelerate starts one process per GPU")
+        return args
+    args.multi_gpu, args.cpu, args.use_cpu = True, False, True  # torchrun's launcher, each process on the CPU (gloo)
+    print(f"mmcl: launching {asked} CPU processes (--num_processes {asked} without a launch file; accelerate alone "
+          f"would start 1 on a machine without GPUs)", flush=True)
+    return args
 
 
 class StopSignals:

@@ -46,7 +46,7 @@ from ..storage.layout import CKPT_PREFIX, CONFIG
 from . import optim, phases
 from .end import finish_run, log_record
 from .optim import lr_at
-from .plan import Runtime, refuse_deepspeed
+from .plan import Runtime, check_launch, refuse_deepspeed
 from .preflight import check_inputs
 from .setup import Parts, describe_setup, setup
 from .state import RunState
@@ -60,6 +60,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     after saving a checkpoint on SIGTERM, SIGUSR1 or SIGINT.
     """
     refuse_deepspeed()
+    check_launch(world().size)  # a GPU launch file on a machine without GPUs; fewer processes than asked for
     with contextlib.ExitStack() as held:  # the output directory's lock and the signal handlers, for the whole run
         try:
             return _train(cfg, held)

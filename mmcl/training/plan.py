@@ -12,8 +12,9 @@ import dataclasses
 import datetime
 import math
 import os
+import warnings
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
@@ -232,6 +233,85 @@ def refuse_deepspeed() -> None:
     raise err
 
 
+def _has_device() -> bool:
+    """Whether this machine has an accelerator device (CUDA or another torch.accelerator)."""
+    has_device = getattr(torch, "accelerator", None)
+    return has_device.is_available() if has_device is not None else torch.cuda.is_available()
+
+
+def gpu_launch_problem(env=None, device: Optional[bool] = None) -> Optional[str]:
+    """The line for a launch that asked for GPUs on a machine without any accelerator device, else None.
+
+    accelerate's launcher says what its launch file asked for in the processes' environment: ``ACCELERATE_USE_CPU``
+    False with GPU mixed precision (``ACCELERATE_MIXED_PRECISION`` bf16 or fp16: every GPU file of launch/) or FSDP
+    is a launch for GPUs; on the CPU it would train its processes in bf16 autocast on the CPU cores, silently.
+    `env`, `device`: the environment and whether a device exists (default: this process's).
+    """
+    env = os.environ if env is None else env
+    device = _has_device() if device is None else device
+    if device or env.get("ACCELERATE_USE_CPU", "").lower() not in ("false", "0"):
+        return None
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    fsdp = env.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1")
+    if precision not in ("bf16", "fp16") and not fsdp:
+        return None
+    asked = ", ".join([f"{int(env.get('WORLD_SIZE') or 1)} process(es)", f"{precision} mixed precision",
+                       *(["FSDP"] if fsdp else []), "use_cpu false"])
+    return (f"the launcher asked for GPUs ({asked}: a GPU launch file such as launch/gpu-8.yaml) and this machine "
+            f"has none; on the CPU launch with --config_file launch/cpu-2proc.yaml (or cpu-1proc.yaml), or set "
+            f"use_cpu: true in your launch file")
+
+
+def launcher_processes_asked(cmdline: List[str]) -> Optional[int]:
+    """The ``--num_processes`` (or ``--num-processes``) an ``accelerate launch`` / ``mmcl launch`` command line
+    asked for, between ``launch`` and its training script (None when not given)."""
+    start = next((i + 1 for i, word in enumerate(cmdline) if word.endswith("launch")), None)
+    if start is None:
+        return None
+    words = cmdline[start:]
+    words = words[:words.index("-m")] if "-m" in words else words
+    try:
+        for i, word in enumerate(words):
+            name, eq, value = word.partition("=")
+            if name in ("--num_processes", "--num-processes"):
+                return int(value if eq else words[i + 1])
+    except (ValueError, IndexError):
+        return None
+    return None
+
+
+def processes_problem(processes: int) -> Optional[str]:
+    """The line for a launch that started fewer processes than its command asked for: ``accelerate launch
+    --num_processes N`` without a launch file starts one process on a machine without several GPUs. Read from the
+    launcher's own command line (the parent process, on Linux); None when it cannot be read or agrees."""
+    if "ACCELERATE_USE_CPU" not in os.environ:  # not started by accelerate's launcher
+        return None
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            cmdline = [w.decode("utf-8", "replace") for w in f.read().split(b"\0") if w]
+    except OSError:
+        return None
+    asked = launcher_processes_asked(cmdline)
+    if asked is None or asked <= processes:
+        return None
+    return (f"the launcher was asked for {asked} processes (--num_processes {asked}) and started {processes}: "
+            f"without a launch file accelerate starts several processes only on several GPUs; on the CPU use "
+            f"`mmcl launch --num_processes {asked} -m mmcl train ...` or --config_file launch/cpu-2proc.yaml")
+
+
+def check_launch(processes: int) -> None:
+    """Refuse a launch for GPUs on a machine without them (`gpu_launch_problem`) in one line; warn when fewer
+    processes started than were asked for (`processes_problem`)."""
+    problem = gpu_launch_problem()
+    if problem:
+        err = ConfigError(problem)
+        err.everywhere = True
+        raise err
+    fewer = processes_problem(processes)
+    if fewer:
+        warnings.warn(fewer)
+
+
 def _cpu_processes() -> bool:
     """True for several launched processes on a machine without an accelerator device.
 
@@ -240,8 +320,7 @@ def _cpu_processes() -> bool:
     """
     if world().size <= 1:
         return False
-    has_device = getattr(torch, "accelerator", None)
-    return not (has_device.is_available() if has_device is not None else torch.cuda.is_available())
+    return not _has_device()
 
 
 def make_accelerator(precision: str = "auto", **tracking_kwargs):

@@ -75,3 +75,32 @@ def test_srun_gets_the_cpus_per_task(tmp_path):
     p, _ = run_slurm(tmp_path / "unset", "exit 0\n", cpus_per_task=None)
     assert p.returncode == 0, p.stderr
     assert srun_options(tmp_path / "unset") == ["--kill-on-bad-exit=1"]
+
+
+# ------------------------------------------------------------------ --num_processes without a launch file
+@pytest.mark.slow
+def test_num_processes_without_a_launch_file_is_honoured_or_said(demo, tmp_path, cpu_device):
+    """accelerate alone starts 1 process for --num_processes 2 on a machine without GPUs: `mmcl launch` starts 2 CPU
+    processes and says so; `accelerate launch` itself starts 1, and the run says what was asked and what ran."""
+    import sys
+
+    from helpers import ACCELERATE_LAUNCH, metrics, run_args
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("ACCELERATE_USE_CPU", None)  # as a user's shell has it
+    common = ("train.steps=1", "data.batch_size=4", "data.workers=0", "train.save_every=0", "train.log_every=1")
+    ours = subprocess.run([sys.executable, "-m", "mmcl", "launch", "--num_processes", "2", "-m", "mmcl", "train",
+                           *run_args(demo, tmp_path / "ours", *common)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert ("mmcl: launching 2 CPU processes (--num_processes 2 without a launch file; accelerate alone would start "
+            "1 on a machine without GPUs)") in ours.stdout
+    assert "mmcl: 2 process(es), MULTI_CPU on cpu" in ours.stdout
+    assert metrics(tmp_path / "ours")[-1]["samples"] == 8  # 4 per process, 2 processes
+    theirs = subprocess.run([*ACCELERATE_LAUNCH, "--num_processes", "2", "-m", "mmcl", "train",
+                             *run_args(demo, tmp_path / "theirs", *common)], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    assert ("mmcl: warning: the launcher was asked for 2 processes (--num_processes 2) and started 1: without a "
+            "launch file accelerate starts several processes only on several GPUs; on the CPU use `mmcl launch "
+            "--num_processes 2 -m mmcl train ...` or --config_file launch/cpu-2proc.yaml") in theirs.stderr

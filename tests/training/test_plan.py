@@ -3,12 +3,14 @@ batch."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from mmcl.config import load_config
 from mmcl.errors import ConfigError
-from mmcl.training.plan import Runtime, batch_plan, global_batch_size
+from mmcl.training.plan import Runtime, batch_plan, global_batch_size, gpu_launch_problem, launcher_processes_asked
 
 
 def _saved_run(root, world, global_batch):
@@ -69,3 +71,68 @@ def test_a_global_batch_that_does_not_divide_among_the_processes_is_one_error(tm
     cfg = load_config(None, [f"train.output_dir={out}", "data.batch_size=8"])
     with pytest.raises(ConfigError, match="global batch of 16 samples does not divide among them .* that divides 16"):
         batch_plan(cfg.data, cfg.train, 3)
+
+
+# ------------------------------------------------------------------------------ what the launcher asked for
+LAUNCH = Path(__file__).resolve().parents[2] / "launch"
+
+
+def _launcher_env(launch_file):
+    """The variables accelerate's launcher sets in the training processes for `launch_file` (accelerate 1.x:
+    ACCELERATE_USE_CPU, ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_FSDP, WORLD_SIZE)."""
+    cfg = yaml.safe_load(launch_file.read_text())
+    env = {"ACCELERATE_USE_CPU": str(bool(cfg.get("use_cpu", False))),
+           "ACCELERATE_MIXED_PRECISION": str(cfg.get("mixed_precision", "no")),
+           "WORLD_SIZE": str(cfg.get("num_processes", 1))}
+    if cfg.get("distributed_type") == "FSDP":
+        env["ACCELERATE_USE_FSDP"] = "true"
+    return env
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in LAUNCH.glob("*.yaml")))
+def test_every_launch_file_for_gpus_is_refused_on_a_machine_without_one(name):
+    cfg = yaml.safe_load((LAUNCH / name).read_text())
+    env = _launcher_env(LAUNCH / name)
+    problem = gpu_launch_problem(env, device=False)
+    if cfg.get("use_cpu"):
+        assert problem is None
+        return
+    assert problem == (f"the launcher asked for GPUs ({cfg['num_processes']} process(es), {cfg['mixed_precision']} "
+                       f"mixed precision{', FSDP' if cfg['distributed_type'] == 'FSDP' else ''}, use_cpu false: a GPU "
+                       f"launch file such as launch/gpu-8.yaml) and this machine has none; on the CPU launch with "
+                       f"--config_file launch/cpu-2proc.yaml (or cpu-1proc.yaml), or set use_cpu: true in your "
+                       f"launch file")
+    assert gpu_launch_problem(env, device=True) is None  # the same file on a GPU machine
+
+
+def test_a_gpu_launch_on_the_cpu_is_one_error_line_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    from mmcl.cli import main
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    code = main(["train", "--config", str(LAUNCH.parent / "configs" / "tiny.yaml"), "data.train=x.tar",
+                 f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("mmcl: error: the launcher asked for GPUs (1 process(es), "
+                                                             "bf16 mixed precision, use_cpu false"), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cmdline, asked", [
+    (["python", "-m", "accelerate.commands.launch", "--num_processes", "2", "-m", "mmcl", "train"], 2),
+    (["/venv/bin/accelerate", "launch", "--num-processes=4", "--cpu", "-m", "mmcl", "train"], 4),
+    (["python", "-m", "mmcl", "launch", "--config_file", "launch/cpu-2proc.yaml", "-m", "mmcl", "train"], None),
+    (["python", "-m", "mmcl", "train", "--num_processes", "2"], None),  # no launcher
+])
+def test_the_processes_a_launch_command_asked_for(cmdline, asked):
+    assert launcher_processes_asked(cmdline) == asked
+
+
+def test_mmcl_launch_without_dash_m_is_one_line(capsys):
+    from mmcl.cli import main
+
+    assert main(["launch", "--num_processes", "2", "mmcl", "train", "--config", "configs/tiny.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mmcl: error: mmcl launch: the training script mmcl is not a file (to run mmcl, put -m before it: "
+                   "... -m mmcl train --config ...)"]
