@@ -89,13 +89,18 @@ def migration_page() -> str:
              "version a flag comes from where it is not both.", "",
              "A whole command line becomes a config file in one step, with every flag it could not map listed:", "",
              "```bash", "mmcl from-open-clip --out config.yaml -- --train-data 'shards/{00000..00099}.tar' \\",
-             "    --train-num-samples 1000000 --batch-size 256 --epochs 32 --model ViT-B-32 --lr 5e-4",
-             "mmcl train --config config.yaml", "```", "",
+             "    --train-num-samples 1000000 --batch-size 256 --epochs 32 --model ViT-B-32 --lr 5e-4 \\",
+             "    --logs runs --name from-open-clip", "mmcl train --config config.yaml", "```", "",
              "`mmcl train` given open_clip_train flags answers with the keys they map to. "
              "`mmcl from-open-clip` also writes open_clip_train's defaults for the flags not given where mmcl's "
              "differ (" + ", ".join(f"`{f} {v}`" for f, v in DEFAULTS.items()) + ", and `--beta2 0.999 --eps 1e-8` "
              "for a model without `vit` in its name; with `--use-naflex`, `--naflex-max-tokens-per-batch 16384` "
-             "and no `--epochs`), so the run trains as open_clip_train's would.", "",
+             "and no `--epochs`). Two settings are not carried over unless given: the precision (open_clip_train's "
+             "default is `amp`, fp16 autocast, `amp_bf16` on main; mmcl's `train.precision=auto` follows the launch "
+             "file, fp32 without one: give `--precision`) and the run folder (open_clip_train writes under "
+             "`--logs ./logs/` in a folder named from the date and settings; give `--logs` and `--name`, or "
+             "`train.output_dir` is mmcl's default, `runs/tiny`). A warm-up longer than the whole run (open_clip's "
+             "default `--warmup 10000` on a short run, where the run's length is known) is refused in one line.", "",
              "Some flags map according to the others given: under `--opt timm/NAME` or `--opt nadamw`, `--beta1`/"
              "`--beta2` become `optim.kwargs.betas` and `--eps` `optim.kwargs.eps` (mmcl's `optim.beta1`/`beta2`/`eps` "
              "are its AdamW's), and `--opt nadamw` gets open_clip's Adam defaults there; `--momentum` counts only "

@@ -69,7 +69,8 @@ NAFLEX_SEQ_LENS = (128, 256, 576, 784, 1024)
 FLAGS: Dict[str, Flag] = {
     "--train-data": Flag("data.train={}", "'::'-separated sources as open_clip's; a CSV/TSV table: " + _TABLES),
     "--train-data-upsampling-factors": Flag("data.weights={::}", "with data.resampled=true, as open_clip's"),
-    "--val-data": Flag("eval.val_loss={}", "held-out shards scored with the run's loss terms"),
+    "--val-data": Flag("eval.val_loss={} eval.retrieval={}", "held-out shards scored with the run's loss terms and for "
+                       "retrieval (recall@1/5/10 both ways), as open_clip reports the loss and retrieval metrics"),
     "--train-num-samples": Flag("data.train_num_samples={}", "an epoch's size for train.epochs; null: the "
                                 "shards' counts (sizes.json, _stats.json)"),
     "--val-num-samples": Flag("", "nothing to set: eval.val_loss's shards are read to their end"),
@@ -165,8 +166,8 @@ FLAGS: Dict[str, Flag] = {
                              nargs=0),
     "--lr-scheduler": Flag({"cosine": "optim.schedule=cosine", "const": "optim.schedule=constant",
                             "const-cooldown": "optim.schedule=const-cooldown"}),
-    "--lr-cooldown-end": Flag("optim.min_lr={}", "mmcl's min_lr also ends cosine and linear, open_clip's only "
-                                                 "const-cooldown"),
+    "--lr-cooldown-end": Flag("optim.min_lr={}", "with --lr-scheduler const-cooldown only: open_clip's cosine "
+                                                 "and const schedules ignore it, and nothing is set then"),
     "--lr-cooldown-power": Flag("optim.cooldown_power={}"),
     "--save-frequency": Flag(None, "train.save_every=STEPS (a checkpoint is also saved at the end); " + _STEPS),
     "--save-most-recent": Flag("", "nothing to set: the newest checkpoint is always kept (train.keep_checkpoints)",

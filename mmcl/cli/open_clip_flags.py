@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from ..config import OptimConfig, load_config, parse_overrides
 from ..data.sources import TABLE_EXTS
-from ..errors import ConfigError
+from ..errors import ConfigError, MmclError
 from .open_clip_flag_table import DEFAULTS, FLAGS, NAFLEX_DEFAULTS, Flag
 
 __all__ = ["DEFAULTS", "FLAGS", "Flag", "explain", "in_context", "is_command", "is_table", "overrides_for", "parse",
@@ -129,6 +129,8 @@ def in_context(flag: str, value, names: Dict[str, object]) -> Optional[List[str]
     if flag == "--epochs-cooldown":
         epochs = _number("--epochs", names.get("--epochs", DEFAULTS["--epochs"]))
         return [f"optim.cooldown_fraction={_number(flag, value) / epochs!r}"]
+    if flag == "--lr-cooldown-end" and names.get("--lr-scheduler", "cosine") != "const-cooldown":
+        return []  # open_clip_train's cosine and const schedules end where they end, whatever it says
     if flag == "--epochs" and "--use-naflex" in names:
         return None  # NaFlex batches hold varying numbers of pairs: mmcl counts such runs in steps
     return to
@@ -233,6 +235,23 @@ def with_defaults(given: List[Tuple[str, object]]) -> List[Tuple[str, object]]:
     return added + list(given)
 
 
+def _check_warmup(cfg, given: bool) -> None:
+    """Refuse a warm-up longer than the whole run on one process (where the run's length is known: on more
+    processes it is shorter still): open_clip_train would train it all in warm-up, its rate never at its peak."""
+    from .runtime import run_length
+
+    try:
+        steps, _ = run_length(cfg, 1)
+    except MmclError:  # the data's size is not known here: the run's start line says it then
+        return
+    if cfg.optim.warmup_steps <= steps:
+        return
+    what = "--warmup" if given else "open_clip_train's default --warmup"
+    raise ConfigError(f"{what} {cfg.optim.warmup_steps} is longer than the whole run ({steps} steps on one process, "
+                      f"fewer on more): every step would be warm-up, the rate never at its peak --lr; give --warmup "
+                      f"below {steps}")
+
+
 def write_config(argv: List[str], out: str) -> Tuple[List[str], List[str], List[str]]:
     """Write the mmcl config file `out` (a new file) for an open_clip_train command line, checked as `load_config`
     checks a config first. Returns (overrides written, one line per flag that maps to no config key, open_clip_train's
@@ -245,7 +264,7 @@ def write_config(argv: List[str], out: str) -> Tuple[List[str], List[str], List[
                           f"main's, are listed in docs/migration.md)")
     full = with_defaults(given)
     overrides, left = translate(full)
-    load_config(None, overrides)
+    _check_warmup(load_config(None, overrides), "--warmup" in dict(given))
     tree = OmegaConf.create({})
     for key, value in parse_overrides(overrides):
         OmegaConf.update(tree, key, value, force_add=True)

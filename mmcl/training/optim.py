@@ -363,6 +363,18 @@ def cooldown_factor(progress: float, shape: str, power: float = 1.0) -> float:
     return (1.0 - progress) ** power
 
 
+def warmup_line(cfg: OptimConfig, total_steps: int) -> Optional[str]:
+    """The line for a warm-up longer than the run (``optim.warmup_steps`` over `total_steps`): the rate never
+    reaches its peak, and the last step's rate against the peak says by how much. None when the warm-up ends in
+    the run."""
+    if cfg.warmup_steps <= total_steps:
+        return None
+    last = lr_at(total_steps - 1, cfg, total_steps)
+    return (f"warning: optim.warmup_steps={cfg.warmup_steps} is longer than the run's {total_steps} steps: the whole "
+            f"run is warm-up, its last step at lr {last:.3g} of the peak optim.lr={cfg.lr:g} "
+            f"({100 * last / cfg.lr:.2g} %); set optim.warmup_steps below {total_steps}")
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Learning rate for optimiser step `step` (0-based): linear warmup (open_clip's, reaching the peak on the
     warmup's last step), then the schedule:

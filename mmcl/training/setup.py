@@ -317,6 +317,9 @@ def describe_setup(cfg: TrainConfig, rt: Runtime, accelerator, workers: int) -> 
             log(f"warning: the launch config asks for {mode} but it is not in effect here ({dist_type}); "
                 f"the model is replicated on every process")
     log(rt.length_line)
+    warmup = optim.warmup_line(cfg.optim, rt.total_steps)
+    if warmup:
+        log(warmup)
     if is_main_process():  # what each source of data.train resolved to: its shards and, where known, counts
         for line in describe_sources(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards,
                                      cfg.data.train_num_samples):

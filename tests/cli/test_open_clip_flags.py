@@ -119,12 +119,12 @@ def test_from_open_clip_writes_a_config_and_lists_what_it_could_not_map(capsys, 
     out_file = tmp_path / "config.yaml"
     code, out, err = run_main(
         capsys, "from-open-clip", "--out", str(out_file), "--", "--train-data", "data/{000..009}.tar",
-        "--train-num-samples", "10000", "--batch-size", "32", "--epochs", "2", "--lr", "1e-4", "--model",
+        "--train-num-samples", "1000000", "--batch-size", "32", "--epochs", "2", "--lr", "1e-4", "--model",
         "ViT-B-32", "--siglip", "--report-to", "wandb,tensorboard", "--logs", "/runs", "--name", "exp1",
         "--aug-cfg", "scale=(0.4,1.0)", "--dist-url", "env://", "--csv-separator", ",", "--zeroshot-frequency", "1")
     assert code == 0, err
     cfg = load_config(str(out_file))
-    assert cfg.data.train == "data/{000..009}.tar" and cfg.data.train_num_samples == 10000
+    assert cfg.data.train == "data/{000..009}.tar" and cfg.data.train_num_samples == 1000000
     assert (cfg.data.batch_size, cfg.train.epochs, cfg.optim.lr, cfg.model.name) == (32, 2, 1e-4, "ViT-B-32")
     assert cfg.loss.siglip == 1.0 and cfg.loss.clip == 0.0 and cfg.model.init_logit_bias == -10.0
     assert list(cfg.train.log_with) == ["wandb", "tensorboard"] and cfg.train.output_dir == "/runs/exp1"
@@ -284,3 +284,38 @@ def test_migration_page_names_versions_and_mains_unsupported_features():
     assert "| `--lr` |  | `optim.lr={}` |" in page
     assert "## open_clip main's features that mmcl does not support" in page
     assert "- Length bucketing (--length-bucketing, --bucket-*): " in page
+
+
+@pytest.mark.parametrize("warmup", [None, "700"])
+def test_a_warmup_longer_than_the_whole_run_is_refused(tmp_path, capsys, warmup):
+    """10,000 samples in batches of 32 for 2 epochs: 626 steps on one process, fewer on more. open_clip's default
+    --warmup 10000 (or a given one) longer than that would train every step in warm-up."""
+    flags = ["--train-data", "data/{000..009}.tar", "--train-num-samples", "10000", "--batch-size", "32", "--epochs",
+             "2", *(["--warmup", warmup] if warmup else [])]
+    code, _, err = run_main(capsys, "from-open-clip", "--out", str(tmp_path / "c.yaml"), "--", *flags)
+    what = "--warmup 700" if warmup else "open_clip_train's default --warmup 10000"
+    assert code == 2 and err == [f"mmcl: error: {what} is longer than the whole run (626 steps on one process, "
+                                 f"fewer on more): every step would be warm-up, the rate never at its peak --lr; "
+                                 f"give --warmup below 626"], err
+    assert not (tmp_path / "c.yaml").exists()
+    cfg, _ = _config(tmp_path, *flags[:-2] if warmup else flags, "--warmup", "600")
+    assert cfg.optim.warmup_steps == 600
+    cfg, _ = _config(tmp_path, "--train-data", "data/{000..009}.tar", "--epochs", "2")  # length unknown here
+    assert cfg.optim.warmup_steps == 10000
+
+
+def test_lr_cooldown_end_sets_min_lr_under_const_cooldown_only(tmp_path):
+    """open_clip_train's cosine_lr ends at 0 whatever --lr-cooldown-end says; its const_lr_cooldown ends there."""
+    scheduler = pytest.importorskip("open_clip_train.scheduler")
+    cosine, _ = _config(tmp_path, "--lr-cooldown-end", "1e-5", "--lr", "1e-3", "--warmup", "3", "--epochs", "1")
+    assert cosine.optim.min_lr == 0.0 and cosine.optim.schedule == "cosine"
+    theirs = scheduler.cosine_lr(types.SimpleNamespace(param_groups=[]), 1e-3, 3, 20)
+    for step in range(20):
+        assert math.isclose(lr_at(step, cosine.optim, 20), theirs(step), rel_tol=1e-12, abs_tol=1e-15), step
+    cool, _ = _config(tmp_path, "--lr-scheduler", "const-cooldown", "--lr-cooldown-end", "1e-5", "--epochs", "1")
+    assert cool.optim.min_lr == 1e-5
+
+
+def test_val_data_scores_the_loss_and_retrieval_as_open_clip_does(tmp_path):
+    cfg, _ = _config(tmp_path, "--val-data", "val/{0..3}.tar", "--epochs", "1")
+    assert cfg.eval.val_loss == "val/{0..3}.tar" and cfg.eval.retrieval == "val/{0..3}.tar"

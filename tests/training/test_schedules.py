@@ -286,3 +286,15 @@ def test_a_table_given_as_data_train_is_recognised_first_whatever_the_length_key
     assert code == 2 and len(err) == 1, err
     assert err[0] == ("mmcl: error: data.train: train.csv is a table, not WebDataset shards: make shards of it with "
                       "`mmcl shards --input train.csv --out DIR`, then train with data.train=DIR")
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "constant", "linear"])
+def test_a_warmup_longer_than_the_run_is_said_with_the_last_rate_reached(schedule):
+    """configs/tiny.yaml's 15 warm-up steps on a 6-step run: the last step's rate is 6/15 of the peak."""
+    cfg = OptimConfig(lr=5e-4, warmup_steps=15, schedule=schedule)
+    line = optim.warmup_line(cfg, 6)
+    assert lr_at(5, cfg, 6) == 5e-4 * 6 / 15
+    assert line == ("warning: optim.warmup_steps=15 is longer than the run's 6 steps: the whole run is warm-up, its "
+                    "last step at lr 0.0002 of the peak optim.lr=0.0005 (40 %); set optim.warmup_steps below 6")
+    assert optim.warmup_line(OptimConfig(lr=5e-4, warmup_steps=6, schedule=schedule), 6) is None  # peak at the last
+    assert optim.warmup_line(cfg, 15) is None
