@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import re
 import textwrap
 from dataclasses import dataclass
 from typing import Dict, List, get_type_hints
@@ -103,9 +104,20 @@ def keys_help(width: int = 100) -> str:
     return "\n".join(lines)
 
 
+def _leaf_match(typed: str, leaf: str) -> bool:
+    """Whether `typed` names the key `leaf` in other words: the same words in another order or case, or one is the
+    initials of the other's words (``learning_rate`` for ``lr``, ``ema`` for ``exponential_moving_average``)."""
+    a, b = [w for w in re.split(r"[_\-\s]+", typed.lower()) if w], [w for w in re.split(r"[_\-\s]+", leaf) if w]
+    initials = lambda words: "".join(w[0] for w in words) if len(words) > 1 else None  # noqa: E731
+    return sorted(a) == sorted(b) or initials(a) == leaf or initials(b) == typed.lower()
+
+
 def nearest_keys(key: str) -> str:
     keys = valid_keys()
-    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+    section, _, typed = key.rpartition(".")
+    # the same section's key in other words first (optim.learning_rate -> optim.lr), then the closest spellings
+    close = [k for k in keys if k.rpartition(".")[0] == section and _leaf_match(typed, k.rpartition(".")[2])][:3]
+    close = close or difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
     if not close:  # match on the last component, e.g. 'batchsize' -> data.batch_size
         leaf = key.rsplit(".", 1)[-1]
         close = [k for k in keys if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.7)][:3]

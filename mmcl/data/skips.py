@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -42,6 +43,14 @@ from .sources import redact
 MAX_BYTES = 4 << 20  # about 20,000 records
 REASONS = SKIP_REASONS + ("missing_file", "not_image", "duplicate_key", "bad_json", "bad_row", "left_out")
 _IMAGE_REASONS = ("decode", "too_large", "unsupported_mode")
+_SHARD_REASONS = ("truncated_tar", "shard_open")
+# The sample reasons in words, for the warning a training run gives the first time each one skips a sample.
+_SAMPLE_REASONS = {"decode": "an image cannot be decoded", "missing_image": "a sample has no image member",
+                   "missing_caption": "a sample has no caption member (data.caption_key)",
+                   "bad_caption": "a caption is empty, not UTF-8 or not text", "bad_label": "a .cls label is not a "
+                   "non-negative integer", "too_large": "a member or image is over the size limit",
+                   "unsupported_mode": "an image's pixel mode has no RGB conversion",
+                   "no_teacher_features": "the teacher members are missing or unreadable"}
 
 
 def member_of(reason: str, key: str, files: Optional[Dict[str, bytes]]) -> Optional[str]:
@@ -65,16 +74,24 @@ class SkipLog:
     """A bounded ``skipped.jsonl`` at `path`, appended to (`fresh`: emptied first, for a command that rewrites its
     folder). The file is created on the first record; a symbolic link there is refused, never followed."""
 
-    def __init__(self, path, fresh: bool = False, max_bytes: int = MAX_BYTES):
+    def __init__(self, path, fresh: bool = False, max_bytes: int = MAX_BYTES, warn: bool = False):
         self.path, self.fresh, self.max_bytes = Path(path), fresh, max_bytes
         self.fd: Optional[int] = None
         self.left_out: Dict[str, int] = {}
+        self.warn, self.warned = warn, set()  # warn: one warning per sample reason (a training run's log)
 
     def _line(self, rec: Dict[str, Any]) -> None:
         os.write(self.fd, (json.dumps(rec) + "\n").encode("utf-8"))
 
     def write(self, rec: Dict[str, Any]) -> None:
-        """Append one `record`, or count it as left out once the file holds `max_bytes`."""
+        """Append one `record`, or count it as left out once the file holds `max_bytes`. With `warn`, the first
+        sample skipped for each reason is also one warning (the same words on every process: shown once a run);
+        shards that cannot be read have their own warning where they are read."""
+        reason = rec["reason"]
+        if self.warn and reason not in self.warned and reason not in _SHARD_REASONS:
+            self.warned.add(reason)
+            warnings.warn(f"samples are being skipped: {reason} ({_SAMPLE_REASONS.get(reason, reason)}); each is "
+                          f"counted in data/skipped_samples and named in {self.path}")
         if self.fd is None:
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
             self.fd = os.open(self.path, flags | (os.O_TRUNC if self.fresh else 0), 0o644)

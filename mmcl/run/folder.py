@@ -97,6 +97,7 @@ class Decision:
     line: str
     write_config: bool = False
     last: Dict[str, Any] = field(default_factory=dict)
+    stale_skips: bool = False  # the skip log of an earlier attempt that never trained: `clear_stale_skips`
 
 
 def _entries(out: Path) -> List[str]:
@@ -244,6 +245,31 @@ def _last_record(out: Path) -> Dict[str, Any]:
         return {}
 
 
+def length_key(train: Dict[str, Any]) -> str:
+    """The key that decides a run's length (the ``train`` section as plain values): train.epochs, else
+    train.samples, else train.steps."""
+    return next((f"train.{k}" for k in ("epochs", "samples") if train.get(k) is not None), "train.steps")
+
+
+def _stale_skips(out: Path) -> str:
+    """The words for the skip log an earlier attempt left in `out` before it trained a step ('' when none)."""
+    try:
+        with open(RunLayout(out).skipped, "rb") as f:
+            records = sum(1 for _ in f)
+    except OSError:
+        return ""
+    return f"; its {RunLayout(out).skipped.name} ({records} records of that attempt) is cleared" if records else ""
+
+
+def clear_stale_skips(out: Path) -> None:
+    """Remove the skip log an earlier attempt that never trained left in the run folder `out` (the name is unlinked:
+    another link to the file keeps it)."""
+    try:
+        os.unlink(inside(out, RunLayout(out).skipped.name))
+    except FileNotFoundError:
+        pass
+
+
 def decide(config: Dict[str, Any], processes: int, total: Union[int, Callable[[], int]]) -> Decision:
     """Apply the rule to ``train.output_dir`` of the run configured by `config` (the config as plain values,
     `mmcl.config.to_dict`) for `total` steps on `processes` processes (a callable is asked only where the folder holds
@@ -266,7 +292,9 @@ def decide(config: Dict[str, Any], processes: int, total: Union[int, Callable[[]
     step = int(marker["step"]) if marker else 0
     if saved is None:
         if marker is None and _model_steps(out) is None:  # claimed, then stopped before it wrote its config
-            return Decision("start", f"{out}: a new run (the folder holds no training yet)", write_config=True)
+            stale = _stale_skips(out)
+            return Decision("start", f"{out}: a new run (the folder holds no training yet){stale}", write_config=True,
+                            stale_skips=bool(stale))
         if not force:
             raise ConfigError(f"train.output_dir {out} holds a run at step {step} whose {CONFIG} is missing or "
                               f"unreadable, so it cannot be compared with this config; nothing was changed: "
@@ -277,8 +305,9 @@ def decide(config: Dict[str, Any], processes: int, total: Union[int, Callable[[]
         current = redact_values(config)  # config.yaml holds no credentials either
         other, allowed = differences(saved, current, saved_global_batch(out, saved, record), processes)
     if other and not force and marker is None and _model_steps(out) is None and not _last_record(out):
+        stale = _stale_skips(out)
         return Decision("start", f"taking over {out}: its last run stopped before step 1 (config differences: "
-                                 f"{'; '.join(other)})", write_config=True)
+                                 f"{'; '.join(other)}){stale}", write_config=True, stale_skips=bool(stale))
     if other and not force:
         raise ConfigError(f"train.output_dir {out} holds another run (step {step}): {'; '.join(other)}; nothing was "
                           f"changed: choose another train.output_dir for a new run, or set train.resume=force to "
@@ -289,16 +318,19 @@ def decide(config: Dict[str, Any], processes: int, total: Union[int, Callable[[]
     if model_steps is not None and model_steps >= total and (marker is None or step <= model_steps):
         return Decision("finished", f"{out} holds this run, finished at step {model_steps} of {total} (the model "
                                     f"is in {RunLayout(out).model}); nothing to do, nothing was changed: raise "
-                                    f"train.steps to train on, or choose another train.output_dir for a new run",
+                                    f"{length_key(config['train'])} to train on, or choose another "
+                                    f"train.output_dir for a new run",
                         last=_last_record(out))
     of = f" of {total}" if isinstance(total, int) else ""
+    stale = "" if marker or model_steps is not None or _last_record(out) else _stale_skips(out)
     how = (f"{out} holds this run (step {step}{of}): resuming it" if marker
-           else f"{out} holds this run, not trained yet: starting it")
+           else f"{out} holds this run, not trained yet: starting it{stale}")
     if allowed:
         how += "; changed on resume: " + ", ".join(allowed)
     if other:
         how += "; train.resume=force, resuming despite: " + "; ".join(other)
-    return Decision("resume", how, write_config=bool(other) or marker is None or record is None)
+    return Decision("resume", how, write_config=bool(other) or marker is None or record is None,
+                    stale_skips=bool(stale))
 
 
 # ------------------------------------------------------------------------------------------------ summary

@@ -185,6 +185,8 @@ def _write_config(parts: Parts, config: Dict[str, Any], folder: runfolder.Decisi
         return
     layout = parts.layout
     try:
+        if folder.stale_skips:  # an earlier attempt's skips are not this run's
+            runfolder.clear_stale_skips(layout.root)
         if folder.write_config or runfolder.read_record(layout.root) is None:  # the folder is this run's
             runfolder.write_record(layout.root, parts.accelerator.num_processes, parts.rt.global_batch)
         if folder.write_config:

@@ -239,7 +239,7 @@ def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, tokenizer, p
             f"{plan.max_tokens} patch tokens per process batch: {plan.max_tokens // max(plan.seq_lens)}-"
             f"{plan.capacity} pairs, padded to {plan.capacity} in the loss (data.batch_size is not used)")
     check_shared_memory(data_cfg, size, stream.uint8, world().local_size)
-    stream.skip_log = SkipLog(layout.skipped)  # appended to by every process
+    stream.skip_log = SkipLog(layout.skipped, warn=True)  # appended to by every process; a warning per reason
     return stream
 
 

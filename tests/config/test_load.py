@@ -28,6 +28,12 @@ def test_unknown_key_names_the_nearest_valid_key(tmp_path):
         load_config(None, ["data.batchsize=3"])
     with pytest.raises(ConfigError, match=r"'optim.warmup'.*optim\.warmup_steps"):
         load_config(write(tmp_path, "optim:\n  warmup: 5\n"))
+    # the same section's key in other words comes first: its initials, or its words in another order
+    for typed, meant in (("optim.learning_rate", "optim.lr"), ("optim.wd", "optim.weight_decay"),
+                         ("data.size_batch", "data.batch_size")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{typed}=1"])
+        assert str(err.value).endswith(f"; did you mean {meant}?"), str(err.value)
 
 
 def test_moved_key_is_one_error_line_naming_its_new_key(tmp_path):

@@ -138,6 +138,29 @@ def test_a_run_names_each_skip_in_skipped_jsonl_and_counts_them_by_reason(tmp_pa
     log = (run / "out.log").read_text()
     assert f"skipped by reason: {counts} (each in {run / 'skipped.jsonl'}; first: " in log, log
     assert f"skipped by reason: {counts}" in p.stdout
+    # as it happens: one warning for the reason (not one per sample), and the step lines count the skips
+    said = [ln for ln in p.stderr.splitlines() if "samples are being skipped" in ln]
+    assert said == [f"mmcl: warning: samples are being skipped: decode (an image cannot be decoded); each is counted "
+                    f"in data/skipped_samples and named in {run / 'skipped.jsonl'}"], p.stderr
+    steps = [ln for ln in p.stdout.splitlines() if ln.startswith("mmcl: step 4/4")]
+    assert steps and steps[0].endswith(f"| skipped {len(decode)} samples, {len(shard)} shards"), p.stdout
+
+
+def test_a_training_skip_log_warns_once_per_sample_reason(tmp_path, recwarn):
+    log = SkipLog(tmp_path / "skipped.jsonl", warn=True)
+    for reason in ("decode", "decode", "truncated_tar", "missing_caption", "decode", "shard_open"):
+        log.write(record(reason, "s.tar", "k"))
+    log.close()
+    assert [str(w.message) for w in recwarn] == [
+        f"samples are being skipped: decode (an image cannot be decoded); each is counted in data/skipped_samples "
+        f"and named in {tmp_path / 'skipped.jsonl'}",
+        f"samples are being skipped: missing_caption (a sample has no caption member (data.caption_key)); each is "
+        f"counted in data/skipped_samples and named in {tmp_path / 'skipped.jsonl'}"]
+    assert len(_records(tmp_path / "skipped.jsonl")) == 6
+    quiet = SkipLog(tmp_path / "q.jsonl")  # mmcl shards and curate report their skips themselves
+    quiet.write(record("decode", "s.tar", "k"))
+    quiet.close()
+    assert len(recwarn) == 2
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ started at once on one new folder, inputs refused before the model is built (a t
 batch larger than the data)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,46 @@ def test_a_run_that_failed_before_step_1_is_taken_over_by_the_corrected_command(
     assert f"mmcl: taking over {out}: its last run stopped before step 1 (config differences: data.train" in said
     assert metric_steps(out) == [1, 2] and (out / "model").is_dir()
     assert str(small_demo["train"]) in (out / "config.yaml").read_text()
+    # the failed attempt's skip (its shard could not be opened) is not kept as this run's, and out.log says so
+    assert "; its skipped.jsonl (1 records of that attempt) is cleared" in said
+    assert not (out / "skipped.jsonl").exists()
+    assert f"mmcl: taking over {out}: its last run stopped before step 1" in (out / "out.log").read_text()
+
+
+def test_an_attempt_that_never_trained_leaves_no_skip_log_to_the_next(tmp_path):
+    from mmcl.config import to_yaml
+    from mmcl.training.runfolder import clear_stale_skips, decide, write_record
+
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8"])
+    write_record(tmp_path, 1, 8)
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    (tmp_path / "skipped.jsonl").write_text('{"reason": "missing_caption"}\n' * 99)
+    for other, action in ((load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8",
+                                              "data.caption_key=caption"]), "start"), (cfg, "resume")):
+        decision = decide(other, 1, 10)
+        assert (decision.action, decision.stale_skips) == (action, True)
+        assert decision.line.endswith("; its skipped.jsonl (99 records of that attempt) is cleared"), decision.line
+    keep = tmp_path.parent / f"{tmp_path.name}-link"
+    os.link(tmp_path / "skipped.jsonl", keep)  # a link of the user's elsewhere keeps the file
+    clear_stale_skips(tmp_path)
+    assert not (tmp_path / "skipped.jsonl").exists() and len(keep.read_text().splitlines()) == 99
+    assert decide(cfg, 1, 10).stale_skips is False
+
+
+def test_a_finished_run_names_the_key_that_sets_its_length(tmp_path):
+    from mmcl.config import to_yaml
+    from mmcl.training.runfolder import decide, write_record
+
+    for length, key in ((["train.epochs=2", "data.train_num_samples=80"], "train.epochs"),
+                        (["train.samples=80"], "train.samples"), (["train.steps=10"], "train.steps")):
+        out = tmp_path / key
+        cfg = load_config(None, [f"train.output_dir={out}", "data.batch_size=8", *length])
+        (out / "model").mkdir(parents=True)
+        write_record(out, 1, 8)
+        (out / "config.yaml").write_text(to_yaml(cfg))
+        (out / "model" / "open_clip_config.json").write_text(json.dumps({"mmcl": {"steps": 10}}))
+        decision = decide(cfg, 1, 10)
+        assert decision.action == "finished" and f"raise {key} to train on" in decision.line, decision.line
 
 
 def test_a_run_that_logged_a_step_is_not_taken_over(tmp_path):
