@@ -140,3 +140,16 @@ def test_every_mmcl_command_in_the_docs_parses_and_names_real_config_keys(monkey
                 problems.append(f"{page}: {line.strip()}: {str(err).splitlines()[0]}")
     assert seen >= 20, seen
     assert problems == [], "\n".join(problems)
+
+
+def _two_commands(page: Path) -> str:
+    return re.search(r"^## Two commands\n\n```bash\n(.*?)^```", page.read_text(), re.M | re.S).group(1)
+
+
+def test_facts_that_drift_have_one_home_or_none():
+    """The README's and Getting started's copies of `make demo` / `make test` are the same text, and no page keeps a
+    count of the tests (it is stale after the next test)."""
+    assert _two_commands(README) == _two_commands(DOCS / "getting-started.md")
+    for page in [README, *sorted(DOCS.rglob("*.md"))]:
+        counted = re.findall(r"\b\d{1,3}(?:,\d{3})+ tests\b|\b\d{3,} tests\b", page.read_text())
+        assert counted == [], (page.name, counted)

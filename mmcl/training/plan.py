@@ -92,6 +92,9 @@ def run_length(data: DataConfig, train: TrainSection, processes: int,
     if train.samples is not None:
         steps = -(-train.samples // per_step)
         return steps, f"train.samples={train.samples}: {steps} steps of {per_step} samples"
+    if data.naflex.seq_lens:  # the token budget sets each batch's pairs, not data.batch_size (the NaFlex line)
+        return train.steps, (f"train.steps={train.steps}: {train.steps} steps of NaFlex batches (each one's pairs "
+                             f"set by data.naflex.max_tokens_per_batch)")
     return train.steps, f"train.steps={train.steps}: {train.steps} steps of {per_step} samples"
 
 
@@ -239,13 +242,14 @@ def _has_device() -> bool:
     return has_device.is_available() if has_device is not None else torch.cuda.is_available()
 
 
-def gpu_launch_problem(env=None, device: Optional[bool] = None) -> Optional[str]:
+def gpu_launch_problem(processes: int, env=None, device: Optional[bool] = None) -> Optional[str]:
     """The line for a launch that asked for GPUs on a machine without any accelerator device, else None.
 
     accelerate's launcher says what its launch file asked for in the processes' environment: ``ACCELERATE_USE_CPU``
     False with GPU mixed precision (``ACCELERATE_MIXED_PRECISION`` bf16 or fp16: every GPU file of launch/) or FSDP
     is a launch for GPUs; on the CPU it would train its processes in bf16 autocast on the CPU cores, silently.
-    `env`, `device`: the environment and whether a device exists (default: this process's).
+    `processes`: the launch's; `env`, `device`: the environment and whether a device exists (default: this
+    process's).
     """
     env = os.environ if env is None else env
     device = _has_device() if device is None else device
@@ -255,7 +259,7 @@ def gpu_launch_problem(env=None, device: Optional[bool] = None) -> Optional[str]
     fsdp = env.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1")
     if precision not in ("bf16", "fp16") and not fsdp:
         return None
-    asked = ", ".join([f"{int(env.get('WORLD_SIZE') or 1)} process(es)", f"{precision} mixed precision",
+    asked = ", ".join([f"{processes} process(es)", f"{precision} mixed precision",
                        *(["FSDP"] if fsdp else []), "use_cpu false"])
     return (f"the launcher asked for GPUs ({asked}: a GPU launch file such as launch/gpu-8.yaml) and this machine "
             f"has none; on the CPU launch with --config_file launch/cpu-2proc.yaml (or cpu-1proc.yaml), or set "
@@ -302,7 +306,7 @@ def processes_problem(processes: int) -> Optional[str]:
 def check_launch(processes: int) -> None:
     """Refuse a launch for GPUs on a machine without them (`gpu_launch_problem`) in one line; warn when fewer
     processes started than were asked for (`processes_problem`)."""
-    problem = gpu_launch_problem()
+    problem = gpu_launch_problem(processes)
     if problem:
         err = ConfigError(problem)
         err.everywhere = True

@@ -309,8 +309,10 @@ def describe_setup(cfg: TrainConfig, rt: Runtime, accelerator, workers: int) -> 
     log = say
     dist_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     precision, source = choose_precision(cfg.train.precision)
+    batch = (f"global batch {rt.global_batch}" if not cfg.data.naflex.seq_lens else
+             "NaFlex batches of varying pairs (below)")
     log(f"{accelerator.num_processes} process(es), {dist_type} on {accelerator.device.type}, "
-        f"{precision}; global batch {rt.global_batch}; {workers} data workers per process")
+        f"{precision}; {batch}; {workers} data workers per process")
     log(f"precision {precision} from {source}; {tf32_setting(cfg.train.tf32, accelerator.device)}")
     for mode, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED")):
         if os.environ.get(var, "").lower() in ("1", "true") and dist_type != mode:

@@ -116,6 +116,11 @@ def _args(demo, out, *extra):
 def test_naflex_demo_trains_evaluates_resumes_exactly_exports_and_reloads(demo, tmp_path, capsys):
     zeroshot = f"eval.zeroshot={demo['zeroshot_colour']}"
     assert main(_args(demo, tmp_path / "whole", "train.steps=4", zeroshot)) == 0
+    said = capsys.readouterr().out.splitlines()  # the start lines speak of NaFlex batches, never data.batch_size's
+    assert any("; NaFlex batches of varying pairs (below); " in ln for ln in said), said
+    assert not any("global batch" in ln for ln in said), said
+    assert "mmcl: train.steps=4: 4 steps of NaFlex batches (each one's pairs set by data.naflex.max_tokens_per_batch)" \
+        in said
     assert main(_args(demo, tmp_path / "parts", "train.steps=2", zeroshot)) == 0
     assert main(_args(demo, tmp_path / "parts", "train.steps=4", zeroshot)) == 0  # resumed from step 2
     whole, parts = final_weights(tmp_path / "whole"), final_weights(tmp_path / "parts")

@@ -20,7 +20,8 @@ SETTINGS = ("train.save_every=0",)
 
 # ------------------------------------------------------------------------------------------ step lines
 STEP_LINE = re.compile(r"mmcl: step (\d+)/(\d+) \((\d+)%\) \| samples (\d+) \| loss (\S+) \(clip (\S+)\) \| "
-                       r"lr (\S+) \| logit scale (\S+) \| (\S+) samples/s \| data wait (\d+)%")
+                       r"lr (\S+) \| logit scale (\S+) \| (\S+) samples/s \| data wait (\d+)% \| "
+                       r"skipped (\d+) samples, (\d+) shards")
 
 
 def _parsed(lines):
@@ -31,7 +32,8 @@ def _parsed(lines):
         step, total, pct, samples = map(int, m.groups()[:4])
         loss, clip, lr, scale, sps = map(float, m.groups()[4:9])
         out.append({"step": step, "total": total, "pct": pct, "samples": samples, "loss": loss, "loss/clip": clip,
-                    "lr": lr, "logit_scale": scale, "samples_per_s": sps, "data_time_frac": int(m.group(10)) / 100})
+                    "lr": lr, "logit_scale": scale, "samples_per_s": sps, "data_time_frac": int(m.group(10)) / 100,
+                    "data/skipped_samples": int(m.group(11)), "data/skipped_shards": int(m.group(12))})
     return out
 
 
@@ -43,6 +45,8 @@ def _matches_metrics(parsed, rows):
             assert p[key] == pytest.approx(r[key], abs=tol), key
         assert p["lr"] == pytest.approx(r["lr"], rel=1e-3)
         assert p["data_time_frac"] == pytest.approx(r["data_time_frac"], abs=0.006)
+        assert (p["data/skipped_samples"], p["data/skipped_shards"]) == (r["data/skipped_samples"],
+                                                                         r["data/skipped_shards"])
 
 
 def test_without_the_bar_each_logged_step_is_one_line_on_the_console_and_in_out_log(small_demo, tmp_path, capsys):

@@ -79,11 +79,10 @@ LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 
 def _launcher_env(launch_file):
     """The variables accelerate's launcher sets in the training processes for `launch_file` (accelerate 1.x:
-    ACCELERATE_USE_CPU, ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_FSDP, WORLD_SIZE)."""
+    ACCELERATE_USE_CPU, ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_FSDP)."""
     cfg = yaml.safe_load(launch_file.read_text())
     env = {"ACCELERATE_USE_CPU": str(bool(cfg.get("use_cpu", False))),
-           "ACCELERATE_MIXED_PRECISION": str(cfg.get("mixed_precision", "no")),
-           "WORLD_SIZE": str(cfg.get("num_processes", 1))}
+           "ACCELERATE_MIXED_PRECISION": str(cfg.get("mixed_precision", "no"))}
     if cfg.get("distributed_type") == "FSDP":
         env["ACCELERATE_USE_FSDP"] = "true"
     return env
@@ -93,7 +92,7 @@ def _launcher_env(launch_file):
 def test_every_launch_file_for_gpus_is_refused_on_a_machine_without_one(name):
     cfg = yaml.safe_load((LAUNCH / name).read_text())
     env = _launcher_env(LAUNCH / name)
-    problem = gpu_launch_problem(env, device=False)
+    problem = gpu_launch_problem(cfg["num_processes"], env, device=False)
     if cfg.get("use_cpu"):
         assert problem is None
         return
@@ -102,7 +101,7 @@ def test_every_launch_file_for_gpus_is_refused_on_a_machine_without_one(name):
                        f"launch file such as launch/gpu-8.yaml) and this machine has none; on the CPU launch with "
                        f"--config_file launch/cpu-2proc.yaml (or cpu-1proc.yaml), or set use_cpu: true in your "
                        f"launch file")
-    assert gpu_launch_problem(env, device=True) is None  # the same file on a GPU machine
+    assert gpu_launch_problem(cfg["num_processes"], env, device=True) is None  # the same file on a GPU machine
 
 
 def test_a_gpu_launch_on_the_cpu_is_one_error_line_before_anything_is_built(tmp_path, monkeypatch, capsys):
@@ -136,3 +135,13 @@ def test_mmcl_launch_without_dash_m_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["mmcl: error: mmcl launch: the training script mmcl is not a file (to run mmcl, put -m before it: "
                    "... -m mmcl train --config ...)"]
+
+
+def test_a_naflex_run_says_its_batches_come_from_the_token_budget_not_data_batch_size():
+    """NaFlex batches hold max_tokens_per_batch // L pairs: the start lines do not speak of data.batch_size's."""
+    cfg = load_config(str(LAUNCH.parent / "configs" / "naflex.yaml"), ["train.steps=4", "data.batch_size=64"])
+    rt = Runtime.plan(cfg, 1)
+    assert rt.total_steps == 4
+    assert rt.length_line == ("train.steps=4: 4 steps of NaFlex batches (each one's pairs set by "
+                              "data.naflex.max_tokens_per_batch)")
+    assert "64" not in rt.length_line
