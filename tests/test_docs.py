@@ -8,6 +8,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,3 +154,62 @@ def test_facts_that_drift_have_one_home_or_none():
     for page in [README, *sorted(DOCS.rglob("*.md"))]:
         counted = re.findall(r"\b\d{1,3}(?:,\d{3})+ tests\b|\b\d{3,} tests\b", page.read_text())
         assert counted == [], (page.name, counted)
+
+
+# The pages whose commands a reader runs one after another, in the order the site gives them.
+PAGES_IN_ORDER = ["docs/getting-started.md", "docs/training.md", "docs/evaluation.md", "docs/migration.md"]
+# Appended where a page says settings may be appended: a short run of a small model on the small demo.
+TINY = {"demo-data": ["--n-train", "256"],
+        "train": ["train.steps=2", "data.batch_size=16", "data.workers=0", "train.plot=false",
+                  "train.progress=false", "model.vision_cfg={layers: 1, width: 32, head_width: 16}",
+                  "model.text_cfg={layers: 1, width: 32, heads: 2}", "model.embed_dim=16"]}
+# Commands that need what the page says to make or fetch first, beyond this walk: the prefix, and what they need.
+NEEDS = {"train --config configs/distill.yaml": "a teacher (runs/lit-minilm: LiT on a downloaded MiniLM)",
+         "train --config configs/lora.yaml": "published weights (laion2b_s34b_b79k) and your shards",
+         "export --model runs/lora-b32": "the LoRA run above"}
+# The shards a page names as yours (its example's own data): the demo's stand in, as a reader's own would, and an
+# epoch of them is made small (the run's length is its epochs there).
+YOURS = {"shards/{00000..00099}.tar": ["data.train=runs/demo-data/train/shard-*.tar", "train.epochs=1",
+                                      "data.train_num_samples=32"]}
+
+
+def _walk(pages):
+    """(page, argv) of every runnable mmcl command of `pages`, in order (synopses and placeholders left out)."""
+    for name in pages:
+        for block in re.findall(r"^```(?:bash|sh|console)?\n(.*?)^```", (ROOT / name).read_text(), re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                argv = _mmcl_argv(line)
+                if argv and not any(_placeholder(a) for a in argv):
+                    yield name, argv
+
+
+@pytest.mark.slow
+def test_the_docs_commands_run_in_page_order_from_a_fresh_folder(tmp_path, monkeypatch, capsys):
+    """Getting started, then Training, Evaluation and the migration page, command after command in one fresh
+    folder: each example writes its own run folder, so none is refused for holding another's run."""
+    from mmcl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["init", "."]) == 0
+    ran, folders = [], {}
+    for page, argv in _walk(PAGES_IN_ORDER):
+        shown = " ".join(argv)
+        if any(shown.startswith(prefix) for prefix in NEEDS):
+            continue
+        if argv[0] == "train" and argv[argv.index("--config") + 1] == "config.yaml":
+            argv = [*argv, *(o for k in YOURS if k in Path("config.yaml").read_text() for o in YOURS[k])]
+        code = main([*argv, *TINY.get(argv[0], [])])
+        said = capsys.readouterr()
+        assert code == 0, (page, shown, said.err[-2000:])
+        assert "holds another run" not in said.err
+        ran.append(argv[0])
+        if argv[0] == "train":
+            out = re.search(r"^mmcl: (\S+): a new run$", said.out, re.M)
+            assert out, (page, shown, said.out[:2000])  # a new folder each time, never another example's
+            assert out.group(1) not in folders, (shown, folders)
+            folders[out.group(1)] = page
+    assert ran.count("train") == 6 and {"zeroshot", "retrieval", "linear-probe", "export", "plot",
+                                        "from-open-clip"} <= set(ran), ran
+    assert sorted(folders) == ["runs/clipa", "runs/from-open-clip", "runs/global-contrastive", "runs/tiny",
+                               "runs/tiny-2proc", "runs/tiny-evals"]
