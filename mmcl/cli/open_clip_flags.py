@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from ..config import OptimConfig, load_config, parse_overrides
 from ..data.sources import TABLE_EXTS
 from ..errors import ConfigError, MmclError
+from ..training.plan import run_length
 from .open_clip_flag_table import DEFAULTS, FLAGS, NAFLEX_DEFAULTS, Flag
 
 __all__ = ["DEFAULTS", "FLAGS", "Flag", "explain", "in_context", "is_command", "is_table", "overrides_for", "parse",
@@ -238,10 +239,8 @@ def with_defaults(given: List[Tuple[str, object]]) -> List[Tuple[str, object]]:
 def _check_warmup(cfg, given: bool) -> None:
     """Refuse a warm-up longer than the whole run on one process (where the run's length is known: on more
     processes it is shorter still): open_clip_train would train it all in warm-up, its rate never at its peak."""
-    from .runtime import run_length
-
     try:
-        steps, _ = run_length(cfg, 1)
+        steps, _ = run_length(cfg.data, cfg.train, 1)
     except MmclError:  # the data's size is not known here: the run's start line says it then
         return
     if cfg.optim.warmup_steps <= steps:

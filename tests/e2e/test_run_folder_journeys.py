@@ -99,7 +99,7 @@ def test_a_run_that_failed_before_step_1_is_taken_over_by_the_corrected_command(
 
 def test_an_attempt_that_never_trained_leaves_no_skip_log_to_the_next(tmp_path):
     from mmcl.config import to_yaml
-    from mmcl.training.runfolder import clear_stale_skips, decide, write_record
+    from mmcl.run.folder import clear_stale_skips, decide, write_record
 
     cfg = load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8"])
     write_record(tmp_path, 1, 8)
@@ -107,19 +107,19 @@ def test_an_attempt_that_never_trained_leaves_no_skip_log_to_the_next(tmp_path):
     (tmp_path / "skipped.jsonl").write_text('{"reason": "missing_caption"}\n' * 99)
     for other, action in ((load_config(None, [f"train.output_dir={tmp_path}", "data.batch_size=8",
                                               "data.caption_key=caption"]), "start"), (cfg, "resume")):
-        decision = decide(other, 1, 10)
+        decision = decide(to_dict(other), 1, 10)
         assert (decision.action, decision.stale_skips) == (action, True)
         assert decision.line.endswith("; its skipped.jsonl (99 records of that attempt) is cleared"), decision.line
     keep = tmp_path.parent / f"{tmp_path.name}-link"
     os.link(tmp_path / "skipped.jsonl", keep)  # a link of the user's elsewhere keeps the file
     clear_stale_skips(tmp_path)
     assert not (tmp_path / "skipped.jsonl").exists() and len(keep.read_text().splitlines()) == 99
-    assert decide(cfg, 1, 10).stale_skips is False
+    assert decide(to_dict(cfg), 1, 10).stale_skips is False
 
 
 def test_a_finished_run_names_the_key_that_sets_its_length(tmp_path):
     from mmcl.config import to_yaml
-    from mmcl.training.runfolder import decide, write_record
+    from mmcl.run.folder import decide, write_record
 
     for length, key in ((["train.epochs=2", "data.train_num_samples=80"], "train.epochs"),
                         (["train.samples=80"], "train.samples"), (["train.steps=10"], "train.steps")):
@@ -129,7 +129,7 @@ def test_a_finished_run_names_the_key_that_sets_its_length(tmp_path):
         write_record(out, 1, 8)
         (out / "config.yaml").write_text(to_yaml(cfg))
         (out / "model" / "open_clip_config.json").write_text(json.dumps({"mmcl": {"steps": 10}}))
-        decision = decide(cfg, 1, 10)
+        decision = decide(to_dict(cfg), 1, 10)
         assert decision.action == "finished" and f"raise {key} to train on" in decision.line, decision.line
 
 

@@ -140,7 +140,7 @@ def test_mmcl_launch_without_dash_m_is_one_line(capsys):
 def test_a_naflex_run_says_its_batches_come_from_the_token_budget_not_data_batch_size():
     """NaFlex batches hold max_tokens_per_batch // L pairs: the start lines do not speak of data.batch_size's."""
     cfg = load_config(str(LAUNCH.parent / "configs" / "naflex.yaml"), ["train.steps=4", "data.batch_size=64"])
-    rt = Runtime.plan(cfg, 1)
+    rt = Runtime.plan(cfg.data, cfg.train, 1)
     assert rt.total_steps == 4
     assert rt.length_line == ("train.steps=4: 4 steps of NaFlex batches (each one's pairs set by "
                               "data.naflex.max_tokens_per_batch)")

@@ -279,7 +279,7 @@ def test_a_table_given_as_data_train_is_recognised_first_whatever_the_length_key
     if "train.epochs=2" in length and len(length) == 1:
         with pytest.raises(DataError, match=r"train.csv is a table, not WebDataset shards: make shards of it with "
                                             r"`mmcl shards --input train.csv --out DIR`"):
-            run_length(cfg, 1)
+            run_length(cfg.data, cfg.train, 1)
     code = main(["train", "--config", str(CONFIGS / "tiny.yaml"), "data.train=train.csv", *length,
                  "train.output_dir=run"])
     err = capsys.readouterr().err.strip().splitlines()
