@@ -239,6 +239,8 @@ def with_defaults(given: List[Tuple[str, object]]) -> List[Tuple[str, object]]:
 def _check_warmup(cfg, given: bool) -> None:
     """Refuse a warm-up longer than the whole run on one process (where the run's length is known: on more
     processes it is shorter still): open_clip_train would train it all in warm-up, its rate never at its peak."""
+    if cfg.train.epochs is None:  # no --epochs (a NaFlex run counts steps): the length is the run's to give
+        return
     try:
         steps, _ = run_length(cfg.data, cfg.train, 1)
     except MmclError:  # the data's size is not known here: the run's start line says it then
