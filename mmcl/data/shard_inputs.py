@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
+from ..config import say
 from ..errors import DataError
 from .eval_data import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
 from .limits import load_json
@@ -404,7 +405,7 @@ def _table_items(table: str, sep: Optional[str], image_col: Optional[str],
         yield SourceImage(path, text.strip(), where, label=label, meta=meta, named=path, tried=tried or "")
     line = paths.line()
     if line:
-        print(line, flush=True)
+        say(line)
 
 
 def input_items(input_path: str, caption_template: str, sep: Optional[str], image_col: Optional[str],

@@ -22,6 +22,7 @@ from accelerate.commands.launch import launch_command, launch_command_parser
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from ..config import say
 from ..errors import ConfigError
 
 # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"; the code a requeueing script checks. Ctrl-C keeps the
@@ -80,8 +81,8 @@ def _launch_args(args):
                           f"{torch.cuda.device_count()} GPU(s), and accelerate starts one process per GPU")
         return args
     args.multi_gpu, args.cpu, args.use_cpu = True, False, True  # torchrun's launcher, each process on the CPU (gloo)
-    print(f"mmcl: launching {asked} CPU processes (--num_processes {asked} without a launch file; accelerate alone "
-          f"would start 1 on a machine without GPUs)", flush=True)
+    say(f"launching {asked} CPU processes (--num_processes {asked} without a launch file; accelerate alone would "
+        f"start 1 on a machine without GPUs)")
     return args
 
 

@@ -132,8 +132,8 @@ def test_table_paths_are_read_as_open_clip_reads_them_and_the_rule_is_said(tmp_p
     monkeypatch.chdir(tmp_path)
     assert main(["shards", "--input", "mydata/train.csv", "--out", "shards"]) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("image paths of")]
-    assert lines == [f"image paths of mydata/train.csv: 3 relative to the current directory {tmp_path}, as "
+    lines = [line for line in out.splitlines() if line.startswith("mmcl: image paths of")]
+    assert lines == [f"mmcl: image paths of mydata/train.csv: 3 relative to the current directory {tmp_path}, as "
                      f"open_clip reads them; 1 relative to the table's folder {tmp_path / 'mydata'} (the only place "
                      f"they exist; open_clip would not find them: run from that folder or give paths from here); "
                      f"1 found in neither (missing_file)"], out

@@ -54,11 +54,11 @@ def test_an_open_clip_csv_to_a_zero_shot_score_says_what_it_did(tmp_path, monkey
     # mmcl shards reads the CSV as open_clip does: paths against the current directory, the rule said once
     assert main(["shards", "--input", "mydata/train.csv", "--out", "shards"]) == 0
     said = capsys.readouterr().out.splitlines()
-    assert f"image paths of mydata/train.csv: 47 relative to the current directory {tmp_path}, as open_clip reads " \
-           f"them; 1 found in neither (missing_file)" in said, said
-    wrote = next(ln for ln in said if ln.startswith("wrote "))
-    assert wrote.startswith("wrote 45 samples in 1 shards to shards; skipped 3 (decode=2, missing_file=1; each in "
-                            "shards/skipped.jsonl; first: train.csv:47: decode (mydata/images/notes.png: "), wrote
+    assert (f"mmcl: image paths of mydata/train.csv: 47 relative to the current directory {tmp_path}, as open_clip "
+            f"reads them; 1 found in neither (missing_file)") in said, said
+    wrote = next(ln for ln in said if ln.startswith("mmcl: wrote "))
+    assert wrote.startswith("mmcl: wrote 45 samples in 1 shards to shards; skipped 3 (decode=2, missing_file=1; each "
+                            "in shards/skipped.jsonl; first: train.csv:47: decode (mydata/images/notes.png: "), wrote
     records = [json.loads(ln) for ln in (tmp_path / "shards" / "skipped.jsonl").read_text().splitlines()]
     assert [(r["reason"], r["member"]) for r in records] == [("decode", "train.csv:47"), ("decode", "train.csv:48"),
                                                              ("missing_file", "train.csv:49")]
