@@ -10,10 +10,11 @@ from mmcl.run import console
 
 def test_step_line_reads_the_record_in_open_clips_order():
     record = {"step": 25, "samples": 3200, "loss": 1.234567, "loss/clip": 1.0, "loss/distill": 0.234567,
-              "lr": 0.000512, "logit_scale": 14.28571, "samples_per_s": 812.345, "data_time_frac": 0.125}
+              "lr": 0.000512, "logit_scale": 14.28571, "samples_per_s": 812.345, "data_time_frac": 0.125,
+              "data/skipped_samples": 7, "data/skipped_shards": 1}
     assert console.step_line(record, 100) == (
         "step 25/100 (25%) | samples 3200 | loss 1.2346 (clip 1.0000, distill 0.2346) | lr 5.120e-04 | "
-        "logit scale 14.286 | 812.3 samples/s | data wait 12%")
+        "logit scale 14.286 | 812.3 samples/s | data wait 12% | skipped 7 samples, 1 shards")
     del record["loss/clip"], record["loss/distill"]
     assert " | loss 1.2346 | lr" in console.step_line(record, 100)
 
