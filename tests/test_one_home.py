@@ -15,9 +15,10 @@ REPO = PACKAGE.parent
 # A file name -> the one module that spells it.
 FILE_HOMES = {"config.yaml": "storage/layout.py", "metrics.jsonl": "storage/layout.py", "out.log": "storage/layout.py",
               "eval_results.json": "storage/layout.py", "param_groups.json": "storage/layout.py",
-              "skipped.jsonl": "data/skips.py"}
+              "skipped.jsonl": "storage/layout.py", ".lock": "storage/layout.py",
+              "mmcl-manifest.json": "storage/layout.py"}
 # Folder names that are also common words (a dict key "model"): caught where a path is built with them.
-DIR_HOMES = {"model": "storage/layout.py", "wise_ft": "storage/layout.py", "checkpoints": "storage/checkpoints.py"}
+DIR_HOMES = {"model": "storage/layout.py", "wise_ft": "storage/layout.py", "checkpoints": "storage/layout.py"}
 # open_clip_train's own run folder has a checkpoints/ too: its name is open_clip's, not mmcl's.
 DIR_ELSEWHERE = {("storage/weights.py", "checkpoints")}
 LAUNCH_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
