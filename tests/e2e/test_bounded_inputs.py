@@ -5,7 +5,12 @@ are bad samples, lists that expand (braces, YAML aliases, globs) are refused pas
 sizes.json, table or templates file, or a control character in a name, gives one escaped ``mmcl: error:`` line.
 """
 
+import io
 import json
+import os
+import subprocess
+import sys
+import tarfile
 import time
 import warnings
 from pathlib import Path
@@ -230,6 +235,9 @@ NASTY = "k\x1b[31mred\r\x07\nx\u202e\x9b"
 
 def test_printable_escapes_control_characters_and_keeps_the_rest():
     assert printable(NASTY) == "k\\x1b[31mred\\r\\x07\\nx\\u202e\\x9b"
+    undecodable = os.fsdecode(b"shard-\xff\xfe.tar")  # as Python names a file that is not UTF-8
+    assert printable(undecodable) == "shard-\\udcff\\udcfe.tar"
+    printable(undecodable).encode("utf-8")  # every stream can write it
     assert printable("émigré 日本 🌸 a/b.tar") == "émigré 日本 🌸 a/b.tar"
 
 
@@ -269,3 +277,82 @@ def test_a_config_file_that_expands_or_nests_without_end_is_one_line(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mmcl: error: {path}: ") and says in err and "\n" not in err, err
     assert time.perf_counter() - start < 10
+
+
+
+# ----------------------------------------------------------------------------- names that are not UTF-8
+BAD_KEY = os.fsdecode(b"k\xff\xfe") + "\x1b[31m\r"  # a tar member's key: undecodable bytes and controls
+
+
+def _bad_name_shards(small_demo, folder: Path) -> Path:
+    """The demo's two training shards in `folder`, one under a file name that is not UTF-8, the other with two
+    samples under a key that is not UTF-8 (one of them with a damaged image: skipped, so named at the end)."""
+    folder.mkdir()
+    first, second = sorted(Path(small_demo["train"].split("{")[0]).parent.glob("shard-*.tar"))
+    (folder / os.fsdecode(b"shard-\xff\xfe.tar")).write_bytes(first.read_bytes())
+    with tarfile.open(second) as src, tarfile.open(folder / "shard-000001.tar", "w", format=tarfile.GNU_FORMAT,
+                                                   encoding="utf-8", errors="surrogateescape") as out:
+        members = src.getmembers()
+        renamed = sorted({m.name.split(".")[0] for m in members})[:2]
+        for m in members:
+            body = src.extractfile(m).read()
+            stem, ext = m.name.split(".", 1)
+            if stem in renamed:
+                m.name = f"{BAD_KEY}{renamed.index(stem)}.{ext}"
+                if renamed.index(stem) == 1 and ext in ("jpg", "png"):
+                    body = b"not an image"
+                    m.size = len(body)
+            out.addfile(m, io.BytesIO(body))
+    return folder
+
+
+@pytest.mark.slow
+def test_a_run_on_names_that_are_not_utf8_ends_and_shows_them_escaped(small_demo, tmp_path):
+    """Training on a shard whose file name is not UTF-8 and on samples whose keys are not: every step runs, the
+    skipped sample is named escaped in the end-of-run summary, out.log holds the same escaped lines, rc 0."""
+    from helpers import short_run
+
+    shards = _bad_name_shards(small_demo, tmp_path / "shards")
+    run = tmp_path / "run"
+    args = short_run(small_demo, run, f"data.train={shards}", "train.steps=8", "train.save_every=0")
+    done = subprocess.run([sys.executable, "-m", "mmcl", *args], capture_output=True, timeout=300,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    out, err = done.stdout.decode("utf-8"), done.stderr.decode("utf-8")  # strict: only valid UTF-8 was written
+    assert done.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "shard-\\udcff\\udcfe.tar" in out
+    assert "k\\udcff\\udcfe\\x1b[31m\\r1" in out and "skipped: 1 samples" in out, out
+    assert not any(c in out + err for c in "\x1b\r")
+    log = (run / "out.log").read_bytes().decode("utf-8")
+    assert "k\\udcff\\udcfe\\x1b[31m\\r1" in log and "run finished" in log
+
+
+@pytest.mark.slow
+def test_search_shows_keys_captions_and_urls_from_an_index_escaped(tmp_path, capsys):
+    """An index whose keys, captions and source URLs hold control characters and bytes that are not UTF-8:
+    `mmcl search` prints each escaped, and --json is valid JSON of the same strings."""
+    import webdataset as wds
+    from PIL import Image
+
+    from mmcl import models
+    from mmcl.storage import weights
+
+    cfg = json.loads((models.CONFIG_DIR / "tiny.json").read_text())
+    cfg["vision_cfg"].update(layers=1, image_size=32)
+    cfg["text_cfg"].update(layers=1)
+    torch.manual_seed(0)
+    model_dir = weights.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg), tmp_path / "model")
+    shard = tmp_path / "shard-000000.tar"
+    with wds.TarWriter(str(shard)) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"{BAD_KEY}{i}", "png": Image.new("RGB", (32, 32), (80 * i, 20, 40)),
+                        "txt": f"caption {i}\x1b]0;title\x07", "json": {"url": f"http://host/{i}\x1b[2J\u202e.jpg"}})
+    assert main(["index", "--model", str(model_dir), "--data", str(shard), "--out", str(tmp_path / "index")]) == 0
+    capsys.readouterr()
+    assert main(["search", "--index", str(tmp_path / "index"), "caption", "-k", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert len(shown.splitlines()) == 3 and not any(c in shown for c in "\x1b\r\x07\u202e"), repr(shown)
+    assert "k\\udcff\\udcfe\\x1b[31m\\r0" in shown and "\\x1b[2J\\u202e.jpg" in shown
+    shown.encode("utf-8")
+    assert main(["search", "--index", str(tmp_path / "index"), "caption", "-k", "3", "--json"]) == 0
+    hits = json.loads(capsys.readouterr().out.encode("utf-8"))
+    assert sorted(h["key"] for h in hits) == [f"{BAD_KEY}{i}" for i in range(3)]

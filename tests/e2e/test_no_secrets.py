@@ -180,8 +180,8 @@ def test_from_open_clip_writes_no_interpolation(tmp_path, capsys, monkeypatch):
 
 
 def test_a_run_folders_config_yaml_is_never_interpolated(small_demo, tmp_path, capsys, monkeypatch):
-    """config.yaml read back: as a --config, and it
-    is one line naming the key; an export of a step (its architecture recorded beside it) and a resume that compares it with the new config prints and writes no secret."""
+    """A run's config.yaml read back as a --config is one line naming the key; an export of a step (its
+    architecture recorded beside it) and a resume that compares it with the new config print and write no secret."""
     from mmcl.cli import main
 
     from helpers import short_run
