@@ -25,6 +25,8 @@ from ..errors import DataError
 MAX_TEXT_CHARS = 4096
 MAX_WORD_CHARS = 320
 MAX_LIST_ENTRIES = 1_000_000
+MAX_TEXT_FILE_BYTES = 1 << 20  # a caption or metadata file `mmcl shards` reads (KEY.txt, KEY.json), by its size
+MAX_EMBED_DIM = 65_536  # an index's vector length (index.faiss's header), checked before faiss allocates
 
 _LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD_CHARS + 1))
 

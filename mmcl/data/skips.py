@@ -20,6 +20,7 @@ member or file at fault, where one is) and ``detail``. The reasons, a fixed voca
     duplicate_key       `mmcl shards`: a second image with the key of another in a caption folder
     bad_json            `mmcl shards`: a ``KEY.json`` that is not a JSON object
     bad_row             `mmcl shards`: a table row that cannot be parsed
+    outside_link        `mmcl shards`: a symbolic link in the input folder that leads out of it (never followed)
     left_out            not a skip: the file reached `MAX_BYTES`; ``count`` records were left out, ``reasons``
                         counts them by reason (one such line per writing process)
 
@@ -40,7 +41,8 @@ from .decode import IMAGE_EXTS, SKIP_REASONS
 from .sources import redact
 
 MAX_BYTES = 4 << 20  # about 20,000 records
-REASONS = SKIP_REASONS + ("missing_file", "not_image", "duplicate_key", "bad_json", "bad_row", "left_out")
+REASONS = SKIP_REASONS + ("missing_file", "not_image", "duplicate_key", "bad_json", "bad_row", "outside_link",
+                          "left_out")
 _IMAGE_REASONS = ("decode", "too_large", "unsupported_mode")
 
 

@@ -25,6 +25,7 @@ from .. import data as data_mod
 from ..config import say
 from ..data.eval_data import names_for_folders
 from ..errors import DataError, MmclError
+from ..storage.fsutil import os_error_text, read_regular_text
 
 # open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.
 TEMPLATE_SETS = {"openai_imagenet_template": "OPENAI_IMAGENET_TEMPLATES",
@@ -58,7 +59,7 @@ def load_templates(templates) -> List:
     elif set_name in TEMPLATE_SETS:
         out = list(getattr(open_clip, TEMPLATE_SETS[set_name]))
     elif isinstance(templates, str) and os.path.isfile(templates):
-        out = [ln.strip().replace("{c}", "{}") for ln in Path(templates).read_text().splitlines() if ln.strip()]
+        out = [ln.strip().replace("{c}", "{}") for ln in read_regular_text(templates).splitlines() if ln.strip()]
     elif isinstance(templates, str) and _one_template(templates):
         out = [templates.strip().replace("{c}", "{}")]
     else:
@@ -100,7 +101,11 @@ def load_classnames(path: str) -> List[str]:
     """Class names, one per line, in label order."""
     if not os.path.isfile(path):
         raise DataError(f"classnames file not found: {path}")
-    names = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
+    try:
+        text = read_regular_text(path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"cannot read the classnames file {path}: {os_error_text(err)}") from None
+    names = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not names:
         raise DataError(f"classnames file {path} is empty (expected one class name per line)")
     return names

@@ -18,14 +18,14 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from PIL import Image
 from tqdm import tqdm
 
-from ..config import say
+from ..config import DataConfig, say
 from ..data.decode import IMAGE_EXTS, SkipSample, decode_image
 from ..data.shard_inputs import SkippedItem, SourceImage, input_items
 from ..data.sizes import SIZES_FILE
 from ..data.skips import SkipLog, counts_text
 from ..data.skips import record as skip_record
 from ..errors import DataError
-from ..storage.fsutil import new_file
+from ..storage.fsutil import FileTooLarge, NotRegularFile, new_file, os_error_text, read_regular_bytes
 from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
 
@@ -216,8 +216,14 @@ def _load_for_shard(path: str) -> Tuple[bytes, str]:
     it is read); other formats are written as the RGB image `to_rgb` makes of them. Raises `SkipSample` (reasons
     ``decode``, ``too_large``, ``unsupported_mode``) for a file that would be skipped when read.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    try:  # bounded by its size before a byte is read; a FIFO or device is never waited on
+        data = read_regular_bytes(path, DataConfig.max_member_bytes)
+    except FileTooLarge as err:
+        raise SkipSample("too_large", err.strerror) from None
+    except NotRegularFile as err:
+        raise SkipSample("missing_file", err.strerror) from None
+    except OSError as err:
+        raise SkipSample("decode", os_error_text(err)) from None
     img = decode_image(data, Image.MAX_IMAGE_PIXELS * 2)  # a full decode: catches cut-off files too
     fmt = Image.open(io.BytesIO(data)).format
     if fmt in _PIL_TO_EXT:

@@ -48,7 +48,7 @@ from ..models.towers import (
     resolve_model_config,
 )
 from . import checkpoints, hf_clip
-from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir
+from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir, read_regular_text
 from .layout import RunLayout
 from .locate import (
     CONFIG_FILE,
@@ -132,7 +132,7 @@ def previous_files(out_dir: Path, listing_file: str, default: Callable[[str], bo
     ``mmcl`` section or top level), else the top-level files whose name `default` accepts."""
     listing = out_dir / listing_file
     try:
-        meta = json.loads(listing.read_text(encoding="utf-8"))
+        meta = json.loads(read_regular_text(listing))
         files = (meta.get("mmcl") or {}).get("files") or meta.get("files")
         if isinstance(files, list) and all(isinstance(f, str) for f in files):
             return list(files) + [listing_file]
