@@ -37,6 +37,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ..storage.fsutil import open_inside
 from .decode import IMAGE_EXTS, SKIP_REASONS
 from .sources import redact
 
@@ -78,8 +79,8 @@ class SkipLog:
     def write(self, rec: Dict[str, Any]) -> None:
         """Append one `record`, or count it as left out once the file holds `max_bytes`."""
         if self.fd is None:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
-            self.fd = os.open(self.path, flags | (os.O_TRUNC if self.fresh else 0), 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if self.fresh else 0)
+            self.fd = open_inside(self.path.parent, self.path.name, flags)  # no link followed, none written through
         if os.fstat(self.fd).st_size >= self.max_bytes:
             self.left_out[rec["reason"]] = self.left_out.get(rec["reason"], 0) + 1
         else:
