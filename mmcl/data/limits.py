@@ -26,6 +26,8 @@ MAX_TEXT_CHARS = 4096
 MAX_WORD_CHARS = 320
 MAX_LIST_ENTRIES = 1_000_000
 MAX_TEXT_FILE_BYTES = 1 << 20  # a caption or metadata file `mmcl shards` reads (KEY.txt, KEY.json), by its size
+MAX_TEMPLATES = 1_000  # zero-shot templates of a set (open_clip's largest has 80), checked before any is encoded
+MAX_TEXTS_AT_ONCE = 1_024  # texts encoded in one forward pass when building a zero-shot classifier
 MAX_EMBED_DIM = 65_536  # an index's vector length (index.faiss's header), checked before faiss allocates
 
 _LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD_CHARS + 1))

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from .. import data as data_mod
 from ..config import say
 from ..data.eval_data import names_for_folders
+from ..data.limits import MAX_TEMPLATES, MAX_TEXTS_AT_ONCE
 from ..errors import DataError, MmclError
 from ..storage.fsutil import os_error_text, read_regular_text
 
@@ -67,6 +68,10 @@ def load_templates(templates) -> List:
                         f"class name, or one of {', '.join(TEMPLATE_SETS)})")
     if not out:
         raise DataError(f"no templates in {templates} (expected at least one line such as 'a photo of a {{}}.')")
+    if len(out) > MAX_TEMPLATES:
+        where = templates if isinstance(templates, str) else "the list given"
+        raise DataError(f"templates {where}: {len(out):,} templates, more than the {MAX_TEMPLATES:,} a zero-shot "
+                        f"classifier takes (open_clip's sets have up to 80)")
     bad = [t for t in out if isinstance(t, str) and not _is_template(t)]
     if bad:
         where = templates if isinstance(templates, str) else "the data's templates file"
@@ -402,8 +407,7 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     # open_clip's classifier, 10 class names at a time under a bar of our own (its bar has no label); each class's
     # column depends on its own name only, so the columns are those of one call.
     chunks = [names[i:i + 10] for i in range(0, len(names), 10)]
-    classifier = torch.cat([open_clip.build_zero_shot_classifier(model, tokenizer, chunk, template_list,
-                                                                 num_classes_per_batch=None, device=device)
+    classifier = torch.cat([zero_shot_classifier(model, tokenizer, chunk, template_list, device)
                             for chunk in _progress(chunks, progress, "class names", total=len(chunks))], dim=1)
     feats, labels, _, _, skips = encode_images(model, loader, device, progress, "zeroshot", data)
     _check_labels(labels, len(names), data, "zero-shot classification")
@@ -411,6 +415,22 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     return {"dataset": dataset_name(data), "model": model_name, "task": "zeroshot_classification",
             "metrics": classification_metrics(logits, labels), "n_samples": int(labels.numel()),
             "n_classes": len(names), "classnames": names, "templates": template_texts(template_list), **skips}
+
+
+@torch.no_grad()
+def zero_shot_classifier(model, tokenizer, names: Sequence[str], templates: Sequence, device) -> torch.Tensor:
+    """(D, C) float32: open_clip's ``build_zero_shot_classifier`` (each class the normalised mean of its templates'
+    normalised text features), with the texts encoded `MAX_TEXTS_AT_ONCE` at a time, so that memory follows that
+    bound, not the number of templates times class names."""
+    texts = [(c, t(name) if callable(t) else t.format(name)) for c, name in enumerate(names) for t in templates]
+    sums = None
+    for start in range(0, len(texts), MAX_TEXTS_AT_ONCE):
+        part = texts[start:start + MAX_TEXTS_AT_ONCE]
+        feats = model.encode_text(tokenizer([text for _, text in part]).to(device), normalize=True).float()
+        sums = torch.zeros(len(names), feats.shape[1], device=feats.device) if sums is None else sums
+        sums.index_add_(0, torch.tensor([c for c, _ in part], device=feats.device), feats)
+    means = sums / len(templates)
+    return (means / means.norm(dim=1, keepdim=True)).T
 
 
 def template_texts(templates: Sequence) -> List[str]:

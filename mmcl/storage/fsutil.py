@@ -229,7 +229,9 @@ def read_regular_bytes(path, max_bytes: int) -> bytes:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise FileTooLarge(errno.EFBIG, f"{size:,} bytes, over the bound of {max_bytes:,}", str(path))
-        data = f.read(max_bytes + 1)
+        data = f.read(size + 1)  # (a buffer of the file's size: read(max_bytes) would allocate the bound)
+        if len(data) > size:  # it grew meanwhile
+            data += f.read(max_bytes + 1 - len(data))
     if len(data) > max_bytes:
         raise FileTooLarge(errno.EFBIG, f"over the bound of {max_bytes:,} bytes", str(path))
     return data
