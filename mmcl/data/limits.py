@@ -10,6 +10,10 @@
   any other text that is not JSON, which the callers count as a bad sample.
 * A list that expands (brace ranges, globs, shard lists whose YAML aliases repeat a list) is taken through
   `bounded`: more than `MAX_LIST_ENTRIES` entries is a `DataError`, found after reading that many entries.
+* What a file declares is checked before memory is spent on it: zero-shot templates (`MAX_TEMPLATES`, encoded
+  `MAX_TEXTS_AT_ONCE` at a time, `mmcl.evaluation.evaluate`), an index's vector length (`MAX_EMBED_DIM`, from
+  index.faiss's header, `mmcl.evaluation.index`), the caption and metadata files `mmcl shards` reads
+  (`MAX_TEXT_FILE_BYTES`, from their size, `mmcl.storage.fsutil.read_regular_bytes`).
 """
 
 from __future__ import annotations
