@@ -19,13 +19,14 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import threading
 from typing import Dict, Iterator, List, Optional
 
 from accelerate.commands.launch import launch_command, launch_command_parser
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from ..config import say
 
 # EX_TEMPFAIL (sysexits.h): "temporary failure, try again"; the code a requeueing script checks. Ctrl-C keeps the
 # shell's 128 + SIGINT, since a user who stopped a run by hand does not want it requeued.
@@ -100,9 +101,9 @@ class StopSignals:
     def _expire(self, token: object) -> None:
         if self._waiting is not token:  # the read returned: the loop stops at its step boundary
             return
-        print(f"mmcl: stopped ({self.received}) while waiting for data: the read in progress did not return within "
-              f"{self.data_grace_s:g} s of the signal, so no checkpoint was saved now (the last one saved is kept); "
-              f"re-run the same command to resume", file=sys.stderr, flush=True)
+        say(f"stopped ({self.received}) while waiting for data: the read in progress did not return within "
+            f"{self.data_grace_s:g} s of the signal, so no checkpoint was saved now (the last one saved is kept); "
+            f"re-run the same command to resume")
         for child in multiprocessing.active_children():  # the data workers, maybe blocked in the same read
             child.kill()
         os._exit(exit_code(self.received or "SIGTERM"))

@@ -457,6 +457,7 @@ def test_an_index_declaring_a_huge_vector_length_is_refused_before_faiss_reads_i
     (index / "index.faiss").write_bytes(bytes(body) + bytes(16_000))
     rc, _, err = mmcl_within(512 * _MiB, "search", "--index", index, "a red square")
     assert rc == 2 and err.strip().startswith("mmcl: error: ") and "index.faiss" in err and "\n" not in err.strip()
+    assert "vectors of length 1,073,741,824" in err  # refused from the header, not after faiss ran out of memory
 
 
 def _caption_folder(root: Path) -> Path:

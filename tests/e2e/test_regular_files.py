@@ -83,7 +83,7 @@ def _first_line_then_signal(proc, says: str, timeout: float = 120) -> float:
 def test_sigterm_ends_a_run_whose_data_read_never_returns(small_demo, tmp_path, workers):
     """A shard whose read never returns (a command that stalls, as a hung network mount does): SIGTERM still ends
     the run within its grace period, with the requeue code and one line saying why no checkpoint was saved."""
-    from mmcl.training.preempt import DATA_GRACE_S, REQUEUE_EXIT_CODE
+    from mmcl.run.signals import DATA_GRACE_S, REQUEUE_EXIT_CODE
 
     run = tmp_path / "run"
     args = short_run(small_demo, run, "data.train=pipe:sleep 3600", f"data.workers={workers}", "data.retries=0")
@@ -99,10 +99,10 @@ def test_sigterm_ends_a_run_whose_data_read_never_returns(small_demo, tmp_path, 
             proc.wait()
         else:
             os.killpg(proc.pid, signal.SIGKILL) if _group_alive(proc.pid) else None
-    err = proc.stderr.read()
+    out, err = proc.stdout.read(), proc.stderr.read()
     assert proc.returncode == REQUEUE_EXIT_CODE, err[-2000:]
     assert DATA_GRACE_S - 1 <= took <= DATA_GRACE_S + 15
-    assert "stopped (SIGTERM) while waiting for data" in err and "Traceback" not in err
+    assert "mmcl: stopped (SIGTERM) while waiting for data" in out and "Traceback" not in err
     assert "stopped (SIGTERM) while waiting for data" in (run / "out.log").read_text()
 
 
