@@ -20,8 +20,8 @@ from timm.data import ImageNetInfo
 
 from ..config import DataConfig, say
 from ..errors import DataError, MmclError
-from ..storage.fsutil import open_regular
 from .decode import SampleKeys, SkipSample, decode_image, needed_members, parse_sample, zero_skips
+from .limits import open_regular
 from .naflex import stack_patch_dicts
 from .reading import read_raw_samples
 from .sources import SHARD_SUFFIXES, expand_urls, has_scheme, redact

@@ -18,17 +18,17 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ..errors import DataError
-from ..storage.fsutil import (
+from .eval_data import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
+from .limits import (
+    MAX_TEXT_FILE_BYTES,
     FileTooLarge,
     NotRegularFile,
     inside_folder,
+    load_json,
     open_regular,
-    os_error_text,
     read_regular_bytes,
     require_regular,
 )
-from .eval_data import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
-from .limits import MAX_TEXT_FILE_BYTES, load_json
 from .sources import SHARD_SUFFIXES
 
 # img2dataset's bookkeeping beside its `files` output: NNNNN.parquet (the shard's metadata) and NNNNN_stats.json.
@@ -82,7 +82,7 @@ def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[s
     try:
         require_regular(path)  # a FIFO or device is one error line, never a wait
     except OSError as err:
-        raise DataError(f"cannot read the table {path}: {os_error_text(err)}") from None
+        raise DataError(f"cannot read the table {path}: {err.strerror or type(err).__name__}") from None
     lower = path.lower()
     if lower.endswith((".csv", ".tsv")):
         delimiter = _csv_separator(path, sep)

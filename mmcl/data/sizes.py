@@ -21,8 +21,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import DataError
-from ..storage.fsutil import open_regular
-from .limits import load_json
+from .limits import load_json, open_regular
 from .sources import SHARD_SUFFIXES, SIZES_FILE, expand_sources, has_scheme, redact, split_spec
 
 MAX_COUNT = 10 ** 12  # samples in one shard or folder: more is not a count but a damaged file

@@ -35,9 +35,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-from ..storage.fsutil import open_inside
 from .decode import IMAGE_EXTS, SKIP_REASONS
 from .sources import redact
 
@@ -66,10 +65,13 @@ def record(reason: str, source: str, key: Optional[str] = None, member: Optional
 
 class SkipLog:
     """A bounded ``skipped.jsonl`` at `path`, appended to (`fresh`: emptied first, for a command that rewrites its
-    folder). The file is created on the first record; a symbolic link there is refused, never followed."""
+    folder). The file is created on the first record by `open_fn` (folder, name, flags) -> fd: the commands pass
+    `mmcl.storage.fsutil.open_inside`, which follows no link and writes through no hard link; without it the file
+    is opened with ``O_NOFOLLOW`` alone."""
 
-    def __init__(self, path, fresh: bool = False, max_bytes: int = MAX_BYTES):
-        self.path, self.fresh, self.max_bytes = Path(path), fresh, max_bytes
+    def __init__(self, path, fresh: bool = False, max_bytes: int = MAX_BYTES,
+                 open_fn: Optional[Callable[[Path, str, int], int]] = None):
+        self.path, self.fresh, self.max_bytes, self.open_fn = Path(path), fresh, max_bytes, open_fn
         self.fd: Optional[int] = None
         self.left_out: Dict[str, int] = {}
 
@@ -80,7 +82,10 @@ class SkipLog:
         """Append one `record`, or count it as left out once the file holds `max_bytes`."""
         if self.fd is None:
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if self.fresh else 0)
-            self.fd = open_inside(self.path.parent, self.path.name, flags)  # no link followed, none written through
+            if self.open_fn is not None:
+                self.fd = self.open_fn(self.path.parent, self.path.name, flags)
+            else:
+                self.fd = os.open(self.path, flags | os.O_NOFOLLOW, 0o644)
         if os.fstat(self.fd).st_size >= self.max_bytes:
             self.left_out[rec["reason"]] = self.left_out.get(rec["reason"], 0) + 1
         else:

@@ -27,8 +27,7 @@ import yaml
 from webdataset import gopen
 
 from ..errors import DataError, redact, redact_values  # noqa: F401 (redact_values: for importers)
-from ..storage.fsutil import open_regular
-from .limits import MAX_LIST_ENTRIES, bounded, check_entries, load_json
+from .limits import MAX_LIST_ENTRIES, bounded, check_entries, load_json, open_regular
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 SIZES_FILE = "sizes.json"  # each shard's sample count, beside the shards (open_clip's layout; `mmcl shards` writes it)

@@ -24,9 +24,9 @@ from tqdm import tqdm
 from .. import data as data_mod
 from ..config import say
 from ..data.eval_data import names_for_folders
-from ..data.limits import MAX_TEMPLATES, MAX_TEXTS_AT_ONCE
+from ..data.limits import MAX_TEMPLATES, MAX_TEXTS_AT_ONCE, read_regular_text
 from ..errors import DataError, MmclError
-from ..storage.fsutil import os_error_text, read_regular_text
+from ..storage.fsutil import os_error_text
 
 # open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.
 TEMPLATE_SETS = {"openai_imagenet_template": "OPENAI_IMAGENET_TEMPLATES",

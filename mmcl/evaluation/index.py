@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from ..data import open_rgb, redact
-from ..data.limits import MAX_EMBED_DIM
+from ..data.limits import MAX_EMBED_DIM, open_regular
 from ..errors import CheckpointError, DataError
 from ..storage import checkpoints, weights
-from ..storage.fsutil import atomic_dir, open_regular, os_error_text, output_dir
+from ..storage.fsutil import atomic_dir, os_error_text, output_dir
 from .embed import SourcedShards, embed_image_set, sourced_loader
 
 INDEX_FILE = "index.faiss"

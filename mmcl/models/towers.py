@@ -37,10 +37,9 @@ from open_clip.transformer import lock_text_tower
 from torch import nn
 
 from ..config import ModelConfig
-from ..data.limits import BoundedTokenizer
+from ..data.limits import BoundedTokenizer, read_regular_text
 from ..data.naflex import EvalPatchify
 from ..errors import ConfigError
-from ..storage.fsutil import read_regular_text
 from . import naflex
 from .clip_classes import (
     HFTextCLIP,

@@ -20,12 +20,13 @@ from tqdm import tqdm
 
 from ..config import DataConfig, say
 from ..data.decode import IMAGE_EXTS, SkipSample, decode_image
+from ..data.limits import FileTooLarge, NotRegularFile, read_regular_bytes
 from ..data.shard_inputs import SkippedItem, SourceImage, input_items
 from ..data.sizes import SIZES_FILE
 from ..data.skips import SkipLog, counts_text
 from ..data.skips import record as skip_record
 from ..errors import DataError
-from ..storage.fsutil import FileTooLarge, NotRegularFile, new_file, os_error_text, read_regular_bytes
+from ..storage.fsutil import new_file, open_inside, os_error_text
 from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
 
@@ -329,7 +330,7 @@ def _finish_conversion(owned: OutputManifest, out_dir: str, input_path: str, our
     if problems:
         owned.will_write([SKIP_LOG])
         ours.append(SKIP_LOG)
-        log = SkipLog(os.path.join(out_dir, SKIP_LOG), fresh=True)
+        log = SkipLog(os.path.join(out_dir, SKIP_LOG), fresh=True, open_fn=open_inside)
         for p in problems:
             log.write(skip_record(p.reason, input_path, member=p.where, detail=p.detail))
         log.close()

@@ -11,9 +11,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from open_clip import get_pretrained_cfg
 
+from ..data.limits import read_regular_text
 from ..errors import CheckpointError
 from . import checkpoints
-from .fsutil import os_error_text, read_regular_text
+from .fsutil import os_error_text
 from .layout import RunLayout
 
 # The file that marks a model directory (open_clip's local-dir layout): read by open_clip, CLIP_benchmark and

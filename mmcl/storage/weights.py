@@ -36,6 +36,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from ..config import ModelConfig, load_config
+from ..data.limits import read_regular_text
 from ..errors import CheckpointError, ConfigError, preview
 from ..models import towers
 from ..models.towers import (
@@ -48,7 +49,7 @@ from ..models.towers import (
     resolve_model_config,
 )
 from . import checkpoints, hf_clip
-from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir, read_regular_text
+from .fsutil import atomic_dir, file_sha256, files_under, inside, os_error_text, output_dir
 from .layout import RunLayout
 from .locate import (
     CONFIG_FILE,

@@ -289,13 +289,14 @@ def test_a_snapshot_made_with_hard_links_resumes_without_changing_the_original(f
 
 def test_a_hard_linked_skip_log_is_never_written_through(tmp_path):
     from mmcl.data.skips import SkipLog, record
+    from mmcl.storage.fsutil import open_inside
 
     folder = tmp_path / "run"
     folder.mkdir()
     for fresh in (False, True):
         victim = hard_link_of_users_file(tmp_path, folder / "skipped.jsonl")
         before = state(victim)
-        log = SkipLog(folder / "skipped.jsonl", fresh=fresh)
+        log = SkipLog(folder / "skipped.jsonl", fresh=fresh, open_fn=open_inside)
         log.write(record("decode", "a.tar", "k"))
         log.close()
         assert state(victim) == before
