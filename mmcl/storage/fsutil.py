@@ -28,8 +28,8 @@ Late swaps: where mmcl deletes and renames inside a folder during a run (checkpo
 the folder once per operation without following links below the folder it owns (`open_dir_inside`) and works
 relative to that descriptor (``dir_fd=``), so a link swapped in after the start checks is refused, never followed.
 
-Inputs: files read from elsewhere are regular files, opened without blocking (`open_regular`), bounded by their
-size before they are read (`read_regular_bytes`).
+Inputs: files read from elsewhere are regular files, opened without blocking, bounded by their size before they
+are read (`mmcl.data.limits.open_regular`, `read_regular_bytes`, below every reader).
 """
 
 from __future__ import annotations
