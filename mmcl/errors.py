@@ -5,13 +5,16 @@ from typing import Any, List
 
 # Characters a terminal acts on rather than shows: C0 and C1 controls (ESC starts colour and cursor sequences, CR
 # overwrites a line, BEL rings) and the bidirectional overrides that reorder what is shown.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# Lone surrogates (U+D800-U+DFFF) are the bytes of a name that is not valid UTF-8 (a file name or a tar member's key,
+# as Python decodes them with "surrogateescape"): no stream can encode them, so they are escaped too (``\udcff``).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def printable(text: str) -> str:
     """`text` as one line a terminal shows as it is: each control character written as its escape (``\\x1b``,
-    ``\\r``, ``\\n``). Every message mmcl prints goes through it, as keys, captions, class names and file names
-    from elsewhere may hold them."""
+    ``\\r``, ``\\n``), and each lone surrogate (the undecodable bytes of a name that is not UTF-8) as ``\\udcff``.
+    Every message mmcl prints goes through it, as keys, captions, class names and file names from elsewhere may
+    hold them."""
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
 
 

@@ -17,6 +17,7 @@ from typing import List, Optional
 from ..errors import MmclError, RunStopped, printable
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mmcl/
+_SURROGATE = re.compile("[\ud800-\udfff]")  # the undecodable bytes of a name that is not UTF-8
 
 
 class _WarningLines:
@@ -286,7 +287,7 @@ def cmd_interpolate(args) -> int:
                   device=_device(args.device))
     for entry in res["results"]:
         acc = f" zero-shot acc1 {entry['metrics']['acc1']:.4f}" if "metrics" in entry else ""
-        print(f"mmcl: alpha {entry['alpha']:g}: {entry['model']}{acc}")
+        print(printable(f"mmcl: alpha {entry['alpha']:g}: {entry['model']}{acc}"))
     print(f"mmcl: results in {Path(args.out) / RESULTS_FILE}")
     return 0
 
@@ -318,11 +319,11 @@ def cmd_search(args) -> int:
 
     hits = search(args.index, query=args.query, image=args.image, k=args.k)
     if args.json:
-        print(json.dumps(hits, indent=2, ensure_ascii=False))
+        print(_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(hits, indent=2, ensure_ascii=False)))
         return 0
-    for hit in hits:
+    for hit in hits:  # keys, captions and URLs come from the indexed shards: escaped (`printable`)
         source = hit.get("url") or hit.get("__url__", "")
-        print(f"{hit['rank']:>3}  {hit['score']:.4f}  {hit['key']}  {hit.get('caption', '')!r}  {source}")
+        print(printable(f"{hit['rank']:>3}  {hit['score']:.4f}  {hit['key']}  {hit.get('caption', '')!r}  {source}"))
     return 0
 
 
@@ -590,6 +591,9 @@ def _says(err) -> bool:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    for stream in (sys.stdout, sys.stderr):  # a name that is not UTF-8 never ends a command (`printable` escapes it)
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = _open_clip_train_args(argv) or parser.parse_args(argv)
     try:

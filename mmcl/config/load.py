@@ -99,7 +99,8 @@ def parse_overrides(overrides: List[str]) -> List[tuple]:
         # YAML parsing gives ints, floats, bools, null and lists; the schema then converts by field type. A pipe:
         # command is a string as typed (its "Authorization: ..." is no mapping, its " #" no comment).
         try:
-            value = raw.strip() if raw.lstrip().startswith("pipe:") else OmegaConf.from_dotlist([f"v={raw}"]).v
+            value = raw.strip() if raw.lstrip().startswith("pipe:") else OmegaConf.to_container(
+                OmegaConf.from_dotlist([f"v={raw}"]), resolve=False)["v"]  # never resolved: see refuse_interpolation
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override '{item}': the value is not valid YAML ({problem})") from None
@@ -137,6 +138,27 @@ def _check_size(path: str) -> None:
                           f"config); write the values out instead of repeating aliases")
 
 
+def _interpolated(node, prefix: str = "") -> List[str]:
+    """The dotted keys of `node` (a plain container) whose string value holds ``${``: OmegaConf would resolve it."""
+    if isinstance(node, dict):
+        return [k for key, value in node.items() for k in _interpolated(value, f"{prefix}{key}.")]
+    if isinstance(node, (list, tuple)):
+        return [k for i, value in enumerate(node) for k in _interpolated(value, f"{prefix}{i}.")]
+    return [prefix.rstrip(".")] if isinstance(node, str) and "${" in node else []
+
+
+def refuse_interpolation(node, source: str) -> None:
+    """ConfigError (one line naming the keys) when a value of `node` holds ``${...}``. A config never interpolates:
+    OmegaConf's resolvers read the environment (``${oc.env:HF_TOKEN}``) and would write what they read into
+    config.yaml, ``--print-config`` and the trackers. In a ``pipe:`` command, ``$NAME`` (no braces) is left to the
+    shell that runs it."""
+    keys = _interpolated(node)
+    if keys:
+        raise ConfigError(f"{source}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}: '${{...}}' "
+                          f"interpolation is not taken in mmcl configs (a resolver may read the environment); write "
+                          f"the value itself (in a pipe: command, $NAME without braces is left to the shell)")
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> TrainConfig:
     """Load a YAML file (optional) and apply ``dotted.key=value`` overrides; validate; return the dataclass tree,
     read-only.
@@ -159,10 +181,16 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
             raise ConfigError(f"cannot parse {path}: {str(err).splitlines()[0]}") from None
         if not isinstance(raw, type(OmegaConf.create({}))):
             raise ConfigError(f"{path} must hold a mapping of config sections, got a list")
+        refuse_interpolation(OmegaConf.to_container(raw, resolve=False), path)
         _merge_checked(cfg, raw, errors, path)
     for item in overrides or []:
         try:
             [(key, value)] = parse_overrides([item])
+        except ConfigError as err:
+            errors.append(str(err))
+            continue
+        try:
+            refuse_interpolation({key: value}, "override")
         except ConfigError as err:
             errors.append(str(err))
             continue
@@ -194,6 +222,8 @@ def to_dict(cfg) -> Dict[str, Any]:
 
 
 def from_dict(data: Dict[str, Any]) -> TrainConfig:
-    """Rebuild a config saved by `to_yaml`/`to_dict` (e.g. a run's config.yaml), moved keys carried over."""
+    """Rebuild a config saved by `to_yaml`/`to_dict` (e.g. a run's config.yaml), moved keys carried over; a value
+    holding ``${...}`` is refused as in `load_config`."""
+    refuse_interpolation(data, "saved config")
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(moved_keys_carried(data)))
     return freeze(OmegaConf.to_object(cfg))

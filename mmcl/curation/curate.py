@@ -62,7 +62,7 @@ from ..errors import ConfigError, DataError, MmclError
 from ..evaluation.embed import MAX_PIXELS, ClipEncoder, embed_image_set, embed_samples
 from ..evaluation.evaluate import shown_path
 from ..shards.writer import add_tar_member, write_sizes
-from ..storage.fsutil import new_file, os_error_text
+from ..storage.fsutil import new_file, open_inside, os_error_text
 from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
 from .report import DROPPED_FILE, PLOT_FILE, REPORT_FILE, write_report
@@ -272,7 +272,7 @@ def _embed_decontamination_set(encoder: ClipEncoder, data: str, batch_size: int,
 def _write_skip_log(out: Path, urls: List[str], tables: List[Dict[str, np.ndarray]]) -> None:
     """skipped.jsonl: the unreadable samples and the shards that broke off, with their reasons (`mmcl.data.skips`)."""
     (out / SKIP_LOG).unlink(missing_ok=True)  # the manifest lists it
-    log = SkipLog(out / SKIP_LOG, fresh=True)
+    log = SkipLog(out / SKIP_LOG, fresh=True, open_fn=open_inside)
     for url, table in zip(urls, tables):
         for reason in table.get("shard_skips", np.zeros(0, dtype=str)).tolist():
             log.write(skip_record(reason, url))

@@ -21,6 +21,7 @@ from timm.data import ImageNetInfo
 from ..config import DataConfig, say
 from ..errors import DataError, MmclError
 from .decode import SampleKeys, SkipSample, decode_image, needed_members, parse_sample, zero_skips
+from .limits import open_regular
 from .naflex import stack_patch_dicts
 from .reading import read_raw_samples
 from .sources import SHARD_SUFFIXES, expand_urls, has_scheme, redact
@@ -31,7 +32,7 @@ FOLDER_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", "
 def _read_lines(path: str) -> Optional[List[str]]:
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
+    with open_regular(path, "r", encoding="utf-8") as f:
         return [line.rstrip("\n") for line in f if line.strip()]
 
 
@@ -202,7 +203,7 @@ class EvalFailure:
 
 def _decode_file(path: str, max_pixels: int, max_bytes: int = DataConfig.max_member_bytes) -> Image.Image:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO or device is skipped (decode, "a FIFO, not a regular file")
             size = os.fstat(f.fileno()).st_size
             if size > max_bytes:  # the same limit as a shard member's (data.max_member_bytes)
                 raise SkipSample("too_large", f"{size} bytes > {max_bytes}")

@@ -13,15 +13,25 @@
   JSON ``negatives``); each is a text like any other (`BoundedTokenizer`).
 * A list that expands (brace ranges, globs, shard lists whose YAML aliases repeat a list) is taken through
   `bounded`: more than `MAX_LIST_ENTRIES` entries is a `DataError`, found after reading that many entries.
+* A file from elsewhere is read as a regular file only, opened without blocking (`open_regular`: a FIFO would
+  make its reader wait forever), and its size is checked against the reader's bound before it is read
+  (`read_regular_bytes`).
+* What a file declares is checked before memory is spent on it: zero-shot templates (`MAX_TEMPLATES`, encoded
+  `MAX_TEXTS_AT_ONCE` at a time, `mmcl.evaluation.evaluate`), an index's vector length (`MAX_EMBED_DIM`, from
+  index.faiss's header, `mmcl.evaluation.index`), the caption and metadata files `mmcl shards` reads
+  (`MAX_TEXT_FILE_BYTES`, from their size, `read_regular_bytes`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import stat
 import warnings
 from itertools import islice
-from typing import Any, Callable, Iterable, List
+from typing import Any, Callable, Iterable, List, Optional
 
 from ..errors import DataError
 
@@ -30,6 +40,10 @@ MAX_WORD_CHARS = 320
 MAX_LIST_ENTRIES = 1_000_000
 MAX_NEGATIVES = 64
 MAX_NEGATIVE_CANDIDATES = 1024
+MAX_TEXT_FILE_BYTES = 1 << 20  # a caption or metadata file `mmcl shards` reads (KEY.txt, KEY.json), by its size
+MAX_TEMPLATES = 1_000  # zero-shot templates of a set (open_clip's largest has 80), checked before any is encoded
+MAX_TEXTS_AT_ONCE = 1_024  # texts encoded in one forward pass when building a zero-shot classifier
+MAX_EMBED_DIM = 65_536  # an index's vector length (index.faiss's header), checked before faiss allocates
 
 _LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD_CHARS + 1))
 
@@ -85,3 +99,83 @@ def bounded(items: Iterable, what: str) -> List:
     out = list(islice(items, MAX_LIST_ENTRIES + 1))
     check_entries(len(out), what)
     return out
+
+
+# ---------------------------------------------------------------------------------------- regular files only
+class NotRegularFile(OSError):
+    """An input that is not a regular file (a FIFO, a device, a socket, a folder): never read, never waited on."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def require_regular(path) -> os.stat_result:
+    """The ``os.stat`` of `path` (a link is followed), NotRegularFile (an OSError) unless it is a regular file: for a
+    file another library opens by name (safetensors, faiss), checked before it is handed over."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(errno.EINVAL, f"{_kind(st.st_mode)}, not a regular file", str(path))
+    return st
+
+
+def open_regular(path, mode: str = "rb", encoding: Optional[str] = None, errors: Optional[str] = None,
+                 newline: Optional[str] = None):
+    """`path` opened for reading, as ``open(path, mode)`` does, but never blocking: ``O_NONBLOCK`` makes the open of
+    a FIFO return at once (a reader would otherwise wait for a writer forever), and the open file must be a regular
+    file (``fstat``), else NotRegularFile (an OSError) naming what it is. A link is followed (inputs may be links).
+
+    Every reader of a file from elsewhere goes through it: shards, evaluation images, class names and templates,
+    the inputs of `mmcl shards`, model folders' configs, index files."""
+    if mode not in ("r", "rb"):
+        raise ValueError(f"open_regular reads only, not {mode!r}")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, f"{_kind(st.st_mode)}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, mode, encoding=encoding, errors=errors, newline=newline)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class FileTooLarge(OSError):
+    """A file over the bound its reader sets, found from its size before it is read."""
+
+
+def read_regular_bytes(path, max_bytes: int) -> bytes:
+    """The bytes of the regular file `path` (`open_regular`), FileTooLarge (an OSError) when its size is over
+    `max_bytes`: checked with ``fstat`` before a byte is read, and again on what is read (a file that grows)."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise FileTooLarge(errno.EFBIG, f"{size:,} bytes, over the bound of {max_bytes:,}", str(path))
+        data = f.read(size + 1)  # (a buffer of the file's size: read(max_bytes) would allocate the bound)
+        if len(data) > size:  # it grew meanwhile
+            data += f.read(max_bytes + 1 - len(data))
+    if len(data) > max_bytes:
+        raise FileTooLarge(errno.EFBIG, f"over the bound of {max_bytes:,} bytes", str(path))
+    return data
+
+
+def inside_folder(root, path) -> bool:
+    """Whether `path` (a file found under the folder `root`), its links resolved, is still inside `root`: an input
+    folder's link that leads out of it (``000001.txt -> ~/.netrc``) is never read as a part of that folder."""
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
+
+
+def read_regular_text(path, encoding: str = "utf-8", errors: Optional[str] = None) -> str:
+    """The text of the regular file `path` (`open_regular`)."""
+    with open_regular(path, "r", encoding=encoding, errors=errors) as f:
+        return f.read()

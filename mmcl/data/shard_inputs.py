@@ -20,7 +20,16 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 from ..config import say
 from ..errors import DataError
 from .eval_data import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
-from .limits import load_json
+from .limits import (
+    MAX_TEXT_FILE_BYTES,
+    FileTooLarge,
+    NotRegularFile,
+    inside_folder,
+    load_json,
+    open_regular,
+    read_regular_bytes,
+    require_regular,
+)
 from .sources import SHARD_SUFFIXES, TABLE_EXTS
 
 # img2dataset's bookkeeping beside its `files` output: NNNNN.parquet (the shard's metadata) and NNNNN_stats.json.
@@ -59,20 +68,27 @@ def _csv_separator(path: str, sep: Optional[str]) -> str:
         return sep
     if path.lower().endswith(".tsv"):
         return "\t"
-    with open(path, newline="", encoding="utf-8") as f:
+    with open_regular(path, "r", newline="", encoding="utf-8") as f:
         header = f.readline()
     return "\t" if "\t" in header else ","
+
+
+PARQUET_BATCH_ROWS = 1024
 
 
 def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[str] = None,
                      caption_col: Optional[str] = None, negatives_col: Optional[str] = None
                      ) -> Iterator[Tuple[int, Any]]:
     """Yield (line or row number, row dict or an error string) from a CSV, TSV, JSONL or parquet file."""
+    try:
+        require_regular(path)  # a FIFO or device is one error line, never a wait
+    except OSError as err:
+        raise DataError(f"cannot read the table {path}: {err.strerror or type(err).__name__}") from None
     lower = path.lower()
     if lower.endswith((".csv", ".tsv")):
         delimiter = _csv_separator(path, sep)
         shown = "tab" if delimiter == "\t" else repr(delimiter)
-        with open(path, newline="", encoding="utf-8") as f:
+        with open_regular(path, "r", newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f, delimiter=delimiter)
             _check_columns(path, reader.fieldnames or [], image_col, caption_col, f"{shown}-separated", negatives_col)
             try:
@@ -87,15 +103,23 @@ def _rows_from_table(path: str, sep: Optional[str] = None, image_col: Optional[s
         except ImportError:
             raise DataError(f"reading {path} needs pyarrow (got no pyarrow module; pip install pyarrow, or give a "
                             f".csv or .jsonl)") from None
-        try:
-            table = pq.read_table(path)
-        except Exception as err:  # pyarrow raises its own error types for a damaged or foreign file
-            raise DataError(f"cannot read {path} as parquet ({' '.join(str(err).split())[:200]})") from None
-        _check_columns(path, table.column_names, image_col, caption_col, negatives_col=negatives_col)
-        for i, row in enumerate(table.to_pylist(), 1):
-            yield i, row
+        # Streamed in batches of PARQUET_BATCH_ROWS rows, as CSV is: memory follows the batch, not the row count the
+        # file declares (a few KB of dictionary-encoded rows can declare millions of them).
+        with open_regular(path) as f:
+            try:
+                table = pq.ParquetFile(f)
+                _check_columns(path, table.schema_arrow.names, image_col, caption_col, negatives_col=negatives_col)
+                i = 0
+                for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+                    for row in batch.to_pylist():
+                        i += 1
+                        yield i, row
+            except DataError:
+                raise
+            except Exception as err:  # pyarrow raises its own error types for a damaged or foreign file
+                raise DataError(f"cannot read {path} as parquet ({' '.join(str(err).split())[:200]})") from None
         return
-    with open(path, encoding="utf-8") as f:
+    with open_regular(path, "r", encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -204,7 +228,11 @@ def _paired_files(root: str) -> Optional[Dict[str, Any]]:
     """
     root = os.path.normpath(root)
     groups: Dict[Tuple[str, str], Dict[str, str]] = {}
+    outside = []
     for path in walk_files(root):
+        if not inside_folder(root, path):  # a link out of the folder (KEY.txt -> ~/.netrc) is never read
+            outside.append((path, "outside_link"))
+            continue
         folder, name = os.path.split(os.path.normpath(path))
         stem, ext = os.path.splitext(name)
         groups.setdefault((folder, stem), {})[ext.lower()] = path
@@ -212,7 +240,7 @@ def _paired_files(root: str) -> Optional[Dict[str, Any]]:
     # img2dataset writes KEY.json for every image, KEY.txt only when it has captions: either marks the layout
     if not any((".txt" in g or ".json" in g) and any(e in g for e in image_exts) for g in groups.values()):
         return None
-    samples, orphans = [], []
+    samples, orphans = [], outside
     for (folder, stem), files in sorted(groups.items()):
         images = [files[e] for e in image_exts if e in files]
         if not images:
@@ -227,10 +255,15 @@ def _paired_files(root: str) -> Optional[Dict[str, Any]]:
     return {"samples": samples, "orphans": orphans}
 
 
-def _read_caption_file(path: str) -> Optional[str]:
+def _read_caption_file(path: str) -> Union[str, SkippedItem, None]:
+    """The caption in `path`; None when it is empty or not UTF-8; a `SkippedItem` (``too_large``, ``missing_file``)
+    for a file over `MAX_TEXT_FILE_BYTES` (never read) or not a regular file (a FIFO is never waited on)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
+        text = read_regular_bytes(path, MAX_TEXT_FILE_BYTES).decode("utf-8").strip()
+    except FileTooLarge as err:
+        return SkippedItem(path, "too_large", err.strerror)
+    except NotRegularFile as err:
+        return SkippedItem(path, "missing_file", err.strerror)
     except (OSError, UnicodeDecodeError):
         return None
     return text or None
@@ -238,8 +271,7 @@ def _read_caption_file(path: str) -> Optional[str]:
 
 def _read_meta_file(path: str) -> Optional[Dict[str, Any]]:
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = load_json(f.read())
+        meta = load_json(read_regular_bytes(path, MAX_TEXT_FILE_BYTES).decode("utf-8"))
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
@@ -290,6 +322,9 @@ def _caption_folder_items(root: str, paired: Dict[str, Any]) -> Iterator[_Item]:
             yield SkippedItem(where, "missing_caption")
             continue
         text = _read_caption_file(txt)
+        if isinstance(text, SkippedItem):
+            yield SkippedItem(os.path.relpath(txt, root), text.reason, text.detail)
+            continue
         if text is None:
             yield SkippedItem(where, "bad_caption")
             continue
@@ -331,7 +366,9 @@ def _image_folder_items(root: str, folders: List[str], classnames: List[str],
         text = caption_template.format(name)
         for path in walk_files(os.path.join(root, folder)):
             where = os.path.relpath(path, root)
-            if path.lower().endswith(FOLDER_IMAGE_EXTS):
+            if not inside_folder(root, path):  # a link out of the input folder is never read
+                yield SkippedItem(where, "outside_link")
+            elif path.lower().endswith(FOLDER_IMAGE_EXTS):
                 yield SourceImage(path, text, where, label=label)
             else:
                 yield SkippedItem(where, "not_image")

@@ -21,7 +21,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import DataError
-from .limits import load_json
+from .limits import load_json, open_regular
 from .sources import SHARD_SUFFIXES, SIZES_FILE, expand_sources, has_scheme, redact, split_spec, table_problem
 
 MAX_COUNT = 10 ** 12  # samples in one shard or folder: more is not a count but a damaged file
@@ -29,7 +29,7 @@ MAX_COUNT = 10 ** 12  # samples in one shard or folder: more is not a count but 
 
 def _read_json(path: str) -> Any:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, "r", encoding="utf-8") as f:
             return load_json(f.read())
     except (OSError, ValueError) as err:
         raise DataError(f"cannot read the shard sizes in {path}: {err}") from None
@@ -51,7 +51,7 @@ def _folder_total(folder: str) -> Optional[int]:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path) as f:
+        with open_regular(path, "r") as f:
             value = ast.literal_eval(f.read(4096).strip())  # a number, never code
     except (OSError, ValueError, SyntaxError, RecursionError, MemoryError) as err:
         raise DataError(f"cannot read the sample count in {path}: {err}") from None

@@ -20,6 +20,7 @@ member or file at fault, where one is) and ``detail``. The reasons, a fixed voca
     duplicate_key       `mmcl shards`: a second image with the key of another in a caption folder
     bad_json            `mmcl shards`: a ``KEY.json`` that is not a JSON object
     bad_row             `mmcl shards`: a table row that cannot be parsed
+    outside_link        `mmcl shards`: a symbolic link in the input folder that leads out of it (never followed)
     left_out            not a skip: the file reached `MAX_BYTES`; ``count`` records were left out, ``reasons``
                         counts them by reason (one such line per writing process)
 
@@ -35,13 +36,14 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .decode import IMAGE_EXTS, SKIP_REASONS
 from .sources import redact
 
 MAX_BYTES = 4 << 20  # about 20,000 records
-REASONS = SKIP_REASONS + ("missing_file", "not_image", "duplicate_key", "bad_json", "bad_row", "left_out")
+REASONS = SKIP_REASONS + ("missing_file", "not_image", "duplicate_key", "bad_json", "bad_row", "outside_link",
+                          "left_out")
 _IMAGE_REASONS = ("decode", "too_large", "unsupported_mode")
 _SHARD_REASONS = ("truncated_tar", "shard_open")
 # The sample reasons in words, for the warning a training run gives the first time each one skips a sample.
@@ -72,10 +74,13 @@ def record(reason: str, source: str, key: Optional[str] = None, member: Optional
 
 class SkipLog:
     """A bounded ``skipped.jsonl`` at `path`, appended to (`fresh`: emptied first, for a command that rewrites its
-    folder). The file is created on the first record; a symbolic link there is refused, never followed."""
+    folder). The file is created on the first record by `open_fn` (folder, name, flags) -> fd: the commands pass
+    `mmcl.storage.fsutil.open_inside`, which follows no link and writes through no hard link; without it the file
+    is opened with ``O_NOFOLLOW`` alone."""
 
-    def __init__(self, path, fresh: bool = False, max_bytes: int = MAX_BYTES, warn: bool = False):
-        self.path, self.fresh, self.max_bytes = Path(path), fresh, max_bytes
+    def __init__(self, path, fresh: bool = False, max_bytes: int = MAX_BYTES, warn: bool = False,
+                 open_fn: Optional[Callable[[Path, str, int], int]] = None):
+        self.path, self.fresh, self.max_bytes, self.open_fn = Path(path), fresh, max_bytes, open_fn
         self.fd: Optional[int] = None
         self.left_out: Dict[str, int] = {}
         self.warn, self.warned = warn, set()  # warn: one warning per sample reason (a training run's log)
@@ -93,8 +98,11 @@ class SkipLog:
             warnings.warn(f"samples are being skipped: {reason} ({_SAMPLE_REASONS.get(reason, reason)}); each is "
                           f"counted in data/skipped_samples and named in {self.path}")
         if self.fd is None:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
-            self.fd = os.open(self.path, flags | (os.O_TRUNC if self.fresh else 0), 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if self.fresh else 0)
+            if self.open_fn is not None:
+                self.fd = self.open_fn(self.path.parent, self.path.name, flags)
+            else:
+                self.fd = os.open(self.path, flags | os.O_NOFOLLOW, 0o644)
         if os.fstat(self.fd).st_size >= self.max_bytes:
             self.left_out[rec["reason"]] = self.left_out.get(rec["reason"], 0) + 1
         else:

@@ -27,7 +27,7 @@ import yaml
 from webdataset import gopen
 
 from ..errors import DataError, redact, redact_values  # noqa: F401 (redact_values: for importers)
-from .limits import MAX_LIST_ENTRIES, bounded, check_entries, load_json
+from .limits import MAX_LIST_ENTRIES, bounded, check_entries, load_json, open_regular
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 SIZES_FILE = "sizes.json"  # each shard's sample count, beside the shards (open_clip's layout; `mmcl shards` writes it)
@@ -69,7 +69,7 @@ def _spec_parts(spec: Any, allow_pipe: bool = False, listed_in: Optional[str] = 
         return
     if text.lower().endswith((".yaml", ".yml")) and os.path.isfile(text):
         try:
-            with open(text) as f:
+            with open_regular(text, "r") as f:
                 items = yaml.safe_load(f)
         except (yaml.YAMLError, RecursionError) as err:
             raise DataError(f"cannot read the shard list {text}: "
@@ -184,7 +184,7 @@ def folder_shards(folder: str) -> List[str]:
     shards = _found(bounded((p for p in glob.iglob(os.path.join(folder, "*")) if p.endswith(SHARD_SUFFIXES)),
                             f"the folder {folder}"))
     try:
-        with open(os.path.join(folder, SIZES_FILE), encoding="utf-8") as f:
+        with open_regular(os.path.join(folder, SIZES_FILE), "r", encoding="utf-8") as f:
             listed = load_json(f.read())
     except (OSError, ValueError):
         return shards  # no sizes.json (or an unreadable one, which the sample count reports where it needs it)
@@ -339,6 +339,6 @@ def open_shard(url: str):
     whatever it looks like; only a URL (``pipe:`` command, http(s), gs, ...) goes through webdataset's
     ``gopen``."""
     if not has_scheme(url):
-        return open(url, "rb")
+        return open_regular(url)  # a FIFO or device is a shard that cannot be opened, never a wait
 
     return gopen(url, "rb")

@@ -24,7 +24,9 @@ from tqdm import tqdm
 from .. import data as data_mod
 from ..config import say
 from ..data.eval_data import names_for_folders
+from ..data.limits import MAX_TEMPLATES, MAX_TEXTS_AT_ONCE, read_regular_text
 from ..errors import DataError, MmclError
+from ..storage.fsutil import os_error_text
 
 # open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.
 TEMPLATE_SETS = {"openai_imagenet_template": "OPENAI_IMAGENET_TEMPLATES",
@@ -58,7 +60,7 @@ def load_templates(templates) -> List:
     elif set_name in TEMPLATE_SETS:
         out = list(getattr(open_clip, TEMPLATE_SETS[set_name]))
     elif isinstance(templates, str) and os.path.isfile(templates):
-        out = [ln.strip().replace("{c}", "{}") for ln in Path(templates).read_text().splitlines() if ln.strip()]
+        out = [ln.strip().replace("{c}", "{}") for ln in read_regular_text(templates).splitlines() if ln.strip()]
     elif isinstance(templates, str) and _one_template(templates):
         out = [templates.strip().replace("{c}", "{}")]
     else:
@@ -66,6 +68,10 @@ def load_templates(templates) -> List:
                         f"class name, or one of {', '.join(TEMPLATE_SETS)})")
     if not out:
         raise DataError(f"no templates in {templates} (expected at least one line such as 'a photo of a {{}}.')")
+    if len(out) > MAX_TEMPLATES:
+        where = templates if isinstance(templates, str) else "the list given"
+        raise DataError(f"templates {where}: {len(out):,} templates, more than the {MAX_TEMPLATES:,} a zero-shot "
+                        f"classifier takes (open_clip's sets have up to 80)")
     bad = [t for t in out if isinstance(t, str) and not _is_template(t)]
     if bad:
         where = templates if isinstance(templates, str) else "the data's templates file"
@@ -100,7 +106,11 @@ def load_classnames(path: str) -> List[str]:
     """Class names, one per line, in label order."""
     if not os.path.isfile(path):
         raise DataError(f"classnames file not found: {path}")
-    names = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
+    try:
+        text = read_regular_text(path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"cannot read the classnames file {path}: {os_error_text(err)}") from None
+    names = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not names:
         raise DataError(f"classnames file {path} is empty (expected one class name per line)")
     return names
@@ -397,8 +407,7 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     # open_clip's classifier, 10 class names at a time under a bar of our own (its bar has no label); each class's
     # column depends on its own name only, so the columns are those of one call.
     chunks = [names[i:i + 10] for i in range(0, len(names), 10)]
-    classifier = torch.cat([open_clip.build_zero_shot_classifier(model, tokenizer, chunk, template_list,
-                                                                 num_classes_per_batch=None, device=device)
+    classifier = torch.cat([zero_shot_classifier(model, tokenizer, chunk, template_list, device)
                             for chunk in _progress(chunks, progress, "class names", total=len(chunks))], dim=1)
     feats, labels, _, _, skips = encode_images(model, loader, device, progress, "zeroshot", data)
     _check_labels(labels, len(names), data, "zero-shot classification")
@@ -406,6 +415,22 @@ def zeroshot(model, preprocess, tokenizer, data: str, classnames=None, templates
     return {"dataset": dataset_name(data), "model": model_name, "task": "zeroshot_classification",
             "metrics": classification_metrics(logits, labels), "n_samples": int(labels.numel()),
             "n_classes": len(names), "classnames": names, "templates": template_texts(template_list), **skips}
+
+
+@torch.no_grad()
+def zero_shot_classifier(model, tokenizer, names: Sequence[str], templates: Sequence, device) -> torch.Tensor:
+    """(D, C) float32: open_clip's ``build_zero_shot_classifier`` (each class the normalised mean of its templates'
+    normalised text features), with the texts encoded `MAX_TEXTS_AT_ONCE` at a time, so that memory follows that
+    bound, not the number of templates times class names."""
+    texts = [(c, t(name) if callable(t) else t.format(name)) for c, name in enumerate(names) for t in templates]
+    sums = None
+    for start in range(0, len(texts), MAX_TEXTS_AT_ONCE):
+        part = texts[start:start + MAX_TEXTS_AT_ONCE]
+        feats = model.encode_text(tokenizer([text for _, text in part]).to(device), normalize=True).float()
+        sums = torch.zeros(len(names), feats.shape[1], device=feats.device) if sums is None else sums
+        sums.index_add_(0, torch.tensor([c for c, _ in part], device=feats.device), feats)
+    means = sums / len(templates)
+    return (means / means.norm(dim=1, keepdim=True)).T
 
 
 def template_texts(templates: Sequence) -> List[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from ..data import open_rgb, redact
+from ..data.limits import MAX_EMBED_DIM, open_regular
 from ..errors import CheckpointError, DataError
 from ..storage import checkpoints, weights
 from ..storage.fsutil import atomic_dir, os_error_text, output_dir
@@ -163,6 +165,7 @@ def load_index(index_dir) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     if not isinstance(meta, dict) or "model" not in meta:
         raise DataError(f"{index_dir / META_FILE} is damaged (expected a JSON object naming the model; rebuild "
                         f"the index)")
+    _check_index_header(index_dir / INDEX_FILE)
     try:
         index = faiss.read_index(str(index_dir / INDEX_FILE))
     except RuntimeError as err:  # faiss reports a cut-off or foreign file as a RuntimeError
@@ -171,7 +174,7 @@ def load_index(index_dir) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     if meta.get("kind") == "ivf":
         index.nprobe = int(meta["nprobe"])
     items = []
-    with open(index_dir / ITEMS_FILE, encoding="utf-8", errors="replace") as f:
+    with open_regular(index_dir / ITEMS_FILE, "r", encoding="utf-8", errors="replace") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -182,6 +185,28 @@ def load_index(index_dir) -> Tuple[Any, List[Dict[str, Any]], Dict[str, Any]]:
     if len(items) != index.ntotal:
         raise DataError(f"{index_dir} is inconsistent: {index.ntotal} vectors but {len(items)} items")
     return index, items, meta
+
+
+# faiss's header of every index: fourcc, vector length d (int32), vectors ntotal (int64), two int64, is_trained, metric
+_FAISS_HEADER = struct.Struct("<4siqqqBi")
+
+
+def _check_index_header(path: Path) -> None:
+    """DataError unless `path` is a regular file whose faiss header declares what its size can hold: a vector length
+    from 1 to `MAX_EMBED_DIM` and no more vectors than its bytes store (4 bytes a number). Checked before faiss
+    reads it, since faiss allocates what the header declares."""
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(_FAISS_HEADER.size)
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {os_error_text(err)}") from None
+    if len(head) < _FAISS_HEADER.size:
+        raise DataError(f"{path} is damaged (cut off: {size} bytes); rebuild the index")
+    _, dim, ntotal = _FAISS_HEADER.unpack(head)[:3]
+    if not 1 <= dim <= MAX_EMBED_DIM or ntotal < 0 or dim * ntotal * 4 > size:
+        raise DataError(f"{path} is damaged: its header declares {ntotal:,} vectors of length {dim:,}, more than its "
+                        f"{size:,} bytes hold (or a length over {MAX_EMBED_DIM:,}); rebuild the index")
 
 
 def _last_line(text: str) -> str:

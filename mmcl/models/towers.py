@@ -37,7 +37,7 @@ from open_clip.transformer import lock_text_tower
 from torch import nn
 
 from ..config import ModelConfig
-from ..data.limits import BoundedTokenizer
+from ..data.limits import BoundedTokenizer, read_regular_text
 from ..data.naflex import EvalPatchify
 from ..errors import ConfigError
 from . import naflex
@@ -85,7 +85,7 @@ def arch_file_config(name: str) -> Dict[str, Any]:
     Anything unreadable is one `ConfigError` line naming the file."""
     path = Path(os.path.expanduser(name))
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path)
     except OSError as err:
         raise ConfigError(f"model.name: cannot read the model-config file {name} "
                           f"({err.strerror or type(err).__name__})") from None

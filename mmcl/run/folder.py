@@ -380,7 +380,8 @@ class ConsoleLog:
     def attach(self, path: Path) -> None:
         try:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
-            self.file = os.fdopen(open_inside(path.parent, path.name, flags), "a", encoding="utf-8")
+            self.file = os.fdopen(open_inside(path.parent, path.name, flags), "a", encoding="utf-8",
+                                  errors="backslashreplace")
             self.file.write(f"--- mmcl train, {time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(self.held))
             self.file.flush()
         except OSError:

@@ -59,7 +59,8 @@ class RunLock:
 
     def _lock(self) -> int:
         try:
-            fd = open_inside(self.path.parent, LOCK, os.O_RDWR | os.O_CREAT)  # a link there is refused
+            # a link there is refused; a hard-linked file is replaced by a new one of its own, never written
+            fd = open_inside(self.path.parent, LOCK, os.O_RDWR | os.O_CREAT, keep_bytes=False)
         except OSError as err:
             raise StorageError(f"output directory {self.path.parent} cannot be written: {err.strerror}") from None
         try:

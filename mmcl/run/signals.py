@@ -5,16 +5,23 @@ and a grace period. `StopSignals` turns SIGTERM, SIGUSR1 and SIGINT into a flag;
 it with the per-step finite-loss flag (no extra collective), so every process stops after the same step, saves a
 checkpoint and exits with `exit_code`. A checkpoint save in progress is never interrupted: the handler only sets
 the flag. A second SIGINT (Ctrl-C pressed twice) stops at once: it raises KeyboardInterrupt.
+
+A data read that does not return (a shard on a hung network mount, a ``pipe:`` command that stalls) never holds a
+stop back past the grace period: when a signal finds the loop waiting for data, or the loop starts waiting after one,
+and that wait is still going on `DATA_GRACE_S` seconds later, the process says so in one line, ends its data workers
+and exits with `exit_code` without a new checkpoint (the last one saved stays; re-running resumes from it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
 import threading
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from accelerate.commands.config import default_config_file
@@ -30,6 +37,8 @@ from ..errors import ConfigError
 REQUEUE_EXIT_CODE = 75
 INTERRUPT_EXIT_CODE = 130
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# How long a stop waits for a data read in progress: well inside SLURM's default grace (KillWait, 30 s).
+DATA_GRACE_S = 10.0
 
 
 def exit_code(received: str) -> int:
@@ -89,15 +98,46 @@ def _launch_args(args):
 class StopSignals:
     """Context manager: while active, SIGTERM/SIGUSR1/SIGINT set `received` (the first signal's name)."""
 
-    def __init__(self):
+    def __init__(self, data_grace_s: float = DATA_GRACE_S):
         self.received: Optional[str] = None
+        self.data_grace_s = data_grace_s
         self._previous: Dict[int, object] = {}
+        self._waiting: Optional[object] = None  # a token for the data wait in progress
 
     def _handle(self, signum, frame):
         if self.received is None:
             self.received = signal.Signals(signum).name
+            if self._waiting is not None:
+                self._watch(self._waiting)
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        """Around a read of the next batches: a stop requested during it (or before it) ends the process once the
+        read has not returned for `data_grace_s` seconds (see the module's text)."""
+        token = self._waiting = object()
+        if self.received is not None:
+            self._watch(token)
+        try:
+            yield
+        finally:
+            self._waiting = None
+
+    def _watch(self, token: object) -> None:
+        timer = threading.Timer(self.data_grace_s, self._expire, args=(token,))
+        timer.daemon = True
+        timer.start()
+
+    def _expire(self, token: object) -> None:
+        if self._waiting is not token:  # the read returned: the loop stops at its step boundary
+            return
+        say(f"stopped ({self.received}) while waiting for data: the read in progress did not return within "
+            f"{self.data_grace_s:g} s of the signal, so no checkpoint was saved now (the last one saved is kept); "
+            f"re-run the same command to resume")
+        for child in multiprocessing.active_children():  # the data workers, maybe blocked in the same read
+            child.kill()
+        os._exit(exit_code(self.received or "SIGTERM"))
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only

@@ -18,14 +18,15 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from PIL import Image
 from tqdm import tqdm
 
-from ..config import say
+from ..config import DataConfig, say
 from ..data.decode import IMAGE_EXTS, SkipSample, decode_image
+from ..data.limits import FileTooLarge, NotRegularFile, read_regular_bytes
 from ..data.shard_inputs import SkippedItem, SourceImage, input_items
 from ..data.sizes import SIZES_FILE
 from ..data.skips import SkipLog, counts_text
 from ..data.skips import record as skip_record
 from ..errors import DataError
-from ..storage.fsutil import new_file
+from ..storage.fsutil import new_file, open_inside, os_error_text
 from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
 
@@ -216,8 +217,14 @@ def _load_for_shard(path: str) -> Tuple[bytes, str]:
     it is read); other formats are written as the RGB image `to_rgb` makes of them. Raises `SkipSample` (reasons
     ``decode``, ``too_large``, ``unsupported_mode``) for a file that would be skipped when read.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    try:  # bounded by its size before a byte is read; a FIFO or device is never waited on
+        data = read_regular_bytes(path, DataConfig.max_member_bytes)
+    except FileTooLarge as err:
+        raise SkipSample("too_large", err.strerror) from None
+    except NotRegularFile as err:
+        raise SkipSample("missing_file", err.strerror) from None
+    except OSError as err:
+        raise SkipSample("decode", os_error_text(err)) from None
     img = decode_image(data, Image.MAX_IMAGE_PIXELS * 2)  # a full decode: catches cut-off files too
     fmt = Image.open(io.BytesIO(data)).format
     if fmt in _PIL_TO_EXT:
@@ -332,7 +339,7 @@ def _finish_conversion(owned: OutputManifest, out_dir: str, input_path: str, our
     if problems:
         owned.will_write([SKIP_LOG])
         ours.append(SKIP_LOG)
-        log = SkipLog(os.path.join(out_dir, SKIP_LOG), fresh=True)
+        log = SkipLog(os.path.join(out_dir, SKIP_LOG), fresh=True, open_fn=open_inside)
         for p in problems:
             log.write(skip_record(p.reason, input_path, member=p.where, detail=p.detail))
         log.close()

@@ -22,6 +22,7 @@ hold, and `legacy_custom_states` reads them as plain data instead.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -30,16 +31,16 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from accelerate.utils import load
 from safetensors.torch import load_file
 
 from ..config import is_main_process
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, ConfigError, StorageError
 from ..models.lora import merge_state
-from .fsutil import atomic_write_text, file_sha256
+from .fsutil import file_sha256, inside, open_dir_inside, write_text_at
 from .layout import CHECKPOINTS_DIR, CKPT_PREFIX, COMPLETE, DAMAGED_PREFIX, LATEST
 
 MODEL_WEIGHTS = "model.safetensors"  # accelerate's name for the model's weights in its saved state
@@ -410,6 +411,21 @@ def free_space_warning(out_dir: Path, needed: int) -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _dir_fd(ckpt_dir: Path) -> Iterator[int]:
+    """A descriptor of the run's checkpoints folder, opened without following a link (`fsutil.open_dir_inside`),
+    checked to be the folder the path names now (else ConfigError: it was swapped during the run)."""
+    fd = open_dir_inside(ckpt_dir.parent, ckpt_dir.name)
+    try:
+        now, held = os.stat(ckpt_dir), os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            inside(ckpt_dir.parent, ckpt_dir.name)  # raises for a link swapped in
+            raise ConfigError(f"{ckpt_dir} was replaced while it was opened; nothing was deleted there")
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_state: Dict[str, Any], keep: int,
                     agreed: Callable, needed: int = 0, model_meta: Optional[Dict[str, Any]] = None) -> Path:
     """All processes call this. Writes ``.tmp-step-N``, records sizes and SHA-256 of its files in COMPLETE,
@@ -435,13 +451,17 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
     def start():
         if main:
             try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
+                ckpt_dir.mkdir(parents=True, exist_ok=True)
+                with _dir_fd(ckpt_dir) as fd:  # relative to the folder itself: a link swapped in is never followed
+                    shutil.rmtree(tmp.name, ignore_errors=True, dir_fd=fd)
+                    os.mkdir(tmp.name, dir_fd=fd)
             except OSError as err:
                 raise (storage_error(err, what, ckpt_dir) or err) from None
 
     def write():
         try:
+            with _dir_fd(ckpt_dir):  # still the run's own folder, not a link swapped in since `start`
+                pass
             accelerator.save_state(str(tmp))
             # Data position and loss queues differ per process; accelerate saves custom state on the main one only.
             torch.save(rank_state, rank_state_file(tmp, accelerator.process_index))
@@ -456,25 +476,29 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
     def finish():
         if not main:
             return
-        try:
-            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
-                     for p in _files_of(tmp)}
-            marker = {**progress, "world_size": accelerator.num_processes, "files": files}
-            with open(tmp / COMPLETE, "w") as f:
-                f.write(json.dumps(marker))
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():  # a dir without a readable marker from an interrupted save of this step
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except OSError as err:
-            raise (storage_error(err, what, ckpt_dir, needed) or err) from None
-        try:
-            atomic_write_text(ckpt_dir / LATEST, name)
-        except OSError:
-            pass  # the new checkpoint is complete; resume picks the newest complete one, whatever `latest` says
-        for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        with _dir_fd(ckpt_dir) as fd:  # the marker, rename, `latest` and rotation: all inside the folder itself
+            try:
+                files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
+                         for p in _files_of(tmp)}
+                marker = {**progress, "world_size": accelerator.num_processes, "files": files}
+                tmp_fd = os.open(tmp.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                try:
+                    write_text_at(tmp_fd, COMPLETE, json.dumps(marker))
+                finally:
+                    os.close(tmp_fd)
+                if name in os.listdir(fd):
+                    shutil.rmtree(name, dir_fd=fd)  # a dir without a readable marker from an interrupted save
+                os.replace(tmp.name, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except OSError as err:
+                raise (storage_error(err, what, ckpt_dir, needed) or err) from None
+            try:
+                write_text_at(fd, LATEST, name)
+            except OSError:
+                pass  # the new checkpoint is complete; resume picks the newest complete one, whatever `latest` says
+            here = set(os.listdir(fd))
+            for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
+                if old.name in here:
+                    shutil.rmtree(old.name, ignore_errors=True, dir_fd=fd)
 
     try:
         agreed(accelerator, start)

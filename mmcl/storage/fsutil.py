@@ -17,6 +17,19 @@ named by a path relative to the folder, checked by `inside`: no absolute path, n
 opened with ``O_NOFOLLOW`` (`open_inside`), and temporary files are created new (``O_EXCL``, `new_file`). The
 folder itself may be a link the user gave (``--out link-to-dir``): only what is inside it is checked. Files
 copied out of a folder (a model's tokenizer files) are read by the same rule.
+
+Hard links: a file there with more than one link (a backup made with ``cp -al`` or ``rsync --link-dest``, or a
+link to a file of the user's put there) is never written through. `open_inside` first gives the folder's name its
+own file (`unshare`: a copy of the bytes, for a file mmcl appends to; an empty file for one it rewrites, as the run
+lock), renamed into place, and writes that; the other names keep the file as it was. Every other write is a new
+file renamed into place (`new_file`, `atomic_write_text`, `atomic_dir`), which no link reaches.
+
+Late swaps: where mmcl deletes and renames inside a folder during a run (checkpoint rotation, ``latest``), it opens
+the folder once per operation without following links below the folder it owns (`open_dir_inside`) and works
+relative to that descriptor (``dir_fd=``), so a link swapped in after the start checks is refused, never followed.
+
+Inputs: files read from elsewhere are regular files, opened without blocking, bounded by their size before they
+are read (`mmcl.data.limits.open_regular`, `read_regular_bytes`, below every reader).
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator, List, Optional, Set
 
+from ..data.limits import open_regular
 from ..errors import ConfigError
 
 
@@ -59,20 +73,103 @@ def inside(folder, rel) -> Path:
     return Path(folder).joinpath(*parts)
 
 
-def open_inside(folder, rel, flags: int, mode: int = 0o644) -> int:
+def open_inside(folder, rel, flags: int, mode: int = 0o644, keep_bytes: bool = True) -> int:
     """``os.open`` of `inside` (folder, rel) without following a link (``O_NOFOLLOW``) and without blocking on a
-    FIFO put there meanwhile; ConfigError unless it opens a regular file."""
+    FIFO put there meanwhile; ConfigError unless it opens a regular file. Opened for writing, a file with other
+    hard links is first given its own copy (`unshare`; `keep_bytes` False: an empty one), so that no other name
+    of it ever changes."""
     path = inside(folder, rel)
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    except OSError as err:
-        if err.errno in (errno.ELOOP, errno.ENXIO):  # a link or a FIFO put there since `inside` looked
-            inside(folder, rel)
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    truncate, flags = flags & os.O_TRUNC, flags & ~os.O_TRUNC  # truncated once it is known to be mmcl's own
+    for _ in range(3):
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENXIO):  # a link or a FIFO put there since `inside` looked
+                inside(folder, rel)
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            inside(folder, rel)  # raises: not a regular file
+        if st.st_nlink <= 1 or not flags & (os.O_WRONLY | os.O_RDWR):
+            os.set_blocking(fd, True)
+            if truncate:
+                os.ftruncate(fd, 0)
+            return fd
         os.close(fd)
-        inside(folder, rel)  # raises: not a regular file
-    return fd
+        unshare(path, keep_bytes and not truncate)
+    raise ConfigError(f"{path} keeps getting other hard links while mmcl opens it; mmcl never writes through a "
+                      f"hard link (it was left as it is)")
+
+
+def unshare(path: Path, keep_bytes: bool = True) -> None:
+    """Give the name `path` a file of its own: a new file (its bytes when `keep_bytes`, its mode) renamed over it, so
+    that the file's other hard links keep it unchanged. A link or a non-regular file there is refused (`inside`)."""
+    path = inside(path.parent, path.name)
+    tmp = path.with_name(f".{path.name}.tmp-{_owner_tag()}-{secrets.token_hex(4)}")
+    src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode):
+            inside(path.parent, path.name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        dst = os.open(tmp, flags, stat.S_IMODE(st.st_mode))
+        try:
+            while keep_bytes and (block := os.read(src, 1 << 20)):
+                os.write(dst, block)
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(src)
+
+
+def open_dir_inside(folder, rel) -> int:
+    """A descriptor of the directory ``folder / rel``, each part of `rel` opened relative to the one before without
+    following a link (``O_NOFOLLOW``): a link swapped in there at any time is ConfigError (one line), never followed.
+    `folder` itself (the output folder the user named) may be a link. Close it with ``os.close``."""
+    path = inside(folder, rel)
+    parts = Path(os.path.relpath(path, folder)).parts
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as err:
+                if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                    inside(folder, rel)  # raises for a link (or a FIFO, device)
+                raise
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_text_at(dir_fd: int, name: str, text: str) -> None:
+    """`atomic_write_text` relative to a directory descriptor (`open_dir_inside`): a new file renamed over `name`."""
+    tmp = f".{name}.tmp-{_owner_tag()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
 
 
 def new_file(folder, rel) -> BinaryIO:
@@ -286,7 +383,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 def file_sha256(path: Path) -> str:
     """The hex SHA-256 of a file, read in 4 MiB blocks (weights and checkpoint files are gigabytes)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from open_clip import get_pretrained_cfg
 
+from ..data.limits import read_regular_text
 from ..errors import CheckpointError
 from . import checkpoints
 from .fsutil import os_error_text
@@ -118,7 +119,7 @@ def damaged(path: Path, what: str) -> CheckpointError:
 def read_json_file(path: Path, error: Callable[[str], Exception] = CheckpointError) -> Any:
     """A JSON file's content; a truncated, non-UTF-8 or unreadable file raises `error` naming it and the cause."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(read_regular_text(path))
     except json.JSONDecodeError as err:
         raise error(f"{path} is damaged (not valid JSON: {err.msg} at line {err.lineno} column {err.colno})"
                     ) from None

@@ -36,6 +36,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from ..config import ModelConfig, load_config
+from ..data.limits import read_regular_text
 from ..errors import CheckpointError, ConfigError, preview
 from ..models import towers
 from ..models.resize import LONG_CLIP_KEEP, stretch_text_positions
@@ -133,7 +134,7 @@ def previous_files(out_dir: Path, listing_file: str, default: Callable[[str], bo
     ``mmcl`` section or top level), else the top-level files whose name `default` accepts."""
     listing = out_dir / listing_file
     try:
-        meta = json.loads(listing.read_text(encoding="utf-8"))
+        meta = json.loads(read_regular_text(listing))
         files = (meta.get("mmcl") or {}).get("files") or meta.get("files")
         if isinstance(files, list) and all(isinstance(f, str) for f in files):
             return list(files) + [listing_file]
@@ -264,10 +265,30 @@ def load_model_dir(path) -> Tuple[nn.Module, Dict[str, Any], Dict[str, Any]]:
     if not weights.is_file():
         raise CheckpointError(f"{model_dir} has {CONFIG_FILE} but no {WEIGHTS_FILE} (an incomplete copy?)")
     _check_weights_record(weights, meta)
+    _check_size_declared(model_cfg, weights, config)
     model, pp = _build(model_cfg, meta.get("preprocess_cfg"), config)
     _fit_state(model, _read_weight_file(weights), weights, config)
     model.eval()
     return model, model_cfg, pp
+
+
+def _check_size_declared(model_cfg: Dict[str, Any], weights: Path, config: Path) -> None:
+    """CheckpointError when the model `config` describes has more parameters than `weights` can hold at 2 bytes each
+    (half precision, the least a weights file stores): counted on a model built on the meta device, which allocates
+    nothing, before the real model is built (a few lines of config can ask for billions of parameters)."""
+    cfg = copy.deepcopy(model_cfg)
+    if cfg.get("text_cfg", {}).get("hf_model_name"):
+        cfg["text_cfg"]["hf_model_pretrained"] = False
+    try:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in create(cfg).parameters())
+    except Exception:  # noqa: BLE001 - a config that cannot be built is reported by `_build`, in its words
+        return
+    size = weights.stat().st_size
+    if count * 2 > size:
+        raise CheckpointError(f"{config} describes a model of {count:,} parameters, at least {count * 2:,} bytes of "
+                              f"weights, but {weights.name} holds {size:,} bytes: the config does not belong to these "
+                              f"weights (nothing was built)")
 
 
 def _build(model_cfg: Dict[str, Any], pp: Optional[Dict[str, Any]], config: Path) -> Tuple[nn.Module, Dict[str, Any]]:

@@ -115,7 +115,8 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         if parts.patch_dropout:  # FLIP masks at this step's phase rate; none in the last train.unmasked_steps
             flip.begin_step(parts.patch_dropout, step, step < rt.total_steps - cfg.train.unmasked_steps,
                             phases.patch_dropout_at(parts.phases, step, cfg.model.patch_dropout))
-        batches = next_batches(parts, state, data_iter)
+        with parts.stop.waiting_for_data():  # a stop signal is never held back by a read that does not return
+            batches = next_batches(parts, state, data_iter)
         result = parts.step(batches, step + 1, logged_at(cfg, rt, step + 1), lambda: parts.stop.requested)
         last = after_step(cfg, parts, state, records, result, lr, last)
     return finish_run(parts, state, records, last)

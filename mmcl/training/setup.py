@@ -33,6 +33,7 @@ from ..run.lock import RunLock
 from ..run.processes import agreed
 from ..run.signals import StopSignals
 from ..storage import checkpoints, pretrained, weights
+from ..storage.fsutil import open_inside
 from ..storage.interpolate import run_start
 from ..storage.layout import LOCK, RunLayout
 from . import fsdp, optim, phases
@@ -239,7 +240,7 @@ def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, tokenizer, p
             f"{plan.max_tokens} patch tokens per process batch: {plan.max_tokens // max(plan.seq_lens)}-"
             f"{plan.capacity} pairs, padded to {plan.capacity} in the loss (data.batch_size is not used)")
     check_shared_memory(data_cfg, size, stream.uint8, world().local_size)
-    stream.skip_log = SkipLog(layout.skipped, warn=True)  # appended to by every process; a warning per reason
+    stream.skip_log = SkipLog(layout.skipped, warn=True, open_fn=open_inside)  # every process; a warning per reason
     return stream
 
 

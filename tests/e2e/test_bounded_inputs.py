@@ -5,7 +5,12 @@ are bad samples, lists that expand (braces, YAML aliases, globs) are refused pas
 sizes.json, table or templates file, or a control character in a name, gives one escaped ``mmcl: error:`` line.
 """
 
+import io
 import json
+import os
+import subprocess
+import sys
+import tarfile
 import time
 import warnings
 from pathlib import Path
@@ -230,6 +235,9 @@ NASTY = "k\x1b[31mred\r\x07\nx\u202e\x9b"
 
 def test_printable_escapes_control_characters_and_keeps_the_rest():
     assert printable(NASTY) == "k\\x1b[31mred\\r\\x07\\nx\\u202e\\x9b"
+    undecodable = os.fsdecode(b"shard-\xff\xfe.tar")  # as Python names a file that is not UTF-8
+    assert printable(undecodable) == "shard-\\udcff\\udcfe.tar"
+    printable(undecodable).encode("utf-8")  # every stream can write it
     assert printable("émigré 日本 🌸 a/b.tar") == "émigré 日本 🌸 a/b.tar"
 
 
@@ -269,3 +277,239 @@ def test_a_config_file_that_expands_or_nests_without_end_is_one_line(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mmcl: error: {path}: ") and says in err and "\n" not in err, err
     assert time.perf_counter() - start < 10
+
+
+
+# ----------------------------------------------------------------------------- names that are not UTF-8
+BAD_KEY = os.fsdecode(b"k\xff\xfe") + "\x1b[31m\r"  # a tar member's key: undecodable bytes and controls
+
+
+def _bad_name_shards(small_demo, folder: Path) -> Path:
+    """The demo's two training shards in `folder`, one under a file name that is not UTF-8, the other with two
+    samples under a key that is not UTF-8 (one of them with a damaged image: skipped, so named at the end)."""
+    folder.mkdir()
+    first, second = sorted(Path(small_demo["train"].split("{")[0]).parent.glob("shard-*.tar"))
+    (folder / os.fsdecode(b"shard-\xff\xfe.tar")).write_bytes(first.read_bytes())
+    with tarfile.open(second) as src, tarfile.open(folder / "shard-000001.tar", "w", format=tarfile.GNU_FORMAT,
+                                                   encoding="utf-8", errors="surrogateescape") as out:
+        members = src.getmembers()
+        renamed = sorted({m.name.split(".")[0] for m in members})[:2]
+        for m in members:
+            body = src.extractfile(m).read()
+            stem, ext = m.name.split(".", 1)
+            if stem in renamed:
+                m.name = f"{BAD_KEY}{renamed.index(stem)}.{ext}"
+                if renamed.index(stem) == 1 and ext in ("jpg", "png"):
+                    body = b"not an image"
+                    m.size = len(body)
+            out.addfile(m, io.BytesIO(body))
+    return folder
+
+
+@pytest.mark.slow
+def test_a_run_on_names_that_are_not_utf8_ends_and_shows_them_escaped(small_demo, tmp_path):
+    """Training on a shard whose file name is not UTF-8 and on samples whose keys are not: every step runs, the
+    skipped sample is named escaped in the end-of-run summary, out.log holds the same escaped lines, rc 0."""
+    from helpers import short_run
+
+    shards = _bad_name_shards(small_demo, tmp_path / "shards")
+    run = tmp_path / "run"
+    args = short_run(small_demo, run, f"data.train={shards}", "train.steps=8", "train.save_every=0")
+    done = subprocess.run([sys.executable, "-m", "mmcl", *args], capture_output=True, timeout=300,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    out, err = done.stdout.decode("utf-8"), done.stderr.decode("utf-8")  # strict: only valid UTF-8 was written
+    assert done.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "shard-\\udcff\\udcfe.tar" in out
+    assert "k\\udcff\\udcfe\\x1b[31m\\r1" in out and "skipped: 1 samples" in out, out
+    assert not any(c in out + err for c in "\x1b\r")
+    log = (run / "out.log").read_bytes().decode("utf-8")
+    assert "k\\udcff\\udcfe\\x1b[31m\\r1" in log and "run finished" in log
+
+
+@pytest.mark.slow
+def test_search_shows_keys_captions_and_urls_from_an_index_escaped(tmp_path, capsys):
+    """An index whose keys, captions and source URLs hold control characters and bytes that are not UTF-8:
+    `mmcl search` prints each escaped, and --json is valid JSON of the same strings."""
+    import webdataset as wds
+    from PIL import Image
+
+    from mmcl import models
+    from mmcl.storage import weights
+
+    cfg = json.loads((models.CONFIG_DIR / "tiny.json").read_text())
+    cfg["vision_cfg"].update(layers=1, image_size=32)
+    cfg["text_cfg"].update(layers=1)
+    torch.manual_seed(0)
+    model_dir = weights.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg), tmp_path / "model")
+    shard = tmp_path / "shard-000000.tar"
+    with wds.TarWriter(str(shard)) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"{BAD_KEY}{i}", "png": Image.new("RGB", (32, 32), (80 * i, 20, 40)),
+                        "txt": f"caption {i}\x1b]0;title\x07", "json": {"url": f"http://host/{i}\x1b[2J\u202e.jpg"}})
+    assert main(["index", "--model", str(model_dir), "--data", str(shard), "--out", str(tmp_path / "index")]) == 0
+    capsys.readouterr()
+    assert main(["search", "--index", str(tmp_path / "index"), "caption", "-k", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert len(shown.splitlines()) == 3 and not any(c in shown for c in "\x1b\r\x07\u202e"), repr(shown)
+    assert "k\\udcff\\udcfe\\x1b[31m\\r0" in shown and "\\x1b[2J\\u202e.jpg" in shown
+    shown.encode("utf-8")
+    assert main(["search", "--index", str(tmp_path / "index"), "caption", "-k", "3", "--json"]) == 0
+    hits = json.loads(capsys.readouterr().out.encode("utf-8"))
+    assert sorted(h["key"] for h in hits) == [f"{BAD_KEY}{i}" for i in range(3)]
+
+
+# ------------------------------------------------------------------------------- bounds declared before work
+# `mmcl ARGS` in a process that may grow by EXTRA bytes of address space once mmcl, torch and the command's heavy
+# modules are imported: what a file declares must be checked before memory is spent on it.
+_UNDER_A_LIMIT = r"""
+import resource, sys
+import faiss, torch, torchvision, open_clip, pyarrow.parquet  # the command's modules, before the limit
+from mmcl.cli import main
+vm = [int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:")][0]
+resource.setrlimit(resource.RLIMIT_AS, (vm + int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_AS)[1]))
+sys.exit(main(sys.argv[2:]))
+"""
+_MiB = 1 << 20
+
+
+def mmcl_within(extra: int, *args, timeout: int = 300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
+    done = subprocess.run([sys.executable, "-c", _UNDER_A_LIMIT, str(extra), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    assert "Traceback" not in done.stderr and "MemoryError" not in done.stderr, done.stderr[-3000:]
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from mmcl import models
+    from mmcl.storage import weights
+
+    cfg = json.loads((models.CONFIG_DIR / "tiny.json").read_text())
+    cfg["vision_cfg"].update(layers=1, image_size=32)
+    cfg["text_cfg"].update(layers=1)
+    torch.manual_seed(0)
+    return weights.save_model_dir(models.create(cfg), cfg, models.preprocess_config(cfg),
+                                  tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_a_zero_shot_classifier_encodes_a_bounded_number_of_texts_at_once(tiny_model):
+    """900 templates of 10 class names: open_clip's classifier (float64 reference of its formula), built from
+    forward passes of at most `MAX_TEXTS_AT_ONCE` texts, not 9,000 at once."""
+    from mmcl.evaluation.evaluate import zero_shot_classifier
+    from mmcl.storage import weights
+
+    model, _, tokenizer = weights.load(tiny_model)
+    names = [f"shade {i}" for i in range(10)]
+    templates = [f"a photo {i} of a {{}}." for i in range(900)]
+    sizes = []
+    encode = model.encode_text
+
+    def counted(tokens, normalize=False):
+        sizes.append(len(tokens))
+        return encode(tokens, normalize=normalize)
+
+    model.encode_text = counted
+    got = zero_shot_classifier(model, tokenizer, names, templates, "cpu")
+    assert max(sizes) <= limits.MAX_TEXTS_AT_ONCE and sum(sizes) == 9000
+    with torch.no_grad():
+        feats = encode(tokenizer([t.format(n) for n in names for t in templates]), normalize=True).double()
+    means = feats.reshape(10, 900, -1).mean(dim=1)
+    want = (means / means.norm(dim=1, keepdim=True)).T
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+
+
+def test_a_templates_file_past_the_bound_is_one_line_before_any_is_encoded(small_demo, tiny_model, tmp_path):
+    data = tmp_path / "colour"
+    import shutil
+
+    shutil.copytree(small_demo["zeroshot_colour"], data)
+    (data / "templates.txt").write_text("{}\n" * 20_000)
+    start = time.perf_counter()
+    rc, _, err = mmcl_within(512 * _MiB, "zeroshot", "--model", tiny_model, "--data", data)
+    assert rc == 2 and err.strip().startswith("mmcl: error: templates ") and "20,000 templates" in err, err
+    assert "\n" not in err.strip() and time.perf_counter() - start < 60
+
+
+@pytest.mark.slow
+def test_a_model_folder_asking_for_a_larger_model_than_its_weights_is_refused_before_it_is_built(tiny_model,
+                                                                                             tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    meta = json.loads((model / "open_clip_config.json").read_text())
+    meta["model_cfg"]["vision_cfg"].update(width=1536, layers=40, head_width=64)  # about 1.1 billion parameters
+    (model / "open_clip_config.json").write_text(json.dumps(meta))
+    rc, _, err = mmcl_within(1024 * _MiB, "export", "--model", model, "--format", "open_clip", "--out",
+                             tmp_path / "export")
+    assert rc == 2 and err.strip().startswith("mmcl: error: ") and "parameters" in err and "\n" not in err.strip()
+    assert not (tmp_path / "export").exists()
+
+
+def test_an_index_declaring_a_huge_vector_length_is_refused_before_faiss_reads_it(tiny_model, small_demo, tmp_path):
+    import struct
+
+    index = tmp_path / "index"
+    assert main(["index", "--model", str(tiny_model), "--data", small_demo["val"], "--out", str(index)]) == 0
+    body = bytearray((index / "index.faiss").read_bytes())
+    struct.pack_into("<i", body, 4, 1 << 30)  # the header's vector length
+    (index / "index.faiss").write_bytes(bytes(body) + bytes(16_000))
+    rc, _, err = mmcl_within(512 * _MiB, "search", "--index", index, "a red square")
+    assert rc == 2 and err.strip().startswith("mmcl: error: ") and "index.faiss" in err and "\n" not in err.strip()
+    assert "vectors of length 1,073,741,824" in err  # refused from the header, not after faiss ran out of memory
+
+
+def _caption_folder(root: Path) -> Path:
+    from PIL import Image
+
+    root.mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8), (i * 50, 0, 0)).save(root / f"{i:06d}.jpg")
+        (root / f"{i:06d}.txt").write_text(f"caption {i}")
+    return root
+
+
+def test_shards_skips_a_caption_file_or_image_over_its_bound_without_reading_it(tmp_path):
+    folder = _caption_folder(tmp_path / "in")
+    with open(folder / "000000.txt", "wb") as f:  # sparse: 2 GiB that take no disk
+        f.truncate(2 << 30)
+    with open(folder / "000001.jpg", "wb") as f:
+        f.truncate(64 << 30)
+    out = tmp_path / "out"
+    rc, stdout, err = mmcl_within(512 * _MiB, "shards", "--input", folder, "--out", out)
+    assert rc == 0, err
+    skipped = {(s["member"], s["reason"]) for s in map(json.loads, (out / "skipped.jsonl").read_text().splitlines())}
+    assert skipped == {("000000.txt", "too_large"), ("000001.jpg", "too_large")}, skipped
+    assert json.loads((out / "sizes.json").read_text()) == {"shard-000000.tar": 1}
+
+
+_COUNT_ROWS = r"""
+import resource, sys
+import pyarrow.parquet
+from mmcl.data.shard_inputs import input_items
+vm = [int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:")][0]
+resource.setrlimit(resource.RLIMIT_AS, (vm + 256 * 2 ** 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
+items, _ = input_items(sys.argv[1], "{}", None, None, None)
+print(sum(1 for _ in items))
+"""
+
+
+@pytest.mark.slow
+def test_shards_streams_a_parquet_table_by_row_groups(tmp_path):
+    """A parquet file of a few KB declaring 2,000,000 dictionary-encoded rows in one row group: `mmcl shards`
+    reads its rows a batch at a time, in a process that may grow by 256 MiB (the whole table as Python rows takes
+    gigabytes)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 2_000_000
+    table = pa.table({"image": pa.array(["images/000000.jpg"] * n).dictionary_encode(),
+                      "caption": pa.array(["the same caption, " * 16] * n).dictionary_encode()})
+    pq.write_table(table, tmp_path / "rows.parquet", row_group_size=n)
+    assert (tmp_path / "rows.parquet").stat().st_size < 1 << 20
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
+    done = subprocess.run([sys.executable, "-c", _COUNT_ROWS, str(tmp_path / "rows.parquet")], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == n

