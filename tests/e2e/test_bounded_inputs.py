@@ -121,7 +121,7 @@ def test_deeply_nested_teacher_members_are_no_teacher_features():
 
 
 def test_a_deeply_nested_json_member_gives_an_index_no_source_url():
-    from mmcl.evaluation.index import _sample_url
+    from mmcl.evaluation.embed import _sample_url
 
     assert _sample_url(_sample(json=DEEP)) is None
     assert _sample_url(_sample(json=b'{"url": "http://x/y.jpg"}')) == "http://x/y.jpg"

@@ -412,7 +412,7 @@ def test_worker_tracebacks_are_cut_to_the_original_message():
     loader = torch.utils.data.DataLoader(_RaisingDataset(), batch_size=1, num_workers=2)
     start = time.perf_counter()
     with pytest.raises(DataError) as err:
-        list(evaluate._batches(loader))
+        list(evaluate.eval_batches(loader))
     assert str(err.value) == "sample 2 is unusable (got X, expected Y)"
     assert err.value.__context__ is None and err.value.__cause__ is None  # no worker traceback chained
     del err

@@ -180,12 +180,12 @@ def test_a_retrieval_tar_is_named_after_its_file(tmp_path):
     ("coco/a.tar::coco/b.tar", "coco"),  # several files: their folder
 ])
 def test_dataset_names(tmp_path, spec, name):
-    assert evaluate._dataset_name(str(tmp_path / spec).replace("::", f"::{tmp_path}/")) == name
+    assert evaluate.dataset_name(str(tmp_path / spec).replace("::", f"::{tmp_path}/")) == name
 
 
 def test_an_image_folder_is_named_after_the_folder(tmp_path):
     root = write_folder(tmp_path / "pets", {c: [rgb] for c, rgb in COLOURS.items()})
-    assert evaluate._dataset_name(str(root)) == "pets"
+    assert evaluate.dataset_name(str(root)) == "pets"
 
 
 # ---------------------------------------------------------------------------------------------------------
