@@ -151,7 +151,7 @@ class DataConfig(_Section):
     weights: Optional[List[float]] = described(None, "per-source sampling weights (resampled mode)")
     batch_size: int = described(64, "samples per batch on each process")
     workers: Optional[int] = described(
-        None, "dataloader workers per process; null: its share of the CPUs less 1 (1 to 8)")
+        None, "dataloader workers per process; null: its share of the CPUs less 1 (at least 1, no upper cap)")
     shuffle_buffer: int = described(1000, "samples per shuffled block (a seeded permutation within each)")
     resampled: bool = described(False, "draw shards with replacement for ever (open_clip's --dataset-resampled)")
     max_image_pixels: int = described(89_478_485, "pillow's decompression-bomb limit")
