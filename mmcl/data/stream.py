@@ -51,6 +51,10 @@ _STATE_VERSION = 1
 # training process to finish its step and save (a scheduler's SIGKILL ends everything later anyway).
 WORKER_STOP_GRACE_S = 60.0
 
+# Above this share of a logging window's time spent waiting for the next batch, a run says (once) that its loader is
+# what limits it.
+WAIT_WARN_SHARE = 0.25
+
 
 def _worker_stop_signal(signum, frame) -> None:
     """SIGTERM in a data worker: the first one (a scheduler's, sent to the whole group) is outlived for
@@ -190,6 +194,13 @@ class TrainStream:
             warnings.warn(f"{leftover} of {len(self.urls)} shards do not divide among the {slots} rank x worker "
                           f"slots and are read by every slot (each keeping 1/{slots} of their samples); with "
                           f"remote shards use a multiple of {slots} shards or data.resampled=true")
+
+    def wait_advice(self, share: float, steps: str) -> str:
+        """The warning for a run that waited for data `share` of the time of `steps` (words): the knob that helps."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return (f"warning: training waited for data {share:.0%} of the time over {steps} (more than "
+                f"{WAIT_WARN_SHARE:.0%}): the loader limits this run; give it more workers (data.workers, now "
+                f"{self.workers} per process; this process may use {cpus} CPUs) or more CPUs per process")
 
     def _stages(self, spec: ImageSpec) -> Tuple[Callable, Optional[Callable], Optional[Tuple[int, int]]]:
         """The training transform of image input `spec`: (the workers' part, the part run where the model runs
