@@ -160,6 +160,12 @@ class DataConfig(_Section):
         True,
         "Images travel from the workers as uint8 and are scaled/normalised on the training device (exact, 4x less "
         "shared and device memory traffic); used when the transform ends in ToTensor [+ Normalize].")
+    decode: str = described(
+        "worker",
+        "Where training images are decoded: worker (Pillow in the data workers) or device (the workers send the "
+        "encoded JPEGs with their crop boxes; the training device decodes, crops, resizes and normalises them with "
+        "torchvision.io.decode_jpeg: nvJPEG on CUDA). Other formats, and runs whose augmentation needs PIL, decode in "
+        "the workers; the start line says which path a run takes and why.")
     worker_nice: int = described(
         0,
         "Niceness the data workers add to their own (0-19). On a CPU-only machine a higher value makes the workers "

@@ -103,6 +103,7 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
     describe_setup(cfg, rt, parts.accelerator, parts.stream.workers)
     state.flops, state.peak, line = speed_basis(parts, cfg.train.precision, cfg.train.tf32)
     say(line)
+    say(parts.stream.decode_line)
     data_iter = iter(parts.stream)
     # Closed when the run ends by any path, so the data workers are shut down before the interpreter exits
     # (an exception's traceback would otherwise keep them alive until multiprocessing's exit handler).
