@@ -62,6 +62,8 @@ def log_record(parts: Parts, state: RunState, records: RunRecords, result: StepR
               # captions longer than the text context, cut by the tokenizer, and their share of those batched
               "data/cut_captions": captions["cut_captions"],
               "data/cut_captions_share": captions["cut_captions"] / max(1, captions["captions"])}
+    if parts.accelerator.device.type == "cuda":  # the allocator's peak so far (a host read, no device sync)
+        record["mem/peak_gib"] = torch.cuda.max_memory_allocated(parts.accelerator.device) / 2 ** 30
     share = flops.mfu(record["samples_per_s"] / parts.rt.processes, state.flops, state.peak)  # per device
     if share is not None:
         record["mfu"] = share
