@@ -115,3 +115,18 @@ def test_the_wheels_cover_what_the_gpu_machine_lacks_of_mmcls_requirements():
 def test_the_wheel_folder_is_ignored_by_git():
     out = subprocess.run(["git", "check-ignore", "-q", ".whl/x.whl"], cwd=REPO)
     assert out.returncode == 0
+
+
+def test_benchmarks_gpu_rows_say_only_what_was_measured():
+    """The GPU section: the gpu_path tests ran on the CPU, open_clip's compiled arm never ran at batch 1024, the
+    batch-256 ratio is not equal work; its MFU column follows from the samples/s with mmcl.models.flops' peak."""
+    from mmcl.models import flops
+
+    text = (REPO / "BENCHMARKS.md").read_text()
+    gpu = text[text.index("## GPU"):text.index("## Losses")]
+    assert "| figure | value | MFU | command | commit |" in gpu
+    assert "on the machine's CPU, not on CUDA" in gpu and "GPU-path tests on CUDA" not in gpu
+    assert "its compiled arm never ran at batch 1024" in gpu and "not an equal-work ratio" in gpu
+    peak = flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16")
+    for rate, shown in ((4196, "18.4 %"), (5473, "24.0 %"), (2957, "13.0 %")):
+        assert f"{100 * flops.mfu(rate, 43.4e9, peak):.1f} %" == shown and shown in gpu
