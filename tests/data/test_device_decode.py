@@ -42,7 +42,7 @@ def _jpeg(img, **kw):
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """N samples in 4 shards: JPEGs (one grey, one progressive), a PNG, a CMYK JPEG and a cut-off JPEG."""
-    from mmcl.data.writer import write_shards
+    from mmcl.shards.writer import write_shards
 
     rng = np.random.default_rng(0)
     samples = []
