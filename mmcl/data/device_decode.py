@@ -30,6 +30,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from ..errors import DataError
 from .decode import parse_sample
@@ -122,8 +123,6 @@ class DeviceFinish(ImageFinish):
 
     def batch(self, b: Dict[str, Any], device: torch.device) -> torch.Tensor:
         """The float model input (B, 3, H, W) on `device` of a batch with encoded images."""
-        from torchvision.io import ImageReadMode, decode_jpeg
-
         offsets = b["jpeg_offsets"].tolist()
         flat = b[ENCODED]
         encoded = [flat[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
@@ -154,8 +153,6 @@ class DeviceFinish(ImageFinish):
 
     @staticmethod
     def _one(x: torch.Tensor, key: str, device: torch.device) -> torch.Tensor:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
         try:
             return decode_jpeg(x, mode=ImageReadMode.RGB, device=device)
         except RuntimeError as err:

@@ -20,6 +20,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
 
 # (pattern on torch.cuda.get_device_name, {precision: dense TFLOP/s}); the first match wins, so the variants with
 # their own figures (NVL, PCIe) come before the SXM parts that share the family's name.
@@ -84,9 +86,6 @@ def sample_flops(model: nn.Module, image_size: Union[int, Sequence[int]], text_l
     """Forward + backward FLOPs of one pair through `model` (``model(images, texts)``, open_clip's interface) at
     `image_size` (an int or (H, W)) and `text_len` tokens, counted on a meta batch of `batch` pairs and divided by it.
     Raises what the model's forward raises on meta tensors (one that reads values, e.g.)."""
-    from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
-
     h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     state = {n: _meta(p) for n, p in model.named_parameters()}
     state.update({n: _meta(b) for n, b in model.named_buffers()})
