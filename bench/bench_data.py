@@ -19,6 +19,9 @@ With ``--images laion`` the shards hold LAION-like photos instead (sides 500-110
   draft decoding, uint8 batches), tokenizing and collating included; its uint8 batches are the measured output
   (training finishes them on the GPU). ``mmcl_train_float`` also finishes them here, on the CPU (float32,
   normalised: what open_clip's workers hand over).
+- ``mmcl_device_bytes`` (not in the default list): the stream with ``data.decode=device``, its batches of encoded
+  JPEGs and crop boxes the measured output (what the loader costs when the GPU decodes); ``mmcl_device_cpu``
+  decodes, crops and finishes them here too, on the CPU (libjpeg-turbo at full size, no draft).
 
 All three are counted in samples per CPU second (this process and its workers).
 
@@ -160,7 +163,7 @@ def open_clip_loader(spec, samples, batch, workers, resampled=False):
                            tokenizer=open_clip.get_tokenizer("ViT-B-32")).dataloader
 
 
-def mmcl_train_loader(spec, batch, workers, shuffle, finish_on_device=False):
+def mmcl_train_loader(spec, batch, workers, shuffle, finish_on_device=False, decode="worker"):
     """mmcl's stream as training builds it: the transform made from the model's image numbers, defaults. Its
     batches hold uint8 images; with `finish_on_device` they are what is measured (in training the float
     conversion and normalisation run on the GPU), otherwise they are finished here, on the CPU (counted)."""
@@ -170,7 +173,7 @@ def mmcl_train_loader(spec, batch, workers, shuffle, finish_on_device=False):
     from mmcl.config import DataConfig
     from mmcl.data import ImageSpec, build_train_stream
 
-    cfg = DataConfig(train=spec, batch_size=batch, workers=workers, shuffle_buffer=shuffle)
+    cfg = DataConfig(train=spec, batch_size=batch, workers=workers, shuffle_buffer=shuffle, decode=decode)
     spec_ = ImageSpec(size=224, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD)
     stream = build_train_stream(cfg, spec_, open_clip.get_tokenizer("ViT-B-32"), seed=0)
     stream.finish_on_device = finish_on_device
@@ -265,6 +268,10 @@ def model_input(loader, batch) -> torch.Tensor:
     the loader is marked ``finish_on_device`` (training finishes them on the GPU: the uint8 batch is the input)."""
     if isinstance(batch, (tuple, list)):
         return batch[0]
+    if "jpeg" in batch:  # data.decode=device: encoded JPEGs; decoded here on the CPU unless measured as sent
+        if getattr(loader, "finish_on_device", False):
+            return batch["jpeg"]
+        return loader.finish_images.batch(batch, torch.device("cpu"))
     if getattr(loader, "finish_on_device", False):
         return batch["image"]
     return loader.finish_images(batch["image"])
@@ -275,7 +282,8 @@ def measure(loader, n_batches: int, batch: int):
     start-up and the first shuffle fill excluded)."""
     it = iter(loader)
     first = model_input(loader, next(it))
-    assert first.shape[-1] == 224 and first.dtype in (torch.float32, torch.uint8)
+    assert first.dtype == torch.uint8 and first.dim() == 1 or first.shape[-1] == 224 and first.dtype in (
+        torch.float32, torch.uint8)
     c0, t0 = cpu_seconds(), time.perf_counter()
     for _ in range(n_batches):
         model_input(loader, next(it))
@@ -372,6 +380,12 @@ def main() -> None:
             "open_clip": lambda: open_clip_loader(spec, args.samples, args.batch, args.workers),
             "mmcl_train": lambda: mmcl_train_loader(spec, args.batch, args.workers, args.shuffle, True),
             "mmcl_train_float": lambda: mmcl_train_loader(spec, args.batch, args.workers, args.shuffle),
+            # data.decode=device: the workers' batches of encoded JPEGs (what a GPU run's loader costs), and the same
+            # decoded, cropped and finished here on the CPU (what the device's decode costs when it is a CPU).
+            "mmcl_device_bytes": lambda: mmcl_train_loader(spec, args.batch, args.workers, args.shuffle, True,
+                                                           "device"),
+            "mmcl_device_cpu": lambda: mmcl_train_loader(spec, args.batch, args.workers, args.shuffle, False,
+                                                         "device"),
         }
         order = args.loaders.split(",")
         loaders = {name: loaders[name] for name in order}

@@ -399,8 +399,8 @@ DATA_MAY_IMPORT = ("config", "errors", "storage.fsutil", "storage.manifest")
 
 
 def test_data_modules_import_only_the_modules_before_them():
-    order = ["limits", "sources", "sizes", "reading", "decode", "skips", "transforms", "naflex", "pipeline",
-             "batching", "stream", "eval_data", "shard_inputs"]
+    order = ["limits", "sources", "sizes", "reading", "decode", "skips", "transforms", "device_decode", "naflex",
+             "pipeline", "batching", "stream", "eval_data", "shard_inputs"]
     folder = str(PACKAGE / "data")
     assert sorted(order + ["__init__"]) == sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py"))
     for i, name in enumerate(order):

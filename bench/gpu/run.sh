@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Run on the GPU machine, in the repository root, with .whl/ carried (bench/gpu/prepare.sh made it): installs the
 # wheels into a folder of their own, puts it and this checkout on PYTHONPATH (mmcl as an editable install would
-# see it), then runs bench/gpu/proof.py within its budget. Everything goes to $OUT as it is made, at most 6 files
-# (the device returns 8): install.log, nvidia-smi.txt, proof.log, pytest.log, summary.json, summary.md.
+# see it), then runs bench/gpu/proof.py within its budget. Everything goes to $OUT as it is made, at most 7 files
+# (the device returns 8): install.log, nvidia-smi.txt, proof.log, pytest.log, e2e.log, summary.json, summary.md.
 #
-#   bash bench/gpu/run.sh [--budget-s 480] [other proof.py arguments]
+#   bash bench/gpu/run.sh [--budget-s 420] [other proof.py arguments]
 #
-# The budget is proof.py's own (it skips or cuts stages to keep it); this script adds a hard stop 60 s after it,
-# and summary.json is rewritten after every measurement, so a run killed from outside still returns what it had.
+# The budget is proof.py's own (it skips or cuts stages and arms to keep it); this script adds a hard stop 60 s after
+# it, and summary.json is rewritten after every arm (summary.md after every stage), so a run killed from outside
+# still returns what it had. 420 s of proof, the install and the machine's start fit a 15-minute device lease.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/proof-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/mmcl-site}
-budget=480
+budget=420
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   [[ "${args[$i]}" == "--budget-s" ]] && budget=${args[$((i + 1))]}

@@ -39,6 +39,7 @@ _CHOICES = {
     "train.precision": ("auto", *PRECISIONS),
     "train.nan_policy": ("stop", "skip"),
     "train.resume": ("auto", "force"),
+    "data.decode": ("worker", "device"),
 }
 _POSITIVE = (
     "data.batch_size", "train.steps", "train.samples", "train.log_every", "train.accum_steps", "eval.batch_size",

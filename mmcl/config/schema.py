@@ -151,7 +151,7 @@ class DataConfig(_Section):
     weights: Optional[List[float]] = described(None, "per-source sampling weights (resampled mode)")
     batch_size: int = described(64, "samples per batch on each process")
     workers: Optional[int] = described(
-        None, "dataloader workers per process; null: its share of the CPUs less 1 (1 to 8)")
+        None, "dataloader workers per process; null: its share of the CPUs less 1 (at least 1, no upper cap)")
     shuffle_buffer: int = described(1000, "samples per shuffled block (a seeded permutation within each)")
     resampled: bool = described(False, "draw shards with replacement for ever (open_clip's --dataset-resampled)")
     max_image_pixels: int = described(89_478_485, "pillow's decompression-bomb limit")
@@ -160,6 +160,12 @@ class DataConfig(_Section):
         True,
         "Images travel from the workers as uint8 and are scaled/normalised on the training device (exact, 4x less "
         "shared and device memory traffic); used when the transform ends in ToTensor [+ Normalize].")
+    decode: str = described(
+        "worker",
+        "Where training images are decoded: worker (Pillow in the data workers) or device (the workers send the "
+        "encoded JPEGs with their crop boxes; the training device decodes, crops, resizes and normalises them with "
+        "torchvision.io.decode_jpeg: nvJPEG on CUDA). Other formats, and runs whose augmentation needs PIL, decode in "
+        "the workers; the start line says which path a run takes and why.")
     worker_nice: int = described(
         0,
         "Niceness the data workers add to their own (0-19). On a CPU-only machine a higher value makes the workers "

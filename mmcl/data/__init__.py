@@ -14,6 +14,8 @@ One concern per module, imported in this order (each uses only those above it)::
     transforms.py  decoded image -> tensor: the training transform built from a model's image numbers
                    (`ImageSpec`, `train_image_stages`), seeded per-sample transforms, the uint8 hand-off
                    (`ImageFinish`; `split_transform` for a caller's own transform), the cheaper random crop
+    device_decode.py  ``data.decode=device``: a JPEG's header checked and its crop box drawn in the worker, the
+                   encoded bytes batched, decoded and cropped where the model runs (`DeviceFinish`)
     naflex.py      native-resolution batches for NaFlex towers: the per-batch sequence length and pairs
                    (`NaflexPlan`), aspect-kept resizing, patches padded to the length, their normalisation
     pipeline.py    the resumable training stream's plan: its settings (`StreamSpec`, `InputSizes`), the shard

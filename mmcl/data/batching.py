@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .decode import DEFAULT_KEYS, IMAGE_EXTS, SkipSample, TransformOutputError, caption_draw, decode_sample, zero_skips
+from .device_decode import collate_images, encoded_sample
 from .naflex import patch_batch
 from .pipeline import CAPTION_COUNTS, InputSizes, StreamSpec, epoch_shard_plan, sample_id, shuffle_block
 from .reading import RawSample, read_raw_samples
@@ -165,10 +166,15 @@ class _Filling:
     def take(self) -> Dict[str, Any]:
         """The full batch; empties the filling for the role's next batch (at that batch's input sizes)."""
         flex = self.s.naflex
-        batch = collate(self.images if flex is None else None, self.captions, self.labels, self.keys,
-                        self.s.tokenizer, self.s.teacher_view, self.teacher, context_length=self.sizes.context_length,
+        device = self.s.device_decode
+        batch = collate(self.images if flex is None and device is None else None, self.captions, self.labels,
+                        self.keys, self.s.tokenizer, self.s.teacher_view, self.teacher,
+                        context_length=self.sizes.context_length,
                         negatives=self.negatives if self.s.negatives else None, max_negatives=self.s.negatives,
                         counts=self.counts)
+        if device is not None:  # data.decode=device: encoded JPEGs (and the other samples decoded here)
+            size = (device.size, device.size) if isinstance(device.size, int) else tuple(device.size)
+            batch.update(collate_images(self.images, size))
         if flex is not None:
             batch.update(patch_batch(self.images, flex.seq_len_at(self.batch), flex.patch_size))
         batch["sample_id"] = torch.tensor(self.ids, dtype=torch.long)
@@ -197,12 +203,20 @@ def _decode_or_count_skip(s: StreamSpec, item: RawSample, slot: int, epoch: int,
 
 def _decode_seeded(s: StreamSpec, item: RawSample, slot: int, epoch: int, sizes: InputSizes):
     """`decode_sample` of a raw item drawn by `slot` in `epoch`, at `sizes` (its augmentation and caption draw
-    follow from them and the item's place, whichever process reads it; so does the draw of its negatives)."""
+    follow from them and the item's place, whichever process reads it; so does the draw of its negatives). With
+    ``data.decode=device`` a JPEG the device can decode comes back encoded with its crop box (drawn from the run's
+    seed, the epoch and the sample's id alone: the same on any number of processes), the rest decoded here."""
     drawn = s.keys is not None or s.negatives > 0
+    draw = caption_draw(s.seed, epoch, item.key) if drawn else 0
+    if s.device_decode is not None:
+        encoded = encoded_sample(item.files, s.device_decode, s.max_pixels,
+                                 _mix(s.seed, epoch, sample_id(item.url, item.key)), s.keys, draw)
+        if encoded is not None:
+            return encoded
     return decode_sample(item.files, sizes.preprocess, s.max_pixels, sizes.draft_size,
                          aug_seed=_mix(s.seed, slot, epoch, item.shard, item.index), as_uint8=s.as_uint8,
-                         keys=s.keys, caption_draw=caption_draw(s.seed, epoch, item.key) if drawn else 0,
-                         teacher_view=s.teacher_view, stored_teacher=s.stored_teacher, negatives=s.negatives)
+                         keys=s.keys, caption_draw=draw, teacher_view=s.teacher_view, stored_teacher=s.stored_teacher,
+                         negatives=s.negatives)
 
 
 def _shuffled_blocks(s: StreamSpec, plan, slot: int, epoch: int,

@@ -80,6 +80,7 @@ class StreamSpec:
     sizes: Tuple[InputSizes, ...] = ()  # by start; none: every batch at the model's own sizes
     naflex: Any = None  # a `mmcl.data.naflex.NaflexPlan`: each batch's sequence length and pairs; None: fixed size
     negatives: int = 0  # data.negatives: the most negative captions a sample brings to its batch (0: none read)
+    device_decode: Any = None  # data.decode=device in effect: the `ImageSpec` whose crop the workers draw
 
     def sizes_at(self, batch: int) -> InputSizes:
         """The input sizes of process batch `batch` (0-based, counted from the start of the run)."""

@@ -22,6 +22,7 @@ from ..config import DataConfig, data_weight_problems, data_workers
 from ..errors import ConfigError, DataError
 from .batching import WorkerOutput, role_batches
 from .decode import needed_members, sample_keys
+from .device_decode import DeviceFinish, device_decode_problem
 from .limits import MAX_NEGATIVES
 from .naflex import PatchNormalizer
 from .pipeline import (
@@ -50,6 +51,10 @@ _STATE_VERSION = 1
 # How long a data worker goes on serving after a stop signal meant for the whole process group: time for the
 # training process to finish its step and save (a scheduler's SIGKILL ends everything later anyway).
 WORKER_STOP_GRACE_S = 60.0
+
+# Above this share of a logging window's time spent waiting for the next batch, a run says (once) that its loader is
+# what limits it.
+WAIT_WARN_SHARE = 0.25
 
 
 def _worker_stop_signal(signum, frame) -> None:
@@ -178,6 +183,15 @@ class TrainStream:
 
             self.uint8, self.draft_size = True, None
             self.finish_images = PatchNormalizer(preprocess.mean, preprocess.std)
+        # data.decode=device: the `ImageSpec` whose crop the workers draw, where it can be in effect (`decode_line`)
+        self.device_decode: Optional[ImageSpec] = None
+        self.decode_problem = None if cfg.decode != "device" else device_decode_problem(
+            preprocess, teacher_view, naflex, sizes, stored_teacher) or (
+            None if self.uint8 else "data.uint8_transfer=false finishes the images in the workers") or (
+            "data.negatives reads each sample's negative captions in the workers' decode" if self.negatives else None)
+        if cfg.decode == "device" and self.decode_problem is None:
+            self.device_decode = preprocess
+            self.finish_images = DeviceFinish(preprocess)
         self._positions = [fresh_position() for _ in range(self.n_roles)]
         self._next_role = 0
         self.batches = 0
@@ -190,6 +204,26 @@ class TrainStream:
             warnings.warn(f"{leftover} of {len(self.urls)} shards do not divide among the {slots} rank x worker "
                           f"slots and are read by every slot (each keeping 1/{slots} of their samples); with "
                           f"remote shards use a multiple of {slots} shards or data.resampled=true")
+
+    @property
+    def decode_line(self) -> str:
+        """Where this stream's images are decoded, and why, for the start of a run."""
+        if self.device_decode is not None:
+            return ("images decoded on the training device (data.decode=device): the data workers read, check and "
+                    "draw each crop; JPEGs are decoded, cropped and resized where the model runs, other formats in "
+                    "the workers")
+        if self.cfg.decode == "device":
+            return f"images decoded in the data workers: data.decode=device is not in effect ({self.decode_problem})"
+        return "images decoded in the data workers (data.decode=worker)"
+
+    def wait_advice(self, share: float, steps: str) -> str:
+        """The warning for a run that waited for data `share` of the time of `steps` (words): the knob that helps."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return (f"warning: training waited for data {share:.0%} of the time over {steps} (more than "
+                f"{WAIT_WARN_SHARE:.0%}): the loader limits this run; give it more workers (data.workers, now "
+                f"{self.workers} per process; this process may use {cpus} CPUs) or more CPUs per process"
+                + ("" if self.device_decode is not None or self.cfg.decode == "device" else
+                   ", or decode on the device (data.decode=device)"))
 
     def _stages(self, spec: ImageSpec) -> Tuple[Callable, Optional[Callable], Optional[Tuple[int, int]]]:
         """The training transform of image input `spec`: (the workers' part, the part run where the model runs
@@ -225,7 +259,7 @@ class TrainStream:
             retry_delay=float(self.cfg.retry_delay), read_timeout=float(self.cfg.read_timeout),
             members=needed_members(self.keys, self.stored_teacher, negatives=self.negatives > 0),
             max_member_bytes=int(self.cfg.max_member_bytes), sizes=self.sizes, naflex=self.naflex,
-            negatives=self.negatives)
+            negatives=self.negatives, device_decode=self.device_decode)
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [copy_position(p) for p in self._positions]

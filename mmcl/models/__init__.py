@@ -1,6 +1,6 @@
 """The towers: open_clip architectures and Hugging Face text towers (`towers`, with mmcl's subclasses of open_clip's
 model classes in `clip_classes`), FLIP's patch dropout (`flip`), towers that follow their input's size (`resize`), and
-NaFlex image towers (`naflex`: timm's NaFlexVit, `is_naflex`).
+NaFlex image towers (`naflex`: timm's NaFlexVit, `is_naflex`); a model's FLOPs per pair and MFU (`flops`).
 
 The names below are the package's interface (``from mmcl import models; models.build(cfg)``)."""
 

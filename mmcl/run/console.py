@@ -70,10 +70,16 @@ def progress_bar(total: int, initial: int, held: Optional[contextlib.ExitStack] 
 def step_line(record: Dict[str, Any], total: int) -> str:
     """One logged step in words, from its metrics record, as open_clip's "Train Epoch ... Loss ... LR ..." lines:
     progress, samples, the loss and each of its terms, the learning rate, the logit scale, the throughput and the
-    share of the time spent waiting for data, and the samples and shards skipped so far (all processes)."""
+    share of the time spent waiting for data, the model FLOPs utilisation (n/a where the device's peak is not
+    known), and the samples and shards skipped so far (all processes)."""
     terms = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("loss/"))
     return (f"step {record['step']}/{total} ({record['step'] / total:.0%}) | samples {record['samples']} | "
             f"loss {record['loss']:.4f}" + (f" ({terms})" if terms else "") + f" | lr {record['lr']:.3e} | "
             f"logit scale {record['logit_scale']:.3f} | {record['samples_per_s']:.1f} samples/s | "
-            f"data wait {record['data_time_frac']:.0%} | skipped {int(record.get('data/skipped_samples', 0))} "
-            f"samples, {int(record.get('data/skipped_shards', 0))} shards")
+            f"data wait {record['data_time_frac']:.0%} | MFU {mfu_text(record.get('mfu'))} | "
+            f"skipped {int(record.get('data/skipped_samples', 0))} samples, "
+            f"{int(record.get('data/skipped_shards', 0))} shards")
+
+
+def mfu_text(share: Optional[float]) -> str:
+    return "n/a" if share is None else f"{share:.1%}"

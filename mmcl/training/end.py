@@ -14,13 +14,14 @@ import torch
 from ..config import is_main_process, say
 from ..data.decode import SKIP_REASONS
 from ..data.pipeline import CAPTION_COUNTS, skip_units
+from ..data.stream import WAIT_WARN_SHARE
 from ..errors import MmclError, TrainingError
 from ..evaluation.in_run import run_eval
 from ..evaluation.plot import plot_run
 from ..evaluation.wise_ft import wise_ft_of_run
-from ..models import lora
+from ..models import flops, lora
 from ..run import folder as runfolder
-from ..run.console import step_line
+from ..run.console import mfu_text, step_line
 from ..run.processes import others_wait
 from ..run.records import RunRecords
 from ..storage import weights
@@ -61,6 +62,14 @@ def log_record(parts: Parts, state: RunState, records: RunRecords, result: StepR
               # captions longer than the text context, cut by the tokenizer, and their share of those batched
               "data/cut_captions": captions["cut_captions"],
               "data/cut_captions_share": captions["cut_captions"] / max(1, captions["captions"])}
+    if parts.accelerator.device.type == "cuda":  # the allocator's peak so far (a host read, no device sync)
+        record["mem/peak_gib"] = torch.cuda.max_memory_allocated(parts.accelerator.device) / 2 ** 30
+    share = flops.mfu(record["samples_per_s"] / parts.rt.processes, state.flops, state.peak)  # per device
+    if share is not None:
+        record["mfu"] = share
+    if record["data_time_frac"] > WAIT_WARN_SHARE and state.windows > 1 and not state.said_wait:
+        state.said_wait = True  # not the first window (the workers start in it); once per run
+        say(parts.stream.wait_advice(record["data_time_frac"], f"steps {state.window_step + 1}-{progress.step}"))
     if getattr(raw_model, "logit_bias", None) is not None:
         record["logit_bias"] = float(fsdp.full(raw_model.logit_bias.detach()))
     if result.grad_norm is not None:
@@ -132,6 +141,11 @@ def finish_run(parts: Parts, state: RunState, records: RunRecords, last: Dict[st
     if last.get("data/cut_captions"):  # never silent: the captions the text context cut
         say(f"captions cut at the text context: {int(last['data/cut_captions'])} "
             f"({last['data/cut_captions_share']:.1%} of those trained on; model.context_length sets it)")
+    if state.window_total > 0:  # over the logged steps' windows: the step, the loader and MFU together
+        rate = (progress.samples - state.started[1]) / state.window_total
+        share = flops.mfu(rate / parts.rt.processes, state.flops, state.peak)
+        say(f"speed: {rate:.1f} samples/s over the steps, waiting for data "
+            f"{state.data_total / state.window_total:.0%} of the time; MFU {mfu_text(share)}")
     accelerator.end_training()
     if eval_failure is not None:
         raise TrainingError(eval_failure)

@@ -48,7 +48,7 @@ from .end import finish_run, log_record
 from .optim import lr_at
 from .plan import Runtime, check_launch, refuse_deepspeed
 from .preflight import check_inputs
-from .setup import Parts, describe_setup, setup
+from .setup import Parts, describe_setup, setup, speed_basis
 from .state import RunState
 from .step import StepResult, settle_skipped
 
@@ -102,6 +102,9 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         # each batch's phase, or NaFlex length, follows from its place in the run, whatever the saved stream counted
         parts.stream.batches = state.progress.step * rt.accum_steps
     describe_setup(cfg, rt, parts.accelerator, parts.stream.workers)
+    state.flops, state.peak, line = speed_basis(parts, cfg.train.precision, cfg.train.tf32)
+    say(line)
+    say(parts.stream.decode_line)
     data_iter = iter(parts.stream)
     # Closed when the run ends by any path, so the data workers are shut down before the interpreter exits
     # (an exception's traceback would otherwise keep them alive until multiprocessing's exit handler).

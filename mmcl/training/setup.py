@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..evaluation import evaluate
 from ..evaluation.in_run import RunEvaluation
 from ..evaluation.teacher import Teacher
-from ..models import lora
+from ..models import flops, lora
 from ..models import naflex as naflex_model
 from ..models import resize as model_phases
 from ..run.lock import RunLock
@@ -327,3 +327,28 @@ def describe_setup(cfg: TrainConfig, rt: Runtime, accelerator, workers: int) -> 
         for line in describe_sources(cfg.data.train, cfg.data.allow_pipe, cfg.data.require_all_shards,
                                      cfg.data.train_num_samples):
             log(line)
+
+
+def speed_basis(parts: Parts, precision: str, tf32: bool) -> Tuple[Optional[float], Optional[float], str]:
+    """The FLOPs of one pair forward and backward (`mmcl.models.flops`, counted once, at the model's image size and
+    text length) and the device's peak in TFLOP/s in the run's precision (``train.precision``, ``train.tf32``), each
+    None where not known, and the start line that says both (or why MFU is n/a)."""
+    device = parts.accelerator.device
+    peak = flops.device_peak(device, choose_precision(precision)[0], tf32)
+    size = parts.pp_cfg.get("size", 224)
+    text_len = parts.model_cfg.get("text_cfg", {}).get("context_length", 77)
+    per_pair, why = None, ""
+    if parts.stream.naflex is not None or parts.phases:
+        why = "the image size changes from batch to batch (NaFlex) or phase to phase"
+    else:
+        try:
+            per_pair = flops.sample_flops(parts.raw_model, size, text_len)
+        except Exception as err:  # noqa: BLE001 - a tower that cannot run on meta tensors: MFU n/a, training goes on
+            why = f"not countable on meta tensors ({type(err).__name__})"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    where = f"the peak of {name} is {peak:g} TFLOP/s" if peak else f"no known peak for {name}: MFU n/a"
+    if per_pair is None:
+        return None, peak, f"FLOPs per pair not counted: {why}; MFU n/a"
+    size_text = size if isinstance(size, int) else "x".join(str(v) for v in size)
+    return per_pair, peak, (f"{per_pair / 1e9:.2f} GFLOPs per pair, forward and backward at {size_text} px and "
+                            f"{text_len} tokens; {where}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 class TrainProgress:
@@ -40,6 +40,18 @@ class RunState:
     skips: Dict[str, int] = dataclasses.field(default_factory=dict)
     started: Tuple[float, int] = (0.0, 0)  # (perf_counter, samples) when this invocation's training began
     bar: Any = None  # the progress bar, from the first step on (main process, train.progress)
+    window_step: int = 0  # the optimiser steps done when the current window began
+    windows: int = 0  # logging windows begun
+    window_total: float = 0.0  # the time of the windows ended, and their time waiting for data (the summary's share)
+    data_total: float = 0.0
+    said_wait: bool = False  # the data-wait warning said (once per run)
+    flops: Optional[float] = None  # FLOPs of a pair forward and backward, counted at the start; None: unknown
+    peak: Optional[float] = None  # the device's peak TFLOP/s in the run's precision; None: unknown
 
     def start_window(self) -> None:
-        self.window_start, self.window_samples, self.data_time = time.perf_counter(), 0, 0.0
+        now = time.perf_counter()
+        if self.windows:
+            self.window_total += now - self.window_start
+            self.data_total += self.data_time
+        self.windows += 1
+        self.window_start, self.window_samples, self.data_time, self.window_step = now, 0, 0.0, self.progress.step

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .. import losses, models
 from ..config import LossConfig, get, say, term_keys
+from ..data import device_decode as data_device_decode
 from ..data import naflex as data_naflex
 from ..errors import DataError, TrainingError
 from ..storage.checkpoints import latest_checkpoint
@@ -54,6 +55,8 @@ def _moved(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def _images(b, device, finish_images):
+    if data_device_decode.ENCODED in b:  # data.decode=device: decoded, cropped and finished on `device`
+        return finish_images.batch(b, device)
     if "image" in b:
         x = _moved(b["image"], device)
     else:  # a NaFlex batch: the tower takes the patch dict (`mmcl.data.naflex`)

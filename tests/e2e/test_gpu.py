@@ -130,3 +130,34 @@ def test_training_on_cuda_killed_and_resumed_gives_the_uninterrupted_weights(dem
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst <= 1e-4, worst
+
+
+def test_device_decode_on_cuda_is_close_to_the_same_call_on_the_cpu():
+    """data.decode=device on CUDA (nvJPEG, one batched call) against the same batch decoded on the CPU
+    (libjpeg-turbo): the same boxes, pixels within the decoders' IDCT and chroma-upsampling differences."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mmcl.data.device_decode import DeviceFinish, Encoded, collate_images
+    from mmcl.data.transforms import ImageSpec
+
+    rng = np.random.default_rng(0)
+    encoded = []
+    for i in range(8):
+        w, h = int(rng.integers(200, 400)), int(rng.integers(200, 400))
+        y, x = np.mgrid[0:h, 0:w] / max(h, w)
+        px = np.stack([np.sin(6 * x + i), np.cos(5 * y - i), np.sin(4 * (x + y))], -1) * 90 + 128
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(px + rng.normal(0, 6, px.shape), 0, 255).astype(np.uint8)).save(buf, "JPEG",
+                                                                                               quality=90)
+        encoded.append(Encoded(buf.getvalue(), (10, 20, h - 30, w - 40)))
+    spec = ImageSpec(size=224, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    b = collate_images(encoded, (224, 224))
+    finish = DeviceFinish(spec)
+    gpu = finish.batch({k: v.pin_memory() for k, v in b.items()}, torch.device("cuda")).cpu()
+    cpu = finish.batch(b, torch.device("cpu"))
+    levels = (gpu - cpu).abs() * 0.5 * 255
+    assert gpu.shape == cpu.shape == (8, 3, 224, 224)
+    assert levels.mean() < 1.5 and levels.max() < 48, (levels.mean(), levels.max())

@@ -20,7 +20,7 @@ SETTINGS = ("train.save_every=0",)
 
 # ------------------------------------------------------------------------------------------ step lines
 STEP_LINE = re.compile(r"mmcl: step (\d+)/(\d+) \((\d+)%\) \| samples (\d+) \| loss (\S+) \(clip (\S+)\) \| "
-                       r"lr (\S+) \| logit scale (\S+) \| (\S+) samples/s \| data wait (\d+)% \| "
+                       r"lr (\S+) \| logit scale (\S+) \| (\S+) samples/s \| data wait (\d+)% \| MFU n/a \| "
                        r"skipped (\d+) samples, (\d+) shards")
 
 
@@ -69,6 +69,60 @@ def test_with_the_bar_the_step_lines_go_to_out_log_only(small_demo, tmp_path, ca
     assert "mmcl: step " not in console.out + console.err and "5/5" in console.err  # the bar
     logged = [ln for ln in (out / "out.log").read_text().splitlines() if ln.startswith("mmcl: step ")]
     _matches_metrics(_parsed(logged), metrics(out))
+
+
+# ------------------------------------------------------------------------------------------ speed
+def test_each_run_says_its_flops_mfu_and_data_wait_and_warns_once_when_the_loader_limits_it(small_demo, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """A loader slower than the step (each batch 2 s late) is named once, with its knob, from the second logged
+    window on (the first one holds the workers' start); with a known peak (1 TFLOP/s here) every record has MFU =
+    samples/s x the model's FLOPs per pair (torch's counter) / the peak, and the summary says all three."""
+    from mmcl import models
+    from mmcl.config import load_config
+    from mmcl.data.stream import TrainStream
+    from mmcl.models import flops
+
+    slow = TrainStream.__iter__
+
+    def late(self):
+        for batch in slow(self):
+            time.sleep(2.0)
+            yield batch
+
+    monkeypatch.setattr(TrainStream, "__iter__", late)
+    monkeypatch.setattr(flops, "device_peak", lambda device, precision, tf32=False: 1.0)
+    out = tmp_path / "run"
+    argv = short_run(small_demo, out, *SETTINGS, "train.steps=4", "train.log_every=1")
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    cfg = load_config(argv[2], argv[3:])
+    model, model_cfg, pp_cfg = models.build(cfg.model)[:3]
+    per_pair = flops.sample_flops(model, pp_cfg["size"], model_cfg["text_cfg"]["context_length"])
+    assert f"mmcl: {per_pair / 1e9:.2f} GFLOPs per pair, forward and backward at {pp_cfg['size']} px and " \
+           f"{model_cfg['text_cfg']['context_length']} tokens; no known peak for cpu: MFU n/a" not in printed  # patched
+    assert any(ln.startswith(f"mmcl: {per_pair / 1e9:.2f} GFLOPs per pair") for ln in printed), printed
+    rows = metrics(out)
+    for r in rows:
+        assert r["mfu"] == pytest.approx(r["samples_per_s"] * per_pair / 1e12, rel=1e-9)
+    # The first window past the share (the first one is not judged) is the one named, once.
+    first = next(r["step"] for r in rows[1:] if r["data_time_frac"] > 0.25)
+    warned = [ln for ln in printed if "waited for data" in ln]
+    assert len(warned) == 1 and f"over steps {first}-{first}" in warned[0], warned
+    assert "data.workers, now 0 per process" in warned[0]
+    speed = [ln for ln in printed if ln.startswith("mmcl: speed: ")]
+    assert len(speed) == 1 and re.search(r"waiting for data (\d+)% of the time; MFU \d+\.\d%$", speed[0]), speed
+    share = sum(r["data_time_frac"] / r["samples_per_s"] for r in rows) / sum(1 / r["samples_per_s"] for r in rows)
+    assert int(re.search(r"waiting for data (\d+)%", speed[0]).group(1)) == pytest.approx(100 * share, abs=1.01)
+
+
+def test_on_a_cpu_the_start_line_counts_the_flops_and_mfu_is_n_a(small_demo, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(short_run(small_demo, out, *SETTINGS, towers=TRAINING_TOWERS)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert any(re.fullmatch(r"mmcl: \d+\.\d\d GFLOPs per pair, forward and backward at 64 px and 32 tokens; "
+                            r"no known peak for cpu: MFU n/a", ln) for ln in printed), printed
+    assert all("mfu" not in r for r in metrics(out))
+    assert [ln for ln in printed if ln.startswith("mmcl: speed: ")][0].endswith("; MFU n/a")
 
 
 # ------------------------------------------------------------------------------------------ stop signals

@@ -92,7 +92,10 @@ def test_data_workers_default_from_the_cpus(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert data_workers(None) == 7
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert data_workers(None) == 8
+    assert data_workers(None) == 15  # no fixed cap: every CPU the process has feeds its step
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert data_workers(None) == 11  # 12 CPUs for each of 8 GPUs
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert data_workers(None) == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
