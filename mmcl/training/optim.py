@@ -367,7 +367,7 @@ def warmup_line(cfg: OptimConfig, total_steps: int) -> Optional[str]:
     """The line for a warm-up longer than the run (``optim.warmup_steps`` over `total_steps`): the rate never
     reaches its peak, and the last step's rate against the peak says by how much. None when the warm-up ends in
     the run."""
-    if cfg.warmup_steps <= total_steps:
+    if cfg.warmup_steps <= total_steps or cfg.lr <= 0:  # optim.lr=0 (a run that only evaluates): no peak to reach
         return None
     last = lr_at(total_steps - 1, cfg, total_steps)
     return (f"warning: optim.warmup_steps={cfg.warmup_steps} is longer than the run's {total_steps} steps: the whole "

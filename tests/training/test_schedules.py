@@ -298,3 +298,8 @@ def test_a_warmup_longer_than_the_run_is_said_with_the_last_rate_reached(schedul
                     "last step at lr 0.0002 of the peak optim.lr=0.0005 (40 %); set optim.warmup_steps below 6")
     assert optim.warmup_line(OptimConfig(lr=5e-4, warmup_steps=6, schedule=schedule), 6) is None  # peak at the last
     assert optim.warmup_line(cfg, 15) is None
+
+
+def test_a_run_at_lr_zero_has_no_warm_up_line():
+    """optim.lr=0 (a run that only evaluates or records): no peak to reach, so no warm-up line (it divided by 0)."""
+    assert optim.warmup_line(OptimConfig(lr=0.0, warmup_steps=100), 1) is None
