@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from ..config import TrainConfig, moved_keys_carried, to_dict
 from ..data.skips import counts_text, describe, first_records
 from ..data.sources import redact_values
-from ..errors import ConfigError, MmclError, RunStopped, preview
+from ..errors import ConfigError, MmclError, RunStopped, TrainingError, preview
 from ..storage import checkpoints
 from ..storage.fsutil import atomic_write_text, inside, open_inside
 from ..storage.layout import (
@@ -55,6 +55,7 @@ from ..storage.layout import (
     RunLayout,
 )
 from ..storage.weights import CONFIG_FILE
+from .lock import in_use
 
 COMMAND = "train"
 GLOBAL_BATCH = "global_batch"  # recorded in each checkpoint's COMPLETE marker and in the run's record
@@ -279,6 +280,9 @@ def decide(config: Dict[str, Any], processes: int, total: Union[int, Callable[[]
     write."""
     out = Path(config["train"]["output_dir"])
     refuse_links(out)
+    busy = in_use(out)
+    if busy:  # another run is starting or training there: its files are its own, whatever they hold yet
+        raise TrainingError(busy)
     if not out.is_dir() or not _entries(out):  # a path that is a file: check_output_dir names it
         return Decision("start", f"{out}: a new run", write_config=True)
     record = read_record(out)

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Optional
@@ -95,6 +96,32 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def in_use(out_dir: Path) -> Optional[str]:
+    """The line refusing `out_dir` when another run holds its lock (probed with a shared lock, never taken; the file
+    opened without following a link or blocking), else None. Asked before the folder's contents are judged, so a
+    run that is starting is "in use", not a folder of unknown files."""
+    path = Path(out_dir) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None  # no lock file (or not one mmcl could hold): the folder's rule judges it
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                return None
+            holder = _read(fd) or "unknown holder"
+            return (f"{path.parent} is in use by another run ({holder}); wait for it to end or choose another "
+                    f"train.output_dir")
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _names(path: Path, fd: int) -> bool:

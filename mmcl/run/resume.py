@@ -26,6 +26,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import torch
+from accelerate.utils import load
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
@@ -88,7 +90,7 @@ def load_weights_and_optimizer(run: Restorable, resume: Path) -> None:
     run's model are a CheckpointError naming the keys (`weights_mismatch`), not torch's many-line message."""
     try:
         checkpoints.load_accelerate_state(run.accelerator, resume)
-        not_restored = checkpoints.generators_not_restored(resume, run.accelerator.process_index)
+        not_restored = generators_not_restored(resume, run.accelerator.process_index)
     except RuntimeError:
         why = weights_mismatch(run.raw_model, resume / checkpoints.MODEL_WEIGHTS)
         if why is None:
@@ -255,3 +257,31 @@ def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> Non
         raise CheckpointError(
             f"cannot resume from {resume}: its global contrastive estimates have {saved.shape[0]} slots, expected "
             f"{estimates.table_size} (loss.global_contrastive.table_size changed?)")
+
+
+def generators_not_restored(ckpt: Path, process_index: int) -> Optional[str]:
+    """One warning line naming the generators whose state `ckpt` holds for this process but that do not now hold
+    it (None: all restored). Asked right after `load_accelerate_state`: accelerate's load skips the random states on any
+    error with a log line at INFO only: a dropout tower would then draw other masks."""
+
+    name = f"random_states_{process_index}.pkl"
+    try:
+        saved = load(Path(ckpt) / name, map_location="cpu")
+    except Exception as err:  # absent or unreadable: accelerate could not have restored it either
+        return f"warning: {ckpt}: the random generators were not restored ({name}: {type(err).__name__}); " \
+               f"dropout and other random draws continue from the seed, not from the checkpoint"
+    current = {"torch_manual_seed": lambda: torch.get_rng_state()}
+    if torch.cuda.is_available():
+        current["torch_cuda_manual_seed"] = lambda: torch.cuda.get_rng_state_all()
+    wrong = [key for key, now in current.items()
+             if key in saved and not _same_states(now(), saved[key])]
+    if not wrong:
+        return None
+    names = {"torch_manual_seed": "the CPU generator", "torch_cuda_manual_seed": "the CUDA generators"}
+    return (f"warning: {ckpt}: {' and '.join(names[k] for k in wrong)} not restored from {name}; dropout and "
+            f"other random draws continue from the seed, not from the checkpoint")
+
+
+def _same_states(now: Any, saved: Any) -> bool:
+    now, saved = (list(x) if isinstance(x, (list, tuple)) else [x] for x in (now, saved))
+    return len(now) == len(saved) and all(a.cpu().equal(b.cpu()) for a, b in zip(now, saved))

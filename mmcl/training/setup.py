@@ -340,6 +340,8 @@ def speed_basis(parts: Parts, precision: str, tf32: bool) -> Tuple[Optional[floa
     per_pair, why = None, ""
     if parts.stream.naflex is not None or parts.phases:
         why = "the image size changes from batch to batch (NaFlex) or phase to phase"
+    elif fsdp.in_effect(parts.accelerator):  # running the sharded model's hooks on meta copies would break them
+        why = "FSDP shards the model (count it without FSDP: the same model gives the same FLOPs)"
     else:
         try:
             per_pair = flops.sample_flops(parts.raw_model, size, text_len)

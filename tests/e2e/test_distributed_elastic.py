@@ -112,12 +112,12 @@ from mmcl.cli import main
 real = train_mod.next_batches
 
 
-def logged(run, data_iter):
-    step = run.progress.step + 1
+def logged(parts, state, data_iter):
+    step = state.progress.step + 1
     if os.environ.get("STOP_AT") == str(step):  # as a scheduler's SIGTERM during this step
         os.kill(os.getpid(), signal.SIGTERM)
-    batches = real(run, data_iter)
-    with open(os.path.join(os.environ["KEYS_DIR"], f"keys-{run.accelerator.process_index}.jsonl"), "a") as f:
+    batches = real(parts, state, data_iter)
+    with open(os.path.join(os.environ["KEYS_DIR"], f"keys-{parts.accelerator.process_index}.jsonl"), "a") as f:
         f.write(json.dumps([step, [k for b in batches for k in b["key"]]]) + "\\n")
     return batches
 

@@ -315,8 +315,6 @@ from torchvision import transforms as T
 from mmcl import data
 from mmcl.config import DataConfig
 
-from helpers import inputs_of
-
 cfg = DataConfig(train=sys.argv[1], batch_size=1, workers=0, shuffle_buffer=1)
 stream = data.build_train_stream(cfg, T.Compose([T.Resize(8), T.CenterCrop(8), T.ToTensor()]),
                                  lambda texts: __import__("torch").zeros(len(texts), 4, dtype=__import__("torch").long),

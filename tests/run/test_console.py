@@ -14,7 +14,7 @@ def test_step_line_reads_the_record_in_open_clips_order():
               "data/skipped_samples": 7, "data/skipped_shards": 1}
     assert console.step_line(record, 100) == (
         "step 25/100 (25%) | samples 3200 | loss 1.2346 (clip 1.0000, distill 0.2346) | lr 5.120e-04 | "
-        "logit scale 14.286 | 812.3 samples/s | data wait 12% | skipped 7 samples, 1 shards")
+        "logit scale 14.286 | 812.3 samples/s | data wait 12% | MFU n/a | skipped 7 samples, 1 shards")
     del record["loss/clip"], record["loss/distill"]
     assert " | loss 1.2346 | lr" in console.step_line(record, 100)
 

@@ -5,7 +5,7 @@ import torch
 from accelerate.utils import load
 
 from mmcl.config import load_config
-from mmcl.storage import checkpoints
+from mmcl.run import resume as resume_mod
 from mmcl.training.loop import train
 
 from helpers import ROOT, run_args
@@ -21,13 +21,13 @@ def _run(demo, out, steps):
 def test_a_resume_restores_the_cpu_generator_exactly(demo, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     _run(demo, out, 2)
-    seen, real = [], checkpoints.generators_not_restored
+    seen, real = [], resume_mod.generators_not_restored
 
     def spy(ckpt, index):
         seen.append((torch.get_rng_state().clone(), load(ckpt / f"random_states_{index}.pkl")["torch_manual_seed"]))
         return real(ckpt, index)
 
-    monkeypatch.setattr(checkpoints, "generators_not_restored", spy)
+    monkeypatch.setattr(resume_mod, "generators_not_restored", spy)
     capsys.readouterr()
     _run(demo, out, 3)
     assert len(seen) == 1 and seen[0][0].equal(seen[0][1])
