@@ -16,11 +16,11 @@ import timm.optim
 import torch
 
 from ..errors import ConfigError
-from ..losses import VARIABLE_PAIR_TERMS
 from .keys import get, term_keys
 from .schema import (
     PRECISIONS,
     TRACKERS,
+    VARIABLE_PAIR_TERMS,
     AugConfig,
     DataConfig,
     EvalConfig,

@@ -14,8 +14,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Dict, List, get_type_hints
 
-from ..losses import TERMS
-from .schema import LossConfig, TrainConfig
+from .schema import LOSS_TERMS, LossConfig, TrainConfig
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,11 +124,12 @@ def nearest_keys(key: str) -> str:
 
 
 def term_keys() -> Dict[str, str]:
-    """Each loss term of `mmcl.losses.TERMS` -> the key of its weight: ``loss.<term>``, or ``loss.<term>.weight``
+    """Each loss term (`LOSS_TERMS`, the objective's table's names) -> the key of its weight: ``loss.<term>``, or
+    ``loss.<term>.weight``
     for a term with its own section of parameters (``loss.mochi``)."""
 
     sections = _subsections(LossConfig)
-    return {name: f"loss.{name}.weight" if name in sections else f"loss.{name}" for name in TERMS}
+    return {name: f"loss.{name}.weight" if name in sections else f"loss.{name}" for name in LOSS_TERMS}
 
 
 def get(cfg, key: str):

@@ -246,6 +246,14 @@ class GlobalContrastiveConfig(_Section):
         "hashed into them, so a few times the data set's samples keeps shared slots rare")
 
 
+# The loss terms by name, in the objective's table order (`mmcl.losses.TERMS`, which imports torch; the config and
+# everything that loads a model read these instead, and tests/losses/test_objective.py holds the two equal): each has
+# its weight in `LossConfig`, ``loss.<term>`` or ``loss.<term>.weight`` (`mmcl.config.term_keys`). The terms that
+# score a varying number of pairs per process (NaFlex) are `mmcl.losses.VARIABLE_PAIR_TERMS`' names.
+LOSS_TERMS = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "mochi", "distill",
+              "global_contrastive")
+VARIABLE_PAIR_TERMS = ("clip", "siglip")
+
 @dataclass
 class LossConfig(_Section):
     clip: float = described(1.0, "weight of InfoNCE, CLIP's symmetric cross-entropy")

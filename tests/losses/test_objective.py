@@ -337,3 +337,12 @@ def test_a_new_term_is_one_row_of_the_table(monkeypatch):
     expected_toy = (img.double() - txt.double()).pow(2).sum(1).mean()
     assert terms["loss/toy"] == pytest.approx(float(expected_toy), rel=1e-6)
     assert float(total) == pytest.approx(terms["loss/clip"] + 0.5 * float(expected_toy), rel=1e-6)
+
+
+def test_the_configs_term_names_are_the_tables():
+    """The config reads the terms' names without importing torch (`mmcl.config.LOSS_TERMS`): they are the table's, in
+    its order, and the terms that score a varying number of pairs are the same two."""
+    from mmcl.config import schema
+
+    assert schema.LOSS_TERMS == losses.TERMS
+    assert schema.VARIABLE_PAIR_TERMS == losses.VARIABLE_PAIR_TERMS
