@@ -249,10 +249,12 @@ class GlobalContrastiveConfig(_Section):
 # The loss terms by name, in the objective's table order (`mmcl.losses.TERMS`, which imports torch; the config and
 # everything that loads a model read these instead, and tests/losses/test_objective.py holds the two equal): each has
 # its weight in `LossConfig`, ``loss.<term>`` or ``loss.<term>.weight`` (`mmcl.config.term_keys`). The terms that
-# score a varying number of pairs per process (NaFlex) are `mmcl.losses.VARIABLE_PAIR_TERMS`' names.
+# score a varying number of pairs per process (NaFlex) are `mmcl.losses.VARIABLE_PAIR_TERMS`' names, and the sample
+# terms (scored sample by sample from the model's outputs, `mmcl.losses.SAMPLE_TERMS`) take one too.
 LOSS_TERMS = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "mochi", "distill",
-              "global_contrastive")
+              "global_contrastive", "caption")
 VARIABLE_PAIR_TERMS = ("clip", "siglip")
+SAMPLE_TERMS = ("caption",)
 
 @dataclass
 class LossConfig(_Section):
@@ -273,6 +275,10 @@ class LossConfig(_Section):
     global_contrastive: GlobalContrastiveConfig = field(default_factory=GlobalContrastiveConfig)
     distill: float = described(
         0.0, "KL from a teacher's contrastive distributions (distill.teacher or distill.from_shards)")
+    caption: float = described(
+        0.0, "weight of the captioning term (CoCa, Yu et al. 2022; SigLIP 2's decoder): a text decoder reads the image "
+             "tower's tokens and predicts the caption, next-token cross-entropy over the batch's caption tokens; "
+             "needs a model with a decoder (model.name coca_*)")
 
 
 @dataclass

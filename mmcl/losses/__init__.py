@@ -47,10 +47,12 @@ Layout: `inputs` (the `Gathered` batch and the shared argument checks), `tiling`
 machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and hard-negative), `mochi`, `distill` (KL from a
 teacher's distributions), `global_contrastive` (SogCLR / FastCLIP), `geometry` (align, uniform), `distributed`
 (gather), `variable_pairs` (padding and the masks of a variable number of pairs per process), `data_negatives`
-(negative captions from the data), `objective` and
+(negative captions from the data), `sample_terms` (terms scored sample by sample from the model's outputs) and
+`caption` (the captioning term), `objective` and
 `errors`.
 """
 
+from .caption import caption_losses
 from .clip import clip_loss, infonce_rows, logsumexp_rows
 from .data_negatives import DATA_NEGATIVE_TERMS, DataNegatives
 from .distill import TeacherFeatures, distill_loss
@@ -60,8 +62,9 @@ from .geometry import align_loss, uniform_loss
 from .global_contrastive import GlobalEstimates, gamma_at, global_contrastive_loss
 from .inputs import Gathered
 from .mochi import FeatureQueue, mochi_loss
-from .objective import TERMS, ContrastiveObjective
+from .objective import SAMPLE_TERMS, TERMS, ContrastiveObjective
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
+from .sample_terms import SampleLosses, joined, sample_mean
 from .siglip import TiledSigmoidPairs, siglip_loss
 from .supcon import supcon_loss
 from .tiling import TiledLogSumExp
@@ -95,5 +98,10 @@ __all__ = [
     "FeatureQueue",
     "ContrastiveObjective",
     "TERMS",
+    "SAMPLE_TERMS",
+    "SampleLosses",
+    "caption_losses",
+    "joined",
+    "sample_mean",
     "LossInputError",
 ]

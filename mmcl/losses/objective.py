@@ -9,6 +9,9 @@ The terms are one table, `TABLE`, with a row per term: ``Term(name, needs, compu
   ``teacher``) the term cannot do without; a missing one is a `LossInputError` naming the term.
 - ``compute(objective, inputs)`` returns the term's 0-dim loss over this rank's rows, from the `TermInputs` and
   the objective's parameters (``objective.chunk_size``, ``objective.tau_plus``, ...).
+- ``outputs`` (sample terms only, `mmcl.losses.sample_terms`): the keys of the model's forward dict the term reads;
+  ``per_sample(objective, outputs)`` makes its `SampleLosses` of the forward's rows (`ContrastiveObjective.
+  sample_losses`, called by the trainer after each forward), and its ``compute`` is their `sample_mean`.
 A new term is its loss function (its own module) and one row; a parameter of it is a keyword of the constructor,
 and `mmcl.training.step.objective_from_config` passes each field of a term's config section (other than its
 weight) as the keyword of the same name. The objective computes the rows with a positive weight, in table order.
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .caption import caption_losses
 from .clip import clip_loss
 from .data_negatives import DATA_NEGATIVE_TERMS, DataNegatives
 from .distill import TeacherFeatures, distill_loss
@@ -38,6 +42,7 @@ from .inputs import Gathered, check_labels, check_pair
 from .mochi import FeatureQueue, mochi_loss
 from .precision import float32_math
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
+from .sample_terms import SampleLosses, sample_mean
 from .siglip import siglip_loss
 from .supcon import supcon_loss
 from .tiling import acc_dtype, as_scale
@@ -60,6 +65,7 @@ class TermInputs(NamedTuple):
     sample_ids: Optional[Tensor] = None  # (n,) long, the stable ids of this rank's pairs (the global term's keys)
     valid: Optional[Tensor] = None  # (n,) bool, the real rows of a padded batch (`VARIABLE_PAIR_TERMS` only)
     negatives: Optional[DataNegatives] = None  # this rank's rows' negative captions (`DATA_NEGATIVE_TERMS` read them)
+    samples: Optional[Mapping[str, SampleLosses]] = None  # the sample terms' losses of this rank's rows, by name
 
     def columns(self) -> Tuple[Tensor, Tensor, int]:
         """(all_image, all_text, offset): the global batch's columns and this rank's first row among them."""
@@ -74,6 +80,8 @@ class Term(NamedTuple):
     name: str
     needs: Tuple[str, ...]
     compute: Callable[["ContrastiveObjective", TermInputs], Tensor]
+    outputs: Tuple[str, ...] = ()  # a sample term's keys of the model's output dict
+    per_sample: Optional[Callable[["ContrastiveObjective", Mapping[str, Tensor]], SampleLosses]] = None
 
 
 # What each optional input is called in the error of a term that needs it and did not get it.
@@ -95,6 +103,13 @@ def _distill_term(obj: "ContrastiveObjective", x: TermInputs) -> Tensor:
     return distill_loss(x.image, x.text, x.logit_scale, t.image, t.text, t.scale, obj.chunk_size, gathered=x.gathered)
 
 
+def _sample_term(obj: "ContrastiveObjective", x: TermInputs, name: str) -> Tensor:
+    if x.samples is None or name not in x.samples:
+        keys = ", ".join(_TERM_OUTPUTS[name])
+        raise LossInputError(f"the {name} term needs the model's {keys} outputs (got none)")
+    return sample_mean(x.samples[name], 1 if x.gathered is None else x.gathered.world_size)
+
+
 TABLE: Tuple[Term, ...] = (
     Term("clip", (), lambda o, x: clip_loss(x.image, x.text, x.logit_scale, o.chunk_size, gathered=x.gathered,
                                             valid=x.valid, negatives=x.negatives)),
@@ -113,8 +128,12 @@ TABLE: Tuple[Term, ...] = (
     Term("distill", ("teacher",), _distill_term),
     Term("global_contrastive", (), lambda o, x: o.global_estimates(  # sample ids: needed in training mode only
         x.image, x.text, x.logit_scale, x.sample_ids, x.gathered, o.chunk_size)),
+    Term("caption", (), lambda o, x: _sample_term(o, x, "caption"), ("logits", "labels"),
+         lambda o, out: caption_losses(out["logits"], out["labels"], o.caption_pad_id)),
 )
 TERMS = tuple(term.name for term in TABLE)
+SAMPLE_TERMS = tuple(term.name for term in TABLE if term.per_sample is not None)
+_TERM_OUTPUTS = {term.name: term.outputs for term in TABLE}
 
 
 class ContrastiveObjective(nn.Module):
@@ -130,6 +149,7 @@ class ContrastiveObjective(nn.Module):
         queue_size: MoCHi's queue of past features (used only with a positive ``mochi`` weight).
         gamma, gamma_schedule, gamma_decay_steps, eps, table_size: the global contrastive term's moving estimates
             (`GlobalEstimates`; kept only with a positive ``global_contrastive`` weight).
+        caption_pad_id: the padding token the captioning term leaves out (open_clip's tokenizers: 0).
 
     ``forward(image_features, text_features, logit_scale, logit_bias=None, labels=None, with_metrics=True,
     gathered=None, teacher=None)`` returns ``(total_loss, terms)``. With ``gathered`` (`gather_batch` of this rank's
@@ -167,13 +187,14 @@ class ContrastiveObjective(nn.Module):
                  hn_beta: float = 1.0, align_alpha: float = 2.0, uniform_t: float = 2.0, n_hard: int = 64,
                  s: int = 32, s_prime: int = 16, mix_max: float = 0.5, queue_size: int = 0, gamma: float = 0.9,
                  gamma_schedule: str = "constant", gamma_decay_steps: int = 0, eps: Optional[float] = None,
-                 table_size: int = 2 ** 20):
+                 table_size: int = 2 ** 20, caption_pad_id: int = 0):
         super().__init__()
         unknown = sorted(set(weights) - set(TERMS))
         if unknown:
             raise LossInputError(f"unknown loss terms {unknown} (expected some of {', '.join(TERMS)})")
         self.weights: Dict[str, float] = {name: float(weights.get(name, 0.0)) for name in TERMS}
         self.chunk_size = chunk_size
+        self.caption_pad_id = int(caption_pad_id)
         self.tau_plus, self.hn_beta = tau_plus, hn_beta
         self.align_alpha, self.uniform_t = align_alpha, uniform_t
         self.n_hard, self.s, self.s_prime, self.mix_max = n_hard, s, s_prime, mix_max
@@ -200,6 +221,22 @@ class ContrastiveObjective(nn.Module):
         """Names of the terms with a positive weight."""
         return [name for name, w in self.weights.items() if w > 0]
 
+    def sample_losses(self, outputs: Mapping[str, Tensor], rows: Optional[int] = None) -> Dict[str, SampleLosses]:
+        """The active sample terms' `SampleLosses` (`mmcl.losses.sample_terms`) from one forward's output dict, of
+        its first `rows` rows (all when None: a forward whose text rows also hold negative captions scores the pairs
+        only). A missing output is a `LossInputError` naming the term and the keys."""
+        out: Dict[str, SampleLosses] = {}
+        for term in TABLE:
+            if term.per_sample is None or self.weights[term.name] <= 0:
+                continue
+            missing = [k for k in term.outputs if outputs.get(k) is None]
+            if missing:
+                raise LossInputError(f"the {term.name} term needs the model's {', '.join(missing)} outputs (this "
+                                     "model's forward gives none)")
+            values = term.per_sample(self, outputs)
+            out[term.name] = values if rows is None else values.rows(0, rows)
+        return out
+
     @float32_math
     def forward(
         self,
@@ -214,6 +251,7 @@ class ContrastiveObjective(nn.Module):
         sample_ids: Optional[Tensor] = None,
         valid: Optional[Tensor] = None,
         negatives: Optional[DataNegatives] = None,
+        samples: Optional[Mapping[str, SampleLosses]] = None,
     ):
         """Weighted loss and the logged numbers. ``with_metrics`` adds the align/uniform metrics, which cost a
         pairwise pass over the batch; a trainer may leave them out on steps it does not log (pass the same value
@@ -230,7 +268,7 @@ class ContrastiveObjective(nn.Module):
             raise LossInputError(f"negative captions from the data are scored by the {terms} term, and neither has a "
                                  "positive weight")
         inputs = TermInputs(image_features, text_features, logit_scale, logit_bias, labels, gathered, teacher,
-                            sample_ids, valid, negatives)
+                            sample_ids, valid, negatives, samples)
         values: Dict[str, Tensor] = {}
         for term in TABLE:
             if w[term.name] <= 0:
@@ -271,7 +309,7 @@ class ContrastiveObjective(nn.Module):
         if valid is None:
             return None
         for name in self.active_terms():
-            if name not in VARIABLE_PAIR_TERMS:
+            if name not in VARIABLE_PAIR_TERMS and name not in SAMPLE_TERMS:
                 raise LossInputError(f"the {name} term does not take a variable number of pairs per process "
                                      "(NaFlex); use loss.clip or loss.siglip")
         m = n if gathered is None else gathered.all_image_features.shape[0]

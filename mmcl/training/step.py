@@ -45,8 +45,15 @@ from .state import RunState
 
 
 def _forward(model, images, texts):
+    """The model's features, scale and bias, and its whole output dict (what the sample terms read)."""
     out = model(images, texts)
-    return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias")
+    return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), out
+
+
+def _sample_losses(objective, out, b) -> Dict[str, losses.SampleLosses]:
+    """The sample terms' losses of a micro-batch's pairs (`losses.sample_terms`) from the model's output dict, in
+    float32; rows past the pairs (negative captions) are left out."""
+    return objective.sample_losses(out, rows=_pairs(b))
 
 
 def _moved(t: torch.Tensor, device) -> torch.Tensor:
@@ -116,13 +123,14 @@ def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
 
 
 def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True,
-          teacher=None, sample_ids=None, capacity: Optional[int] = None, negatives=None):
+          teacher=None, sample_ids=None, capacity: Optional[int] = None, negatives=None, samples=None):
     """The objective on this process's features: the global batch is gathered here when several processes run
     (`losses.gather_batch`, with the teacher's features for distillation), and a loss's complaint about its
     inputs becomes a `DataError` (one line). `sample_ids` (the batches' ``sample_id``) key the global
     contrastive term's estimates. `capacity` (NaFlex: a varying number of pairs per process) pads the features
     to that many rows (`losses.pad_pairs`) and scores the real pairs only (``valid``). `negatives` (a
-    `losses.DataNegatives` of these rows, ``data.negatives``) add columns to their own images' rows."""
+    `losses.DataNegatives` of these rows, ``data.negatives``) add columns to their own images' rows. `samples` (the
+    sample terms' `losses.SampleLosses` of these rows, `objective.sample_losses`) are neither padded nor gathered."""
     try:
         valid = None
         if capacity is not None:
@@ -136,7 +144,8 @@ def score(objective, image_features, text_features, logit_scale, logit_bias, lab
                     torch.nn.functional.pad(negatives.valid, (0, 0, 0, capacity - n)))
         gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher, valid=valid)
         return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
-                         gathered=gathered, teacher=teacher, sample_ids=sample_ids, valid=valid, negatives=negatives)
+                         gathered=gathered, teacher=teacher, sample_ids=sample_ids, valid=valid, negatives=negatives,
+                         samples=samples)
     except losses.LossInputError as err:
         raise DataError(str(err)) from None
 
@@ -216,6 +225,8 @@ class GradCache:
     logit_bias: Optional[torch.Tensor]
     rng_states: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
     negatives: Optional[losses.DataNegatives] = None  # their features held like the captions' (data.negatives)
+    samples: Dict[str, losses.SampleLosses] = dataclasses.field(default_factory=dict)  # the sample terms' sums
+    objective: Any = None  # what makes the sample terms' losses again in each re-run
 
 
 def forward_loss(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
@@ -242,22 +253,24 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
     if len(batches) == 1:
         b = batches[0]
         with accelerator.autocast():
-            image_features, text_features, logit_scale, logit_bias = _forward(
+            image_features, text_features, logit_scale, logit_bias, out = _forward(
                 model, _images(b, device, finish_images), _texts(b, device))
             text_features, negatives = _split_negatives(text_features.float(), b, device)
+            samples = _sample_losses(objective, out, b)
             loss, terms = score(objective, image_features.float(), text_features, logit_scale.float(),
                                 None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics, from_teacher, ids, step_capacity, negatives)
+                                with_metrics, from_teacher, ids, step_capacity, negatives, samples)
         return loss, terms, None
-    feats, rng_states = [], []
+    feats, rng_states, sampled = [], [], []
     # Each micro-batch replays the same RNG states, the CPU's and the device's, on its second pass (dropout and
     # drop-path masks identical).
     with torch.no_grad():
         for b in batches:
             rng_states.append(rng_state(device))
             with accelerator.autocast():
-                image_features, text_features, logit_scale, logit_bias = _forward(
+                image_features, text_features, logit_scale, logit_bias, out = _forward(
                     model, _images(b, device, finish_images), _texts(b, device))
+                sampled.append(_sample_losses(objective, out, b))
             feats.append((image_features.float(), *_split_negatives(text_features.float(), b, device)))
     # The scale and bias as the model's forward returns them (the same for every micro-batch), held like the
     # features: the loss's gradient with respect to them reaches the parameters through the last re-run.
@@ -265,13 +278,16 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
     if feats[0][2] is not None:  # every micro-batch has K slots per sample (data.negatives)
         negatives = losses.DataNegatives(torch.cat([f[2].features for f in feats]).requires_grad_(True),
                                          torch.cat([f[2].valid for f in feats]))
+    # The sample terms' per-sample sums held as leaves too: each re-run gives its rows' sums their gradient.
+    samples = {name: losses.SampleLosses(torch.cat([s[name].sums for s in sampled]).requires_grad_(True),
+                                         torch.cat([s[name].counts for s in sampled])) for name in sampled[0]}
     cache = GradCache(torch.cat([f[0] for f in feats]).requires_grad_(True),
                       torch.cat([f[1] for f in feats]).requires_grad_(True), _leaf(logit_scale),
-                      None if logit_bias is None else _leaf(logit_bias), rng_states, negatives)
+                      None if logit_bias is None else _leaf(logit_bias), rng_states, negatives, samples, objective)
     # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
     labels = torch.cat([_moved(b["label"], device) for b in batches])
     loss, terms = score(objective, cache.image_features, cache.text_features, cache.logit_scale, cache.logit_bias,
-                        labels, with_metrics, from_teacher, ids, step_capacity, negatives)
+                        labels, with_metrics, from_teacher, ids, step_capacity, negatives, samples)
     return loss, terms, cache
 
 
@@ -289,11 +305,14 @@ def backward(accelerator, model, loss: torch.Tensor, batches, cache: Optional[Gr
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             with replayed_rng(cache.rng_states[i], device), accelerator.autocast():
-                image_features, text_features, scale_out, bias_out = _forward(
+                image_features, text_features, scale_out, bias_out, out = _forward(
                     model, _images(b, device, finish_images), _texts(b, device))
+                sampled = _sample_losses(cache.objective, out, b) if cache.samples else {}
             text_features, negatives = _split_negatives(text_features.float(), b, device)
             surrogate = ((image_features.float() * cache.image_features.grad[start:start + n]).sum()
                          + (text_features * cache.text_features.grad[start:start + n]).sum())
+            for name, values in sampled.items():
+                surrogate = surrogate + (values.sums * cache.samples[name].sums.grad[start:start + n]).sum()
             if negatives is not None:
                 surrogate = surrogate + (negatives.features * cache.negatives.features.grad[start:start + n]).sum()
             if last:  # once, inside the backward DDP averages across processes
