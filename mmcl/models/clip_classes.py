@@ -1,6 +1,7 @@
 """mmcl's subclasses of open_clip's model classes: the CLIP that `mmcl.models.towers.create` builds
-(`ShortTextCLIP`), the CLIP with a Hugging Face text tower (`HFTextCLIP`, `HFTextTower`), and the ViT image tower
-that follows its input's size (`GridFollowingVisionTransformer`, made by `mmcl.models.resize.follow_input_size`).
+(`ShortTextCLIP`), the CLIP with a Hugging Face text tower (`HFTextCLIP`, `HFTextTower`), open_clip's CoCa with a
+captioning decoder (`CaptionCoCa`), and the ViT image tower that follows its input's size
+(`GridFollowingVisionTransformer`, made by `mmcl.models.resize.follow_input_size`).
 
 Each keeps open_clip's parameters, attribute names and state-dict keys, so checkpoints, exports and open_clip's own
 code read them as open_clip's classes. This module imports open_clip (seconds), so the rest of `mmcl.models` imports
@@ -15,6 +16,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 from open_clip import hf_model
+from open_clip.coca_model import CoCa
 from open_clip.hf_configs import arch_dict
 from open_clip.hf_model import HFTextEncoder
 from open_clip.model import CLIP, CLIPTextCfg, CustomTextCLIP, _build_vision_tower
@@ -186,6 +188,68 @@ class HFTextCLIP(CustomTextCLIP):
         shape = [1] if nonscalar_logit_scale else []
         self.logit_scale = nn.Parameter(torch.ones(shape) * init_logit_scale)
         self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.ones(shape) * init_logit_bias)
+
+
+# ------------------------------------------------------------------------------------------- captioning
+class CaptionCoCa(CoCa):
+    """open_clip's CoCa (Yu et al. 2022): image and text towers for the contrastive terms and a text decoder that
+    cross-attends to the image tower's tokens and predicts the caption (``logits`` and ``labels`` in the forward's
+    dict, the captioning term's inputs, `mmcl.losses.caption`).
+
+    Its parameters, names and state-dict keys are CoCa's, so open_clip loads what mmcl saves. Three differences:
+    the decoder is initialised (open_clip 3.3's CoCa never initialises it: ``MultimodalTransformer.init_parameters``
+    reads attributes the class lacks and is not called, so its ``text_projection`` is ``torch.empty``, whatever
+    memory held, and a model trained from scratch starts from losses of 1e33 or NaN); a forward given more captions
+    than images (``data.negatives``: a batch's negative captions follow its captions) encodes every caption but
+    decodes only the first ones, the images' own (open_clip's would fail on the mismatch, and a negative caption
+    has no image to be predicted from); and the image tower locks as open_clip's CLIP's does (``model.lock_image``),
+    which CoCa itself lacks.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        init_decoder(self.text_decoder)
+
+    def forward(self, image, text: Optional[torch.Tensor] = None, image_latent: Optional[torch.Tensor] = None,
+                image_embs: Optional[torch.Tensor] = None, output_labels: bool = True):
+        if text is None or image_latent is not None or image_embs is not None or text.shape[0] == image.shape[0]:
+            return super().forward(image, text, image_latent, image_embs, output_labels)
+        n = image.shape[0]  # the pairs; the rows after them are negative captions
+        image_latent, image_embs = self._encode_image(image)
+        text_latent, token_embs = self._encode_text(text)
+        labels = text[:n, 1:] if output_labels else None
+        token_embs = token_embs[:n, :-1] if output_labels else token_embs[:n]
+        out = {"image_features": image_latent, "text_features": text_latent,
+               "logits": self.text_decoder(image_embs, token_embs), "logit_scale": self.logit_scale.exp()}
+        if labels is not None:
+            out["labels"] = labels
+        if self.logit_bias is not None:
+            out["logit_bias"] = self.logit_bias
+        return out
+
+    def lock_image_tower(self, unlocked_groups: int = 0, freeze_bn_stats: bool = False):
+        self.visual.lock(unlocked_groups=unlocked_groups, freeze_bn_stats=freeze_bn_stats)
+
+
+@torch.no_grad()
+def init_decoder(decoder: nn.Module) -> None:
+    """The initialisation open_clip's ``MultimodalTransformer.init_parameters`` means (CLIP's text transformer's,
+    for its self- and cross-attention blocks): attention weights N(0, width^-1/2), the residual projections
+    scaled down by (2 layers)^-1/2, the output projection N(0, width^-1/2)."""
+    width, layers = decoder.width, decoder.layers
+    proj_std, attn_std, fc_std = width ** -0.5 * (2 * layers) ** -0.5, width ** -0.5, (2 * width) ** -0.5
+    for block in [*decoder.resblocks, *decoder.cross_attn]:
+        nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+        nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+        nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+        nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+    if decoder.text_projection is not None:
+        nn.init.normal_(decoder.text_projection, std=width ** -0.5)
+
+
+def has_decoder(model: nn.Module) -> bool:
+    """Whether `model` (unwrapped) has a captioning decoder (`CaptionCoCa`, or open_clip's CoCa)."""
+    return isinstance(model, CoCa)
 
 
 # ------------------------------------------------------------------------------------------------- models

@@ -42,6 +42,7 @@ from ..data.naflex import EvalPatchify
 from ..errors import ConfigError
 from . import naflex
 from .clip_classes import (
+    CaptionCoCa,
     HFTextCLIP,
     ShortTextCLIP,
     clip_text_modules,
@@ -172,6 +173,9 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
         text_cfg.setdefault("hf_model_pretrained", True)
     model_cls = HFTextCLIP if hf_name else CustomTextCLIP if custom_text else ShortTextCLIP
     flex = naflex.is_naflex(model_cfg)
+    if "multimodal_cfg" in model_cfg:  # a captioning decoder: open_clip's CoCa (`CaptionCoCa`)
+        check_decoder_towers(model_cfg)
+        model_cls = CaptionCoCa
     try:
         model = model_cls(**(naflex.placeholder_config(model_cfg) if flex else model_cfg))
         if flex:  # the NaFlex image tower in the placeholder's place (`mmcl.models.naflex`)
@@ -188,6 +192,29 @@ def create(model_cfg: Dict[str, Any]) -> nn.Module:
         _check_hf_tower(model.text, model_cfg)
     model.output_dict = True
     return model
+
+
+def check_decoder_towers(model_cfg: Dict[str, Any]) -> None:
+    """A captioning decoder (``multimodal_cfg``, open_clip's CoCa) reads the un-pooled tokens of open_clip's ViT
+    image tower and open_clip's text transformer; any other tower is one `ConfigError` line."""
+    vision, text = model_cfg.get("vision_cfg", {}), model_cfg.get("text_cfg", {})
+    other = ("a Hugging Face text tower" if text.get("hf_model_name") else
+             "a timm/NaFlex image tower" if vision.get("timm_model_name") else
+             "a ResNet image tower" if isinstance(vision.get("layers"), (list, tuple)) else None)
+    if other:
+        raise ConfigError(f"a captioning decoder (multimodal_cfg) is supported on open_clip's ViT image tower and "
+                          f"text transformer only (model.name coca_*), not on {other}")
+    if not vision.get("output_tokens") or not text.get("output_tokens"):
+        raise ConfigError("a captioning decoder (multimodal_cfg) needs vision_cfg.output_tokens and "
+                          "text_cfg.output_tokens true (as open_clip's coca_* configs set them)")
+    # The decoder's self-attention reads the text tower's tokens and its cross-attention the image tokens, which
+    # open_clip's attentional pooler gives at embed_dim: all three widths are the decoder's.
+    width = model_cfg["multimodal_cfg"].get("width", 512)
+    widths = {"embed_dim": model_cfg.get("embed_dim"), "text_cfg.width": text.get("width", 512)}
+    wrong = [f"{k} {v}" for k, v in widths.items() if v != width]
+    if wrong:
+        raise ConfigError(f"a captioning decoder of width {width} (multimodal_cfg.width) needs embed_dim and "
+                          f"text_cfg.width equal to it (got {', '.join(wrong)})")
 
 
 def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:

@@ -154,6 +154,9 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     else:
         model, model_cfg, pp_cfg, _, _, tokenizer = models.build(cfg.model)
     pp_cfg = naflex_preprocess(cfg, model, pp_cfg)
+    if cfg.loss.caption > 0 and not models.has_decoder(model):
+        raise ConfigError(f"loss.caption needs a model with a captioning decoder (model.name coca_*, e.g. coca_tiny "
+                          f"or coca_ViT-B-32); model.name {cfg.model.name} has none")
     if cfg.model.init_from:  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
         log(weights.init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)

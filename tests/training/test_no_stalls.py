@@ -35,6 +35,7 @@ RECIPES = {
                     "loss.mochi.s_prime=2"],
     "supcon": ["loss.clip=0", "loss.supcon=1.0", "loss.chunk_size=4"],  # tiled: its positives per tile
     "long_caption": [],
+    "caption": ["model.name=coca_tiny", "model.embed_dim=64", "loss.caption=1.0"],  # CoCa's decoder
     "accumulation": ["train.accum_steps=2", "train.ema_decay=0.9"],
     "naflex": ["model.vision_cfg={timm_model_name: naflexvit_base_patch16_siglip, timm_model_kwargs: {embed_dim: 16, "
                "depth: 1, num_heads: 2, patch_size: 8, pos_embed_use_grid_sample: true}}",

@@ -1,0 +1,188 @@
+"""A CoCa model (`model.name coca_*`: open_clip's CoCa, mmcl's `CaptionCoCa`) through the training step: the
+captioning term against open_clip's CoCaLoss on the same batch (loss and gradients), micro-batches (GradCache)
+against the one large batch, negative captions from the data left out of the decoder, bf16 autocast against fp32,
+two gloo processes against one, and the towers the decoder refuses."""
+
+import os
+
+import pytest
+import torch
+from open_clip.loss import CoCaLoss
+
+from mmcl import models
+from mmcl.config import LossConfig, load_config
+from mmcl.errors import ConfigError
+from mmcl.training.step import Step, forward_loss, objective_from_config
+
+from spawned import end_worker, free_port, spawn
+
+# coca_tiny with a 1000-token vocabulary: the decoder's logits stay small (fake batches' tokens are below 1000).
+COCA = ["model.name=coca_tiny", "model.text_cfg={vocab_size: 1000}"]
+
+
+def coca_model(seed=0, *extra):
+    torch.manual_seed(seed)
+    cfg = load_config(None, [*COCA, *extra]).model
+    model, *_ = models.build(cfg)
+    models.apply_locks(model, cfg)
+    return model
+
+
+def coca_batch(n, seed, context=32):
+    """Images and captions of different lengths (zero padding after each), as the tokenizer gives them."""
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(1, 1000, (n, context), generator=g)
+    for i in range(n):
+        text[i, 3 + (5 * i) % (context - 4):] = 0
+    return {"image": torch.randn(n, 3, 64, 64, generator=g), "text": text,
+            "label": torch.full((n,), -1, dtype=torch.long)}
+
+
+def _loss_cfg(**weights):
+    return LossConfig(**{"clip": 1.0, **weights})
+
+
+def _model_for(weights, seed=0):
+    """SigLIP needs the model's logit bias (model.init_logit_bias)."""
+    return coca_model(seed, "model.init_logit_bias=-10") if weights.get("siglip") else coca_model(seed)
+
+
+def _accelerator(precision="no"):
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True, mixed_precision=precision)
+
+
+def open_clip_coca(model):
+    """open_clip's own CoCa class with `model`'s weights."""
+    from open_clip.coca_model import CoCa
+
+    cfg = load_config(None, COCA).model
+    model_cfg = dict(models.resolve_model_config(cfg))
+    model_cfg.pop("custom_text")
+    ref = CoCa(**model_cfg)
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+def test_the_step_caption_term_equals_open_clip_coca_loss_with_its_gradients():
+    model = coca_model()
+    ref_model = open_clip_coca(model)
+    batch = coca_batch(6, seed=1)
+    objective = objective_from_config(_loss_cfg(caption=2.0))
+    loss, terms, _ = forward_loss(model, objective, [batch], _accelerator(), with_metrics=True)
+    loss.backward()
+    out = ref_model(batch["image"], batch["text"])  # open_clip's CoCa.forward
+    clip_ref, caption_ref = CoCaLoss(caption_loss_weight=2.0, clip_loss_weight=1.0)(
+        out["image_features"], out["text_features"], out["logits"], out["labels"], out["logit_scale"])
+    (clip_ref + caption_ref).backward()
+    assert terms["loss/caption"] * 2.0 == pytest.approx(float(caption_ref.detach()), rel=1e-5)
+    torch.testing.assert_close(loss, clip_ref + caption_ref, rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in ref_model.named_parameters()}
+    assert any(n.startswith("text_decoder.") for n in grads)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _step(model, loss_cfg, precision="no"):
+    acc = _accelerator(precision)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    return Step(acc, model, acc.unwrap_model(model), optimizer, objective_from_config(loss_cfg), grad_clip=None,
+                max_logit_scale=4.6052)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("weights", [{"caption": 1.0}, {"clip": 0.0, "siglip": 1.0, "caption": 0.5}])
+def test_two_micro_batches_make_the_loss_and_update_of_the_one_large_batch(weights):
+    big = coca_batch(10, seed=3)
+    parts = [{k: v[:4] for k, v in big.items()}, {k: v[4:] for k, v in big.items()}]  # unequal token counts
+    weights = {k: v for k, v in weights.items() if k != "bias"}
+    one, two = _step(_model_for(weights), _loss_cfg(**weights)), _step(_model_for(weights), _loss_cfg(**weights))
+    a, b = one([big], 1, True), two(parts, 1, True)
+    assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-5)
+    assert b.terms["loss/caption"] == pytest.approx(a.terms["loss/caption"], rel=1e-5)
+    wa, wb = _weights(one.raw_model), _weights(two.raw_model)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-6, msg=k)
+
+
+def test_negative_captions_from_the_data_are_not_decoded():
+    """With data.negatives the text rows after the pairs are negative captions: the decoder reads only the pairs'
+    rows, so the caption term is the one of the batch without negatives, and the decoder's logits have n rows."""
+    model = coca_model()
+    batch = coca_batch(6, seed=4)
+    valid = torch.arange(2)[None, :] < (torch.arange(6) % 3)[:, None]
+    with_neg = dict(batch, negatives_valid=valid, negatives=coca_batch(int(valid.sum()), seed=5)["text"])
+    objective = objective_from_config(_loss_cfg(caption=1.0))
+    _, terms, _ = forward_loss(model, objective, [with_neg], _accelerator(), with_metrics=True)
+    _, plain, _ = forward_loss(model, objective, [batch], _accelerator(), with_metrics=True)
+    assert terms["loss/caption"] == pytest.approx(plain["loss/caption"], rel=1e-6)
+    assert terms["loss/clip"] > plain["loss/clip"] + 1e-4  # the negatives are in the contrastive term
+    with torch.no_grad():
+        out = model(batch["image"], torch.cat([batch["text"], with_neg["negatives"]]))
+    assert out["logits"].shape[0] == out["labels"].shape[0] == 6
+
+
+def test_bf16_autocast_is_within_tolerance_of_fp32(fresh_accelerate_state):
+    model = coca_model()
+    batch = coca_batch(6, seed=6)
+    objective = objective_from_config(_loss_cfg(caption=1.0))
+    _, full, _ = forward_loss(model, objective, [batch], _accelerator(), with_metrics=True)
+    fresh_accelerate_state()
+    _, low, _ = forward_loss(model, objective, [batch], _accelerator("bf16"), with_metrics=True)
+    # bf16 keeps 8 bits of mantissa: the towers' and decoder's matmuls move the logits by ~1e-2 relative.
+    assert float(low["loss/caption"]) == pytest.approx(float(full["loss/caption"]), rel=2e-2)
+    assert float(low["loss/caption"]) != float(full["loss/caption"])
+
+
+def _ddp_worker(rank, world, port, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    step = _step(coca_model(), _loss_cfg(caption=1.0))
+    big = coca_batch(8, seed=7)
+    rows = slice(0, 4) if rank == 0 else slice(4, 8)  # the ranks' captions count different numbers of tokens
+    result = step([{k: v[rows] for k, v in big.items()}], 1, True)
+    if rank == 0:
+        torch.save({"loss": result.loss.detach(), "terms": result.terms, "weights": _weights(step.raw_model)},
+                   out_path)
+    end_worker()
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process(tmp_path):
+    out = tmp_path / "ddp.pt"
+    spawn(_ddp_worker, args=(2, free_port(), str(out)), nprocs=2)
+    got = torch.load(out, weights_only=True)
+    one = _step(coca_model(), _loss_cfg(caption=1.0))
+    want = one([coca_batch(8, seed=7)], 1, True)
+    assert float(got["terms"]["loss/caption"]) == pytest.approx(want.terms["loss/caption"], rel=1e-5)
+    wa = _weights(one.raw_model)
+    for k, v in got["weights"].items():
+        torch.testing.assert_close(v, wa[k], rtol=1e-4, atol=2e-6, msg=k)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("model.text.hf=sentence-transformers/all-MiniLM-L6-v2", "not on a Hugging Face text tower"),
+    ("model.vision_cfg={timm_model_name: naflexvit_base_patch16_siglip}", "not on a timm/NaFlex image tower"),
+    ("model.embed_dim=32", r"needs embed_dim and text_cfg.width equal to it \(got embed_dim 32\)"),
+])
+def test_a_decoder_on_another_tower_is_one_config_error(override, match):
+    with pytest.raises(ConfigError, match=match):
+        models.build(load_config(None, [*COCA, override]).model)
+
+
+def test_loss_caption_on_a_model_without_a_decoder_is_one_config_error(small_demo, tmp_path, capsys):
+    from mmcl.cli import main
+
+    from helpers import short_run
+
+    code = main(short_run(small_demo, tmp_path / "run", "loss.caption=1.0"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("mmcl: error: loss.caption needs a model with a captioning decoder (model.name coca_*")
+    assert "Traceback" not in "\n".join(err)
