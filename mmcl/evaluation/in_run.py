@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import data as data_mod
-from .. import models
+from .. import losses, models
 from ..config import EvalConfig, EvalSet, duplicate_set_names, eval_sets, is_main_process
 from ..data.sources import redact_values
 from ..errors import ConfigError, DataError
@@ -190,9 +190,13 @@ def run_sets(sets: List[EvalSet], model, preprocess, tokenizer, ev: EvalConfig, 
     return out
 
 
-def _forward(model, images: torch.Tensor, tokens: torch.Tensor):
+def _forward(model, objective, images: torch.Tensor, tokens: torch.Tensor):
+    """Features, scale, bias and the sample terms' per-sample sums and counts (the captioning term's: the
+    objective's `sample_losses` of the model's output dict), detached, in float32."""
     out = model(images, tokens)
-    return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias")
+    samples = {name: losses.SampleLosses(v.sums.detach().float(), v.counts.detach().float())
+               for name, v in objective.sample_losses(out).items()}
+    return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), samples
 
 
 @torch.no_grad()
@@ -204,7 +208,8 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
     The shards are read once in order; their samples form consecutive batches of `batch_size` (the run's global
     batch, so the loss is on the scale of the training loss; the last batch may be smaller), each scored as one
     contrastive problem by `objective` without gathering (the main process scores the global batch), averaged over
-    samples as open_clip does. The towers run in chunks of `chunk` samples under `autocast` without gradient; the
+    samples as open_clip does; a sample term (the captioning term of a CoCa model) scores each batch from its
+    samples' sums and counts, as in training. The towers run in chunks of `chunk` samples under `autocast` without gradient; the
     caller puts `model` and `objective` in eval mode (a fresh objective: MoCHi's queue stays untouched). A sample's
     caption is its ``.txt`` (with several caption sources in `keys`, the first caption); samples without an image
     or a caption are skipped and counted.
@@ -220,13 +225,14 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
     several = keys is not None and len(keys.caption_keys) > 1
     dtype = input_dtype(model)
     sums: Dict[str, float] = {}
-    pending: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    pending: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dict[str, Any]]] = []
     counts = {"samples": 0, "batches": 0}
     skipped: Dict[str, int] = {}
     scale = bias = None
 
-    def score(img: torch.Tensor, txt: torch.Tensor, lab: torch.Tensor) -> None:
-        _, terms = objective(img, txt, scale, bias, lab, True)  # the global batch on one process: no gathering
+    def score(img: torch.Tensor, txt: torch.Tensor, lab: torch.Tensor, samples: Dict[str, Any]) -> None:
+        # the global batch on one process: no gathering; the sample terms (captioning) from their sums and counts
+        _, terms = objective(img, txt, scale, bias, lab, True, samples=samples)
         n = img.shape[0]
         for k, v in terms.items():
             sums[k] = sums.get(k, 0.0) + float(v) * n
@@ -236,10 +242,13 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
     def flush(final: bool) -> None:
         while pending and (final or sum(p[0].shape[0] for p in pending) >= batch_size):
             img, txt, lab = (torch.cat([p[i] for p in pending]) for i in range(3))
-            score(img[:batch_size], txt[:batch_size], lab[:batch_size])
+            samples = {name: losses.joined(p[3][name] for p in pending) for name in pending[0][3]}
+            score(img[:batch_size], txt[:batch_size], lab[:batch_size],
+                  {name: v.rows(0, batch_size) for name, v in samples.items()})
             pending.clear()
             if img.shape[0] > batch_size:
-                pending.append((img[batch_size:], txt[batch_size:], lab[batch_size:]))
+                pending.append((img[batch_size:], txt[batch_size:], lab[batch_size:],
+                                {name: v.rows(batch_size, img.shape[0]) for name, v in samples.items()}))
 
     batches = eval_batches(loader)
     try:
@@ -258,8 +267,9 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
                 continue
             tokens = tokenizer([texts[i] for i in keep]).to(device)
             with autocast():
-                img, txt, scale, bias = _forward(model, images[keep].to(device=device, dtype=dtype), tokens)
-            pending.append((img.float(), txt.float(), labels[keep].to(device)))
+                img, txt, scale, bias, samples = _forward(model, objective, images[keep].to(device=device, dtype=dtype),
+                                                          tokens)
+            pending.append((img.float(), txt.float(), labels[keep].to(device), samples))
             flush(final=False)
         flush(final=True)
     finally:

@@ -271,6 +271,35 @@ def test_val_loss_scores_every_term_of_the_objective_on_the_same_batches(tmp_pat
                                                            ("uniform", .1))), rel=1e-6)
 
 
+def test_val_loss_includes_the_caption_term_as_open_clip_coca_loss_scores_each_batch(tmp_path):
+    """A CoCa model's validation loss has its captioning term: per batch of 4 (chunks of 3 through the towers),
+    open_clip's CoCaLoss caption part (the mean over the batch's caption tokens), averaged over samples."""
+    from open_clip.loss import CoCaLoss
+
+    from mmcl.training.step import objective_from_config
+
+    torch.manual_seed(2)
+    cfg = load_config(None, ["model.name=coca_tiny", "loss.clip=1.0", "loss.caption=2.0"])
+    model, _, pp, _, eval_tf, tokenizer = models.build(cfg.model)
+    model.eval()
+    samples, spec = _held_out(tmp_path, seed=2)
+    images = torch.stack([eval_tf(Image.new("RGB", (8, 8), rgb)) for _, rgb, _, _ in samples])
+    with torch.no_grad():
+        out = model(images, tokenizer([caption for _, _, caption, _ in samples]))
+    expected = 0.0
+    for s in (0, 4, 8):
+        rows = slice(s, s + 4)
+        clip, caption = CoCaLoss(caption_loss_weight=2.0, clip_loss_weight=1.0)(
+            out["image_features"][rows], out["text_features"][rows], out["logits"][rows], out["labels"][rows],
+            out["logit_scale"])
+        expected += float(caption) / 2.0 * len(range(s, min(s + 4, 10)))
+    res = eval_sets.validation_loss(model, objective_from_config(cfg.loss).eval(), spec, eval_tf, tokenizer,
+                                    batch_size=4, chunk=3)
+    assert res["metrics"]["loss/caption"] == pytest.approx(expected / 10, rel=1e-5)
+    assert res["metrics"]["loss"] == pytest.approx(res["metrics"]["loss/clip"] + 2 * res["metrics"]["loss/caption"],
+                                                   rel=1e-6)
+
+
 def test_run_eval_logs_val_entries_in_eval_mode_and_restores_training_mode(tmp_path):
     from mmcl.evaluation.in_run import run_eval
     from mmcl.training.setup import evaluation_for
