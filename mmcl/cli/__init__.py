@@ -279,6 +279,19 @@ def cmd_linear_probe(args) -> int:
     return 0
 
 
+def cmd_caption(args) -> int:
+    from ..evaluation.captioning import caption_images
+
+    model, preprocess, tokenizer = _load(args)
+    keys = _sample_keys(args) if args.image_key else None
+    summary = caption_images(model, preprocess, tokenizer, args.images, args.out, max_length=args.max_length,
+                             beams=args.beams, batch_size=args.batch_size, workers=args.workers,
+                             device=_device(args.device), progress=not args.no_progress, keys=keys,
+                             model_name=str(args.model))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_interpolate(args) -> int:
     from ..evaluation.wise_ft import RESULTS_FILE, wise_ft
 
@@ -522,6 +535,23 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--workers", type=int, default=0, help="data-loading worker processes (0: in this process)")
     lp.add_argument("--device", default=None, help=_DEVICE_HELP)
     lp.set_defaults(func=cmd_linear_probe)
+
+    c = sub.add_parser("caption", help="one generated caption per image (a model with a captioning decoder: "
+                                       "model.name coca_*, or an open_clip CoCa export), as JSONL or CSV")
+    c.add_argument("--model", required=True, help=MODEL_HELP)
+    c.add_argument("--images", required=True, help="a folder of image files (any depth) or shards (brace-expanded "
+                                                    "spec, a folder of .tar or a list)")
+    c.add_argument("--out", required=True, help="a new .jsonl or .csv file: one row per image, its key and caption")
+    c.add_argument("--max-length", type=int, default=30, help="most tokens per caption, the end token included "
+                                                              "(at most the model's text context)")
+    c.add_argument("--beams", type=int, default=1, help="1: greedy decoding; K > 1: beam search over K prefixes")
+    c.add_argument("--batch-size", type=int, default=32, help="images per batch")
+    c.add_argument("--workers", type=int, default=0, help="data-loading worker processes (0: in this process)")
+    c.add_argument("--device", default=None, help=_DEVICE_HELP)
+    c.add_argument("--image-key", default=None, help="image member of shards (default: first of jpg, jpeg, png, "
+                                                      "webp), as data.image_key")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_caption)
 
     w = sub.add_parser("interpolate", help="WiSE-FT: weights (1-a)*FROM + a*TO for each alpha a, each written as "
                                            "a model (and evaluated zero-shot with --data)")

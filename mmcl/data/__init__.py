@@ -24,7 +24,8 @@ One concern per module, imported in this order (each uses only those above it)::
                    `collate`), each batch sent in a `WorkerOutput` with the worker's position
     stream.py      the training process's side (`build_train_stream`, `TrainStream`): workers, the positions
                    of the batches consumed, a saved state and resuming from one
-    eval_data.py   evaluation datasets (`build_eval_dataset`): ImageFolder or shards, each sample once
+    eval_data.py   evaluation datasets (`build_eval_dataset`): ImageFolder or shards, each sample once; the images
+                   of a folder or of shards, unlabelled (`build_image_set`)
     shard_inputs.py  `mmcl shards`'s inputs (caption folders, ImageFolders, tables) -> the images they name
 
 The names below are the package's public interface; import them from ``mmcl.data``.
@@ -52,9 +53,11 @@ from .decode import (
 from .eval_data import (
     EvalFailure,
     EvalSkip,
+    ImageFilesDataset,
     ImageFolderDataset,
     ShardEvalDataset,
     build_eval_dataset,
+    build_image_set,
     eval_collate,
     is_image_folder,
     open_rgb,
@@ -81,11 +84,11 @@ from .transforms import (
 
 __all__ = [
     "IMAGE_EXTS", "SKIP_REASONS", "SHARD_SUFFIXES", "WORKER_STOP_GRACE_S",
-    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFinish", "ImageFolderDataset", "ImageSpec", "NaflexPlan",
+    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFilesDataset", "ImageFinish", "ImageFolderDataset", "ImageSpec", "NaflexPlan",
     "PyRandomResizedCrop", "RawSample",
     "ShardEvalDataset", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
     "TransformOutputError", "InputSizes", "WorkerOutput",
-    "build_eval_dataset", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",
+    "build_eval_dataset", "build_image_set", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
     "SampleKeys", "caption_draw", "sample_keys",

@@ -261,6 +261,44 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             return EvalFailure(err)
 
 
+class ImageFilesDataset(torch.utils.data.Dataset):
+    """Every image file under a folder (``.jpg``, ``.png``, ... at any depth, hidden names left out, sorted), for
+    commands that read images without labels (`mmcl caption`): items (image, -1, "", the path relative to the
+    folder). A file that cannot be used gives an `EvalSkip` item naming it and the reason, as `ImageFolderDataset`
+    does; each is read as a regular file (`open_regular`) of at most `max_bytes`. A folder with no image is a
+    `DataError`."""
+
+    def __init__(self, root: str, preprocess: Optional[Callable], max_pixels: int = DataConfig.max_image_pixels,
+                 max_bytes: int = DataConfig.max_member_bytes):
+        self.root, self.preprocess, self.max_pixels, self.max_bytes = root, preprocess, max_pixels, max_bytes
+        self.paths = [p for p in walk_files(root) if p.lower().endswith(FOLDER_IMAGE_EXTS)]
+        if not self.paths:
+            raise DataError(f"no images in {root} (expected .jpg, .png, ... files, or .tar shards)")
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        path = self.paths[i]
+        key = os.path.relpath(path, self.root)
+        try:
+            img = _decode_file(path, self.max_pixels, self.max_bytes)
+        except SkipSample as skip:
+            return EvalSkip(skip.reason, path, str(skip))
+        return self.preprocess(img), -1, "", key
+
+
+def build_image_set(path: Any, preprocess: Callable, keys: Optional[SampleKeys] = None,
+                    max_member_bytes: int = DataConfig.max_member_bytes, allow_pipe: bool = False):
+    """The images of a folder (`ImageFilesDataset`: every image file in it, class folders or not) or of shards
+    (`ShardEvalDataset`, a folder of shards included), each item keyed by its relative path or sample key."""
+    folder = os.path.expanduser(path) if isinstance(path, str) else None
+    if folder is not None and os.path.isdir(folder) and not any(
+            n.endswith(SHARD_SUFFIXES) for n in os.listdir(folder) if _visible(n)):
+        return ImageFilesDataset(folder, preprocess, max_bytes=max_member_bytes)
+    return ShardEvalDataset(path, preprocess, keys=keys, max_member_bytes=max_member_bytes, allow_pipe=allow_pipe)
+
+
 class ShardEvalDataset(torch.utils.data.IterableDataset):
     """WebDataset shards for evaluation: each sample once, in shard order; items (image, label, caption, key).
 
