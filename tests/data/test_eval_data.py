@@ -30,3 +30,25 @@ def test_a_labelled_sample_without_caption_is_kept_for_evaluation_and_skipped_in
     assert info.value.reason == "missing_caption"
     image, caption, label = data.decode_sample(raw[1].files, T.ToTensor(), 10**6)
     assert torch.equal(image, items[1][0]) and (caption, label) == ("a red box", 2)
+
+
+def test_the_images_of_a_folder_are_every_image_file_at_any_depth_keyed_by_relative_path(tmp_path):
+    from mmcl.errors import DataError
+
+    (tmp_path / "imgs" / "b").mkdir(parents=True)
+    Image.new("RGB", (9, 9), (1, 2, 3)).save(tmp_path / "imgs" / "z.png")
+    Image.new("RGB", (9, 9), (4, 5, 6)).save(tmp_path / "imgs" / "b" / "a.jpg")
+    (tmp_path / "imgs" / "bad.png").write_bytes(b"no image")
+    (tmp_path / "imgs" / "notes.txt").write_text("not an image")
+    (tmp_path / "imgs" / ".hidden.png").write_bytes(b"left out")
+    ds = data.build_image_set(str(tmp_path / "imgs"), T.ToTensor())
+    assert isinstance(ds, data.ImageFilesDataset) and len(ds) == 3
+    items = [ds[i] for i in range(3)]
+    # walk order: a folder's files (sorted), then its subfolders
+    assert [it[3] for it in items if not isinstance(it, data.EvalSkip)] == ["z.png", "b/a.jpg"]
+    skip = items[0]
+    assert isinstance(skip, data.EvalSkip) and skip.reason == "decode" and skip.where.endswith("bad.png")
+    assert items[1][0].shape == (3, 9, 9) and items[1][1] == -1
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no images in"):
+        data.build_image_set(str(tmp_path / "empty"), T.ToTensor())
