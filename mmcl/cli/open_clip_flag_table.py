@@ -185,7 +185,8 @@ FLAGS: Dict[str, Flag] = {
     "--precision": Flag({"amp": "train.precision=fp16", "amp_bf16": "train.precision=bf16",
                          "amp_bfloat16": "train.precision=bf16", "fp32": "train.precision=fp32", "bf16": None,
                          "fp16": None, "pure_bf16": None, "pure_fp16": None}, _PRECISION),
-    "--model": Flag("model.name={}", "open_clip's architectures by name"),
+    "--model": Flag("model.name={}", "open_clip's architectures by name (coca_*: with loss.caption=2.0, open_clip's "
+                                     "default caption weight)"),
     "--pretrained": Flag("model.pretrained={}", "an open_clip tag, hf-hub:ORG/NAME or a local file"),
     "--pretrained-image": Flag("model.vision_cfg.timm_model_pretrained=true", "a timm image tower's weights",
                                nargs=0),
@@ -251,8 +252,9 @@ FLAGS: Dict[str, Flag] = {
                                        version=MAIN),
     "--train-loss-ema-samples": Flag(None, "not supported: metrics.jsonl holds each logged step's loss; smooth it "
                                            "when plotting", version=MAIN),
-    "--coca-caption-loss-weight": Flag(None, "not supported: CoCa's captioning loss (mmcl trains two towers)"),
-    "--coca-contrastive-loss-weight": Flag(None, "not supported: CoCa (loss.clip weighs InfoNCE)"),
+    "--coca-caption-loss-weight": Flag("loss.caption={}", "CoCa's captioning term (a --model coca_*); open_clip's "
+                                                          "default 2.0 is set from --model coca_* when not given"),
+    "--coca-contrastive-loss-weight": Flag("loss.clip={}", "CoCa's contrastive term: InfoNCE's weight"),
     "--remote-sync": Flag(None, _SYNC),
     "--remote-sync-frequency": Flag(None, _SYNC),
     "--remote-sync-protocol": Flag(None, _SYNC),

@@ -132,6 +132,8 @@ def in_context(flag: str, value, names: Dict[str, object]) -> Optional[List[str]
         return [f"optim.cooldown_fraction={_number(flag, value) / epochs!r}"]
     if flag == "--lr-cooldown-end" and names.get("--lr-scheduler", "cosine") != "const-cooldown":
         return []  # open_clip_train's cosine and const schedules end where they end, whatever it says
+    if flag == "--model" and str(value).startswith("coca") and "--coca-caption-loss-weight" not in names:
+        return to + ["loss.caption=2.0"]  # open_clip_train's CoCaLoss weighs the caption term 2.0 by default
     if flag == "--epochs" and "--use-naflex" in names:
         return None  # NaFlex batches hold varying numbers of pairs: mmcl counts such runs in steps
     return to

@@ -207,14 +207,16 @@ def check_decoder_towers(model_cfg: Dict[str, Any]) -> None:
     if not vision.get("output_tokens") or not text.get("output_tokens"):
         raise ConfigError("a captioning decoder (multimodal_cfg) needs vision_cfg.output_tokens and "
                           "text_cfg.output_tokens true (as open_clip's coca_* configs set them)")
-    # The decoder's self-attention reads the text tower's tokens and its cross-attention the image tokens, which
-    # open_clip's attentional pooler gives at embed_dim: all three widths are the decoder's.
+    # The decoder's self-attention reads the text tower's tokens and its cross-attention the image tokens: open_clip's
+    # attentional pooler gives them at embed_dim (coca_*), a plain ViT at its own width. Both are the decoder's.
     width = model_cfg["multimodal_cfg"].get("width", 512)
-    widths = {"embed_dim": model_cfg.get("embed_dim"), "text_cfg.width": text.get("width", 512)}
+    image = ("embed_dim", model_cfg.get("embed_dim")) if vision.get("attentional_pool") else (
+        "vision_cfg.width", vision.get("width", 768))
+    widths = dict([image, ("text_cfg.width", text.get("width", 512))])
     wrong = [f"{k} {v}" for k, v in widths.items() if v != width]
     if wrong:
-        raise ConfigError(f"a captioning decoder of width {width} (multimodal_cfg.width) needs embed_dim and "
-                          f"text_cfg.width equal to it (got {', '.join(wrong)})")
+        raise ConfigError(f"a captioning decoder of width {width} (multimodal_cfg.width) needs {' and '.join(widths)} "
+                          f"equal to it (got {', '.join(wrong)})")
 
 
 def _check_hf_tower(text: nn.Module, model_cfg: Dict[str, Any]) -> None:

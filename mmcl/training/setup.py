@@ -157,6 +157,9 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     if cfg.loss.caption > 0 and not models.has_decoder(model):
         raise ConfigError(f"loss.caption needs a model with a captioning decoder (model.name coca_*, e.g. coca_tiny "
                           f"or coca_ViT-B-32); model.name {cfg.model.name} has none")
+    if cfg.loss.caption > 0 and cfg.model.lora.r:
+        raise ConfigError("model.lora adapts the image and text towers and freezes the rest, so loss.caption would "
+                          "train no decoder weight; set model.lora.r=0, or loss.caption=0 to tune a CoCa's towers")
     if cfg.model.init_from:  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
         log(weights.init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
@@ -174,6 +177,9 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
         if cfg.model.lora.r:
             raise ConfigError("model.lora is not supported with FSDP (peft's attention layer swaps its weights in "
                               "each forward); set model.lora.r=0 or launch without FSDP")
+        if models.has_decoder(model):
+            raise ConfigError("a model with a captioning decoder (model.name coca_*) is not supported with FSDP yet "
+                              "(its sharding is untested); launch without FSDP (DDP)")
         if cfg.train.ema_decay is not None:
             raise ConfigError("train.ema_decay is not supported with FSDP (the average would need the full "
                               "weights on every step); unset it or launch without FSDP")

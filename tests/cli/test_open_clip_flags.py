@@ -269,6 +269,16 @@ def test_caption_and_image_key_flags(tmp_path):
     assert overrides_for("--image-key", "jpg;png") is None
 
 
+def test_coca_flags_map_to_the_caption_and_clip_weights_with_open_clips_default(tmp_path):
+    cfg, left = _config(tmp_path, "--model", "coca_ViT-B-32")
+    assert (cfg.model.name, cfg.loss.caption, cfg.loss.clip) == ("coca_ViT-B-32", 2.0, 1.0) and not left
+    cfg, left = _config(tmp_path, "--model", "coca_ViT-B-32", "--coca-caption-loss-weight", "0.5",
+                        "--coca-contrastive-loss-weight", "2")
+    assert (cfg.loss.caption, cfg.loss.clip) == (0.5, 2.0) and not left
+    cfg, _ = _config(tmp_path, "--model", "ViT-B-32")
+    assert cfg.loss.caption == 0.0
+
+
 def test_launch_flags_are_listed_as_accelerate_commands():
     overrides, left = translate(parse(["--fsdp", "--fsdp-offload-cpu", "--fsdp-checkpoint", "full", "--torchcompile",
                                        "--torchcompile-strategy", "task"])[0])

@@ -53,11 +53,11 @@ def _accelerator(precision="no"):
     return Accelerator(cpu=True, mixed_precision=precision)
 
 
-def open_clip_coca(model):
+def open_clip_coca(model, *extra):
     """open_clip's own CoCa class with `model`'s weights."""
     from open_clip.coca_model import CoCa
 
-    cfg = load_config(None, COCA).model
+    cfg = load_config(None, [*COCA, *extra]).model
     model_cfg = dict(models.resolve_model_config(cfg))
     model_cfg.pop("custom_text")
     ref = CoCa(**model_cfg)
@@ -65,9 +65,11 @@ def open_clip_coca(model):
     return ref
 
 
-def test_the_step_caption_term_equals_open_clip_coca_loss_with_its_gradients():
-    model = coca_model()
-    ref_model = open_clip_coca(model)
+# coca_* (the decoder reads the attentional pooler's tokens) and a plain ViT's un-pooled patch tokens
+@pytest.mark.parametrize("extra", [[], ["model.vision_cfg={attentional_pool: false}"]], ids=["coca", "plain_vit"])
+def test_the_step_caption_term_equals_open_clip_coca_loss_with_its_gradients(extra):
+    model = coca_model(0, *extra)
+    ref_model = open_clip_coca(model, *extra)
     batch = coca_batch(6, seed=1)
     objective = objective_from_config(_loss_cfg(caption=2.0))
     loss, terms, _ = forward_loss(model, objective, [batch], _accelerator(), with_metrics=True)
@@ -170,6 +172,8 @@ def test_two_processes_equal_one_process(tmp_path):
     ("model.text.hf=sentence-transformers/all-MiniLM-L6-v2", "not on a Hugging Face text tower"),
     ("model.vision_cfg={timm_model_name: naflexvit_base_patch16_siglip}", "not on a timm/NaFlex image tower"),
     ("model.embed_dim=32", r"needs embed_dim and text_cfg.width equal to it \(got embed_dim 32\)"),
+    ("model.vision_cfg={attentional_pool: false, width: 96}",
+     r"needs vision_cfg.width and text_cfg.width equal to it \(got vision_cfg.width 96\)"),
 ])
 def test_a_decoder_on_another_tower_is_one_config_error(override, match):
     with pytest.raises(ConfigError, match=match):
