@@ -203,7 +203,8 @@ def cmd_reinforce(args) -> int:
 
     keys = _sample_keys(args) if (args.image_key or args.caption_key) else None
     summary = reinforce(args.teacher, args.data, args.out, batch_size=args.batch_size, device=args.device,
-                        keys=keys, progress=not args.no_progress)
+                        keys=keys, progress=not args.no_progress, captions_from=args.captions_from,
+                        max_length=args.max_length, beams=args.beams)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -445,8 +446,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_shards)
 
     rf = sub.add_parser("reinforce", help="copy shards with a teacher's image and caption embeddings stored in "
-                                          "each sample, for distill.from_shards")
-    rf.add_argument("--teacher", required=True, help="run dir, its model/, an export, or a Hugging Face CLIP dir")
+                                          "each sample, for distill.from_shards, or with a generated caption "
+                                          "(KEY.gen.txt) in each")
+    rf.add_argument("--teacher", default=None, help="run dir, its model/, an export, or a Hugging Face CLIP dir")
+    rf.add_argument("--captions-from", default=None, metavar="MODEL",
+                    help="instead of --teacher: a model with a captioning decoder (a CoCa run or export) whose "
+                         "caption of each image is stored as KEY.gen.txt (train on it with "
+                         "data.caption_key=[txt, gen.txt])")
+    rf.add_argument("--max-length", type=int, default=30, help="with --captions-from: most tokens per caption")
+    rf.add_argument("--beams", type=int, default=1, help="with --captions-from: 1 greedy, K > 1 beam search")
     rf.add_argument("--data", required=True, help="input shards (brace-expanded spec, a directory or a list)")
     rf.add_argument("--out", required=True, help="output directory (one shard per input shard, same names)")
     rf.add_argument("--batch-size", type=int, default=64, help="samples per teacher batch")

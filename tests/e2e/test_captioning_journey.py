@@ -133,3 +133,35 @@ def test_mmcl_caption_refuses_a_model_without_a_decoder(small_demo, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no captioning decoder" in err[0]
     assert not (tmp_path / "c.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_reinforce_captions_from_a_run_adds_its_captions_and_the_new_shards_train(runs, small_demo, tmp_path,
+                                                                                capsys):
+    out = tmp_path / "reinforced"
+    assert main(["reinforce", "--captions-from", str(runs / "whole"), "--data", small_demo["train"], "--out",
+                 str(out), "--max-length", "6", "--no-progress"]) == 0
+    # each sample's KEY.gen.txt is the caption `mmcl caption` writes for its image; every other member is kept
+    assert main(["caption", "--model", str(runs / "whole"), "--images", small_demo["train"], "--out",
+                 str(tmp_path / "c.jsonl"), "--max-length", "6", "--no-progress"]) == 0
+    want = {r["key"]: r["caption"] for r in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines())}
+    import tarfile
+
+    got, members = {}, set()
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                key, ext = m.name.split(".", 1)
+                members.add(ext)
+                if ext == "gen.txt":
+                    got[key] = tar.extractfile(m).read().decode()
+    assert got == want and len(got) == 64 and {"jpg", "txt", "gen.txt"} <= members
+    # the generated captions train, alone as the caption source
+    assert main(short_run(str(out / "shard-{000000..000001}.tar"), tmp_path / "run", *CAPTION_RUN,
+                          "data.caption_key=gen.txt", towers=[])) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]
+    capsys.readouterr()
+    assert main(["reinforce", "--captions-from", str(runs / "whole"), "--teacher", str(runs / "whole"), "--data",
+                 small_demo["train"], "--out", str(tmp_path / "both")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give one of --teacher" in err[0]
