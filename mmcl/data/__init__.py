@@ -84,11 +84,12 @@ from .transforms import (
 
 __all__ = [
     "IMAGE_EXTS", "SKIP_REASONS", "SHARD_SUFFIXES", "WORKER_STOP_GRACE_S",
-    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFilesDataset", "ImageFinish", "ImageFolderDataset", "ImageSpec", "NaflexPlan",
-    "PyRandomResizedCrop", "RawSample",
+    "TRAIN_CROP_SCALE", "EvalFailure", "EvalSkip", "ImageFilesDataset", "ImageFinish", "ImageFolderDataset",
+    "ImageSpec", "NaflexPlan", "PyRandomResizedCrop", "RawSample",
     "ShardEvalDataset", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
     "TransformOutputError", "InputSizes", "WorkerOutput",
-    "build_eval_dataset", "build_image_set", "build_train_stream", "collate", "decode_image", "decode_sample", "draft_size_of",
+    "build_eval_dataset", "build_image_set", "build_train_stream", "collate", "decode_image", "decode_sample",
+    "draft_size_of",
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",
     "SampleKeys", "caption_draw", "sample_keys",

@@ -28,5 +28,5 @@ from .towers import (
 
 __all__ = ["CONFIG_DIR", "FROZEN_ATTR", "TEXT_WIDTH_STEP", "MaskedMaxPooler", "TrimmedTokenizer", "apply_locks",
            "available_models", "build", "build_tokenizer", "build_transforms", "clamp_logit_scale", "create",
-           "has_decoder", "hf_custom_code_error", "is_frozen_call", "is_naflex", "is_local_dir", "named_config", "preprocess_config",
-           "resolve_model_config", "set_patch_dropout", "training_tokenizer"]
+           "has_decoder", "hf_custom_code_error", "is_frozen_call", "is_naflex", "is_local_dir", "named_config",
+           "preprocess_config", "resolve_model_config", "set_patch_dropout", "training_tokenizer"]
