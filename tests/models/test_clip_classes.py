@@ -110,3 +110,27 @@ def test_mmcl_model_classes_equal_open_clips_for_the_same_config_and_weights():
     small.load_state_dict(state)
     with torch.no_grad():
         assert torch.equal(model.eval().encode_image(images(3, size=40)), small.eval().encode_image(images(3, size=40)))
+
+
+def test_caption_coca_has_open_clips_coca_keys_and_an_initialised_decoder():
+    """`CaptionCoCa` keeps open_clip's CoCa's state-dict keys and shapes; its decoder starts from the same seed's
+    same weights (open_clip 3.3 leaves the output projection as torch.empty's memory), at the intended scales."""
+    from open_clip.coca_model import CoCa
+
+    from mmcl.config import load_config
+    from mmcl.models.clip_classes import CaptionCoCa
+
+    cfg = load_config(None, ["model.name=coca_tiny"]).model
+    model_cfg = models.resolve_model_config(cfg)
+    builds = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        builds.append(models.create(model_cfg))
+    a, b = builds
+    assert type(a) is CaptionCoCa
+    ref = CoCa(**{k: v for k, v in model_cfg.items() if k != "custom_text"})
+    assert {k: v.shape for k, v in a.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    proj = a.text_decoder.text_projection
+    assert torch.isfinite(proj).all() and abs(float(proj.std()) - 64 ** -0.5) < 0.01
