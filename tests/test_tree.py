@@ -16,8 +16,10 @@ TESTS = Path(__file__).resolve().parent
 TESTED_ELSEWHERE = {
     "config/process.py": (["tests/e2e/test_distributed_elastic.py", "tests/e2e/test_gpu_path_launch.py"],
                           "the launcher's process variables, only meaningful under a real launch"),
-    "curation/reinforce.py": (["tests/losses/test_distill.py", "tests/curation/test_curate.py"],
-                              "`mmcl reinforce`'s stored teacher targets, used by distillation"),
+    "curation/reinforce.py": (["tests/losses/test_distill.py", "tests/curation/test_curate.py",
+                               "tests/e2e/test_captioning_journey.py"],
+                              "`mmcl reinforce`'s stored teacher targets, used by distillation, and its generated "
+                              "captions, trained on"),
     "evaluation/embed.py": (["tests/evaluation/test_evaluate.py", "tests/evaluation/test_index.py"],
                             "the embedding loops, through the zero-shot, retrieval and index results they give"),
     "losses/errors.py": (["tests/losses/test_inputs.py", "tests/losses/test_objective.py"],
