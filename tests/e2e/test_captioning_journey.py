@@ -68,6 +68,13 @@ def test_the_open_clip_export_loads_bit_exactly_in_open_clip_and_captions_alike(
     # transformers' CLIPModel has no decoder: the hf format refuses in one line
     assert main(["export", "--model", str(runs / "whole"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
     assert "multimodal_cfg" in capsys.readouterr().err
+    # safetensors keeps the decoder (mmcl.load reads it back whole); onnx exports the two encoders, checked by export
+    assert main(["export", "--model", str(runs / "whole"), "--format", "safetensors", "--out",
+                 str(tmp_path / "st")]) == 0
+    again, _, _ = mmcl.load(str(tmp_path / "st"))
+    assert all(torch.equal(v, saved[k]) for k, v in again.state_dict().items())
+    assert main(["export", "--model", str(runs / "whole"), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 0
+    assert json.loads((tmp_path / "onnx" / "mmcl_export.json").read_text())["min_cosine_vs_source"] > 0.999
 
 
 @pytest.mark.slow
