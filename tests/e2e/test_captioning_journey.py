@@ -172,3 +172,25 @@ def test_reinforce_captions_from_a_run_adds_its_captions_and_the_new_shards_trai
                  small_demo["train"], "--out", str(tmp_path / "both")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "give one of --teacher" in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    ["train.phases=[{fraction: 0.5, image_size: 32, context_length: 16, patch_dropout: 0.5}, {}]"],
+    ["model.lock_image=true", "model.grad_checkpointing=true"],
+], ids=["phases_patch_dropout", "locked_image_checkpointed"])
+def test_a_coca_run_takes_phases_patch_dropout_locks_and_checkpointing(small_demo, tmp_path, extra):
+    assert main(short_run(small_demo, tmp_path / "run", *CAPTION_RUN, *extra, towers=[])) == 0
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(0 < r["loss/caption"] < 20 for r in records)
+    if "model.lock_image=true" in extra:  # the locked image tower did not move from its start (train.seed 0)
+        from mmcl import models
+        from mmcl.config import load_config
+
+        torch.manual_seed(0)
+        fresh, *_ = models.build(load_config(None, ["model.name=coca_tiny"]).model)
+        start = {k: v for k, v in fresh.state_dict().items() if k.startswith("visual.")}
+        end = final_weights(tmp_path / "run")
+        assert all(torch.equal(end[k], v) for k, v in start.items())
+        assert not all(torch.equal(end[k], v) for k, v in fresh.state_dict().items() if k.startswith("text_decoder."))
