@@ -177,9 +177,6 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
         if cfg.model.lora.r:
             raise ConfigError("model.lora is not supported with FSDP (peft's attention layer swaps its weights in "
                               "each forward); set model.lora.r=0 or launch without FSDP")
-        if models.has_decoder(model):
-            raise ConfigError("a model with a captioning decoder (model.name coca_*) is not supported with FSDP yet "
-                              "(its sharding is untested); launch without FSDP (DDP)")
         if cfg.train.ema_decay is not None:
             raise ConfigError("train.ema_decay is not supported with FSDP (the average would need the full "
                               "weights on every step); unset it or launch without FSDP")

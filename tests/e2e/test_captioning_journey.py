@@ -194,3 +194,35 @@ def test_a_coca_run_takes_phases_patch_dropout_locks_and_checkpointing(small_dem
         end = final_weights(tmp_path / "run")
         assert all(torch.equal(end[k], v) for k, v in start.items())
         assert not all(torch.equal(end[k], v) for k, v in fresh.state_dict().items() if k.startswith("text_decoder."))
+
+
+@pytest.mark.slow
+def test_a_coca_run_under_fsdp_trains_to_the_weights_of_ddp(small_demo, tmp_path):
+    """FSDP2 on 2 CPU processes (tests/fsdp_cpu_shim.py, as tests/e2e/test_distributed_fsdp.py launches it) against
+    DDP, float32, 4 steps: the decoder shards and trains like the towers."""
+    import os
+    import subprocess
+
+    import yaml
+
+    from helpers import ACCELERATE_LAUNCH, ROOT, run_args
+
+    cfg = yaml.safe_load((ROOT / "launch" / "fsdp.yaml").read_text())
+    cfg.update(num_processes=2, mixed_precision="no", use_cpu=True)
+    (tmp_path / "fsdp.yaml").write_text(yaml.safe_dump(cfg))
+    shim = str(ROOT / "tests" / "fsdp_cpu_shim.py")
+    out = {}
+    for how, config, program in (("fsdp", tmp_path / "fsdp.yaml", [shim]),
+                                 ("ddp", ROOT / "launch" / "cpu-2proc.yaml", ["-m", "mmcl"])):
+        args = run_args(small_demo, tmp_path / how, *CAPTION_RUN[:2], "train.steps=4",  # no EMA under FSDP "train.save_every=2",
+                        "data.batch_size=4", "data.workers=0", "train.log_every=2", "train.log_with=[]",
+                        "optim.warmup_steps=0", towers=[])
+        p = subprocess.run([*ACCELERATE_LAUNCH, "--config_file", str(config), *program, "train", *args],
+                           env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"), capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        out[how] = p.stdout
+    assert "2 process(es), FSDP on cpu" in out["fsdp"]  # accelerate's FSDP path, not a fallback to DDP
+    a, b = final_weights(tmp_path / "fsdp"), final_weights(tmp_path / "ddp")
+    assert a.keys() == b.keys() and any(k.startswith("text_decoder.") for k in a)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
