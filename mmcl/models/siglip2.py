@@ -16,9 +16,10 @@ targets to the model's forward dict, which the objective's sample terms read (`m
   student (SigLIP 2: "initializing the teacher with the student's parameters ... heads randomly"). Before that no
   crop is made, no teacher exists or runs, and the model's forward is unchanged in one process; with several, the
   heads join the graph with a zero weight (DDP expects a gradient for every parameter).
-- Crops, flips and masks are drawn on the device from a counter-based hash of (seed, step, micro-batch, the sample's
-  row in the global micro-batch) (`mmcl.models.flip.patch_keys`), as FLIP's masks: a resumed run, two processes and
-  accumulation's two passes over a micro-batch draw the same ones, with no host generator and no host read.
+- Crops, flips and masks are drawn on the device from a counter-based hash of (seed, step, the sample's row in the
+  step's global batch) (`mmcl.models.flip.patch_keys`), as FLIP's masks: a resumed run, two processes, several
+  micro-batches and accumulation's two passes over a micro-batch draw the same ones, with no host generator and no
+  host read.
 - Local crops are cut from the batch's image on the device (bilinear, ``grid_sample``), not from the original
   image in the data workers: before the start they cost nothing at all, and the data stream is the one SigLIP
   alone reads. At a model's image size the crops see fewer source pixels than DINO's (they are up-sampled).
@@ -149,30 +150,32 @@ def local_crops(images: torch.Tensor, u: torch.Tensor, size: int, scale: Sequenc
 
 
 class _Draws:
-    """Each forward's seeds for the crops and the masks: per micro-batch of the step, rotated after each forward (the
-    k-th forward of a step is micro-batch k mod accum_steps, as `mmcl.models.flip.SeededPatchDropout`'s)."""
+    """Each step's seeds for the crops and the masks, and which micro-batch of the step a forward is (the k-th forward
+    of a step is micro-batch k mod accum_steps, as for `mmcl.models.flip.SeededPatchDropout`; GradCache's re-run of
+    the micro-batches comes after their first pass). A sample's draws are keyed by its row in the step's global batch
+    (micro-batch, then process, then place), so one process with the whole batch, several processes and several
+    micro-batches draw the same crops and masks for the same sample."""
 
     STREAMS = 2  # crops, masks
 
     def __init__(self, seed: int, accum_steps: int):
         self.seed, self.accum_steps = int(seed), int(accum_steps)
-        self.seeds = torch.zeros(accum_steps, self.STREAMS, 2, dtype=torch.int64)
+        self.seeds = torch.zeros(self.STREAMS, 2, dtype=torch.int64)
         self.turn = 0
 
     def begin_step(self, step: int, device: torch.device) -> None:
-        rows = [[[s & _M32, s >> 32] for s in (mask_seed(self.seed + 1 + k, step, micro) for k in range(self.STREAMS))]
-                for micro in range(self.accum_steps)]
+        rows = [[s & _M32, s >> 32] for s in (mask_seed(self.seed + 1 + k, step, 0) for k in range(self.STREAMS))]
         host = torch.tensor(rows, dtype=torch.int64)
         if device.type == "cuda":
             host = host.pin_memory()  # copied while the device works on, not waited for
         self.seeds = host.to(device, non_blocking=True)
         self.turn = 0
 
-    def take(self) -> torch.Tensor:
-        """(STREAMS, 2) this forward's seeds; the next forward takes the next micro-batch's (a host counter)."""
-        seeds = self.seeds[self.turn % self.accum_steps]
+    def take(self) -> Tuple[torch.Tensor, int]:
+        """(the step's seeds (STREAMS, 2), this forward's micro-batch); the next forward takes the next one."""
+        micro = self.turn % self.accum_steps
         self.turn += 1
-        return seeds
+        return self.seeds, micro
 
 
 class Siglip2:
@@ -281,8 +284,9 @@ class Siglip2:
             if self.world_size > 1:
                 output["image_features"] = output["image_features"] + self._unused_zero(())
             return output
-        seeds = self.draws.take()
-        rows = torch.arange(self.rank * n, (self.rank + 1) * n, device=images.device, dtype=torch.int64)
+        seeds, micro = self.draws.take()
+        first = (micro * self.world_size + self.rank) * n  # this process's first row in the step's global batch
+        rows = torch.arange(first, first + n, device=images.device, dtype=torch.int64)
         counted = torch.is_grad_enabled()  # GradCache's first pass runs without: each micro-batch counted once
         with torch.no_grad():
             t_pooled, t_tokens = vit_tokens(self.teacher.visual, images)
