@@ -190,9 +190,9 @@ class Siglip2:
                  rank: int = 0, world_size: int = 1, accum_steps: int = 1):
         visual = vit_tower(model)
         if visual is None or not callable(getattr(visual, "_pool", None)):
+            tower = type(getattr(model, "visual", None)).__name__
             raise ConfigError(f"loss.self_distill and loss.masked need an open_clip ViT image tower (patch tokens, a "
-                              f"class token); this model's image tower is {type(getattr(model, 'visual', None)).__name__}"
-                              ": set their weights to 0")
+                              f"class token); this model's image tower is {tower}: set their weights to 0")
         first = sd if sd is not None else mk
         self.sd, self.mk = sd, mk
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)

@@ -213,7 +213,8 @@ def load_checkpoint(run: Restorable, resume: Path, cfg, layout) -> None:
     # Every file as plain data (`checkpoints.load_plain`), on the CPU: a CPU generator state must stay there,
     # and load_state_dict copies the rest onto this process's device.
     rank_state = checkpoints.load_plain(rank_file)
-    first = rank_state if accelerator.process_index == 0 or (run.ema is None and run.teacher is None) else checkpoints.load_plain(
+    from_first = run.ema is not None or run.teacher is not None  # saved by rank 0 alone
+    first = rank_state if accelerator.process_index == 0 or not from_first else checkpoints.load_plain(
         checkpoints.rank_state_file(resume, 0))
     restore_progress(run, resume, rank_state, first)
     load_weights_and_optimizer(run, resume)

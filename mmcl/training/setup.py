@@ -279,9 +279,9 @@ def setup(cfg: TrainConfig, rt: Runtime, held: contextlib.ExitStack) -> Parts:
     set_seed(cfg.train.seed)
     model, model_cfg, pp_cfg, tokenizer, masking, planned, wise_init = build_model(cfg, rt, accelerator)
     objective = objective_from_config(cfg.loss)
-    objective.reseed(cfg.train.seed)
+    objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
     # SigLIP 2's second stage: the heads join the model before the optimiser sees its parameters
-    second = agreed(accelerator, lambda: teacher_terms(cfg, rt, accelerator, model))  # MoCHi's mixing draws; identical on every process
+    second = agreed(accelerator, lambda: teacher_terms(cfg, rt, accelerator, model))
     groups = optim.param_groups(model, cfg.optim)
     optimizer = optim.build_optimizer(model, cfg.optim, groups, device=accelerator.device)
     described = []

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from mmcl import losses
 from mmcl.losses.self_distill import next_center, self_distill_losses, teacher_targets
+
 from spawned import end_worker, free_port, spawn
 
 

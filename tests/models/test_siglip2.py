@@ -14,9 +14,9 @@ from mmcl.config.schema import MaskedConfig, SelfDistillConfig
 from mmcl.errors import ConfigError
 from mmcl.models import siglip2
 from mmcl.training.ema import WeightEMA
-from spawned import end_worker, free_port, spawn
 
 from helpers import fake_batch, micro_model
+from spawned import end_worker, free_port, spawn
 
 
 def _sections(start=0.5):
@@ -294,9 +294,9 @@ def test_a_run_logs_each_term_from_its_start_and_saves_the_students_clip(referen
 def test_a_run_stopped_before_at_or_after_the_start_resumes_exactly_teacher_included(demo, reference, tmp_path,
                                                                                       monkeypatch, stop_at, capsys):
     import mmcl.training.step as step_mod
-    from preempt import sigterm_during_step
 
     from helpers import final_weights
+    from preempt import sigterm_during_step
 
     out = tmp_path / "run"
     real = sigterm_during_step(stop_at, monkeypatch)
