@@ -184,16 +184,17 @@ class Siglip2:
     each step, the step `after_step` after each applied update, and `detach` before ``model/`` is saved.
 
     Args: the two sections' numbers (``sd``: ``loss.self_distill``, ``mk``: ``loss.masked``, each None when its
-    weight is 0), the run's steps, seed, process and accumulation."""
+    weight is 0), ``shared``: ``loss.self_distill`` whatever its weight (the head sizes and the teacher's decay, which
+    loss.masked uses too), the run's steps, seed, process and accumulation."""
 
     def __init__(self, model: nn.Module, sd: Optional[Any], mk: Optional[Any], total_steps: int, seed: int,
-                 rank: int = 0, world_size: int = 1, accum_steps: int = 1):
+                 rank: int = 0, world_size: int = 1, accum_steps: int = 1, shared: Optional[Any] = None):
         visual = vit_tower(model)
         if visual is None or not callable(getattr(visual, "_pool", None)):
             tower = type(getattr(model, "visual", None)).__name__
             raise ConfigError(f"loss.self_distill and loss.masked need an open_clip ViT image tower (patch tokens, a "
                               f"class token); this model's image tower is {tower}: set their weights to 0")
-        first = sd if sd is not None else mk
+        shared = sd if shared is None else shared
         self.sd, self.mk = sd, mk
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
         self.starts = {name: start_step(cfg.start_fraction, total_steps)
@@ -201,7 +202,7 @@ class Siglip2:
         self.start = min(self.starts.values())
         embed_dim = int(visual.output_dim) if visual.proj is not None else int(visual.positional_embedding.shape[1])
         width = int(visual.positional_embedding.shape[1])
-        self.heads = Siglip2Heads(embed_dim, width, first.head_hidden, first.head_bottleneck,
+        self.heads = Siglip2Heads(embed_dim, width, shared.head_hidden, shared.head_bottleneck,
                                   None if sd is None else sd.prototypes, None if mk is None else mk.prototypes)
         self.heads.reset(self.seed)
         model.add_module(HEADS, self.heads)
@@ -217,7 +218,7 @@ class Siglip2:
         self.student = _Student(visual, self.heads)
         self.teacher: Optional[_Student] = None
         self.ema = None  # the teacher's average (`WeightEMA`), from the start on
-        self.ema_decay = float(first.teacher_ema_decay) if sd is None else float(sd.teacher_ema_decay)
+        self.ema_decay = float(shared.teacher_ema_decay)
         device = next(model.parameters()).device
         self.centers = {name: torch.zeros(cfg.prototypes, device=device)
                         for name, cfg in (("self_distill", sd), ("masked", mk)) if cfg is not None}
@@ -383,11 +384,12 @@ def start_step(fraction: float, total_steps: int) -> int:
 def attach(model: nn.Module, sd: Optional[Any], mk: Optional[Any], total_steps: int, seed: int, rank: int = 0,
            world_size: int = 1, accum_steps: int = 1, make_ema=None) -> Optional[Siglip2]:
     """`Siglip2` on `model` for the sections whose weight is positive (None when neither is)."""
+    shared = sd
     sd = sd if sd is not None and sd.weight > 0 else None
     mk = mk if mk is not None and mk.weight > 0 else None
     if sd is None and mk is None:
         return None
-    out = Siglip2(model, sd, mk, total_steps, seed, rank, world_size, accum_steps)
+    out = Siglip2(model, sd, mk, total_steps, seed, rank, world_size, accum_steps, shared)
     out.make_ema = make_ema
     return out
 

@@ -313,3 +313,16 @@ def test_a_run_stopped_before_at_or_after_the_start_resumes_exactly_teacher_incl
         assert torch.equal(v, tb["ema"]["shadow"][k]), k
     for k, v in ta["centers"].items():
         assert torch.equal(v, tb["centers"][k]), k
+
+
+def test_masked_prediction_alone_takes_the_head_sizes_and_decay_of_loss_self_distill():
+    model = micro_model()
+    sd, mk = _sections(start=0.0)
+    sd = SelfDistillConfig(weight=0.0, head_hidden=8, head_bottleneck=4, teacher_ema_decay=0.5)
+    second = siglip2.attach(model, sd, mk, 2, seed=0, make_ema=WeightEMA)
+    assert second.heads.image is None and second.heads.patch.prototypes.weight.shape == (12, 4)
+    second.begin_step(0, torch.device("cpu"))
+    assert second.ema.decay == 0.5
+    b = fake_batch(2, seed=8)
+    out = model(b["image"], b["text"])
+    assert out["masked_student"].shape == (2, 32, 12) and "self_distill_student" not in out
