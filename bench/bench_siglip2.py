@@ -6,11 +6,13 @@ configs/siglip2.yaml's model and terms, on random batches (no data loading), for
 * ``self_distill``, ``masked``: one term from its start (its teacher forward, crops, heads and EMA update);
 * ``both``: the recipe's last 20 %.
 
-Each arm runs in its own process (so that its peak resident memory, ``ru_maxrss``, is its own), the arms taking
-turns round by round; ``ms`` is the median step time over the rounds' steps after a warm-up step, ``rss_mib`` the
-process's peak, and the JSON line of each arm gives its ratios to ``siglip`` measured in the same run.
+Time: the arms are built in one process and take turns step by step (the machine's load falls on all alike);
+``ms_min`` is the fastest of ``--steps`` steps after a warm-up step, ``time_ratio`` its ratio to ``siglip``'s.
+FLOPs: one step counted by torch's dispatcher (``FlopCounterMode``), independent of the load. Memory: each arm also
+runs two steps in a process of its own, whose peak resident memory (``ru_maxrss``) is ``rss_mib``;
+``rss_extra_mib`` is the difference to ``siglip``'s.
 
-    .venv/bin/python bench/bench_siglip2.py [--batch 64] [--steps 6] [--rounds 3] [--threads 2]
+    .venv/bin/python bench/bench_siglip2.py [--batch 64] [--steps 6] [--threads 2]
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 ARMS = ("siglip", "before", "self_distill", "masked", "both")
 
 
-def _arm(name: str, batch: int, steps: int, threads: int) -> dict:
+def _setup(name: str, batch: int):
+    """A `Step` of configs/siglip2.yaml's model with arm `name`'s terms, and a function running one step of it."""
     import torch
     from accelerate import Accelerator
 
@@ -39,7 +42,6 @@ def _arm(name: str, batch: int, steps: int, threads: int) -> dict:
     from mmcl.training.ema import WeightEMA
     from mmcl.training.step import Step, objective_from_config
 
-    torch.set_num_threads(threads)
     torch.manual_seed(0)
     overrides = {"siglip": ["loss.self_distill.weight=0", "loss.masked.weight=0"],
                  "self_distill": ["loss.masked.weight=0"], "masked": ["loss.self_distill.weight=0"]}
@@ -57,45 +59,63 @@ def _arm(name: str, batch: int, steps: int, threads: int) -> dict:
                 "text": torch.randint(1, 1000, (batch, 32), generator=g),
                 "label": torch.full((batch,), -1, dtype=torch.long)} for _ in range(2)]
     at = 0 if name == "before" else 9  # the terms start at step 8 of 10 (start_fraction 0.8)
-    times = []
-    for i in range(steps + 1):
+    turn = [0]
+
+    def run_step() -> float:
         if second is not None:
             second.begin_step(at, acc.device)
         t0 = time.perf_counter()
-        step([batches[i % 2]], at + 1, False)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return {"times": times, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        step([batches[turn[0] % 2]], at + 1, False)
+        turn[0] += 1
+        return time.perf_counter() - t0
+
+    return run_step
+
+
+def _flops(run_step) -> float:
+    """FLOPs of one step (forward, backward, update) counted by torch's dispatcher: independent of the load."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        run_step()
+    return float(counter.get_total_flops())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per arm and round (after one warm-up step)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per arm (after one warm-up step)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, in its own process
+    ap.add_argument("--memory-of", choices=ARMS, help=argparse.SUPPRESS)  # one arm's peak memory, in its own process
     args = ap.parse_args()
-    if args.arm:
-        print(json.dumps(_arm(args.arm, args.batch, args.steps, args.threads)))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.memory_of:
+        run_step = _setup(args.memory_of, args.batch)
+        run_step(), run_step()
+        print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
         return
-    results = {arm: {"times": [], "rss_mib": []} for arm in ARMS}
-    for _ in range(args.rounds):
-        for arm in ARMS:
-            out = subprocess.run([sys.executable, __file__, "--arm", arm, "--batch", str(args.batch), "--steps",
-                                  str(args.steps), "--threads", str(args.threads)], capture_output=True, text=True,
-                                 check=True, env=dict(os.environ, PYTHONPATH=ROOT))
-            got = json.loads(out.stdout.strip().splitlines()[-1])
-            results[arm]["times"] += got["times"]
-            results[arm]["rss_mib"].append(got["rss_mib"])
-    base_ms = statistics.median(results["siglip"]["times"]) * 1e3
-    base_rss = max(results["siglip"]["rss_mib"])
+    rss = {}
     for arm in ARMS:
-        ms = statistics.median(results[arm]["times"]) * 1e3
-        rss = max(results[arm]["rss_mib"])
-        print(json.dumps({"arm": arm, "batch": args.batch, "threads": args.threads, "ms": round(ms, 1),
-                          "time_ratio": round(ms / base_ms, 3), "rss_mib": round(rss, 1),
-                          "rss_extra_mib": round(rss - base_rss, 1), "steps": len(results[arm]["times"])}))
+        out = subprocess.run([sys.executable, __file__, "--memory-of", arm, "--batch", str(args.batch),
+                              "--threads", str(args.threads)], capture_output=True, text=True, check=True,
+                             env=dict(os.environ, PYTHONPATH=ROOT))
+        rss[arm] = json.loads(out.stdout.strip().splitlines()[-1])["rss_mib"]
+    runs = {arm: _setup(arm, args.batch) for arm in ARMS}
+    flops = {arm: _flops(run) for arm, run in runs.items()}  # also the warm-up step
+    times = {arm: [] for arm in ARMS}
+    for _ in range(args.steps):  # the arms take turns step by step: the machine's load falls on all alike
+        for arm, run in runs.items():
+            times[arm].append(run())
+    base = min(times["siglip"])
+    for arm in ARMS:
+        print(json.dumps({"arm": arm, "batch": args.batch, "threads": args.threads,
+                          "ms_min": round(min(times[arm]) * 1e3, 1),
+                          "ms_median": round(statistics.median(times[arm]) * 1e3, 1),
+                          "time_ratio": round(min(times[arm]) / base, 3),
+                          "flops_ratio": round(flops[arm] / flops["siglip"], 3), "gflop": round(flops[arm] / 1e9, 2),
+                          "rss_mib": round(rss[arm], 1), "rss_extra_mib": round(rss[arm] - rss["siglip"], 1)}))
 
 
 if __name__ == "__main__":

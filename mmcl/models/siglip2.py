@@ -14,8 +14,9 @@ targets to the model's forward dict, which the objective's sample terms read (`m
 - When: each term starts at its ``start_fraction`` of the run (SigLIP 2: 0.8, the last 20 %). At the first step of
   the earlier term the heads are initialised afresh from the run's seed and the teacher starts as a copy of the
   student (SigLIP 2: "initializing the teacher with the student's parameters ... heads randomly"). Before that no
-  crop is made, no teacher exists or runs, and the model's forward is unchanged in one process; with several, the
-  heads join the graph with a zero weight (DDP expects a gradient for every parameter).
+  crop is made, no teacher exists or runs, and the features are unchanged: the heads join the graph with a zero
+  weight only (DDP expects a gradient for every parameter, and AdamW then counts their steps alike in one process
+  and in several).
 - Crops, flips and masks are drawn on the device from a counter-based hash of (seed, step, the sample's row in the
   step's global batch) (`mmcl.models.flip.patch_keys`), as FLIP's masks: a resumed run, two processes, several
   micro-batches and accumulation's two passes over a micro-batch draw the same ones, with no host generator and no
@@ -282,8 +283,7 @@ class Siglip2:
         if not any(self.active.values()):
             for name in self.starts:  # no item: the term is 0, with nothing computed
                 output.update(_empty(name, images))
-            if self.world_size > 1:
-                output["image_features"] = output["image_features"] + self._unused_zero(())
+            output["image_features"] = output["image_features"] + self._unused_zero(())
             return output
         seeds, micro = self.draws.take()
         first = (micro * self.world_size + self.rank) * n  # this process's first row in the step's global batch
@@ -304,8 +304,7 @@ class Siglip2:
                 used += ["patch", "mask_token"]
             else:
                 output.update(_empty("masked", images))
-        if self.world_size > 1:
-            output["image_features"] = output["image_features"] + self._unused_zero(used)
+        output["image_features"] = output["image_features"] + self._unused_zero(used)
         return output
 
     def _self_distill(self, images, seeds, rows, t_pooled, counted) -> Dict[str, torch.Tensor]:
@@ -337,7 +336,9 @@ class Siglip2:
                 "masked_teacher": teacher_targets(t_logits, self.centers["masked"], self.mk.teacher_temp)}
 
     def _unused_zero(self, used: Sequence[str]) -> torch.Tensor:
-        """0 times the heads' parameters this forward did not use: DDP then finds a (zero) gradient for each."""
+        """0 times the heads' parameters this forward did not use: DDP then finds a (zero) gradient for each, and
+        the optimiser counts the same steps for them in one process as in several (AdamW's bias correction). The
+        features' values are unchanged (x + 0 = x)."""
         params = [p for name, p in self.heads.named_parameters() if name.split(".")[0] not in used]
         if not params:
             return torch.zeros((), device=self.centers[next(iter(self.centers))].device)

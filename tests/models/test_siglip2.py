@@ -69,6 +69,9 @@ def test_before_the_start_the_forward_is_unchanged_and_nothing_runs():
     out, ref = model(b["image"], b["text"]), plain(b["image"], b["text"])
     assert torch.equal(out["image_features"], ref["image_features"])
     assert out["self_distill_student"].shape == (4, 0, 0) and out["masked_teacher"].numel() == 0
+    # the heads get a zero gradient, not none: DDP finds one for each, and AdamW counts their steps as in DDP
+    out["image_features"].sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in second.heads.parameters())
 
 
 def test_at_the_start_the_heads_are_fresh_the_teacher_is_the_student_and_the_draws_repeat():
