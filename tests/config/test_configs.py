@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from mmcl import models
-from mmcl.models import siglip2
 from mmcl.config import from_dict, load_config, phase_lengths, to_dict
+from mmcl.models import siglip2
 from mmcl.training.ema import WeightEMA
 from mmcl.training.optim import build_optimizer
 from mmcl.training.step import objective_from_config
