@@ -122,6 +122,7 @@ def validate(cfg: TrainConfig) -> List[str]:
     if cfg.train.ema_decay is not None and not 0.0 < cfg.train.ema_decay < 1.0:
         problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     problems += _distill_problems(cfg)
+    problems += teacher_term_problems(cfg)
     problems += _eval_problems(cfg)
     problems += _lora_problems(cfg.model)
     problems += naflex_problems(cfg)
@@ -133,6 +134,45 @@ def validate(cfg: TrainConfig) -> List[str]:
     problems += aug_problems(cfg.data.aug)
     if cfg.train.wise_ft is not None and (not cfg.train.wise_ft or any(not 0 <= a <= 1 for a in cfg.train.wise_ft)):
         problems.append(f"train.wise_ft must be a list of alphas in [0, 1] (got {list(cfg.train.wise_ft)})")
+    return problems
+
+
+def teacher_term_problems(cfg: TrainConfig) -> List[str]:
+    """``loss.self_distill`` and ``loss.masked`` (SigLIP 2's second stage, `mmcl.models.siglip2`): their numbers,
+    and what they do not run with."""
+    problems: List[str] = []
+    sd, mk = cfg.loss.self_distill, cfg.loss.masked
+    on = [key for key, section in (("loss.self_distill", sd), ("loss.masked", mk)) if section.weight > 0]
+    for key, section in (("loss.self_distill", sd), ("loss.masked", mk)):
+        if section.weight < 0:
+            problems.append(f"{key}.weight must be >= 0 (got {section.weight})")
+        if not 0.0 <= section.start_fraction < 1.0:
+            problems.append(f"{key}.start_fraction must be in [0, 1) (got {section.start_fraction})")
+        if section.prototypes < 1:
+            problems.append(f"{key}.prototypes must be >= 1 (got {section.prototypes})")
+        if section.student_temp <= 0 or section.teacher_temp <= 0:
+            problems.append(f"{key}.student_temp and teacher_temp must be > 0 (got {section.student_temp}, "
+                            f"{section.teacher_temp})")
+        if not 0.0 <= section.center_momentum < 1.0:
+            problems.append(f"{key}.center_momentum must be in [0, 1) (got {section.center_momentum})")
+    if sd.head_hidden < 1 or sd.head_bottleneck < 1:
+        problems.append(f"loss.self_distill.head_hidden and head_bottleneck must be >= 1 (got {sd.head_hidden}, "
+                        f"{sd.head_bottleneck})")
+    if sd.local_crops < 1 or sd.local_size < 0:
+        problems.append(f"loss.self_distill needs local_crops >= 1 and local_size >= 0 (got {sd.local_crops}, "
+                        f"{sd.local_size})")
+    scale = list(sd.local_scale)
+    if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+        problems.append(f"loss.self_distill.local_scale must be two area fractions 0 < lo <= hi <= 1 (got {scale})")
+    if not 0.0 < sd.teacher_ema_decay < 1.0:
+        problems.append(f"loss.self_distill.teacher_ema_decay must be in (0, 1) (got {sd.teacher_ema_decay})")
+    if not 0.0 < mk.mask_ratio < 1.0:
+        problems.append(f"loss.masked.mask_ratio must be in (0, 1) (got {mk.mask_ratio})")
+    if on and cfg.data.naflex.seq_lens:
+        problems.append(f"{' and '.join(on)} need an open_clip ViT image tower at a fixed size; NaFlex batches are "
+                        "not supported: set their weights to 0")
+    if on and cfg.model.lock_image:
+        problems.append(f"{' and '.join(on)} train the image tower; model.lock_image freezes it: unset one")
     return problems
 
 

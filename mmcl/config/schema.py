@@ -246,15 +246,65 @@ class GlobalContrastiveConfig(_Section):
         "hashed into them, so a few times the data set's samples keeps shared slots rare")
 
 
+@dataclass
+class SelfDistillConfig(_Section):
+    """SILC's self-distillation (Naeem et al. 2023), SigLIP 2's form: an EMA teacher of the image tower scores the
+    whole image, the student each of its local crops, through DINO's projection head to K prototypes; the student's
+    distributions must match the teacher's centred and sharpened ones (mmcl/losses/self_distill.py,
+    mmcl/models/siglip2.py). The teacher and the heads are shared with loss.masked."""
+
+    # Passed to the objective under these names (the rest are the model side's, `mmcl.models.siglip2`)
+    OBJECTIVE_KEYS = {"student_temp": "self_distill_student_temp"}
+
+    weight: float = described(
+        0.0, "weight of SILC's local-to-global self-distillation (SigLIP 2's second stage; open_clip ViT towers)")
+    start_fraction: float = described(
+        0.8, "the term starts at this fraction of the run's steps (SigLIP 2: the last 20 %); before it, nothing runs")
+    prototypes: int = described(8192, "K: the projection head's prototypes (its output scores)")
+    head_hidden: int = described(2048, "the projection head's hidden width (DINO: three layers, GELU)")
+    head_bottleneck: int = described(256, "the projection head's L2-normalised bottleneck before the prototypes")
+    student_temp: float = described(0.1, "the student's softmax temperature (SILC, DINO: 0.1)")
+    teacher_temp: float = described(0.04, "the teacher's softmax temperature, low to sharpen (DINO: 0.04-0.07)")
+    center_momentum: float = described(0.9, "momentum of the running centre of the teacher's scores (DINO: 0.9)")
+    local_crops: int = described(8, "local crops per image seen by the student (SigLIP 2: 8)")
+    local_size: int = described(
+        0, "side of a local crop in pixels (a multiple of the patch size); 0: half the model's image size")
+    local_scale: List[float] = described(
+        factory=lambda: [0.05, 0.4], help="area fraction range of a local crop (DINO: 0.05-0.4)")
+    teacher_ema_decay: float = described(
+        0.996, "the teacher's EMA decay per applied step (DINO: 0.996); shared with loss.masked")
+
+
+@dataclass
+class MaskedConfig(_Section):
+    """TIPS' masked prediction (Maninis et al. 2025), SigLIP 2's form: the student sees the image with patches
+    replaced by a mask token and its patch head predicts the teacher's patch distributions at the masked positions
+    (mmcl/losses/masked.py). The teacher, its EMA decay and the head sizes are loss.self_distill's."""
+
+    OBJECTIVE_KEYS = {"student_temp": "masked_student_temp"}
+
+    weight: float = described(
+        0.0, "weight of TIPS' masked patch prediction (SigLIP 2's second stage; open_clip ViT towers)")
+    start_fraction: float = described(
+        0.8, "the term starts at this fraction of the run's steps (SigLIP 2: the last 20 %); before it, nothing runs")
+    mask_ratio: float = described(0.5, "share of the patches masked in the student's view (SigLIP 2: 50 %)")
+    prototypes: int = described(8192, "K: the patch head's prototypes")
+    student_temp: float = described(0.1, "the student's softmax temperature (iBOT: 0.1)")
+    teacher_temp: float = described(0.04, "the teacher's softmax temperature (iBOT: 0.04-0.07)")
+    center_momentum: float = described(0.9, "momentum of the running centre of the teacher's patch scores")
+
+
 # The loss terms by name, in the objective's table order (`mmcl.losses.TERMS`, which imports torch; the config and
 # everything that loads a model read these instead, and tests/losses/test_objective.py holds the two equal): each has
 # its weight in `LossConfig`, ``loss.<term>`` or ``loss.<term>.weight`` (`mmcl.config.term_keys`). The terms that
 # score a varying number of pairs per process (NaFlex) are `mmcl.losses.VARIABLE_PAIR_TERMS`' names, and the sample
 # terms (scored sample by sample from the model's outputs, `mmcl.losses.SAMPLE_TERMS`) take one too.
 LOSS_TERMS = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "mochi", "distill",
-              "global_contrastive", "caption")
+              "global_contrastive", "caption", "self_distill", "masked")
 VARIABLE_PAIR_TERMS = ("clip", "siglip")
-SAMPLE_TERMS = ("caption",)
+SAMPLE_TERMS = ("caption", "self_distill", "masked")
+# The sample terms whose teacher is an EMA of the image tower (`mmcl.models.siglip2`): an open_clip ViT, no NaFlex
+TEACHER_TERMS = ("self_distill", "masked")
 
 @dataclass
 class LossConfig(_Section):
@@ -279,6 +329,8 @@ class LossConfig(_Section):
         0.0, "weight of the captioning term (CoCa, Yu et al. 2022; SigLIP 2's decoder): a text decoder reads the image "
              "tower's tokens and predicts the caption, next-token cross-entropy over the batch's caption tokens; "
              "needs a model with a decoder (model.name coca_*)")
+    self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
+    masked: MaskedConfig = field(default_factory=MaskedConfig)
 
 
 @dataclass

@@ -48,7 +48,8 @@ machinery), `clip`, `supcon`, `siglip`, `reweighted` (debiased and hard-negative
 teacher's distributions), `global_contrastive` (SogCLR / FastCLIP), `geometry` (align, uniform), `distributed`
 (gather), `variable_pairs` (padding and the masks of a variable number of pairs per process), `data_negatives`
 (negative captions from the data), `sample_terms` (terms scored sample by sample from the model's outputs) and
-`caption` (the captioning term), `objective` and
+`caption` (the captioning term), `self_distill` (SILC's local-to-global consistency) and `masked` (TIPS' masked
+prediction), `objective` and
 `errors`.
 """
 
@@ -61,10 +62,12 @@ from .errors import LossInputError
 from .geometry import align_loss, uniform_loss
 from .global_contrastive import GlobalEstimates, gamma_at, global_contrastive_loss
 from .inputs import Gathered
+from .masked import masked_losses
 from .mochi import FeatureQueue, mochi_loss
 from .objective import SAMPLE_TERMS, TERMS, ContrastiveObjective
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .sample_terms import SampleLosses, joined, sample_mean
+from .self_distill import next_center, self_distill_losses, teacher_targets
 from .siglip import TiledSigmoidPairs, siglip_loss
 from .supcon import supcon_loss
 from .tiling import TiledLogSumExp
@@ -101,6 +104,10 @@ __all__ = [
     "SAMPLE_TERMS",
     "SampleLosses",
     "caption_losses",
+    "self_distill_losses",
+    "masked_losses",
+    "teacher_targets",
+    "next_center",
     "joined",
     "sample_mean",
     "LossInputError",

@@ -39,10 +39,12 @@ from .errors import LossInputError
 from .geometry import align_loss, uniform_log_partial, uniform_loss
 from .global_contrastive import GlobalEstimates
 from .inputs import Gathered, check_labels, check_pair
+from .masked import masked_losses
 from .mochi import FeatureQueue, mochi_loss
 from .precision import float32_math
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .sample_terms import SampleLosses, sample_mean
+from .self_distill import self_distill_losses
 from .siglip import siglip_loss
 from .supcon import supcon_loss
 from .tiling import acc_dtype, as_scale
@@ -130,6 +132,14 @@ TABLE: Tuple[Term, ...] = (
         x.image, x.text, x.logit_scale, x.sample_ids, x.gathered, o.chunk_size)),
     Term("caption", (), lambda o, x: _sample_term(o, x, "caption"), ("logits", "labels"),
          lambda o, out: caption_losses(out["logits"], out["labels"], o.caption_pad_id)),
+    # The model's side (`mmcl.models.siglip2`) gives the student's scores and the teacher's targets, centred and
+    # sharpened; before a term's start fraction they hold no item (the term is 0 and costs nothing).
+    Term("self_distill", (), lambda o, x: _sample_term(o, x, "self_distill"),
+         ("self_distill_student", "self_distill_teacher"),
+         lambda o, out: self_distill_losses(out["self_distill_student"], out["self_distill_teacher"],
+                                            o.self_distill_student_temp)),
+    Term("masked", (), lambda o, x: _sample_term(o, x, "masked"), ("masked_student", "masked_teacher"),
+         lambda o, out: masked_losses(out["masked_student"], out["masked_teacher"], o.masked_student_temp)),
 )
 TERMS = tuple(term.name for term in TABLE)
 SAMPLE_TERMS = tuple(term.name for term in TABLE if term.per_sample is not None)
@@ -150,6 +160,8 @@ class ContrastiveObjective(nn.Module):
         gamma, gamma_schedule, gamma_decay_steps, eps, table_size: the global contrastive term's moving estimates
             (`GlobalEstimates`; kept only with a positive ``global_contrastive`` weight).
         caption_pad_id: the padding token the captioning term leaves out (open_clip's tokenizers: 0).
+        self_distill_student_temp, masked_student_temp: the student's temperature in the self-distillation and
+            masked-prediction terms (SILC, iBOT: 0.1); their teacher's side comes with the model's outputs.
 
     ``forward(image_features, text_features, logit_scale, logit_bias=None, labels=None, with_metrics=True,
     gathered=None, teacher=None)`` returns ``(total_loss, terms)``. With ``gathered`` (`gather_batch` of this rank's
@@ -187,7 +199,8 @@ class ContrastiveObjective(nn.Module):
                  hn_beta: float = 1.0, align_alpha: float = 2.0, uniform_t: float = 2.0, n_hard: int = 64,
                  s: int = 32, s_prime: int = 16, mix_max: float = 0.5, queue_size: int = 0, gamma: float = 0.9,
                  gamma_schedule: str = "constant", gamma_decay_steps: int = 0, eps: Optional[float] = None,
-                 table_size: int = 2 ** 20, caption_pad_id: int = 0):
+                 table_size: int = 2 ** 20, caption_pad_id: int = 0, self_distill_student_temp: float = 0.1,
+                 masked_student_temp: float = 0.1):
         super().__init__()
         unknown = sorted(set(weights) - set(TERMS))
         if unknown:
@@ -195,6 +208,8 @@ class ContrastiveObjective(nn.Module):
         self.weights: Dict[str, float] = {name: float(weights.get(name, 0.0)) for name in TERMS}
         self.chunk_size = chunk_size
         self.caption_pad_id = int(caption_pad_id)
+        self.self_distill_student_temp = float(self_distill_student_temp)
+        self.masked_student_temp = float(masked_student_temp)
         self.tau_plus, self.hn_beta = tau_plus, hn_beta
         self.align_alpha, self.uniform_t = align_alpha, uniform_t
         self.n_hard, self.s, self.s_prime, self.mix_max = n_hard, s, s_prime, mix_max

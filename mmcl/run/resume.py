@@ -54,6 +54,7 @@ class Restorable:
     stream: Any
     progress: Any
     log: Callable[[str], None]
+    teacher: Any = None  # loss.self_distill / loss.masked: the EMA teacher and its centres (rank 0's state)
 
 
 def load_resized(run: Restorable, resume: Path, saved_processes: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -79,6 +80,9 @@ def load_resized(run: Restorable, resume: Path, saved_processes: int) -> Tuple[D
     run.objective.load_state_dict(own["objective"])
     return own, states[0]
 
+
+# Rank 0's state key of the self-distillation teacher (`mmcl.models.siglip2.Siglip2.state_dict`)
+TEACHER = "siglip2_teacher"
 
 # Changing any of these makes a checkpoint unusable; other config differences only warn.
 ARCH_KEYS = ("model.name", "model.embed_dim", "model.image_size", "model.context_length", "model.vision_cfg",
@@ -209,7 +213,8 @@ def load_checkpoint(run: Restorable, resume: Path, cfg, layout) -> None:
     # Every file as plain data (`checkpoints.load_plain`), on the CPU: a CPU generator state must stay there,
     # and load_state_dict copies the rest onto this process's device.
     rank_state = checkpoints.load_plain(rank_file)
-    first = rank_state if accelerator.process_index == 0 or run.ema is None else checkpoints.load_plain(
+    from_first = run.ema is not None or run.teacher is not None  # saved by rank 0 alone
+    first = rank_state if accelerator.process_index == 0 or not from_first else checkpoints.load_plain(
         checkpoints.rank_state_file(resume, 0))
     restore_progress(run, resume, rank_state, first)
     load_weights_and_optimizer(run, resume)
@@ -233,6 +238,16 @@ def restore_progress(run: Restorable, resume: Path, own: Dict[str, Any], first: 
             raise CheckpointError(f"cannot resume from {resume}: it holds no weight average (was train.ema_decay "
                                   f"unset when it was written?); unset train.ema_decay or start a new run")
         run.ema.load_state_dict(ema)
+    if run.teacher is not None:
+        teacher = first.get(TEACHER)
+        if not isinstance(teacher, dict):
+            raise CheckpointError(f"cannot resume from {resume}: it holds no self-distillation teacher (were "
+                                  f"loss.self_distill and loss.masked off when it was written?); set their weights "
+                                  f"as then, or start a new run")
+        try:
+            run.teacher.load_state_dict(teacher)
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"cannot resume from {resume}: {err}") from None
 
 
 def check_objective_state(objective, state: Dict[str, Any], resume: Path) -> None:

@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 from ..config import is_main_process
 from ..errors import CheckpointError, ConfigError, StorageError
 from ..models.lora import merge_state
+from ..models.siglip2 import without_heads
 from .fsutil import file_sha256, inside, open_dir_inside, write_text_at
 from .layout import CHECKPOINTS_DIR, CKPT_PREFIX, COMPLETE, DAMAGED_PREFIX, LATEST
 
@@ -274,6 +275,7 @@ def model_of_checkpoint(ckpt: Path, merge_lora: bool = True) -> Tuple[Dict[str, 
             raise CheckpointError(f"checkpoint {ckpt} is damaged: its weight average names {len(unknown)} tensors "
                                   f"the weights lack (e.g. {unknown[0]})")
         state.update({n: t.to(state[n].dtype) for n, t in ema.items()})
+    state = without_heads(state)  # loss.self_distill's and loss.masked's heads are training parts
     meta = None
     if (ckpt / MODEL_CONFIG).is_file():
         try:

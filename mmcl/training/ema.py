@@ -72,6 +72,12 @@ class WeightEMA:
             torch._foreach_add_(shadows, delta)
         self.updates += 1
 
+    def drop(self, prefix: str) -> None:
+        """Forget the averages of the parameters whose names start with `prefix` (training-only parts taken off the
+        model before it is saved)."""
+        self.names = [n for n in self.names if not n.startswith(prefix)]
+        self.shadow = {n: self.shadow[n] for n in self.names}
+
     @contextlib.contextmanager
     def swapped_in(self, model: nn.Module) -> Iterator[nn.Module]:
         """`model` with the averaged weights in place of its trainable ones, restored on exit (also on error)."""

@@ -31,7 +31,7 @@ from ..config import TrainConfig, is_main_process, say, to_dict, world
 from ..data.sources import redact_values
 from ..errors import MmclError, RunStopped, TrainingError
 from ..evaluation import in_run as eval_sets
-from ..models import flip
+from ..models import flip, siglip2
 from ..run import folder as runfolder
 from ..run import records as tracking
 from ..run import resume
@@ -118,10 +118,16 @@ def _train(cfg: TrainConfig, held: contextlib.ExitStack) -> Dict[str, Any]:
         if parts.patch_dropout:  # FLIP masks at this step's phase rate; none in the last train.unmasked_steps
             flip.begin_step(parts.patch_dropout, step, step < rt.total_steps - cfg.train.unmasked_steps,
                             phases.patch_dropout_at(parts.phases, step, cfg.model.patch_dropout))
+        if parts.siglip2 is not None:  # SigLIP 2's second stage: its terms from their start fractions on
+            parts.siglip2.begin_step(step, parts.accelerator.device)
         with parts.stop.waiting_for_data():  # a stop signal is never held back by a read that does not return
             batches = next_batches(parts, state, data_iter)
         result = parts.step(batches, step + 1, logged_at(cfg, rt, step + 1), lambda: parts.stop.requested)
         last = after_step(cfg, parts, state, records, result, lr, last)
+    if parts.siglip2 is not None:  # model/ and exports are the student's CLIP: the heads are training parts
+        parts.siglip2.detach()
+        if parts.ema is not None:
+            parts.ema.drop(siglip2.HEADS + ".")
     return finish_run(parts, state, records, last)
 
 
@@ -151,7 +157,7 @@ def decide_folder(cfg: TrainConfig) -> runfolder.Decision:
 def restorable(parts: Parts, state: RunState) -> resume.Restorable:
     """What a checkpoint restores on this process."""
     return resume.Restorable(parts.accelerator, parts.raw_model, parts.objective, parts.ema, parts.stream,
-                             state.progress, say)
+                             state.progress, say, parts.siglip2)
 
 
 def resume_or_start(cfg: TrainConfig, parts: Parts, state: RunState, folder: runfolder.Decision,
@@ -282,6 +288,8 @@ def save(cfg: TrainConfig, parts: Parts, state: RunState) -> Path:
                   "progress": progress.state_dict()}
     if is_main_process() and parts.ema is not None:
         rank_state["ema"] = parts.ema.state_dict()  # the same on every process: saved once
+    if is_main_process() and parts.siglip2 is not None:
+        rank_state[resume.TEACHER] = parts.siglip2.state_dict()  # the EMA teacher and its centres, likewise
     marked = dict(progress.state_dict(), **{resume.GLOBAL_BATCH: parts.rt.global_batch})
     state.saved_at = progress.step
     return save_checkpoint(parts.accelerator, parts.layout.checkpoints, marked, rank_state,

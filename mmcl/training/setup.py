@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..evaluation import evaluate
 from ..evaluation.in_run import RunEvaluation
 from ..evaluation.teacher import Teacher
-from ..models import flops, lora
+from ..models import flops, lora, siglip2
 from ..models import naflex as naflex_model
 from ..models import resize as model_phases
 from ..run.lock import RunLock
@@ -84,6 +84,7 @@ class Parts:
     param_groups: Tuple[Dict[str, Any], ...] = ()
     lora: Optional[Dict[str, Any]] = None  # model.lora's settings when adapters train (`mmcl.models.lora.settings`)
     wise_ft: Optional[WiseFT] = None
+    siglip2: Any = None  # loss.self_distill / loss.masked: the heads, teacher and views (`mmcl.models.siglip2`)
     plot: bool = False
     ckpt_bytes: int = 0
 
@@ -250,6 +251,18 @@ def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, tokenizer, p
     return stream
 
 
+def teacher_terms(cfg: TrainConfig, rt: Runtime, accelerator, model):
+    """The heads, EMA teacher and views of ``loss.self_distill`` and ``loss.masked`` on `model`
+    (`mmcl.models.siglip2.Siglip2`; the teacher averaged by `WeightEMA`'s rule), or None when neither is on."""
+    if cfg.loss.self_distill.weight <= 0 and cfg.loss.masked.weight <= 0:
+        return None
+    if fsdp.in_effect(accelerator):
+        raise ConfigError("loss.self_distill and loss.masked are not supported with FSDP (their teacher averages "
+                          "the full image tower); launch without FSDP")
+    return siglip2.attach(model, cfg.loss.self_distill, cfg.loss.masked, rt.total_steps, cfg.train.seed,
+                          accelerator.process_index, accelerator.num_processes, rt.accum_steps, make_ema=WeightEMA)
+
+
 def evaluation_for(cfg: TrainConfig) -> RunEvaluation:
     """How the run evaluates (`mmcl.evaluation.in_run.RunEvaluation`): its ``eval`` section, the training data's
     members and reading limits, the validation loss's objective from ``loss.*``."""
@@ -273,6 +286,8 @@ def setup(cfg: TrainConfig, rt: Runtime, held: contextlib.ExitStack) -> Parts:
     model, model_cfg, pp_cfg, tokenizer, masking, planned, wise_init = build_model(cfg, rt, accelerator)
     objective = objective_from_config(cfg.loss)
     objective.reseed(cfg.train.seed)  # MoCHi's mixing draws; identical on every process
+    # SigLIP 2's second stage: the heads join the model before the optimiser sees its parameters
+    second = agreed(accelerator, lambda: teacher_terms(cfg, rt, accelerator, model))
     groups = optim.param_groups(model, cfg.optim)
     optimizer = optim.build_optimizer(model, cfg.optim, groups, device=accelerator.device)
     described = []
@@ -296,7 +311,7 @@ def setup(cfg: TrainConfig, rt: Runtime, held: contextlib.ExitStack) -> Parts:
     objective.to(accelerator.device)
     ema = WeightEMA(raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None  # after the locks
     step = Step(accelerator, step_model, raw_model, optimizer, loss_fn, grad_clip=cfg.optim.grad_clip,
-                max_logit_scale=cfg.model.max_logit_scale, ema=ema, teacher=teacher,
+                max_logit_scale=cfg.model.max_logit_scale, ema=ema, teacher=teacher, siglip2=second,
                 finish_images=stream.finish_images,
                 capacity=None if stream.naflex is None else stream.naflex.capacity)
     if not step.checks.on_device:  # one line: what the run does instead, and why
@@ -307,7 +322,7 @@ def setup(cfg: TrainConfig, rt: Runtime, held: contextlib.ExitStack) -> Parts:
     return Parts(accelerator, rt, layout, stop, held, prepared, raw_model, optimizer, objective, model_cfg, pp_cfg,
                  tokenizer, stream, step, evaluation, ema=ema, teacher=teacher, patch_dropout=tuple(masking),
                  phases=tuple(planned), param_groups=tuple(described),
-                 lora=lora.settings(cfg.model.lora) if cfg.model.lora.r else None, wise_ft=wise,
+                 lora=lora.settings(cfg.model.lora) if cfg.model.lora.r else None, wise_ft=wise, siglip2=second,
                  plot=bool(cfg.train.plot), ckpt_bytes=checkpoints.state_bytes(raw_model))
 
 

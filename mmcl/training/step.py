@@ -111,12 +111,19 @@ def _through(output: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor
 def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
     """The training objective from ``loss.*`` (validated by `config.validate`): each term's weight from its key
     (`config.term_keys`), the shared parameters, and the fields of each term's own section (``loss.mochi``: all
-    but its weight) as the objective's keywords of the same names."""
+    but its weight) as the objective's keywords of the same names (a section's ``OBJECTIVE_KEYS``: those alone,
+    under the names it gives)."""
     weights, sections = {}, {}
     for name, key in term_keys().items():
         weights[name] = get(cfg, key.split(".", 1)[1])  # the key below ``loss.``
         if key.endswith(".weight"):
-            sections.update({k: v for k, v in dataclasses.asdict(getattr(cfg, name)).items() if k != "weight"})
+            section = getattr(cfg, name)
+            # a section naming its objective keys (`OBJECTIVE_KEYS`) passes those, renamed; its other keys are
+            # another part's (a model side's: `models.siglip2`)
+            names = getattr(section, "OBJECTIVE_KEYS", None)
+            sections.update({names.get(k, k) if names is not None else k: v
+                             for k, v in dataclasses.asdict(section).items()
+                             if k != "weight" and (names is None or k in names)})
     return losses.ContrastiveObjective(
         weights, chunk_size=cfg.chunk_size, tau_plus=cfg.tau_plus, hn_beta=cfg.hn_beta, align_alpha=cfg.align_alpha,
         uniform_t=cfg.uniform_t, **sections)
@@ -445,12 +452,14 @@ class Step:
     """One optimiser step of a run, from its micro-batches to the updated weights (`__call__`)."""
 
     def __init__(self, accelerator, model, raw_model, optimizer, objective, *, grad_clip: Optional[float],
-                 max_logit_scale: float, ema=None, teacher=None, finish_images=None, capacity: Optional[int] = None):
+                 max_logit_scale: float, ema=None, teacher=None, finish_images=None, capacity: Optional[int] = None,
+                 siglip2=None):
         self.accelerator, self.model, self.raw_model = accelerator, model, raw_model
         self.capacity = capacity  # NaFlex: the most pairs of a micro-batch (`forward_loss`); None: fixed batches
         self.optimizer, self.objective = optimizer, objective
         self.grad_clip, self.max_logit_scale = grad_clip, max_logit_scale
         self.ema, self.teacher, self.finish_images = ema, teacher, finish_images
+        self.siglip2 = siglip2  # loss.self_distill / loss.masked: the EMA teacher and centres (`models.siglip2`)
         self.checks = FiniteChecks(accelerator, optimizer)
 
     def __call__(self, batches: List[Dict[str, Any]], step: int, with_metrics: bool,
@@ -478,6 +487,8 @@ class Step:
                                  self.max_logit_scale)
         if self.ema is not None:  # not moved on a step the optimiser skipped (the device's flag is not read)
             self.ema.update(self.raw_model, skipped=flag)
+        if self.siglip2 is not None:  # the teacher and its centres, likewise
+            self.siglip2.after_step(skipped=flag)
         return StepResult(loss, terms, grad_norm, True, stop, pairs)
 
 

@@ -76,3 +76,20 @@ def test_phase_lengths_that_do_not_make_the_run_are_one_error():
         phase_lengths([PhaseConfig(steps=4), PhaseConfig(steps=4)], 10)
     with pytest.raises(ConfigError, match=r"steps are 10 \+ 0 = 10"):
         phase_lengths([PhaseConfig(steps=10), PhaseConfig()], 10)
+
+
+def test_the_second_stage_terms_numbers_and_what_they_do_not_run_with_are_named():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["loss.self_distill.weight=1", "loss.self_distill.start_fraction=1.0",
+                           "loss.self_distill.local_scale=[0.5, 0.2]", "loss.self_distill.teacher_ema_decay=1.0",
+                           "loss.masked.weight=1", "loss.masked.mask_ratio=0", "loss.masked.teacher_temp=0",
+                           "data.naflex.seq_lens=[16]", "model.lock_image=true"])
+    problems = str(err.value)
+    for expected in ("loss.self_distill.start_fraction must be in [0, 1) (got 1.0)",
+                     "loss.self_distill.local_scale must be two area fractions", "teacher_ema_decay must be in (0, 1)",
+                     "loss.masked.mask_ratio must be in (0, 1) (got 0", "loss.masked.student_temp and teacher_temp",
+                     "loss.self_distill and loss.masked need an open_clip ViT image tower at a fixed size",
+                     "model.lock_image freezes it"):
+        assert expected in problems, expected
+    good = load_config(None, ["loss.self_distill.weight=1", "loss.masked.weight=1"])
+    assert not [p for p in validate(good) if "self_distill" in p or "masked" in p]

@@ -17,6 +17,8 @@ import yaml
 
 from mmcl import models
 from mmcl.config import from_dict, load_config, phase_lengths, to_dict
+from mmcl.models import siglip2
+from mmcl.training.ema import WeightEMA
 from mmcl.training.optim import build_optimizer
 from mmcl.training.step import objective_from_config
 
@@ -71,6 +73,10 @@ def test_small_config_trains_one_step(path):
     cfg = _load(path)
     model, _, pp, train_tf, _, tokenizer = models.build(cfg.model)
     models.apply_locks(model, cfg.model)
+    # SigLIP 2's second stage (configs/siglip2.yaml): its heads and teacher, at a step where its terms run
+    second = siglip2.attach(model, cfg.loss.self_distill, cfg.loss.masked, 1, cfg.train.seed, make_ema=WeightEMA)
+    if second is not None:
+        second.begin_step(0, torch.device("cpu"))
     objective = objective_from_config(cfg.loss)
     optimizer = build_optimizer(model, cfg.optim)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -94,7 +100,8 @@ def test_small_config_trains_one_step(path):
         teacher = TeacherFeatures(*(torch.nn.functional.normalize(torch.randn(batch, 24, generator=g), dim=1)
                                     for _ in range(2)), torch.tensor(50.0))
     loss, terms = objective(out["image_features"], out["text_features"], out["logit_scale"],
-                            out.get("logit_bias"), labels=labels, teacher=teacher)
+                            out.get("logit_bias"), labels=labels, teacher=teacher,
+                            samples=objective.sample_losses(out))
     assert math.isfinite(loss.item()) and loss.item() > 0
     loss.backward()
     optimizer.step()

@@ -37,6 +37,12 @@ RECIPES = {
     "long_caption": [],
     "caption": ["model.name=coca_tiny", "model.embed_dim=64", "loss.caption=1.0"],  # CoCa's decoder
     "accumulation": ["train.accum_steps=2", "train.ema_decay=0.9"],
+    # SigLIP 2's second stage: step 2 before its terms start (at step 3, which is logged), steps 4 and 5 with them
+    "siglip2": ["loss.clip=0", "loss.siglip=1.0", "model.init_logit_bias=-10", "train.accum_steps=2",
+                "loss.self_distill.weight=1.0", "loss.self_distill.start_fraction=0.4",
+                "loss.self_distill.prototypes=32", "loss.self_distill.head_hidden=16",
+                "loss.self_distill.head_bottleneck=8", "loss.self_distill.local_crops=2", "loss.masked.weight=1.0",
+                "loss.masked.start_fraction=0.4", "loss.masked.prototypes=16"],
     "naflex": ["model.vision_cfg={timm_model_name: naflexvit_base_patch16_siglip, timm_model_kwargs: {embed_dim: 16, "
                "depth: 1, num_heads: 2, patch_size: 8, pos_embed_use_grid_sample: true}}",
                "data.naflex.seq_lens=[4, 16]", "data.naflex.max_tokens_per_batch=64"],
