@@ -11,7 +11,8 @@ embedding, 32 px images in 8 px patches) is trained from scratch through `mmcl.t
   - ``clip+neg``: InfoNCE with each sample's swap as a negative column of its own image's row (``data.negatives=1``).
 The shards also hold scikit-learn's digits (80 % of them, stratified, the split fixed; grey ink at 32 px, captioned
 in `lit_digits.CAPTIONS`'s phrasings, each with its rule negatives: the word-order shuffle, as `mmcl negatives`
-makes them), shuffled in among the shapes, so that training with negatives can be checked not to cost zero-shot.
+makes them; none with ``--digit-negatives none``), shuffled in among the shapes, so that training with negatives
+can be checked not to cost zero-shot.
 Measured on held-out images of colour-shape combinations never seen in training: the share of images whose true
 caption scores above its swap (binding; 0.5 is chance), and image-to-text top-1 among all held-out captions; and
 zero-shot top-1 on the held-out fifth of the digits (prompts that are no training caption, `lit_digits.ZS_TEMPLATES`,
@@ -75,9 +76,9 @@ def combos(seed: int):
     return [pairs[i] for i in order[n_test:]], [pairs[i] for i in order[:n_test]]
 
 
-def digits_data(work: Path, rng, side: int = 32):
-    """Training samples of 80 % of the digits (captions with their rule negatives) and the held-out fifth written
-    as an ImageFolder for zero-shot."""
+def digits_data(work: Path, rng, with_negatives: bool = True, side: int = 32):
+    """Training samples of 80 % of the digits (captions with their rule negatives, or none without
+    `with_negatives`) and the held-out fifth written as an ImageFolder for zero-shot."""
     from PIL import Image
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -97,7 +98,8 @@ def digits_data(work: Path, rng, side: int = 32):
         label = int(digits.target[i])
         text = lit_digits.CAPTIONS[rng.integers(len(lit_digits.CAPTIONS))].format(w=lit_digits.WORDS[label],
                                                                                    d=label)
-        samples.append({"image": image(i), "caption": text, "json": {"negatives": rule_negatives(text)}})
+        negs = rule_negatives(text) if with_negatives else []
+        samples.append({"image": image(i), "caption": text, "json": {"negatives": negs}})
     folder = work / "digits-test"
     shutil.rmtree(folder, ignore_errors=True)
     for k in range(10):
@@ -109,7 +111,7 @@ def digits_data(work: Path, rng, side: int = 32):
     return samples, {"test": str(folder), "templates": str(work / "templates.txt")}
 
 
-def make_data(work: Path, n_train: int, seed: int) -> dict:
+def make_data(work: Path, n_train: int, seed: int, digit_negatives: bool = True) -> dict:
     from mmcl.shards.negatives import rule_negatives
     from mmcl.shards.writer import write_shards
 
@@ -117,7 +119,7 @@ def make_data(work: Path, n_train: int, seed: int) -> dict:
     rng = np.random.default_rng(seed + 1)
     out = work / "shards"
     shutil.rmtree(out, ignore_errors=True)
-    digit_samples, digits_test = digits_data(work, rng)
+    digit_samples, digits_test = digits_data(work, rng, digit_negatives)
     # Where each digit goes among the shapes: positions drawn once, so the mix is the same for every arm and seed.
     at = set(rng.choice(n_train + len(digit_samples), size=len(digit_samples), replace=False).tolist())
 
@@ -187,6 +189,8 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=4000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--digit-negatives", choices=["order", "none"], default="order",
+                        help="the digits' negatives: their rule negatives (the word-order shuffle), or none")
     parser.add_argument("--arms", nargs="+", default=["clip", "clip+neg"], choices=["clip", "clip+neg"])
     args = parser.parse_args()
     import torch
@@ -195,7 +199,7 @@ def main() -> None:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     os.chdir(ROOT)
-    data = make_data(work, args.n_train, 0)
+    data = make_data(work, args.n_train, 0, args.digit_negatives == "order")
     results = []
     for seed in args.seeds:
         for arm in args.arms:
