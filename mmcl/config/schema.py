@@ -211,7 +211,8 @@ class DataConfig(_Section):
         0,
         "Negative captions from the data (NegCLIP): each sample brings up to this many (the lines of its neg.txt "
         "member, then its JSON member's negatives list; drawn per epoch when it has more, at most 64), and each adds "
-        "a column to its own image's row of the image-to-text logits of loss.clip and loss.siglip. 0: none read.")
+        "a column to its own image's row of the image-to-text logits of loss.clip and loss.siglip; eval.val_loss "
+        "reads as many of its held-out samples' (val/negatives/...). 0: none read.")
     aug: AugConfig = field(default_factory=AugConfig)  # training augmentation: open_clip's AugmentationCfg
     naflex: NaflexConfig = field(default_factory=NaflexConfig)  # native-resolution batches (NaFlex towers)
 
@@ -483,7 +484,9 @@ class EvalConfig(_Section):
     val_loss: Any = described(
         None,
         "Held-out shards scored with the run's own loss terms (open_clip's --val-data), without gradient, in batches "
-        "of the run's global batch; logged as val/loss and val/<term>")
+        "of the run's global batch; logged as val/loss and val/<term>. With data.negatives, the held-out samples' "
+        "negative captions are scored apart: val/negatives/loss (and /loss/<term>: the objective with them, as the "
+        "run trains) and val/negatives/accuracy (the share their image scores below its own caption)")
     val_loss_every: Optional[int] = described(None, "steps between validation losses; null: eval.every")
     batch_size: int = described(128, "images (or captions) per evaluation batch")
     naflex_seq_len: List[int] = described(

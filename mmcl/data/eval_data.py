@@ -20,7 +20,7 @@ from timm.data import ImageNetInfo
 
 from ..config import DataConfig, say
 from ..errors import DataError, MmclError
-from .decode import SampleKeys, SkipSample, decode_image, needed_members, parse_sample, zero_skips
+from .decode import SampleKeys, SkipSample, decode_image, needed_members, parse_negatives, parse_sample, zero_skips
 from .limits import open_regular
 from .naflex import stack_patch_dicts
 from .reading import read_raw_samples
@@ -311,16 +311,19 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
     CLIP_benchmark's ``zeroshot_classification_templates.txt``) next to the shards, when present.
     Only the members a sample needs are read (`needed_members`, plus ``json``), each at most `max_member_bytes`
     (a sample with a larger one is a ``too_large`` skip); a shard list file runs ``pipe:`` commands only with
-    `allow_pipe`.
+    `allow_pipe`. With `negatives` > 0 (a run's ``data.negatives``) an item has a fifth element, the sample's
+    negative captions (at most that many, the same ones at every pass: `parse_negatives` with draw 0).
     """
 
     def __init__(self, spec: Any, preprocess: Callable, max_pixels: int = DataConfig.max_image_pixels,
                  keys: Optional[SampleKeys] = None, max_member_bytes: int = DataConfig.max_member_bytes,
-                 allow_pipe: bool = False):
+                 allow_pipe: bool = False, negatives: int = 0):
         self.urls = expand_urls(spec, allow_pipe)
         self.keys = keys  # data.image_key / data.caption_key; every caption is kept, one per line
         self.preprocess, self.max_pixels = preprocess, max_pixels
-        self.members = needed_members(keys, extra=("json",))  # json: an index's source URLs
+        self.negatives = negatives
+        # json: an index's source URLs (and a sample's negatives list)
+        self.members = needed_members(keys, extra=("json",), negatives=negatives > 0)
         self.max_member_bytes = max_member_bytes
         self.skipped = zero_skips()
         folder = os.path.dirname(self.urls[0]) if not has_scheme(self.urls[0]) else None
@@ -352,6 +355,7 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
             try:
                 data, caption, label = parse_sample(item.files, caption_required=False, keys=self.keys,
                                                     all_captions=True)
+                negs = parse_negatives(item.files, self.negatives) if self.negatives > 0 else None
                 img = decode_image(data, self.max_pixels)
             except SkipSample as skip:
                 self.skipped[skip.reason] += 1
@@ -361,7 +365,8 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
                 self.skipped["too_large"] += 1
                 yield EvalSkip("too_large", where, "out of memory decoding it")
                 continue
-            yield self.preprocess(img), label, caption, self.item_key(item)
+            out = (self.preprocess(img), label, caption, self.item_key(item))
+            yield out if negs is None else (*out, negs)
 
     def item_key(self, item) -> str:
         """The key an item carries: the sample's key (`mmcl.evaluation.index` adds the shard URL and the sample's
@@ -375,30 +380,34 @@ def eval_collate(items: List[Any]):
     Returns:
         (images (B,3,H,W) float, a NaFlex patch dict (`mmcl.data.naflex.EvalPatchify`) or None when B == 0,
         labels (B,) int64, captions [B str], keys [B str],
-        problems: the `EvalSkip` and `EvalFailure` items in order).
+        problems: the `EvalSkip` and `EvalFailure` items in order,
+        negatives: [B lists of str], each sample's negative captions, when the dataset reads them; else None).
     """
     good = [it for it in items if not isinstance(it, (EvalSkip, EvalFailure))]
     problems = [it for it in items if isinstance(it, (EvalSkip, EvalFailure))]
     if not good:
-        return None, torch.zeros(0, dtype=torch.long), [], [], problems
+        return None, torch.zeros(0, dtype=torch.long), [], [], problems, None
     if isinstance(good[0][0], dict):
 
         images = stack_patch_dicts([it[0] for it in good])
     else:
         images = torch.stack([it[0] for it in good])
     labels = torch.tensor([int(it[1]) for it in good], dtype=torch.long)
-    return images, labels, [it[2] for it in good], [it[3] for it in good], problems
+    negatives = [it[4] for it in good] if len(good[0]) > 4 else None
+    return images, labels, [it[2] for it in good], [it[3] for it in good], problems, negatives
 
 
 def build_eval_dataset(path: Any, preprocess: Callable, keys: Optional[SampleKeys] = None,
-                       max_member_bytes: int = DataConfig.max_member_bytes, allow_pipe: bool = False):
+                       max_member_bytes: int = DataConfig.max_member_bytes, allow_pipe: bool = False,
+                       negatives: int = 0):
     """An evaluation dataset from an ImageFolder directory or a shard spec.
 
     Returns a torch Dataset (ImageFolder) or IterableDataset (shards) yielding
     (image FloatTensor (3,H,W), label int (-1 if none), caption str ("" if none), key str), with
     ``classnames`` (list or None) and ``templates`` (list or None). Finite: each sample exactly once. `keys`
     chooses the image and caption members of shards (all captions of a sample, one per line); `max_member_bytes`
-    and `allow_pipe` are ``data.max_member_bytes`` and ``data.allow_pipe`` (see `ShardEvalDataset`).
+    and `allow_pipe` are ``data.max_member_bytes`` and ``data.allow_pipe``; `negatives` reads each sample's
+    negative captions too (see `ShardEvalDataset`).
 
     Raises `DataError` for a directory that is neither (`folder_problem`) and for an ImageFolder with a class folder
     without images (`scan_image_folder`): the same words from ``mmcl zeroshot`` and from a training run's check
@@ -411,4 +420,5 @@ def build_eval_dataset(path: Any, preprocess: Callable, keys: Optional[SampleKey
             raise DataError(problem)
         if is_image_folder(folder):
             return ImageFolderDataset(folder, preprocess)
-    return ShardEvalDataset(path, preprocess, keys=keys, max_member_bytes=max_member_bytes, allow_pipe=allow_pipe)
+    return ShardEvalDataset(path, preprocess, keys=keys, max_member_bytes=max_member_bytes, allow_pipe=allow_pipe,
+                            negatives=negatives)

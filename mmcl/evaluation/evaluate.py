@@ -190,16 +190,18 @@ def input_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def eval_loader(data, preprocess, batch_size: int, workers: int, keys=None, reading: Optional[Dict[str, Any]] = None):
+def eval_loader(data, preprocess, batch_size: int, workers: int, keys=None, reading: Optional[Dict[str, Any]] = None,
+                negatives: int = 0):
     """DataLoader over `data_mod.build_eval_dataset`: batches as `data_mod.eval_collate` makes them
-    (images, labels, captions, keys, problems). `reading` holds the training run's ``data.max_member_bytes`` and
-    ``data.allow_pipe`` (`reading_options`); the defaults otherwise."""
+    (images, labels, captions, keys, problems, negatives). `reading` holds the training run's
+    ``data.max_member_bytes`` and ``data.allow_pipe`` (`reading_options`); the defaults otherwise. `negatives`:
+    read up to that many negative captions per sample (a run's ``data.negatives``; 0: none, negatives is None)."""
     if batch_size <= 0:
         raise DataError(f"batch size must be > 0 (got {batch_size})")
     if workers < 0:
         raise DataError(f"workers must be >= 0 (got {workers})")
     # keys: a data.SampleKeys (image/caption members)
-    ds = data_mod.build_eval_dataset(data, preprocess, keys=keys, **(reading or {}))
+    ds = data_mod.build_eval_dataset(data, preprocess, keys=keys, negatives=negatives, **(reading or {}))
     return ds, torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
                                            collate_fn=data_mod.eval_collate)
 
@@ -270,7 +272,7 @@ def encode_images(model, loader, device, progress: bool, desc: str, data: Any = 
         total = None
     batches = eval_batches(loader)
     try:
-        for images, lab, cap, key, problems in _progress(batches, progress, desc, total=total):
+        for images, lab, cap, key, problems, _ in _progress(batches, progress, desc, total=total):
             for problem in problems:
                 if isinstance(problem, data_mod.EvalFailure):
                     raise problem.error

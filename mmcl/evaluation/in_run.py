@@ -5,7 +5,8 @@ validation loss, and the results by name.
 (`mmcl.config.eval_sets`), as big_vision's evaluators do; ``eval.val_loss`` scores held-out shards with the run's
 own objective, as open_clip's ``--val-data``. A set's results are logged as ``eval/<task>/<name>/<metric>`` (the
 task as the results JSON names it: ``zeroshot_classification``, ``zeroshot_retrieval``) and the validation loss
-as ``val/loss`` and ``val/<term>``. Every set is opened by the same loader (`mmcl.data.build_eval_dataset`) here,
+as ``val/loss`` and ``val/<term>`` (with ``data.negatives``, the held-out negative captions' scores as
+``val/negatives/...``). Every set is opened by the same loader (`mmcl.data.build_eval_dataset`) here,
 in ``mmcl zeroshot`` and in the check before step 1, so all three say the same about a broken set.
 """
 
@@ -37,6 +38,7 @@ from .evaluate import (
 )
 
 VAL_PREFIX = "val/"  # the validation loss's metric keys: val/loss, val/loss/<term>, val/<metric>
+NEGATIVES_PREFIX = "negatives/"  # and of its scores with the data's negative captions: val/negatives/loss, ...
 # The top-level keys of the end-of-run results (eval_results.json): one per kind of evaluation, then set names
 RESULT_KINDS = ("zeroshot", "retrieval", "val_loss")
 
@@ -202,7 +204,7 @@ def _forward(model, objective, images: torch.Tensor, tokens: torch.Tensor):
 @torch.no_grad()
 def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: int, device="cpu",
                     chunk: int = 128, keys=None, reading: Optional[Dict[str, Any]] = None,
-                    autocast: Callable = contextlib.nullcontext) -> Dict[str, Any]:
+                    autocast: Callable = contextlib.nullcontext, negatives: int = 0) -> Dict[str, Any]:
     """The objective averaged over held-out shards: open_clip's validation loss with the run's own loss terms.
 
     The shards are read once in order; their samples form consecutive batches of `batch_size` (the run's global
@@ -214,45 +216,69 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
     untouched). A sample's caption is its ``.txt`` (with several caption sources in `keys`, the first caption);
     samples without an image or a caption are skipped and counted.
 
+    With `negatives` > 0 (the run's ``data.negatives``) the samples' negative captions are read as training reads
+    them (at most that many each, the same ones at every evaluation) and, where the shards carry any, scored
+    apart from the pairs, so that ``loss`` stays comparable with a run without negatives: ``negatives/loss`` and
+    ``negatives/loss/<term>`` are the objective with each negative as a column of its own image's row (as the
+    run trains, `mmcl.losses.data_negatives`), and ``negatives/accuracy`` is the share of the negatives that their
+    image scores below its own caption (NegCLIP's test); ``n_negatives`` counts them.
+
     Returns:
-        ``{"dataset", "task": "val_loss", "metrics": {"loss", "loss/<term>", ...}, "n_samples", "n_batches",
-        "n_skipped", "skipped": {reason: count}}``.
+        ``{"dataset", "task": "val_loss", "metrics": {"loss", "loss/<term>", ..., ["negatives/loss", ...]},
+        "n_samples", "n_batches", "n_skipped", "skipped": {reason: count}, ["n_negatives"]}``.
     """
-    ds, loader = eval_loader(data, preprocess, chunk, 0, keys, reading)
+    ds, loader = eval_loader(data, preprocess, chunk, 0, keys, reading, negatives=negatives)
     if isinstance(ds, data_mod.ImageFolderDataset):
         raise DataError(f"{data} is an ImageFolder, which has no captions (a validation loss needs shards with "
                         f"captions, KEY.txt)")
     several = keys is not None and len(keys.caption_keys) > 1
     dtype = input_dtype(model)
     sums: Dict[str, float] = {}
-    pending: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dict[str, Any]]] = []
-    counts = {"samples": 0, "batches": 0}
+    # (image, text, label features, the sample terms' sums and counts[, the negatives' (n, K, D) features, their
+    # (n, K) mask]) per chunk
+    pending: List[Tuple[Any, ...]] = []
+    counts = {"samples": 0, "batches": 0, "negatives": 0, "below": 0}
     skipped: Dict[str, int] = {}
     scale = bias = None
 
-    def score(img: torch.Tensor, txt: torch.Tensor, lab: torch.Tensor, samples: Dict[str, Any]) -> None:
+    def score(img: torch.Tensor, txt: torch.Tensor, lab: torch.Tensor, samples: Dict[str, Any],
+              *neg: torch.Tensor) -> None:
         # the global batch on one process: no gathering; the sample terms (captioning) from their sums and counts
         _, terms = objective(img, txt, scale, bias, lab, True, samples=samples)
         n = img.shape[0]
         for k, v in terms.items():
             sums[k] = sums.get(k, 0.0) + float(v) * n
+        if neg:
+            _, terms = objective(img, txt, scale, bias, lab, False, negatives=losses.DataNegatives(*neg),
+                                 samples=samples)
+            for k, v in terms.items():
+                if k == "loss" or k.startswith("loss/"):
+                    sums[f"{NEGATIVES_PREFIX}{k}"] = sums.get(f"{NEGATIVES_PREFIX}{k}", 0.0) + float(v) * n
+            feats, valid = neg
+            below = (img[:, None, :] * feats).sum(2) < (img * txt).sum(1, keepdim=True)
+            counts["negatives"] += int(valid.sum())
+            counts["below"] += int((below & valid).sum())
         counts["samples"] += n
         counts["batches"] += 1
 
     def flush(final: bool) -> None:
         while pending and (final or sum(p[0].shape[0] for p in pending) >= batch_size):
-            img, txt, lab = (torch.cat([p[i] for p in pending]) for i in range(3))
-            samples = {name: losses.joined(p[3][name] for p in pending) for name in pending[0][3]}
-            score(img[:batch_size], txt[:batch_size], lab[:batch_size],
-                  {name: v.rows(0, batch_size) for name, v in samples.items()})
+            parts = [torch.cat([p[i] for p in pending]) if i != 3 else
+                     {name: losses.joined(p[3][name] for p in pending) for name in pending[0][3]}
+                     for i in range(len(pending[0]))]
+            n = parts[0].shape[0]
+
+            def rows(x, start, stop):
+                return {k: v.rows(start, stop) for k, v in x.items()} if isinstance(x, dict) else x[start:stop]
+
+            score(*(rows(x, 0, batch_size) for x in parts))
             pending.clear()
-            if img.shape[0] > batch_size:
-                pending.append((img[batch_size:], txt[batch_size:], lab[batch_size:],
-                                {name: v.rows(batch_size, img.shape[0]) for name, v in samples.items()}))
+            if n > batch_size:
+                pending.append(tuple(rows(x, batch_size, n) for x in parts))
 
     batches = eval_batches(loader)
     try:
-        for images, labels, captions, _, problems in batches:
+        for images, labels, captions, _, problems, negs in batches:
             for problem in problems:
                 if isinstance(problem, data_mod.EvalFailure):
                     raise problem.error
@@ -265,22 +291,37 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
                 skipped["missing_caption"] = skipped.get("missing_caption", 0) + len(texts) - len(keep)
             if not keep:
                 continue
-            tokens = tokenizer([texts[i] for i in keep]).to(device)
+            negs = [negs[i] for i in keep] if negatives > 0 else []
+            # The negatives' tokens after the captions', in one text forward (as a training step encodes them).
+            tokens = tokenizer([texts[i] for i in keep] + [t for ns in negs for t in ns]).to(device)
             with autocast():
                 img, txt, scale, bias, samples = _forward(model, objective, images[keep].to(device=device, dtype=dtype),
                                                           tokens)
-            pending.append((img.float(), txt.float(), labels[keep].to(device), samples))
+            chunk_parts = (img.float(), txt[:len(keep)].float(), labels[keep].to(device), samples)
+            if negatives > 0:
+                valid = torch.arange(negatives)[None, :] < torch.tensor([len(ns) for ns in negs])[:, None]
+                slots = valid.reshape(-1).nonzero().squeeze(1).to(device)
+                feats = txt.new_zeros((valid.numel(), txt.shape[1])).float()
+                feats = feats.index_copy(0, slots, txt[len(keep):].float()).reshape(*valid.shape, -1)
+                chunk_parts += (feats, valid.to(device))
+            pending.append(chunk_parts)
             flush(final=False)
         flush(final=True)
     finally:
         batches.close()
+    if not counts["negatives"]:  # no negatives in these shards: their entries would repeat the pairs' loss
+        sums = {k: v for k, v in sums.items() if not k.startswith(NEGATIVES_PREFIX)}
     if not counts["samples"]:
         raise DataError(f"the validation data {data} holds no sample with an image and a caption"
                         + (f" (skipped: {', '.join(f'{k}={v}' for k, v in sorted(skipped.items()))})"
                            if skipped else ""))
-    return {"dataset": dataset_name(data), "task": "val_loss",
-            "metrics": {k: v / counts["samples"] for k, v in sums.items()}, "n_samples": counts["samples"],
-            "n_batches": counts["batches"], "n_skipped": sum(skipped.values()), "skipped": skipped}
+    metrics = {k: v / counts["samples"] for k, v in sums.items()}
+    extra: Dict[str, Any] = {}
+    if counts["negatives"]:
+        metrics[f"{NEGATIVES_PREFIX}accuracy"] = counts["below"] / counts["negatives"]
+        extra["n_negatives"] = counts["negatives"]
+    return {"dataset": dataset_name(data), "task": "val_loss", "metrics": metrics, "n_samples": counts["samples"],
+            "n_batches": counts["batches"], "n_skipped": sum(skipped.values()), "skipped": skipped, **extra}
 
 
 def val_entries(res: Dict[str, Any]) -> Dict[str, float]:
@@ -293,7 +334,7 @@ class RunEvaluation:
     """How a training run evaluates, fixed when it is set up: its ``eval`` section, the training data's sample
     members (`keys`) and reading limits (`reading`) the sets are read with, the validation loss's objective (a fresh
     one from ``loss.*`` each time, `make_objective`, reseeded with `seed`), the per-process batch it falls back on,
-    and the name results give the model."""
+    the name results give the model, and the negative captions per sample the validation loss reads."""
 
     ev: EvalConfig
     keys: Any
@@ -302,6 +343,7 @@ class RunEvaluation:
     seed: int
     batch_size: int
     model_name: str
+    negatives: int = 0  # data.negatives: the validation loss reads that many negative captions per sample
 
 
 def naflex_views(ev: EvalConfig, pp_cfg: Dict[str, Any], sets: List[EvalSet]) -> List[Tuple[list, Any]]:
@@ -343,7 +385,8 @@ def run_eval(evaluation: RunEvaluation, model, tokenizer, pp_cfg, accelerator, s
             objective.to(accelerator.device).eval()
             res = validation_loss(model, objective, ev.val_loss, eval_tf, tokenizer,
                                   global_batch or evaluation.batch_size, accelerator.device, chunk=ev.batch_size,
-                                  keys=keys, reading=reading, autocast=accelerator.autocast)
+                                  keys=keys, reading=reading, autocast=accelerator.autocast,
+                                  negatives=evaluation.negatives)
             out.update(val_entries(res))
             if results is not None:
                 results["val_loss"] = res

@@ -268,7 +268,7 @@ def evaluation_for(cfg: TrainConfig) -> RunEvaluation:
     members and reading limits, the validation loss's objective from ``loss.*``."""
     return RunEvaluation(cfg.eval, data_mod.sample_keys(cfg.data), evaluate.reading_options(cfg.data),
                          lambda: objective_from_config(cfg.loss), cfg.train.seed, cfg.data.batch_size,
-                         str(cfg.train.output_dir))
+                         str(cfg.train.output_dir), cfg.data.negatives)
 
 
 def setup(cfg: TrainConfig, rt: Runtime, held: contextlib.ExitStack) -> Parts:

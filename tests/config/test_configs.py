@@ -384,3 +384,46 @@ def test_make_demo_installs_the_runtime_only_and_make_test_adds_the_development_
     assert not any("[dev" in ln or "libauc" in ln for ln in demo), demo  # pytest, trackers, MiniLM: tests only
     test = planned("test")
     assert any('-e ".[dev]"' in ln for ln in test) and any("libauc" in ln for ln in test), test
+
+
+# ----------------------------------------------------- the configs whose comments start from the demo's shards
+def _quiet(*extra):
+    return [*extra, "train.progress=false", "train.plot=false", "train.log_every=1", "eval.zeroshot=null"]
+
+
+@pytest.mark.slow
+def test_negatives_config_trains_on_the_demo_as_its_comment_says(demo, tmp_path, monkeypatch, capsys):
+    """configs/negatives.yaml's two commands, relative paths from a working directory: `mmcl negatives` copies the
+    demo's shards with rule negatives, and the config trains 4 steps on them, reading up to 2 per sample."""
+    from mmcl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["negatives", "--input", demo["train"], "--out", "runs/demo-negatives", "--no-progress"]) == 0
+    assert main(["train", "--config", str(CONFIG_DIR / "negatives.yaml"),
+                 "data.train=runs/demo-negatives/shard-*.tar", *_quiet("train.steps=4")]) == 0
+    capsys.readouterr()
+    rows = [json.loads(ln) for ln in (tmp_path / "runs/negatives/metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+    assert (tmp_path / "runs/negatives/model/open_clip_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_long_captions_config_stretches_a_demo_run_as_its_comment_says(demo, tmp_path, monkeypatch, capsys):
+    """configs/long-captions.yaml from a configs/tiny.yaml run (32 text positions): 4 steps at 128 positions, the
+    trained positions stretched, the cut captions counted, and the model saved at 128 loads with a 128 tokenizer."""
+    import mmcl
+    from mmcl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", str(CONFIG_DIR / "tiny.yaml"), f"data.train={demo['train']}",
+                 "train.output_dir=runs/tiny", "data.batch_size=16", *_quiet("train.steps=2")]) == 0
+    capsys.readouterr()
+    assert main(["train", "--config", str(CONFIG_DIR / "long-captions.yaml"), "model.init_from=runs/tiny",
+                 f"data.train={demo['train']}", *_quiet("train.steps=4")]) == 0
+    said = capsys.readouterr().out
+    assert "stretched text positions (32, " in said and "-> (128, " in said, said[-3000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "runs/long-captions/metrics.jsonl").read_text().splitlines()]
+    assert all(r["data/cut_captions"] == 0 for r in rows if "loss" in r)  # the demo's captions fit in 128
+    model, _, tokenizer = mmcl.load(tmp_path / "runs/long-captions")
+    assert tokenizer.context_length == 128 and model.positional_embedding.shape[0] == 128

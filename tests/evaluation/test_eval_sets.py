@@ -441,3 +441,79 @@ def test_classnames_txt_naming_another_folder_at_a_line_is_refused(tmp_path):
         folder_classnames(str(tmp_path), ["blue", "green", "red"])
     (tmp_path / "classnames.txt").write_text("sky\ngrass\nfire\n")  # readable names, in folder order
     assert folder_classnames(str(tmp_path), ["blue", "green", "red"]) == (["sky", "grass", "fire"], "classnames.txt")
+
+
+def _held_out_with_negatives(tmp_path, n=10, seed=3):
+    """n samples as `_held_out`'s, each with 0, 1 or 2 negative captions in its JSON (sample i: i % 3 of them)."""
+    from mmcl.shards.writer import write_shards
+
+    g = torch.Generator().manual_seed(seed)
+    names = list(COLOURS)
+    samples = []
+    for i in range(n):
+        rgb = tuple(int(v) for v in torch.randint(0, 256, (3,), generator=g))
+        negs = [f"a {names[(i + 1 + j) % 3]} square number {i}" for j in range(i % 3)]
+        samples.append((f"s{i:03d}", rgb, f"a {names[i % 3]} square number {i}", i % 3, negs))
+    write_shards([{"key": k, "image": Image.new("RGB", (8, 8), rgb), "caption": c, "label": lab,
+                   "json": {"negatives": negs}} for k, rgb, c, lab, negs in samples],
+                 str(tmp_path / "neg-held-out"), shard_size=6, prefix="val")
+    return samples, f"{tmp_path}/neg-held-out/val-{{000000..000001}}.tar"
+
+
+def test_the_validation_loss_scores_the_negatives_the_val_shards_carry_in_entries_of_their_own(tmp_path):
+    """With ``data.negatives`` the validation loss reads the held-out samples' negative captions as training
+    does (at most data.negatives each): ``val/negatives/loss`` (and ``/loss/<term>``) is the run's objective with
+    them (NegCLIP: each a column of its own image's row), in float64 here; ``val/negatives/accuracy`` the share
+    of negatives the image scores below its own caption. ``val/loss`` stays the pairs' loss, comparable with a run
+    that has no negatives."""
+    from mmcl.evaluation.in_run import run_eval
+    from mmcl.training.setup import evaluation_for
+
+    torch.manual_seed(3)
+    samples, spec = _held_out_with_negatives(tmp_path)
+    cfg = load_config(None, [*TRAINING_TOWERS, f"eval.val_loss={spec}", "eval.every=1", "data.negatives=2"])
+    model, _, pp, _, eval_tf, tokenizer = models.build(cfg.model)
+    model.eval()
+    accelerator = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    results = {}
+    got = run_eval(evaluation_for(cfg), model, tokenizer, pp, accelerator, None, 4, results)
+    img, txt, scale = _reference_features(model, eval_tf, tokenizer, [s[:4] for s in samples])
+    negs = [s[4] for s in samples]  # data.negatives=2: every one of them
+    with torch.no_grad():
+        neg_txt = model(None, tokenizer([t for ns in negs for t in ns]))["text_features"].double()
+    first = [sum(len(ns) for ns in negs[:i]) for i in range(len(negs))]  # sample i's first row of neg_txt
+    loss_sum = pairs_sum = 0.0
+    for s in (0, 4, 8):  # batches of 4, 4, 2
+        b = range(s, min(s + 4, 10))
+        logits = scale * img[s:s + 4] @ txt[s:s + 4].t()
+        neg_cols = torch.full((len(b), 2), -math.inf, dtype=torch.float64)
+        for r, i in enumerate(b):
+            for j in range(len(negs[i])):
+                neg_cols[r, j] = scale * img[i] @ neg_txt[first[i] + j]
+        labels = torch.arange(len(b))
+        i2t = F.cross_entropy(torch.cat([logits, neg_cols], dim=1), labels)
+        loss_sum += float((i2t + F.cross_entropy(logits.t(), labels)) / 2) * len(b)
+        pairs_sum += float(_info_nce(img[s:s + 4], txt[s:s + 4], scale)) * len(b)
+    correct = sum(float(img[i] @ txt[i]) > float(img[i] @ neg_txt[first[i] + j])
+                  for i in range(10) for j in range(len(negs[i])))
+    assert got["val/negatives/loss"] == pytest.approx(loss_sum / 10, rel=1e-5)
+    assert got["val/negatives/loss/clip"] == pytest.approx(loss_sum / 10, rel=1e-5)
+    assert got["val/negatives/accuracy"] == pytest.approx(correct / 9, abs=1e-9)
+    assert got["val/loss"] == pytest.approx(pairs_sum / 10, rel=1e-5) and loss_sum > pairs_sum + 1e-3
+    assert results["val_loss"]["n_negatives"] == len(neg_txt) == 9  # 0 + 1 + 2 + 0 + ... + 0
+    # The same shards in a run that reads no negatives (data.negatives=0): the pairs' entries only.
+    plain = run_eval(evaluation_for(load_config(None, [*TRAINING_TOWERS, f"eval.val_loss={spec}"])), model, tokenizer,
+                     pp, accelerator, None, 4)
+    assert not [k for k in plain if "negatives" in k] and plain["val/loss"] == got["val/loss"]
+
+
+def test_val_shards_without_negatives_give_no_negatives_entries(tmp_path):
+    from mmcl.evaluation.in_run import run_eval
+    from mmcl.training.setup import evaluation_for
+
+    _, spec = _held_out(tmp_path)
+    cfg = load_config(None, [*TRAINING_TOWERS, f"eval.val_loss={spec}", "data.negatives=2"])
+    model, _, pp, _, eval_tf, tokenizer = models.build(cfg.model)
+    accelerator = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    got = run_eval(evaluation_for(cfg), model, tokenizer, pp, accelerator, None, 4)
+    assert "val/loss" in got and not [k for k in got if "negatives" in k]

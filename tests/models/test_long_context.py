@@ -129,3 +129,33 @@ def test_a_hugging_face_tower_takes_its_own_positions_up_to_its_limit(tokenizer_
     assert tokenizer.context_length == 300 and tokenizer(LONG).shape == (1, 300)
     with pytest.raises(ConfigError, match=r"^model.context_length 600 exceeds the text tower's max_position"):
         models.build(cfg(600))
+
+
+def test_the_onnx_export_reads_the_longer_context_with_its_own_tokenizer_and_runtime(stretched_dir, tmp_path):
+    """ONNX Runtime and Hugging Face's `tokenizers` alone (as docs/export.md runs them): the exported tokenizer
+    gives the 96 ids mmcl's does, the long caption is read past the old 32, and the text encoder gives the
+    model's features."""
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    src, model = stretched_dir
+    out = export_mod.export(src, "onnx", tmp_path / "onnx")
+    assert json.loads((out / export_mod.ONNX_CONFIG_FILE).read_text())["context_length"] == 96
+    ours_tok = models.build_tokenizer(models.resolve_model_config(_tiny(96)))
+    tok = Tokenizer.from_file(str(out / export_mod.ONNX_TOKENIZER_FILE))
+    ids = torch.tensor([e.ids for e in tok.encode_batch(LONG + SHORT)])
+    assert torch.equal(ids, ours_tok(LONG + SHORT)) and int((ids[0] != 0).sum()) > 32
+    session = ort.InferenceSession(str(out / export_mod.ONNX_TEXT_FILE), providers=["CPUExecutionProvider"])
+    theirs = torch.from_numpy(session.run(None, {"text": ids.numpy()})[0])
+    torch.testing.assert_close(theirs, _features(model, ours_tok, LONG + SHORT), rtol=1e-4, atol=1e-4)
+
+
+def test_the_safetensors_export_loads_at_the_longer_context(stretched_dir, tmp_path):
+    import mmcl
+
+    src, model = stretched_dir
+    out = export_mod.export(src, "safetensors", tmp_path / "st")
+    loaded, _, tokenizer = mmcl.load(out)
+    assert tokenizer.context_length == 96 and loaded.positional_embedding.shape[0] == 96
+    ours = _features(model, models.build_tokenizer(models.resolve_model_config(_tiny(96))), LONG + SHORT)
+    torch.testing.assert_close(_features(loaded, tokenizer, LONG + SHORT), ours, rtol=1e-5, atol=1e-5)

@@ -213,3 +213,72 @@ def test_two_processes_compile_the_ddp_model_after_prepare(demo, tmp_path):
         got = json.loads((tmp_path / f"order-{rank}.json").read_text())
         assert got["order"] == ["prepare", "DistributedDataParallel", "ContrastiveObjective"], rank
     assert 0 < got["loss"] < 10
+
+
+def _negatives(n, k, seed, dim=16):
+    """Unit features of up to `k` negative captions for `n` rows, the number per row drawn (some rows none)."""
+    from mmcl.losses import DataNegatives
+
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.nn.functional.normalize(torch.randn(n, k, dim, generator=g), dim=2)
+    return DataNegatives(feats, torch.rand(n, k, generator=g) < 0.6)
+
+
+@pytest.mark.parametrize("term", ["clip", "siglip"])
+@pytest.mark.parametrize("chunk_size", [None, 4])  # dense and tiled
+def test_the_loss_with_data_negatives_has_no_graph_break(term, chunk_size):
+    torch.manual_seed(0)
+    img = torch.nn.functional.normalize(torch.randn(8, 16), dim=1)
+    txt = torch.nn.functional.normalize(torch.randn(8, 16), dim=1)
+    cfg = LossConfig(chunk_size=chunk_size, clip=1.0 if term == "clip" else 0.0,
+                     siglip=1.0 if term == "siglip" else 0.0)
+    objective = objective_from_config(cfg)
+    bias = torch.tensor(-10.0) if term == "siglip" else None
+    explained = torch._dynamo.explain(objective)(img, txt, torch.tensor(10.0), bias, torch.full((8,), -1), False,
+                                                 negatives=_negatives(8, 3, 1))
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+
+
+def _with_negative_captions(batch, seed, width, k=2):
+    """`batch` with up to `k` negative captions per sample (the number per sample drawn, so the text tower's batch
+    changes from step to step), their tokens cut at `width` like the captions'."""
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.rand(batch["text"].shape[0], k, generator=g) < 0.5
+    return dict(batch, negatives_valid=valid, negatives=cut_batch(int(valid.sum()), seed + 1000, width)["text"])
+
+
+@pytest.mark.slow
+def test_compiled_steps_with_data_negatives_give_the_eager_losses_and_gradients_and_stop_recompiling():
+    """``train.compile`` with ``data.negatives``: the model and the objective compiled (dynamo + AOTAutograd, the
+    graphs inductor would be given) give the eager steps' losses and gradients, step after step, while the number
+    of negative captions (the text tower's batch) changes every step; after the first steps nothing compiles."""
+    from accelerate import Accelerator
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from helpers import grads_of
+
+    torch._dynamo.reset()
+    acc = Accelerator(cpu=True)
+    objective = objective_from_config(LossConfig(chunk_size=4))
+    eager_model, compiled_model = micro_model(0).train(), micro_model(0).train()
+    model_frames, loss_frames = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
+    step_model = torch.compile(compiled_model, backend=model_frames)
+    loss_fn = torch.compile(objective, backend=loss_frames)
+    counts = []
+    for step in range(8):
+        batches = [_with_negative_captions(cut_batch(8, step, 16), step, 16)]
+        results = []
+        for model, fn in ((eager_model, objective), (step_model, loss_fn)):
+            model.zero_grad()
+            loss, _, cache = forward_loss(model, fn, batches, acc, with_metrics=False)
+            backward(acc, model, loss, batches, cache)
+            results.append((loss.item(), grads_of(eager_model if model is eager_model else compiled_model)))
+        (want, want_grads), (got, got_grads) = results
+        assert got == pytest.approx(want, rel=1e-5), step
+        assert got_grads.keys() == want_grads.keys()
+        for name, g in want_grads.items():
+            assert (got_grads[name] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-7, (step, name)
+        counts.append((model_frames.frame_count, loss_frames.frame_count))
+    assert len({int(b.sum()) for b in (_with_negative_captions(cut_batch(8, s, 16), s, 16)["negatives_valid"]
+                                         for s in range(8))}) > 2  # the negatives' number did change
+    assert counts[3:] == [counts[3]] * 5, counts
