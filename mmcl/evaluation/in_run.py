@@ -211,10 +211,11 @@ def validation_loss(model, objective, data, preprocess, tokenizer, batch_size: i
     batch, so the loss is on the scale of the training loss; the last batch may be smaller), each scored as one
     contrastive problem by `objective` without gathering (the main process scores the global batch), averaged over
     samples as open_clip does; a sample term (the captioning term of a CoCa model) scores each batch from its
-    samples' sums and counts, as in training. The towers run in chunks of `chunk` samples under `autocast` without
-    gradient; the caller puts `model` and `objective` in eval mode (a fresh objective: MoCHi's queue stays
-    untouched). A sample's caption is its ``.txt`` (with several caption sources in `keys`, the first caption);
-    samples without an image or a caption are skipped and counted.
+    samples' sums and counts, as in training (the terms scored on a training step's own views, SigLIP 2's
+    self-distillation and masked prediction, are not in the validation objective). The towers run in chunks of
+    `chunk` samples under `autocast` without gradient; the caller puts `model` and `objective` in eval mode (a fresh
+    objective: MoCHi's queue stays untouched). A sample's caption is its ``.txt`` (with several caption sources in
+    `keys`, the first caption); samples without an image or a caption are skipped and counted.
 
     With `negatives` > 0 (the run's ``data.negatives``) the samples' negative captions are read as training reads
     them (at most that many each, the same ones at every evaluation) and, where the shards carry any, scored

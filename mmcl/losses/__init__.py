@@ -64,7 +64,7 @@ from .global_contrastive import GlobalEstimates, gamma_at, global_contrastive_lo
 from .inputs import Gathered
 from .masked import masked_losses
 from .mochi import FeatureQueue, mochi_loss
-from .objective import SAMPLE_TERMS, TERMS, ContrastiveObjective
+from .objective import SAMPLE_TERMS, TERMS, TRAINING_VIEW_TERMS, ContrastiveObjective
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .sample_terms import SampleLosses, joined, sample_mean
 from .self_distill import next_center, self_distill_losses, teacher_targets
@@ -102,6 +102,7 @@ __all__ = [
     "ContrastiveObjective",
     "TERMS",
     "SAMPLE_TERMS",
+    "TRAINING_VIEW_TERMS",
     "SampleLosses",
     "caption_losses",
     "self_distill_losses",

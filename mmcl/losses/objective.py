@@ -142,6 +142,10 @@ TABLE: Tuple[Term, ...] = (
          lambda o, out: masked_losses(out["masked_student"], out["masked_teacher"], o.masked_student_temp)),
 )
 TERMS = tuple(term.name for term in TABLE)
+# The terms scored on views a training step makes of each image (local crops, masked patches, an EMA teacher's view;
+# `mmcl.models.siglip2`): a model's forward gives their outputs in training alone, so a validation loss leaves them
+# out (`mmcl.training.step.objective_from_config(..., validation=True)`).
+TRAINING_VIEW_TERMS = ("self_distill", "masked")
 SAMPLE_TERMS = tuple(term.name for term in TABLE if term.per_sample is not None)
 _TERM_OUTPUTS = {term.name: term.outputs for term in TABLE}
 

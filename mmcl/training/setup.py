@@ -267,7 +267,7 @@ def evaluation_for(cfg: TrainConfig) -> RunEvaluation:
     """How the run evaluates (`mmcl.evaluation.in_run.RunEvaluation`): its ``eval`` section, the training data's
     members and reading limits, the validation loss's objective from ``loss.*``."""
     return RunEvaluation(cfg.eval, data_mod.sample_keys(cfg.data), evaluate.reading_options(cfg.data),
-                         lambda: objective_from_config(cfg.loss), cfg.train.seed, cfg.data.batch_size,
+                         lambda: objective_from_config(cfg.loss, validation=True), cfg.train.seed, cfg.data.batch_size,
                          str(cfg.train.output_dir), cfg.data.negatives)
 
 

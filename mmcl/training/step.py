@@ -108,14 +108,17 @@ def _through(output: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor
     return (output.float().reshape(()) * grad).sum()
 
 
-def objective_from_config(cfg: LossConfig) -> losses.ContrastiveObjective:
+def objective_from_config(cfg: LossConfig, validation: bool = False) -> losses.ContrastiveObjective:
     """The training objective from ``loss.*`` (validated by `config.validate`): each term's weight from its key
     (`config.term_keys`), the shared parameters, and the fields of each term's own section (``loss.mochi``: all
     but its weight) as the objective's keywords of the same names (a section's ``OBJECTIVE_KEYS``: those alone,
-    under the names it gives)."""
+    under the names it gives). With `validation`, the validation loss's: without the terms scored on the views a
+    training step makes (`losses.TRAINING_VIEW_TERMS`), since it sees each held-out image once, as it is."""
     weights, sections = {}, {}
     for name, key in term_keys().items():
         weights[name] = get(cfg, key.split(".", 1)[1])  # the key below ``loss.``
+        if validation and name in losses.TRAINING_VIEW_TERMS:
+            weights[name] = 0.0
         if key.endswith(".weight"):
             section = getattr(cfg, name)
             # a section naming its objective keys (`OBJECTIVE_KEYS`) passes those, renamed; its other keys are

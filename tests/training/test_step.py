@@ -2,11 +2,12 @@
 device, and accumulation against the single large batch, each checked against a reference computed here."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
-from mmcl.config import LossConfig
+from mmcl.config import LossConfig, load_config
 from mmcl.training import optim
 from mmcl.training.step import FiniteChecks, Step, agree_on_step, objective_from_config
 
@@ -183,3 +184,13 @@ def test_two_micro_batches_with_negatives_make_the_update_of_the_one_large_batch
     wa, wb = _weights(one.raw_model), _weights(two.raw_model)
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-6)
+
+
+def test_the_validation_objective_leaves_out_the_terms_scored_on_training_views():
+    """SigLIP 2's self-distillation and masked prediction read crops, masks and a teacher that only a training step
+    makes: the validation loss's objective has them at weight 0 and keeps every other term (the captioning one)."""
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "siglip2.yaml"), []).loss
+    train, val = objective_from_config(cfg), objective_from_config(cfg, validation=True)
+    assert {"siglip", "caption", "self_distill", "masked"} <= set(train.active_terms())
+    assert set(val.active_terms()) == set(train.active_terms()) - {"self_distill", "masked"}
+    assert val.weights["caption"] == train.weights["caption"] > 0
