@@ -40,7 +40,7 @@ from ..evaluation.embed import embed_samples
 from ..evaluation.evaluate import shown_path
 from ..evaluation.teacher import Teacher
 from ..shards.writer import add_tar_member, write_sizes
-from ..storage.fsutil import new_file, os_error_text
+from ..storage.fsutil import new_file, os_error_text, replace_inside, unlink_inside
 from ..storage.manifest import OutputManifest
 
 MANIFEST = "reinforce.json"
@@ -123,9 +123,9 @@ def _reinforce_shard(url: str, dest: Path, embedder: _Embedder, window: int) -> 
                 if len(pending) >= window:
                     flush()
             flush()
-        os.replace(tmp, dest)
+        replace_inside(dest.parent, tmp.name, dest.name)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        unlink_inside(dest.parent, tmp.name, quiet=True)
         raise
     return counts
 

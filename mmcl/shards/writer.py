@@ -26,7 +26,7 @@ from ..data.sizes import SIZES_FILE
 from ..data.skips import SkipLog, counts_text
 from ..data.skips import record as skip_record
 from ..errors import DataError
-from ..storage.fsutil import new_file, open_inside, os_error_text
+from ..storage.fsutil import new_file, open_inside, os_error_text, replace_inside
 from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
 
@@ -80,7 +80,7 @@ def write_sizes(out_dir, counts: Dict[str, int], manifest=None) -> None:
     sizes.update(counts)
     with new_file(out_dir, SIZES_FILE + ".tmp") as f:
         f.write(json.dumps(dict(sorted(sizes.items())), indent=1).encode())
-    os.replace(path + ".tmp", path)
+    replace_inside(out_dir, SIZES_FILE + ".tmp", SIZES_FILE)
 
 
 class ShardWriter:
@@ -136,7 +136,7 @@ class ShardWriter:
         if self._tar is not None:
             self._tar.close()
             self._file.close()
-            os.replace(self._tmp, self.shards[-1])
+            replace_inside(self.out_dir, os.path.basename(self._tmp), os.path.basename(self.shards[-1]))
             self._tar = None
 
     def write(self, sample: Dict[str, Any]) -> None:
