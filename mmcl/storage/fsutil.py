@@ -569,6 +569,21 @@ def _entry_ident(parent_fd: int, name: str, path: Path) -> Optional[Tuple[int, i
     return _ident(st)
 
 
+def _roll_back_at(parent_fd: int, name: str, old: Optional[str]) -> None:
+    """Undo `_swap_in_at`: the new folder `name` removed and the `old` one put back; a link swapped in at `name`
+    meanwhile is left as it is (not followed, not removed), and the old folder then stays aside for `_recover_at`."""
+    try:
+        mode = os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        _rmtree_at(parent_fd, name)
+        mode = None
+    if mode is None and old is not None:
+        with suppress(OSError):
+            os.replace(old, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+
+
 @contextmanager
 def atomic_dir(out_dir, ours: Iterable[str] = (), check: Optional[Callable[[Path], None]] = None) -> Iterator[Path]:
     """Write a whole output directory or nothing: ``with atomic_dir(out_dir, ours) as tmp:`` yields an empty
@@ -619,9 +634,7 @@ def atomic_dir(out_dir, ours: Iterable[str] = (), check: Optional[Callable[[Path
                 with holding(out_dir):
                     check(out_dir)
             except BaseException:
-                _rmtree_at(pfd, name)
-                if old is not None:
-                    os.replace(old, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+                _roll_back_at(pfd, name, old)
                 raise
         if old is not None:
             _rmtree_at(pfd, old)
