@@ -19,7 +19,11 @@
 * What a file declares is checked before memory is spent on it: zero-shot templates (`MAX_TEMPLATES`, encoded
   `MAX_TEXTS_AT_ONCE` at a time, `mmcl.evaluation.evaluate`), an index's vector length (`MAX_EMBED_DIM`, from
   index.faiss's header, `mmcl.evaluation.index`), the caption and metadata files `mmcl shards` reads
-  (`MAX_TEXT_FILE_BYTES`, from their size, `read_regular_bytes`).
+  (`MAX_TEXT_FILE_BYTES`, from their size, `read_regular_bytes`), class names (`MAX_CLASSES`, a classnames file's
+  lines or an ImageFolder's class folders) and the class names and templates files themselves
+  (`MAX_NAMES_FILE_BYTES`, from their size, `read_names_file`).
+* Why a path cannot be read is said in the same words by every option that names a file
+  (`mmcl.errors.file_problem`); a link in a folder mmcl reads that leads out of it is never read (`inside_folder`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import DataError
-from ..storage.fsutil import make_folder, new_file, replace_inside, unlink_inside
+from ..storage.fsutil import holding, make_folder, new_file, replace_inside, unlink_inside
 from ..storage.layout import RunLayout
 
 PLOTS_DIR = "plots"
@@ -395,15 +395,15 @@ def plot_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike, 
     make_folder(out)
     title = run_dir.resolve().name
     written = []
-    for name, fig in make_figures(records, title).items():
-        # Written beside and renamed, so a viewer refreshing the file never reads a half-written PNG; both relative
-        # to the folder's descriptor (held by a run), so a folder swapped for a link is refused, never written.
-        tmp = f".{name}.tmp-{os.getpid()}.png"
-        try:
-            with new_file(out, tmp) as f:
-                fig.savefig(f, format="png", dpi=_DPI, facecolor="white")
-            replace_inside(out, tmp, name)
-        finally:
-            unlink_inside(out, tmp, quiet=True)
-        written.append(out / name)
+    with holding(out):  # every plot relative to the folder as it was opened: a link swapped in is refused
+        for name, fig in make_figures(records, title).items():
+            # Written beside and renamed, so a viewer refreshing the file never reads a half-written PNG.
+            tmp = f".{name}.tmp-{os.getpid()}.png"
+            try:
+                with new_file(out, tmp) as f:
+                    fig.savefig(f, format="png", dpi=_DPI, facecolor="white")
+                replace_inside(out, tmp, name)
+            finally:
+                unlink_inside(out, tmp, quiet=True)
+            written.append(out / name)
     return written

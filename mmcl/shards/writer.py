@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..config import DataConfig, say
 from ..data.decode import IMAGE_EXTS, SkipSample, decode_image
-from ..data.limits import FileTooLarge, NotRegularFile, read_regular_bytes
+from ..data.limits import FileTooLarge, NotRegularFile, read_regular_bytes, read_regular_text
 from ..data.shard_inputs import SkippedItem, SourceImage, input_items
 from ..data.sizes import SIZES_FILE
 from ..data.skips import SkipLog, counts_text
@@ -71,8 +71,7 @@ def write_sizes(out_dir, counts: Dict[str, int], manifest=None) -> None:
     if manifest is not None:
         manifest.will_write([os.path.relpath(p, manifest.folder) for p in (path, path + ".tmp")])
     try:
-        with open(path) as f:
-            kept = json.load(f)
+        kept = json.loads(read_regular_text(path))  # a FIFO put there is never waited on
         if isinstance(kept, dict):
             sizes.update({k: v for k, v in kept.items() if isinstance(v, int)})
     except (OSError, ValueError):
