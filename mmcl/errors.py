@@ -1,7 +1,9 @@
 """User-facing error types. `cli.main` turns any `MmclError` into one line and exit code 2."""
 
+import os
 import re
-from typing import Any, List
+import stat
+from typing import Any, List, Optional
 
 # Characters a terminal acts on rather than shows: C0 and C1 controls (ESC starts colour and cursor sequences, CR
 # overwrites a line, BEL rings) and the bidirectional overrides that reorder what is shown.
@@ -50,6 +52,41 @@ _ENV_REFERENCE = re.compile(r"(?:\w+\s+)?\$\{?\w+\}?")
 def preview(names: List[str], n: int = 3) -> str:
     """The first `n` of `names` for a one-line message, and how many more there are: "a, b, c (+4 more)"."""
     return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, from its ``st_mode``: "a FIFO", "a folder", "a device", "a socket"."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def file_problem(path, folder_ok: bool = False) -> Optional[str]:
+    """Why `path` cannot be read as a file, in the words an error line puts between what the path is and the path
+    ("config file not found: X", "classnames file is not a regular file (a FIFO): X"), or None when it can be read:
+    "not found" (also for a link to nothing, said so), "is a folder, not a file" (unless `folder_ok`: a path that
+    may name a folder), "is not a regular file (a FIFO)" (a device, a socket), "cannot be read (Permission
+    denied)". Checked without opening it, so a FIFO is never waited on. The one description every file-valued
+    option gives (--config, --model, --classnames, --templates, --image, shards' --input, init_from...)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "not found (a symbolic link to nothing)" if os.path.islink(path) else "not found"
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return None if folder_ok else "is a folder, not a file"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is not a regular file ({file_kind(st.st_mode)})"
+    if not os.access(path, os.R_OK):
+        return "cannot be read (Permission denied)"
+    return None
 
 
 def redact(text: str) -> str:

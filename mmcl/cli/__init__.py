@@ -69,10 +69,17 @@ def warning_lines():
 
 
 def _write_json(obj, path: Optional[str]) -> None:
+    from ..errors import ConfigError
+    from ..storage.fsutil import atomic_write_text, make_folder, os_error_text, output_dir
+
     text = json.dumps(obj, indent=2)
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
+    if path:  # a new file renamed into place: never written through a link or another hard link of the file
+        target = output_dir(path)
+        try:
+            make_folder(target.parent)
+            atomic_write_text(target, text + "\n")
+        except OSError as err:
+            raise ConfigError(f"cannot write {path}: {os_error_text(err)}") from None
     print(text)
 
 

@@ -5,14 +5,13 @@ and a config written out (`to_yaml`, `to_dict`) and read back (`from_dict`), mov
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Dict, List, Optional
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from ..errors import ConfigError, redact_values
+from ..errors import ConfigError, file_problem, redact_values
 from .checks import validate
 from .keys import key_infos, nearest_keys, section_keys
 from .schema import TrainConfig, freeze
@@ -168,8 +167,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     errors: List[str] = []
     cfg = OmegaConf.structured(TrainConfig)
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
+        problem = file_problem(path)  # "not found", "is not a regular file (a FIFO)"...
+        if problem is not None:
+            raise ConfigError(f"config file {problem}: {path}")
         _check_size(path)
         try:
             raw = OmegaConf.load(path)

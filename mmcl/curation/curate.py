@@ -62,7 +62,7 @@ from ..errors import ConfigError, DataError, MmclError
 from ..evaluation.embed import MAX_PIXELS, ClipEncoder, embed_image_set, embed_samples
 from ..evaluation.evaluate import shown_path
 from ..shards.writer import add_tar_member, write_sizes
-from ..storage.fsutil import new_file, open_inside, os_error_text
+from ..storage.fsutil import make_folder, new_file, open_inside, os_error_text, replace_inside, unlink_inside
 from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
 from .report import DROPPED_FILE, PLOT_FILE, REPORT_FILE, write_report
@@ -149,7 +149,7 @@ def _claim(out: Path, identity: Dict[str, Any], names: List[str], inputs: List[s
     for name in names:
         files += [name, _embed_name(name)]
     manifest.will_write(files + [f + _TEMP for f in files])
-    (out / EMBED_DIR).mkdir(exist_ok=True)
+    make_folder(out / EMBED_DIR)  # relative to the held --out: a link there is refused
     # An interrupted earlier run's partial files: only those it recorded (a file of the user's is never deleted).
     manifest.remove([f for f in sorted(manifest.files) if f.endswith(_TEMP)])
     manifest.files |= {f + _TEMP for f in files}
@@ -162,9 +162,9 @@ def _save_npz(path: Path, **arrays) -> None:
     try:
         with new_file(path.parent, tmp.name) as f:
             np.savez(f, **arrays)
-        os.replace(tmp, path)
+        replace_inside(path.parent, tmp.name, path.name)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        unlink_inside(path.parent, tmp.name, quiet=True)
         raise DataError(f"cannot write {path}: {os_error_text(err)}") from None
 
 
@@ -271,7 +271,7 @@ def _embed_decontamination_set(encoder: ClipEncoder, data: str, batch_size: int,
 
 def _write_skip_log(out: Path, urls: List[str], tables: List[Dict[str, np.ndarray]]) -> None:
     """skipped.jsonl: the unreadable samples and the shards that broke off, with their reasons (`mmcl.data.skips`)."""
-    (out / SKIP_LOG).unlink(missing_ok=True)  # the manifest lists it
+    unlink_inside(out, SKIP_LOG)  # the manifest lists it
     log = SkipLog(out / SKIP_LOG, fresh=True, open_fn=open_inside)
     for url, table in zip(urls, tables):
         for reason in table.get("shard_skips", np.zeros(0, dtype=str)).tolist():
@@ -303,12 +303,12 @@ def _write_shard(url: str, dest: Path, table: Dict[str, np.ndarray], keep: np.nd
         if written != len(wanted):
             raise DataError(f"{url} changed since it was embedded (expected {len(wanted)} kept samples, found "
                             f"{written}); curate into a new --out")
-        os.replace(tmp, dest)
+        replace_inside(dest.parent, tmp.name, dest.name)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        unlink_inside(dest.parent, tmp.name, quiet=True)
         raise DataError(f"cannot write {dest}: {os_error_text(err)}") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        unlink_inside(dest.parent, tmp.name, quiet=True)
         raise
     return written
 

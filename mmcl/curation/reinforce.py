@@ -48,7 +48,7 @@ from ..evaluation.evaluate import shown_path
 from ..evaluation.teacher import Teacher
 from ..models import has_decoder
 from ..shards.writer import add_tar_member, write_sizes
-from ..storage.fsutil import new_file, os_error_text
+from ..storage.fsutil import new_file, os_error_text, replace_inside, unlink_inside
 from ..storage.manifest import OutputManifest
 from ..storage.weights import load as load_model
 
@@ -168,9 +168,9 @@ def _reinforce_shard(url: str, dest: Path, embedder: _Embedder, window: int) -> 
                 if len(pending) >= window:
                     flush()
             flush()
-        os.replace(tmp, dest)
+        replace_inside(dest.parent, tmp.name, dest.name)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        unlink_inside(dest.parent, tmp.name, quiet=True)
         raise
     return counts
 

@@ -5,14 +5,13 @@ its reason)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from ..errors import DataError
-from ..storage.fsutil import atomic_write_text, new_file, os_error_text
+from ..storage.fsutil import atomic_write_text, new_file, os_error_text, replace_inside
 from .rules import KEPT, REASONS, Decision
 
 HISTOGRAM_BINS = 40
@@ -155,7 +154,7 @@ def write_report(out: Path, identity: Dict[str, Any], names: List[str], tables: 
         atomic_write_text(out / DROPPED_FILE, "".join(line + "\n" for line in lines))
         with new_file(out, PLOT_FILE + temp_suffix) as f:
             _plot(report, f)
-        os.replace(out / (PLOT_FILE + temp_suffix), out / PLOT_FILE)
+        replace_inside(out, PLOT_FILE + temp_suffix, PLOT_FILE)
     except OSError as err:
         raise DataError(f"cannot write the report in {out}: {os_error_text(err)}") from None
     return report

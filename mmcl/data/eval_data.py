@@ -21,7 +21,7 @@ from timm.data import ImageNetInfo
 from ..config import DataConfig, say
 from ..errors import DataError, MmclError
 from .decode import SampleKeys, SkipSample, decode_image, needed_members, parse_negatives, parse_sample, zero_skips
-from .limits import open_regular
+from .limits import MAX_CLASSES, MAX_TEMPLATES, inside_folder, open_regular, read_names_file
 from .naflex import stack_patch_dicts
 from .reading import read_raw_samples
 from .sources import SHARD_SUFFIXES, expand_urls, has_scheme, redact
@@ -29,11 +29,26 @@ from .sources import SHARD_SUFFIXES, expand_urls, has_scheme, redact
 FOLDER_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
-def _read_lines(path: str) -> Optional[List[str]]:
-    if not os.path.isfile(path):
+def read_classnames(path: str, root: Optional[str] = None) -> List[str]:
+    """The class names of a classnames file, one a line (`limits.read_names_file`: at most `MAX_CLASSES`, the file
+    within its byte bound, a regular file, and inside the dataset folder `root` when it is one of its files)."""
+    return read_names_file(path, "classnames file", MAX_CLASSES, "class names",
+                           "mmcl takes (ImageNet-21k has 21,841)", root)
+
+
+def read_templates_file(path: str, root: Optional[str] = None) -> List[str]:
+    """The templates of a templates file, one a line (`limits.read_names_file`, at most `MAX_TEMPLATES`)."""
+    return read_names_file(path, "templates", MAX_TEMPLATES, "templates",
+                           "a zero-shot classifier takes (open_clip's sets have up to 80)", root)
+
+
+def _beside(folder: str, name: str, read: Callable[[str, Optional[str]], List[str]]) -> Optional[List[str]]:
+    """`read` of the file `name` of a dataset folder, None when there is none; a link there that leads out of the
+    folder, a FIFO, a file over its bound: one `DataError` line naming it."""
+    path = os.path.join(folder, name)
+    if not os.path.lexists(path):
         return None
-    with open_regular(path, "r", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f if line.strip()]
+    return read(path, folder)
 
 
 def _visible(name: str) -> bool:
@@ -42,8 +57,17 @@ def _visible(name: str) -> bool:
 
 
 def class_folders(root: str) -> List[str]:
-    """The visible subfolders of an ImageFolder root, sorted (their order gives the labels)."""
-    return sorted(d for d in os.listdir(root) if _visible(d) and os.path.isdir(os.path.join(root, d)))
+    """The visible subfolders of an ImageFolder root, sorted (their order gives the labels). More than `MAX_CLASSES`
+    is one `DataError` line, found while listing (at most that many names are kept)."""
+    found = []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if _visible(entry.name) and entry.is_dir():
+                found.append(entry.name)
+                if len(found) > MAX_CLASSES:
+                    raise DataError(f"{root} has more than {MAX_CLASSES:,} class folders, more than mmcl takes "
+                                    f"(ImageNet-21k has 21,841)")
+    return sorted(found)
 
 
 def walk_files(folder: str) -> Iterator[str]:
@@ -94,7 +118,7 @@ def folder_classnames(root: str, folders: Optional[List[str]] = None) -> Tuple[L
     """
     folders = class_folders(root) if folders is None else folders
     path = os.path.join(root, "classnames.txt")
-    names = _read_lines(path)
+    names = _beside(root, "classnames.txt", read_classnames)
     if names is not None:
         if len(names) != len(folders):
             raise DataError(f"{path} has {len(names)} class names but {root} has {len(folders)} class folders "
@@ -244,7 +268,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         self.root, self.preprocess, self.max_pixels = root, preprocess, max_pixels
         self.folders, self.items = scan_image_folder(root)
         self.classnames, self.classnames_source = folder_classnames(root, self.folders)
-        self.templates = _read_lines(os.path.join(root, "templates.txt"))
+        self.templates = _beside(root, "templates.txt", read_templates_file)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -252,6 +276,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         path, label = self.items[i]
         key = os.path.relpath(path, self.root)
+        if not inside_folder(self.root, path):  # a link out of the folder is never read (as in `mmcl shards`)
+            return EvalSkip("outside_link", key, "a symbolic link that leads out of the folder")
         try:
             img = _decode_file(path, self.max_pixels)
             return self.preprocess(img), label, "", key
@@ -327,11 +353,11 @@ class ShardEvalDataset(torch.utils.data.IterableDataset):
         self.max_member_bytes = max_member_bytes
         self.skipped = zero_skips()
         folder = os.path.dirname(self.urls[0]) if not has_scheme(self.urls[0]) else None
-        self.classnames = _read_lines(os.path.join(folder, "classnames.txt")) if folder is not None else None
+        self.classnames = _beside(folder, "classnames.txt", read_classnames) if folder is not None else None
         self.templates = None
         if folder is not None:
-            self.templates = (_read_lines(os.path.join(folder, "templates.txt"))
-                              or _read_lines(os.path.join(folder, "zeroshot_classification_templates.txt")))
+            self.templates = (_beside(folder, "templates.txt", read_templates_file)
+                              or _beside(folder, "zeroshot_classification_templates.txt", read_templates_file))
 
     def __iter__(self):
         try:

@@ -19,7 +19,11 @@
 * What a file declares is checked before memory is spent on it: zero-shot templates (`MAX_TEMPLATES`, encoded
   `MAX_TEXTS_AT_ONCE` at a time, `mmcl.evaluation.evaluate`), an index's vector length (`MAX_EMBED_DIM`, from
   index.faiss's header, `mmcl.evaluation.index`), the caption and metadata files `mmcl shards` reads
-  (`MAX_TEXT_FILE_BYTES`, from their size, `read_regular_bytes`).
+  (`MAX_TEXT_FILE_BYTES`, from their size, `read_regular_bytes`), class names (`MAX_CLASSES`, a classnames file's
+  lines or an ImageFolder's class folders) and the class names and templates files themselves
+  (`MAX_NAMES_FILE_BYTES`, from their size, `read_names_file`).
+* Why a path cannot be read is said in the same words by every option that names a file
+  (`mmcl.errors.file_problem`); a link in a folder mmcl reads that leads out of it is never read (`inside_folder`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import warnings
 from itertools import islice
 from typing import Any, Callable, Iterable, List, Optional
 
-from ..errors import DataError
+from ..errors import DataError, file_kind, file_problem
 
 MAX_TEXT_CHARS = 4096
 MAX_WORD_CHARS = 320
@@ -44,6 +48,8 @@ MAX_TEXT_FILE_BYTES = 1 << 20  # a caption or metadata file `mmcl shards` reads 
 MAX_TEMPLATES = 1_000  # zero-shot templates of a set (open_clip's largest has 80), checked before any is encoded
 MAX_TEXTS_AT_ONCE = 1_024  # texts encoded in one forward pass when building a zero-shot classifier
 MAX_EMBED_DIM = 65_536  # an index's vector length (index.faiss's header), checked before faiss allocates
+MAX_CLASSES = 100_000  # class names of a set: a classnames file's lines, an ImageFolder's class folders
+MAX_NAMES_FILE_BYTES = 16 << 20  # a class names or templates file, by its size, before it is read
 
 _LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD_CHARS + 1))
 
@@ -106,24 +112,12 @@ class NotRegularFile(OSError):
     """An input that is not a regular file (a FIFO, a device, a socket, a folder): never read, never waited on."""
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
-
-
 def require_regular(path) -> os.stat_result:
     """The ``os.stat`` of `path` (a link is followed), NotRegularFile (an OSError) unless it is a regular file: for a
     file another library opens by name (safetensors, faiss), checked before it is handed over."""
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFile(errno.EINVAL, f"{_kind(st.st_mode)}, not a regular file", str(path))
+        raise NotRegularFile(errno.EINVAL, f"{file_kind(st.st_mode)}, not a regular file", str(path))
     return st
 
 
@@ -141,7 +135,7 @@ def open_regular(path, mode: str = "rb", encoding: Optional[str] = None, errors:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFile(errno.EINVAL, f"{_kind(st.st_mode)}, not a regular file", str(path))
+            raise NotRegularFile(errno.EINVAL, f"{file_kind(st.st_mode)}, not a regular file", str(path))
         os.set_blocking(fd, True)
         return os.fdopen(fd, mode, encoding=encoding, errors=errors, newline=newline)
     except BaseException:
@@ -173,6 +167,45 @@ def inside_folder(root, path) -> bool:
     folder's link that leads out of it (``000001.txt -> ~/.netrc``) is never read as a part of that folder."""
     real_root = os.path.realpath(root)
     return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
+
+
+def read_names_file(path, what: str, max_lines: int, unit: str, why: str, root=None) -> List[str]:
+    """The non-empty lines of a class names or templates file (line ends removed), read within bounds. One
+    `DataError` line, before memory is spent on it, when the path cannot be read (`mmcl.errors.file_problem`: "is
+    not a regular file (a FIFO)", "not found"...), when it lies in the dataset folder `root` but is a link that
+    leads out of it (`inside_folder`, the rule of `mmcl shards`' ``outside_link``), when its size is over
+    `MAX_NAMES_FILE_BYTES` (from ``fstat``, before a byte is read), or when it has more than `max_lines` lines
+    ("{what} PATH: N {unit}, more than the {max_lines} {why}"; past the bound lines are counted, not kept)."""
+    problem = file_problem(path)
+    if problem is not None:
+        raise DataError(f"{what} {problem}: {path}")
+    if root is not None and not inside_folder(root, path):
+        raise DataError(f"{what} {path} is a symbolic link that leads out of {root}; mmcl never reads it (copy the "
+                        f"file into the folder)")
+    lines: List[str] = []
+    count = 0
+    try:
+        with open_regular(path, "r", encoding="utf-8") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_NAMES_FILE_BYTES:
+                raise DataError(f"{what} {path}: {size:,} bytes, over the {MAX_NAMES_FILE_BYTES:,} a class names or "
+                                f"templates file may have")
+            seen = 0
+            while line := f.readline(MAX_NAMES_FILE_BYTES + 1):
+                if line.strip():
+                    count += 1
+                    if count <= max_lines:
+                        lines.append(line.rstrip("\r\n"))
+                seen += len(line)  # characters: never more than the bytes they came from
+                if seen > MAX_NAMES_FILE_BYTES:  # it grew meanwhile
+                    raise DataError(f"{what} {path}: over the {MAX_NAMES_FILE_BYTES:,} bytes a class names or "
+                                    f"templates file may have")
+    except (OSError, UnicodeDecodeError) as err:
+        detail = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+        raise DataError(f"cannot read the {what} {path}: {detail}") from None
+    if count > max_lines:
+        raise DataError(f"{what} {path}: {count:,} {unit}, more than the {max_lines:,} {why}")
+    return lines
 
 
 def read_regular_text(path, encoding: str = "utf-8", errors: Optional[str] = None) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ..config import say
-from ..errors import DataError
+from ..errors import DataError, file_problem
 from .eval_data import FOLDER_IMAGE_EXTS, class_folders, folder_classnames, walk_files
 from .limits import (
     MAX_TEXT_FILE_BYTES,
@@ -450,8 +450,9 @@ def input_items(input_path: str, caption_template: str, sep: Optional[str], imag
                 ) -> Tuple[Iterable[_Item], Optional[List[str]]]:
     """The items of `input_path` (see `writer.shards_from_input` for the layouts), and the class names of an
     ImageFolder (None for the other inputs): raises `DataError` for a missing or unsupported input."""
-    if not os.path.exists(input_path):
-        raise DataError(f"input not found: {input_path} (expected a folder of images with captions, an ImageFolder "
+    problem = file_problem(input_path, folder_ok=True)
+    if problem is not None:
+        raise DataError(f"input {problem}: {input_path} (expected a folder of images with captions, an ImageFolder "
                         f"directory, a .csv, .tsv, .jsonl or .parquet)")
     if negatives_col and (os.path.isdir(input_path) or not input_path.lower().endswith(TABLE_EXTS)):
         raise DataError(f"--negatives-col names a column of a table (got {input_path}; a caption folder's KEY.json "

@@ -23,10 +23,9 @@ from tqdm import tqdm
 
 from .. import data as data_mod
 from ..config import say
-from ..data.eval_data import names_for_folders
-from ..data.limits import MAX_TEMPLATES, MAX_TEXTS_AT_ONCE, read_regular_text
+from ..data.eval_data import names_for_folders, read_classnames, read_templates_file
+from ..data.limits import MAX_TEMPLATES, MAX_TEXTS_AT_ONCE
 from ..errors import DataError, MmclError
-from ..storage.fsutil import os_error_text
 
 # open_clip's prompt-template sets (name -> open_clip's attribute), and the short names that also select them.
 TEMPLATE_SETS = {"openai_imagenet_template": "OPENAI_IMAGENET_TEMPLATES",
@@ -59,10 +58,11 @@ def load_templates(templates) -> List:
         out = [t.strip().replace("{c}", "{}") if isinstance(t, str) else t for t in templates]
     elif set_name in TEMPLATE_SETS:
         out = list(getattr(open_clip, TEMPLATE_SETS[set_name]))
-    elif isinstance(templates, str) and os.path.isfile(templates):
-        out = [ln.strip().replace("{c}", "{}") for ln in read_regular_text(templates).splitlines() if ln.strip()]
     elif isinstance(templates, str) and _one_template(templates):
         out = [templates.strip().replace("{c}", "{}")]
+    elif isinstance(templates, str) and (os.path.lexists(templates) or os.sep in templates or "." in templates):
+        # a file, or meant as one: one line saying why it cannot be read ("is not a regular file (a FIFO)")
+        out = [ln.strip().replace("{c}", "{}") for ln in read_templates_file(templates)]
     else:
         raise DataError(f"unknown templates '{templates}' (expected a file, one template holding '{{}}' for the "
                         f"class name, or one of {', '.join(TEMPLATE_SETS)})")
@@ -92,7 +92,7 @@ def _is_template(text: str) -> bool:
 
 def _one_template(text: str) -> bool:
     """Whether `text`, given where templates go, is one template (it has a slot) rather than a name or a file."""
-    return ("{}" in text or "{c}" in text) and not os.path.isfile(text)
+    return ("{}" in text or "{c}" in text) and not os.path.lexists(text)
 
 
 def is_template_name_or_text(templates: str) -> bool:
@@ -103,14 +103,8 @@ def is_template_name_or_text(templates: str) -> bool:
 
 
 def load_classnames(path: str) -> List[str]:
-    """Class names, one per line, in label order."""
-    if not os.path.isfile(path):
-        raise DataError(f"classnames file not found: {path}")
-    try:
-        text = read_regular_text(path)
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"cannot read the classnames file {path}: {os_error_text(err)}") from None
-    names = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    """Class names, one per line, in label order (`mmcl.data.read_classnames`: a regular file, within its bounds)."""
+    names = [ln.strip() for ln in read_classnames(path)]
     if not names:
         raise DataError(f"classnames file {path} is empty (expected one class name per line)")
     return names

@@ -23,7 +23,7 @@ from .. import data as data_mod
 from .. import losses, models
 from ..config import EvalConfig, EvalSet, duplicate_set_names, eval_sets, is_main_process
 from ..data.sources import redact_values
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, file_problem
 from .evaluate import (
     AUTO_TEMPLATES,
     dataset_name,
@@ -92,9 +92,11 @@ def any_due(ev: EvalConfig, step: int, total: int) -> bool:
 
 # ------------------------------------------------------------------------------------------------- checks
 def _file_problem(key: str, path: str) -> List[str]:
-    if os.path.exists(os.path.expanduser(path)):
+    problem = file_problem(os.path.expanduser(path), folder_ok=True)
+    if problem is None:
         return []
-    return [f"{key}: {os.path.abspath(os.path.expanduser(path))} does not exist"]
+    return [f"{key}: {os.path.abspath(os.path.expanduser(path))} "
+            f"{'does not exist' if problem.startswith('not found') else problem}"]
 
 
 def _is_local(spec: Any) -> bool:

@@ -34,7 +34,7 @@ import torch
 
 from ..data import open_rgb, redact
 from ..data.limits import MAX_EMBED_DIM, open_regular
-from ..errors import CheckpointError, DataError
+from ..errors import CheckpointError, DataError, file_problem
 from ..storage import checkpoints, weights
 from ..storage.fsutil import atomic_dir, os_error_text, output_dir
 from .embed import SourcedShards, embed_image_set, sourced_loader
@@ -250,8 +250,9 @@ def embed_query(model, preprocess, tokenizer, query: Optional[str] = None, image
     """A (1, D) float32 L2-normalised query embedding from a text or an image file."""
     if image is not None:
 
-        if not os.path.isfile(image):
-            raise DataError(f"query image not found: {image}")
+        problem = file_problem(image)
+        if problem is not None:
+            raise DataError(f"query image {problem}: {image}")
         one = preprocess(open_rgb(image))  # the same pixel conversion as the indexed images
         pixels = {k: v[None] for k, v in one.items()} if isinstance(one, dict) else one[None]  # NaFlex: patches
         feats = model.encode_image(pixels, normalize=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import DataError
+from ..storage.fsutil import holding, make_folder, new_file, replace_inside, unlink_inside
 from ..storage.layout import RunLayout
 
 PLOTS_DIR = "plots"
@@ -391,18 +392,18 @@ def plot_run(run_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike, 
         raise DataError(f"run directory {run_dir} does not exist (expected a train.output_dir of `mmcl train`)")
     records = load_metrics(RunLayout(run_dir).metrics)
     out = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     title = run_dir.resolve().name
     written = []
-    for name, fig in make_figures(records, title).items():
-        path = out / name
-        # Written beside and renamed, so a viewer refreshing the file never reads a half-written PNG.
-        tmp = out / f".{name}.tmp-{os.getpid()}.png"
-        try:
-            fig.savefig(tmp, dpi=_DPI, facecolor="white")
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        written.append(path)
+    with holding(out):  # every plot relative to the folder as it was opened: a link swapped in is refused
+        for name, fig in make_figures(records, title).items():
+            # Written beside and renamed, so a viewer refreshing the file never reads a half-written PNG.
+            tmp = f".{name}.tmp-{os.getpid()}.png"
+            try:
+                with new_file(out, tmp) as f:
+                    fig.savefig(f, format="png", dpi=_DPI, facecolor="white")
+                replace_inside(out, tmp, name)
+            finally:
+                unlink_inside(out, tmp, quiet=True)
+            written.append(out / name)
     return written

@@ -39,7 +39,7 @@ from ..data.skips import counts_text, describe, first_records
 from ..data.sources import redact_values
 from ..errors import ConfigError, MmclError, RunStopped, TrainingError, preview
 from ..storage import checkpoints
-from ..storage.fsutil import atomic_write_text, inside, open_inside
+from ..storage.fsutil import atomic_write_text, inside, open_inside, unlink_inside
 from ..storage.layout import (
     CHECKPOINTS_DIR,
     CONFIG,
@@ -266,7 +266,7 @@ def clear_stale_skips(out: Path) -> None:
     """Remove the skip log an earlier attempt that never trained left in the run folder `out` (the name is unlinked:
     another link to the file keeps it)."""
     try:
-        os.unlink(inside(out, RunLayout(out).skipped.name))
+        unlink_inside(out, RunLayout(out).skipped.name)
     except FileNotFoundError:
         pass
 

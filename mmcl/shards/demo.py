@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from ..config import say
 from ..errors import DataError
+from ..storage.fsutil import atomic_write_text, make_folder, new_file, unlink_inside
 from ..storage.manifest import OutputManifest
 from .writer import ShardWriter
 
@@ -197,16 +199,15 @@ def _progress(iterable, total: int, desc: str, show: bool):
 
 def _write_folder(root: str, classes: List[str], templates: Tuple[str, ...], per_class: int,
                   make, rng: np.random.Generator, image_size: int, show: bool, desc: str) -> None:
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, "classnames.txt"), "w") as f:
-        f.write("\n".join(classes) + "\n")
-    with open(os.path.join(root, "templates.txt"), "w") as f:
-        f.write("\n".join(templates) + "\n")
+    make_folder(root)  # every write relative to the held --out folder (`OutputManifest.claim`)
+    atomic_write_text(Path(root) / "classnames.txt", "\n".join(classes) + "\n")
+    atomic_write_text(Path(root) / "templates.txt", "\n".join(templates) + "\n")
     jobs = [(k, i) for k in range(len(classes)) for i in range(per_class)]
     for k, i in _progress(jobs, len(jobs), desc, show):
         folder = os.path.join(root, classes[k])
-        os.makedirs(folder, exist_ok=True)
-        make(k, rng).save(os.path.join(folder, f"{i:04d}.png"))
+        make_folder(folder)
+        with new_file(folder, f"{i:04d}.png") as f:
+            make(k, rng).save(f, format="PNG")
 
 
 def _demo_files(colours: List[str], n_train: int, n_val: int, n_zeroshot: int, shard_size: int) -> List[str]:
@@ -255,18 +256,16 @@ def make_demo_data(out_dir: str, seed: int = 0, n_train: int = 20000, n_val: int
         return _demo_paths(out_dir, n_train, n_val, shard_size)
     owned.will_write(planned + [DONE])
     owned.keep_only(planned + [DONE])
-    if os.path.exists(done):
-        os.remove(done)
+    unlink_inside(out_dir, DONE)
     # Independent RNG streams per split, so changing n_train leaves val and zero-shot images unchanged.
     for split, n, stream in (("train", n_train, 1), ("val", n_val, 2)):
         folder = os.path.join(out_dir, split)
-        os.makedirs(folder, exist_ok=True)
+        make_folder(folder)
         with ShardWriter(folder, shard_size=shard_size, prefix="shard", image_format="jpg", quality=92) as w:
             for sample in _progress(_samples(n, seed, stream, image_size, split[0]), n, f"demo {split}", progress):
                 w.write(sample)
         w.close()
-        with open(os.path.join(folder, "classnames.txt"), "w") as f:
-            f.write("\n".join(colours) + "\n")
+        atomic_write_text(Path(folder) / "classnames.txt", "\n".join(colours) + "\n")
 
     def colour_image(k: int, rng: np.random.Generator) -> Image.Image:
         _, s, cell, size = _attributes(rng)
@@ -281,8 +280,7 @@ def make_demo_data(out_dir: str, seed: int = 0, n_train: int = 20000, n_val: int
                   np.random.default_rng([seed & 0xFFFFFFFF, 3]), image_size, progress, "demo zero-shot colour")
     _write_folder(os.path.join(zs, "shape"), list(SHAPES), SHAPE_TEMPLATES, n_zeroshot, shape_image,
                   np.random.default_rng([seed & 0xFFFFFFFF, 4]), image_size, progress, "demo zero-shot shape")
-    with open(done, "w") as f:
-        json.dump(settings, f)
+    atomic_write_text(Path(done), json.dumps(settings))
     return _demo_paths(out_dir, n_train, n_val, shard_size)
 
 

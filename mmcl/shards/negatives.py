@@ -30,7 +30,7 @@ from ..data.reading import read_raw_samples
 from ..data.sizes import SIZES_FILE
 from ..data.sources import expand_urls
 from ..errors import DataError
-from ..storage.fsutil import new_file, os_error_text
+from ..storage.fsutil import new_file, os_error_text, replace_inside, unlink_inside
 from ..storage.manifest import OutputManifest
 from .writer import add_tar_member, write_sizes
 
@@ -192,9 +192,9 @@ def _negatives_shard(url: str, dest: Path, keys: Optional[SampleKeys], seed: int
                     counts["with_negatives"] += 1
                     counts["negatives"] += member.count(b"\n")
                 counts["samples"] += 1
-        os.replace(tmp, dest)
+        replace_inside(dest.parent, tmp.name, dest.name)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        unlink_inside(dest.parent, tmp.name, quiet=True)
         raise
     return counts
 

@@ -20,13 +20,13 @@ from tqdm import tqdm
 
 from ..config import DataConfig, say
 from ..data.decode import IMAGE_EXTS, SkipSample, decode_image
-from ..data.limits import FileTooLarge, NotRegularFile, read_regular_bytes
+from ..data.limits import FileTooLarge, NotRegularFile, read_regular_bytes, read_regular_text
 from ..data.shard_inputs import SkippedItem, SourceImage, input_items
 from ..data.sizes import SIZES_FILE
 from ..data.skips import SkipLog, counts_text
 from ..data.skips import record as skip_record
 from ..errors import DataError
-from ..storage.fsutil import new_file, open_inside, os_error_text
+from ..storage.fsutil import new_file, open_inside, os_error_text, replace_inside
 from ..storage.layout import SKIP_LOG
 from ..storage.manifest import OutputManifest
 
@@ -71,8 +71,7 @@ def write_sizes(out_dir, counts: Dict[str, int], manifest=None) -> None:
     if manifest is not None:
         manifest.will_write([os.path.relpath(p, manifest.folder) for p in (path, path + ".tmp")])
     try:
-        with open(path) as f:
-            kept = json.load(f)
+        kept = json.loads(read_regular_text(path))  # a FIFO put there is never waited on
         if isinstance(kept, dict):
             sizes.update({k: v for k, v in kept.items() if isinstance(v, int)})
     except (OSError, ValueError):
@@ -80,7 +79,7 @@ def write_sizes(out_dir, counts: Dict[str, int], manifest=None) -> None:
     sizes.update(counts)
     with new_file(out_dir, SIZES_FILE + ".tmp") as f:
         f.write(json.dumps(dict(sorted(sizes.items())), indent=1).encode())
-    os.replace(path + ".tmp", path)
+    replace_inside(out_dir, SIZES_FILE + ".tmp", SIZES_FILE)
 
 
 class ShardWriter:
@@ -136,7 +135,7 @@ class ShardWriter:
         if self._tar is not None:
             self._tar.close()
             self._file.close()
-            os.replace(self._tmp, self.shards[-1])
+            replace_inside(self.out_dir, os.path.basename(self._tmp), os.path.basename(self.shards[-1]))
             self._tar = None
 
     def write(self, sample: Dict[str, Any]) -> None:

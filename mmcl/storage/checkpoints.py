@@ -40,7 +40,7 @@ from ..config import is_main_process
 from ..errors import CheckpointError, ConfigError, StorageError
 from ..models.lora import merge_state
 from ..models.siglip2 import without_heads
-from .fsutil import file_sha256, inside, open_dir_inside, write_text_at
+from .fsutil import file_sha256, inside, make_folder, open_dir_inside, write_text_at
 from .layout import CHECKPOINTS_DIR, CKPT_PREFIX, COMPLETE, DAMAGED_PREFIX, LATEST
 
 MODEL_WEIGHTS = "model.safetensors"  # accelerate's name for the model's weights in its saved state
@@ -424,7 +424,7 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
     def start():
         if main:
             try:
-                ckpt_dir.mkdir(parents=True, exist_ok=True)
+                make_folder(ckpt_dir)
                 with _dir_fd(ckpt_dir) as fd:  # relative to the folder itself: a link swapped in is never followed
                     shutil.rmtree(tmp.name, ignore_errors=True, dir_fd=fd)
                     os.mkdir(tmp.name, dir_fd=fd)
@@ -478,7 +478,8 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
         agreed(accelerator, write)
         agreed(accelerator, finish)
     except BaseException:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if main:  # relative to the folder itself: a link swapped in is refused, and nothing is deleted through it
+            with contextlib.suppress(OSError, ConfigError), _dir_fd(ckpt_dir) as fd:
+                shutil.rmtree(tmp.name, ignore_errors=True, dir_fd=fd)
         raise
     return final

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from open_clip import get_pretrained_cfg
 
 from ..data.limits import read_regular_text
-from ..errors import CheckpointError
+from ..errors import CheckpointError, file_problem
 from . import checkpoints
 from .fsutil import os_error_text
 from .layout import RunLayout
@@ -46,8 +46,9 @@ def locate(path: Path) -> Optional[Path]:
 def located(path) -> Path:
     """`locate(path)`; a path that does not exist or holds no model is one `CheckpointError` line."""
     path = Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"model path not found: {path}")
+    problem = file_problem(path, folder_ok=True)  # "not found", "is not a regular file (a FIFO)"...
+    if problem is not None:
+        raise CheckpointError(f"model path {problem}: {path}")
     found = locate(path)
     if found is None:
         raise CheckpointError(f"no model in {path} (expected {CONFIG_FILE} there or in {RunLayout(path).model}, or a "

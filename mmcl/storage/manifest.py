@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 from ..errors import ConfigError
-from .fsutil import atomic_write_text, files_under, inside
+from .fsutil import HeldFolder, atomic_write_text, files_under, hold, inside, make_folder, unlink_inside
 from .layout import MANIFEST
 
 
@@ -42,12 +42,15 @@ class OutputManifest:
         self.folder, self.command, self.name = Path(folder), command, name
         self.files: Set[str] = set(files)
         self.data: Dict[str, Any] = dict(data or {})  # the command's own records (e.g. reinforce's shards)
+        self.held: Optional[HeldFolder] = None  # the folder, held while this manifest lives (`claim`)
 
     @classmethod
     def claim(cls, folder, command: str, name: str = MANIFEST,
               legacy: Optional[Callable[[Dict[str, Any]], Optional[Iterable[str]]]] = None) -> "OutputManifest":
         """Take `folder` for `command` (created when missing); ConfigError, one line, when it is not empty and
-        not the command's own. The manifest is written at once, so the folder is the command's from now on.
+        not the command's own. The manifest is written at once, so the folder is the command's from now on; the
+        folder is held (`mmcl.storage.fsutil.hold`) while the manifest lives: a folder swapped for a link later is
+        one error line at the next write, never written through.
 
         `legacy`: for a folder written before manifests listed files, (its parsed JSON file `name`, without a
         ``command`` key) -> the files the command wrote there, or None when it is not the command's record."""
@@ -62,7 +65,8 @@ class OutputManifest:
                                   f"{_preview(present)}); nothing was changed: choose a new or empty folder")
             found = cls(folder, command, name)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            make_folder(folder)
+            found.held = hold(folder)  # every later write of the command goes relative to it (`fsutil.hold`)
             found.save()
         except OSError as err:
             raise ConfigError(f"cannot write to {folder}: {err.strerror or err}") from None
@@ -121,10 +125,7 @@ class OutputManifest:
         """Delete the listed files among `rels` (those the manifest does not list are left alone) and forget them."""
         gone = [r for r in rels if r in self.files]
         for rel in gone:
-            try:
-                os.unlink(inside(self.folder, rel))
-            except FileNotFoundError:
-                pass
+            unlink_inside(self.folder, rel)
         if gone:
             self.files -= set(gone)
             self.save()

@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from ..config import ModelConfig, load_config
 from ..data.limits import read_regular_text
-from ..errors import CheckpointError, ConfigError, preview
+from ..errors import CheckpointError, ConfigError, file_problem, preview
 from ..models import towers
 from ..models.resize import LONG_CLIP_KEEP, stretch_text_positions
 from ..models.towers import (
@@ -404,8 +404,9 @@ def read_checkpoint(path) -> Tuple[Dict[str, torch.Tensor], str]:
     it); a transformers CLIP directory (``config.json`` with model_type clip).
     """
     path = Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"init_from path not found: {path}")
+    problem = file_problem(path, folder_ok=True)
+    if problem is not None:
+        raise CheckpointError(f"init_from path {problem}: {path}")
     if path.is_file():
         state, what = _read_weight_file(path), f"{path.suffix.lstrip('.')} file"
     elif (found := locate(path)) is not None and found.is_file():  # open_clip_train's epoch_N.pt

@@ -25,7 +25,7 @@ from ..data import has_scheme, missing_shards
 from ..data.sizes import shard_samples
 from ..data.sources import redact, split_spec
 from ..data.sources import table_problem as table_line
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, file_problem
 from ..evaluation.evaluate import reading_options
 from ..evaluation.in_run import set_problems
 from ..models.towers import arch_file_config, is_arch_file
@@ -43,9 +43,13 @@ def _is_hub_name(name: str) -> bool:
 
 
 def _path_problem(key: str, path: str) -> List[str]:
-    if has_scheme(path) or os.path.exists(os.path.expanduser(path)):
+    if has_scheme(path):
         return []
-    return [f"{key}: {os.path.abspath(os.path.expanduser(path))} does not exist"]
+    problem = file_problem(os.path.expanduser(path), folder_ok=True)
+    if problem is None:
+        return []
+    return [f"{key}: {os.path.abspath(os.path.expanduser(path))} "
+            f"{'does not exist' if problem.startswith('not found') else problem}"]
 
 
 def _pipe_problems(spec) -> List[str]:

@@ -33,7 +33,7 @@ from ..run.lock import RunLock
 from ..run.processes import agreed
 from ..run.signals import StopSignals
 from ..storage import checkpoints, pretrained, weights
-from ..storage.fsutil import open_inside
+from ..storage.fsutil import holding, open_inside
 from ..storage.interpolate import run_start
 from ..storage.layout import LOCK, RunLayout
 from . import fsdp, optim, phases
@@ -125,7 +125,8 @@ def _remove_unused(out_dir: Path, made: Optional[Path], locked: bool) -> None:
 
 
 def take_folder(accelerator, layout: RunLayout, held: contextlib.ExitStack) -> None:
-    """The main process locks the run folder for the run's life (`RunLock`). A run that fails before it writes
+    """The main process locks the run folder for the run's life (`RunLock`), and every process holds it
+    (`mmcl.storage.fsutil.holding`). A run that fails before it writes
     anything (a full disk, a wrong model.name) leaves no folder behind; one refused by the lock removes nothing of
     the holder's."""
     def take():
@@ -140,6 +141,9 @@ def take_folder(accelerator, layout: RunLayout, held: contextlib.ExitStack) -> N
             say(warning)
 
     agreed(accelerator, take)
+    # Every process holds the folder from now to the end of the run: what it writes there (checkpoints, model/,
+    # WiSE-FT, plots, records) goes relative to this descriptor, so a folder swapped for a link later is refused.
+    held.enter_context(holding(layout.root))
 
 
 # ------------------------------------------------------------------------------------------------- the model

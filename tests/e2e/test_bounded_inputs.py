@@ -513,3 +513,65 @@ def test_shards_streams_a_parquet_table_by_row_groups(tmp_path):
                           text=True, timeout=600, env=env)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) == n
+
+
+# ------------------------------------------------------------------------------------------------ class names
+def _zeroshot_error(capsys, *args) -> str:
+    rc = main(["zeroshot", *map(str, args)])
+    lines = error_lines(capsys)
+    assert rc == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("lines,what", [(10_000_000, "bytes, over the 16,777,216"),
+                                        (100_001, "100,001 class names, more than the 100,000")])
+def test_a_classnames_file_past_its_bound_is_one_line_before_it_is_kept(small_demo, tiny_model, tmp_path, capsys,
+                                                                         lines, what):
+    """10^7 lines (20 MB) are refused by the file's size before a byte is read; 100,001 short lines by their
+    count, at most 100,000 of them kept (`limits.MAX_CLASSES`; ImageNet-21k has 21,841)."""
+    path = tmp_path / "names.txt"
+    path.write_bytes(b"a\n" * lines)
+    start = time.perf_counter()
+    line = _zeroshot_error(capsys, "--model", tiny_model, "--data", small_demo["zeroshot_colour"], "--classnames",
+                           path)
+    assert "names.txt" in line and what in line, line
+    assert time.perf_counter() - start < 30
+
+
+def test_a_classnames_file_in_a_dataset_folder_past_its_bound_is_one_line(small_demo, tiny_model, tmp_path, capsys):
+    import shutil
+
+    data = tmp_path / "colour"
+    shutil.copytree(small_demo["zeroshot_colour"], data)
+    with open(data / "classnames.txt", "wb") as f:  # sparse: 17 MiB that take no disk
+        f.truncate(17 << 20)
+    line = _zeroshot_error(capsys, "--model", tiny_model, "--data", data)
+    assert "classnames.txt" in line and "over the 16,777,216" in line, line
+
+
+def test_real_class_name_lists_are_within_the_bound(tmp_path):
+    """ImageNet-21k's 21,841 class names (as long as its longest synset names) are read whole."""
+    from mmcl.data.eval_data import read_classnames
+
+    names = [f"class {i} " + "x" * 120 for i in range(21_841)]
+    (tmp_path / "in21k.txt").write_text("\n".join(names) + "\n")
+    assert read_classnames(str(tmp_path / "in21k.txt")) == names
+
+
+def test_an_image_folder_with_too_many_class_folders_is_one_line(tmp_path, capsys, tiny_model):
+    """100,001 class folders: refused while listed (at most 100,000 names kept), before any image is looked for.
+    (In memory where the machine has /dev/shm: 100,001 folders take minutes to delete on some disks.)"""
+    import shutil
+    import tempfile
+
+    from mmcl.data.limits import MAX_CLASSES
+
+    data = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path))
+    try:
+        for i in range(MAX_CLASSES + 1):
+            os.mkdir(data / f"c{i:06d}")
+        (data / "c000000" / "0.png").write_bytes(b"")
+        line = _zeroshot_error(capsys, "--model", tiny_model, "--data", data)
+    finally:
+        shutil.rmtree(data)
+    assert "more than 100,000 class folders" in line and str(data) in line, line

@@ -360,3 +360,170 @@ def test_checkpoints_swapped_for_a_link_during_a_run_are_never_followed(finished
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("mmcl: error:")]
     assert proc.returncode == 2 and len(lines) == 1 and "checkpoints" in lines[0] and "Traceback" not in err, err
     assert (run / "checkpoints").is_symlink()
+
+
+# ------------------------------------------------------------------------ late swaps: every folder mmcl writes
+def victim_folder(tmp_path: Path) -> Path:
+    """A folder of the user's that a link swapped in points at."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("the user's notes\n")
+    return victim
+
+
+def swap_for_link(folder: Path, victim: Path) -> None:
+    """``mv folder folder.aside; ln -s victim folder``: what a colleague's script might do while mmcl writes."""
+    if folder.exists() or folder.is_symlink():
+        os.rename(folder, folder.with_name(folder.name + ".aside"))
+    folder.symlink_to(victim)
+
+
+def swap_when_called(monkeypatch, owner, name: str, folder: Path, victim: Path, after: bool = False) -> None:
+    """`folder` swapped for a link to `victim` the first time ``owner.name`` is called (before it runs, or once it
+    has returned: `after`), i.e. after the command's start checks and at the moment it writes."""
+    original = getattr(owner, name)
+    done = []
+
+    def swapping(*args, **kwargs):
+        if not done and not after:
+            done.append(swap_for_link(folder, victim))
+        result = original(*args, **kwargs)
+        if not done and after:
+            done.append(swap_for_link(folder, victim))
+        return result
+
+    monkeypatch.setattr(owner, name, swapping)
+
+
+def assert_swap_refused(capsys, rc: int, folder: Path, victim: Path, before) -> None:
+    """One ``mmcl: error:`` line naming the swapped folder, exit 2, the link left in place and the victim as it was."""
+    out = capsys.readouterr()
+    assert out.err.count("error") == 1, out.err  # (a progress bar cut short may precede the line)
+    errors = [ln[ln.index("mmcl: error: "):] for ln in out.err.splitlines() if "mmcl: error: " in ln]
+    assert rc == 2 and len(errors) == 1, out.err
+    assert folder.name in errors[0] and "Traceback" not in out.out + out.err, errors
+    assert folder.is_symlink() and os.readlink(folder) == str(victim)
+    assert state(victim) == before
+
+
+@pytest.mark.parametrize("swapped", ["run", "model"])
+def test_a_run_folder_or_its_model_swapped_for_a_link_before_the_final_save(small_demo, tmp_path, capsys,
+                                                                          monkeypatch, swapped):
+    """The run folder itself, or its ``model/``, becomes a link to another folder after the run started: the
+    final model is not saved into it (nothing there changes), the run ends in one line."""
+    from mmcl.storage import weights
+
+    run, victim = tmp_path / "run", victim_folder(tmp_path)
+    before = state(victim)
+    swap_when_called(monkeypatch, weights, "save_model_dir", run if swapped == "run" else run / "model", victim)
+    rc = main(short_run(small_demo, run))
+    assert_swap_refused(capsys, rc, run if swapped == "run" else run / "model", victim, before)
+
+
+def test_a_runs_plots_folder_swapped_for_a_link_is_never_written(small_demo, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from mmcl.evaluation import plot
+
+    run, victim = tmp_path / "run", victim_folder(tmp_path)
+    before = state(victim)
+    swap_when_called(monkeypatch, plot, "make_figures", run / "plots", victim)
+    rc = main(short_run(small_demo, run, "train.plot=true"))
+    assert_swap_refused(capsys, rc, run / "plots", victim, before)
+    assert (run / "model" / "open_clip_config.json").is_file()  # saved before: the model is kept
+
+
+def test_an_interpolation_folder_swapped_for_a_link_is_never_written(finished, tmp_path, capsys, monkeypatch):
+    """`mmcl interpolate` (and a run's train.wise_ft, which writes the same way): --out replaced by a link after it
+    was taken, when an alpha's model is saved."""
+    from mmcl.storage import weights
+
+    out, victim = tmp_path / "wise", victim_folder(tmp_path)
+    before = state(victim)
+    swap_when_called(monkeypatch, weights, "save_model_dir", out, victim)
+    rc = main(["interpolate", "--from", str(finished), "--to", str(finished), "--alpha", "0.5", "--out", str(out)])
+    assert_swap_refused(capsys, rc, out, victim, before)
+
+
+def test_an_export_swapped_for_a_link_while_it_is_verified(finished, tmp_path, capsys, monkeypatch):
+    """The export is in place and being verified when --out is replaced by a link: its record is not written
+    through the link, and the link is left as it is."""
+    from mmcl.storage import export
+
+    out, victim = tmp_path / "export", victim_folder(tmp_path)
+    before = state(victim)
+    swap_when_called(monkeypatch, export, "verify_export", out, victim, after=True)
+    rc = main(["export", "--model", str(finished), "--format", "open_clip", "--out", str(out)])
+    assert_swap_refused(capsys, rc, out, victim, before)
+
+
+def test_an_index_folder_swapped_for_a_link_while_it_is_written(finished, small_demo, tmp_path, capsys, monkeypatch):
+    """An earlier index at --out is replaced by a link while the new one is written: the swap is refused, the
+    link and what it names are left as they are."""
+    faiss = pytest.importorskip("faiss")
+    out, victim = tmp_path / "index", victim_folder(tmp_path)
+    args = ["index", "--model", str(finished), "--data", small_demo["val"], "--out", str(out)]
+    assert main(args) == 0
+    before = state(victim)
+    swap_when_called(monkeypatch, faiss, "write_index", out, victim)
+    capsys.readouterr()
+    assert_swap_refused(capsys, main(args), out, victim, before)
+
+
+def test_a_shards_output_folder_swapped_for_a_link_while_it_is_written(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    from mmcl.shards import writer
+
+    folder = tmp_path / "captions"
+    folder.mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(folder / f"{i}.jpg")
+        (folder / f"{i}.txt").write_text(f"caption {i}")
+    out, victim = tmp_path / "out", victim_folder(tmp_path)
+    before = state(victim)
+    swap_when_called(monkeypatch, writer.ShardWriter, "_open_next", out, victim)
+    rc = main(["shards", "--input", str(folder), "--out", str(out)])
+    assert_swap_refused(capsys, rc, out, victim, before)
+
+
+def test_a_demo_folder_swapped_for_a_link_while_it_is_written(tmp_path, capsys, monkeypatch):
+    from mmcl.shards import demo
+
+    out, victim = tmp_path / "demo", victim_folder(tmp_path)
+    before = state(victim)
+    swap_when_called(monkeypatch, demo, "_write_folder", out, victim)
+    rc = main(["demo-data", "--out", str(out), "--n-train", "8"])
+    assert_swap_refused(capsys, rc, out, victim, before)
+
+
+def test_a_negatives_folder_swapped_for_a_link_while_it_is_written(small_demo, tmp_path, capsys, monkeypatch):
+    from mmcl.shards import negatives
+
+    out, victim = tmp_path / "neg", victim_folder(tmp_path)
+    before = state(victim)
+    swap_when_called(monkeypatch, negatives, "_negatives_shard", out, victim)
+    rc = main(["negatives", "--input", small_demo["val"], "--out", str(out), "--no-progress"])
+    assert_swap_refused(capsys, rc, out, victim, before)
+
+
+def test_a_curate_folder_swapped_for_a_link_while_it_is_written(finished, small_demo, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    curate = importlib.import_module("mmcl.curation.curate")  # the module (the package names its function so)
+    out, victim = tmp_path / "curated", victim_folder(tmp_path)
+    before = state(victim)
+    swap_when_called(monkeypatch, curate, "_write_shard", out, victim)
+    rc = main(["curate", "--model", str(finished), "--data", small_demo["val"], "--out", str(out), "--no-progress",
+               "--min-caption-len", "1"])
+    assert_swap_refused(capsys, rc, out, victim, before)
+
+
+def test_evaluation_results_are_never_written_through_a_hard_link(finished, small_demo, tmp_path, capsys):
+    """``mmcl zeroshot --out results.json`` where results.json is another name of a file of the user's: a new file
+    takes the name, the user's file keeps its bytes."""
+    out = tmp_path / "results.json"
+    victim = hard_link_of_users_file(tmp_path, out)
+    before = state(victim)
+    assert main(["zeroshot", "--model", str(finished), "--data", small_demo["zeroshot_colour"], "--out",
+                 str(out), "--workers", "0"]) == 0
+    assert state(victim) == before and "acc1" in out.read_text()

@@ -231,3 +231,123 @@ def test_a_fifo_in_an_index_folder_is_one_line(small_demo, trained, tmp_path, na
     os.mkfifo(target)
     rc, _, err = mmcl("search", "--index", index, "a red square", timeout=60)
     assert rc == 2 and one_error(err, target.name)
+
+
+# ------------------------------------------------------- in-process: what a path is, links out of a dataset folder
+def error_line(capsys) -> str:
+    """The one ``mmcl: error:`` line a command printed (and nothing else on stderr, no traceback)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mmcl: error: "), err
+    return err[0]
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """A FIFO; a command that opens it to read would wait forever: the test fails after 120 s instead."""
+    def fail(*_):
+        raise TimeoutError("blocked on a FIFO")
+    path = tmp_path / "pipe.txt"
+    os.mkfifo(path)
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(120)
+    yield path
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("option", ["--config", "--model", "--classnames", "--templates", "--image", "--input",
+                                    "--from", "model.init_from", "eval.classnames", "eval.templates"])
+def test_a_fifo_given_as_a_file_is_named_as_a_fifo_never_not_found(small_demo, trained, tmp_path, capsys, fifo,
+                                                                     option):
+    """Every file-valued option says what the path is (`mmcl.errors.file_problem`), and never opens a FIFO."""
+    from mmcl.cli import main
+
+    from helpers import run_args
+
+    zs = ["zeroshot", "--model", str(trained), "--data", small_demo["zeroshot_colour"]]
+    args = {
+        "--config": ["train", "--config", str(fifo)],
+        "--model": ["zeroshot", "--model", str(fifo), "--data", small_demo["zeroshot_colour"]],
+        "--classnames": [*zs, "--classnames", str(fifo)],
+        "--templates": [*zs, "--templates", str(fifo)],
+        "--image": None,
+        "--input": ["shards", "--input", str(fifo), "--out", str(tmp_path / "out")],
+        "--from": ["interpolate", "--from", str(fifo), "--to", str(trained), "--alpha", "0.5", "--out",
+                   str(tmp_path / "w")],
+        "model.init_from": ["train", *run_args(small_demo, tmp_path / "run", f"model.init_from={fifo}")],
+        "eval.classnames": ["train", *run_args(small_demo, tmp_path / "run", f"eval.classnames={fifo}",
+                                               zeroshot=small_demo["zeroshot_colour"])],
+        "eval.templates": ["train", *run_args(small_demo, tmp_path / "run", f"eval.templates={fifo}",
+                                              zeroshot=small_demo["zeroshot_colour"])],
+    }[option]
+    if option == "--image":
+        index = tmp_path / "index"
+        assert main(["index", "--model", str(trained), "--data", small_demo["val"], "--out", str(index)]) == 0
+        capsys.readouterr()
+        args = ["search", "--index", str(index), "--image", str(fifo)]
+    assert main(args) == 2
+    line = error_line(capsys)
+    assert "is not a regular file (a FIFO)" in line and str(fifo) in line and "not found" not in line, line
+
+
+def _linked_out(folder: Path, name: str, target: Path) -> None:
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(target)
+
+
+def test_an_image_linked_out_of_an_evaluation_folder_is_a_skipped_sample(small_demo, trained, tmp_path, capsys):
+    """Zero-shot (and linear-probe, retrieval, index: the same ImageFolder reader): a link that leaves the folder is
+    an ``outside_link`` skip, never read; a link to an image inside the folder is read."""
+    from mmcl.cli import main
+
+    data = tmp_path / "colour"
+    shutil.copytree(small_demo["zeroshot_colour"], data)
+    Image.new("RGB", (16, 16), (200, 0, 0)).save(tmp_path / "private.png")
+    (data / "red" / "9998.png").symlink_to(tmp_path / "private.png")
+    inside = sorted((data / "green").glob("*.png"))[0]
+    (data / "red" / "9999.png").symlink_to(os.path.relpath(inside, data / "red"))
+    assert main(["zeroshot", "--model", str(trained), "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{"):])
+    images = [p for p in data.glob("*/*.png")]
+    assert result["skipped"] == {"outside_link": 1} and result["n_samples"] == len(images) - 1
+    capsys.readouterr()
+    assert main(["linear-probe", "--model", str(trained), "--train", str(data), "--test", str(data)]) == 0
+    assert '"outside_link": 1' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["classnames.txt", "templates.txt"])
+@pytest.mark.parametrize("layout", ["folder", "shards"])
+def test_a_metadata_file_linked_out_of_a_dataset_folder_is_one_line(small_demo, trained, tmp_path, capsys, name,
+                                                                     layout):
+    """classnames.txt / templates.txt of an ImageFolder or beside evaluation shards, linked to a file outside the
+    folder (``~/.netrc``): one line naming it, the file never read (its text is not shown)."""
+    from mmcl.cli import main
+
+    secret = tmp_path / "netrc"
+    secret.write_text(f"machine host login me password {SECRET}\n")
+    if layout == "folder":
+        data = tmp_path / "colour"
+        shutil.copytree(small_demo["zeroshot_colour"], data)
+        spec = data
+    else:
+        data = tmp_path / "val"
+        shutil.copytree(Path(small_demo["val"].split("{")[0]).parent, data)
+        spec = sorted(data.glob("shard-*.tar"))[0]
+    _linked_out(data, name, secret)
+    assert main(["zeroshot", "--model", str(trained), "--data", str(spec)]) == 2
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0] and "leads out of" in lines[0], lines
+
+
+def test_a_fifo_templates_file_in_a_dataset_folder_is_one_line(small_demo, trained, tmp_path, capsys):
+    from mmcl.cli import main
+
+    data = tmp_path / "colour"
+    shutil.copytree(small_demo["zeroshot_colour"], data)
+    (data / "templates.txt").unlink()
+    os.mkfifo(data / "templates.txt")
+    assert main(["zeroshot", "--model", str(trained), "--data", str(data)]) == 2
+    assert "templates.txt" in (line := error_line(capsys)) and "a FIFO" in line, line
