@@ -3,6 +3,7 @@
 Arms (`ARMS`, each a set of config overrides on ``configs/siglip.yaml``, all with the same small towers):
   - ``siglip``: the sigmoid loss alone;
   - ``caption``: + the captioning decoder (``model.name=coca_tiny``, ``loss.caption``);
+  - ``stage2``: + self-distillation and masked prediction in the last 20 % of the steps (no decoder);
   - ``full``: + captioning, self-distillation and masked prediction, the last two in the last 20 % of the steps.
 An arm whose keys or model this build does not have is reported "not available in this build" (`availability`)
 and skipped; the others run.
@@ -25,7 +26,7 @@ the same seconds of training: a short timing run of each arm (``--timing-steps``
 proportions) gives its seconds per step from the steps' own rates in metrics.jsonl, and the arm trains
 S / (seconds per step) steps.
 
-    nice .venv/bin/python bench/bench_siglip2.py --work-dir /tmp/bench-siglip2 [--arms siglip caption full]
+    nice .venv/bin/python bench/bench_siglip2.py --work-dir /tmp/bench-siglip2 [--arms siglip caption stage2 full]
         [--seeds 0 1 2] [--steps 300 | --wall-seconds 60] [--reuse]
 
 Prints one JSON line per arm and seed (also in WORK/results.jsonl), then a Markdown table of the means ± standard
@@ -56,13 +57,19 @@ CONFIG = ROOT / "configs" / "siglip.yaml"
 # The same small towers in every arm (coca_tiny's sizes): 2 blocks of width 64 each, 8 px patches, 64-d embedding.
 TOWERS = ["model.vision_cfg={layers: 2, width: 64, head_width: 32, patch_size: 8}",
           "model.text_cfg={layers: 2, width: 64, heads: 2}", "model.embed_dim=64"]
+# SigLIP 2's second stage (configs/siglip2.yaml's settings, its heads sized for a tiny model): self-distillation and
+# masked prediction in the last 20 % of the steps, each weighed as the sigmoid loss.
+STAGE2 = ["loss.self_distill.weight=1.0", "loss.self_distill.start_fraction=0.8", "loss.self_distill.prototypes=1024",
+          "loss.self_distill.head_hidden=256", "loss.self_distill.head_bottleneck=64",
+          "loss.self_distill.local_crops=4", "loss.masked.weight=1.0", "loss.masked.start_fraction=0.8",
+          "loss.masked.mask_ratio=0.5", "loss.masked.prototypes=1024"]
 # Each arm: the overrides it adds to configs/siglip.yaml and TOWERS. SigLIP 2 weighs the decoder's loss as the
-# sigmoid loss and starts self-distillation and masked prediction at 80 % of training.
+# sigmoid loss.
 ARMS: Dict[str, List[str]] = {
     "siglip": [],
     "caption": ["model.name=coca_tiny", "loss.caption=1.0"],
-    "full": ["model.name=coca_tiny", "loss.caption=1.0", "loss.self_distill.weight=1.0",
-             "loss.self_distill.start=0.8", "loss.masked.weight=1.0", "loss.masked.start=0.8"],
+    "stage2": STAGE2,  # without the decoder: self-distillation and masked prediction alone
+    "full": ["model.name=coca_tiny", "loss.caption=1.0", *STAGE2],
 }
 ZS_TEMPLATES = ["the number {}.", "a picture of a {}.", "{}"]  # none is a training caption
 
