@@ -1,5 +1,5 @@
 """A dense probe of an image tower: images with known per-pixel labels, the frozen tower's patch tokens, a linear
-classifier per patch, mIoU on held-out images. Used by bench/bench_siglip2.py; each part is usable alone.
+classifier per patch, mIoU on held-out images. Used by bench/siglip2_digits.py; each part is usable alone.
 
 - `Digits`: scikit-learn's digits split by index (every fifth image held out), fixed.
 - `scene`: digits pasted at random places and sizes on a coloured background; returns the image, its label map

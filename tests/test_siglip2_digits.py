@@ -1,4 +1,4 @@
-"""bench/bench_siglip2.py and its dense probe (bench/dense_probe.py): mIoU and the patches' labels against hand-computed
+"""bench/siglip2_digits.py and its dense probe (bench/dense_probe.py): mIoU and the patches' labels against hand-computed
 examples, the labelled scenes against their captions, the patch tokens against the image tower's last block, the
 arms' availability check, the equal-wall-time step count, and (slow) the whole bench on a few steps."""
 
@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 try:
-    import bench_siglip2
+    import siglip2_digits
     import dense_probe
 finally:
     sys.path.remove(str(ROOT / "bench"))
@@ -79,7 +79,7 @@ def tiny_model():
     from mmcl import models
     from mmcl.config import load_config
 
-    cfg = load_config(str(bench_siglip2.CONFIG), [*bench_siglip2.TOWERS, "model.image_size=32"])
+    cfg = load_config(str(siglip2_digits.CONFIG), [*siglip2_digits.TOWERS, "model.image_size=32"])
     torch.manual_seed(0)
     model, _, _, _, preprocess, tokenizer = models.build(cfg.model)
     return model.eval(), preprocess, tokenizer
@@ -121,10 +121,10 @@ def test_the_probe_separates_separable_patches_and_the_dense_probe_reads_a_model
 
 
 def test_an_arm_is_available_only_when_this_build_has_its_keys_and_model():
-    assert bench_siglip2.availability(bench_siglip2.ARMS["siglip"]) == (True, "")
-    ok, why = bench_siglip2.availability(["loss.no_such_term=1.0"])
+    assert siglip2_digits.availability(siglip2_digits.ARMS["siglip"]) == (True, "")
+    ok, why = siglip2_digits.availability(["loss.no_such_term=1.0"])
     assert not ok and "loss.no_such_term" in why
-    ok, why = bench_siglip2.availability(["model.name=no_such_model"])
+    ok, why = siglip2_digits.availability(["model.name=no_such_model"])
     assert not ok and "no_such_model" in why
     # The recipe's arms name their terms as the config does, so they become available when those terms exist.
     from mmcl.config.schema import LOSS_TERMS
@@ -132,7 +132,7 @@ def test_an_arm_is_available_only_when_this_build_has_its_keys_and_model():
     for arm, needs in (("caption", {"caption"}), ("stage2", {"self_distill", "masked"}),
                        ("full", {"caption", "self_distill", "masked"})):
         if not needs <= set(LOSS_TERMS):
-            assert not bench_siglip2.availability(bench_siglip2.ARMS[arm])[0], arm
+            assert not siglip2_digits.availability(siglip2_digits.ARMS[arm])[0], arm
 
 
 def test_equal_wall_time_counts_the_steps_at_each_windows_own_rate(tmp_path):
@@ -141,15 +141,15 @@ def test_equal_wall_time_counts_the_steps_at_each_windows_own_rate(tmp_path):
             {"step": 20, "samples_per_s": 32.0}]
     metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     # After the first window: 5 steps of batch 64 at 64 samples/s (5 s), 10 at 32 (20 s): 25 s over 15 steps.
-    per_step, steps = bench_siglip2.step_seconds(metrics, 64)
+    per_step, steps = siglip2_digits.step_seconds(metrics, 64)
     assert per_step == pytest.approx(25 / 15) and steps == 15
-    assert bench_siglip2.logged_train_seconds(metrics, 64) == pytest.approx(5 * 64 / 10 + 25)
+    assert siglip2_digits.logged_train_seconds(metrics, 64) == pytest.approx(5 * 64 / 10 + 25)
 
 
 def test_the_summary_gives_mean_and_std_over_seeds_and_says_why_an_arm_is_missing():
-    results = [{"arm": "siglip", "seed": s, **{k: v for k in bench_siglip2.METRICS}}
+    results = [{"arm": "siglip", "seed": s, **{k: v for k in siglip2_digits.METRICS}}
                for s, v in ((0, 0.2), (1, 0.4))]
-    table = bench_siglip2.summary_table(results, ["siglip", "full"], {"full": "unknown config key 'loss.masked'"}, {})
+    table = siglip2_digits.summary_table(results, ["siglip", "full"], {"full": "unknown config key 'loss.masked'"}, {})
     lines = table.splitlines()
     assert lines[2].startswith("| siglip | 0,1 | 0.300 ± 0.141 |")  # std with n - 1: 0.1 * sqrt(2)
     assert "| full | - | not available in this build: unknown config key 'loss.masked' |" in lines[3]
@@ -158,7 +158,7 @@ def test_the_summary_gives_mean_and_std_over_seeds_and_says_why_an_arm_is_missin
 
 @pytest.mark.slow
 def test_the_bench_runs_every_available_arm_and_reports_the_others(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_siglip2.py"), "--work-dir", str(tmp_path),
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "siglip2_digits.py"), "--work-dir", str(tmp_path),
                            "--steps", "3", "--seeds", "0", "--n-train", "128", "--n-retrieval", "20",
                            "--n-probe-train", "6", "--n-probe-test", "4", "--probe-steps", "5", "--batch-size", "16",
                            "--image-size", "32", "--untrained"],
@@ -167,8 +167,8 @@ def test_the_bench_runs_every_available_arm_and_reports_the_others(tmp_path):
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
     runs = {x["arm"]: x for x in lines if "zeroshot_top1" in x}
     missing = {x["arm"] for x in lines if x.get("status") == "not available in this build"}
-    assert set(runs) | missing >= set(bench_siglip2.ARMS) and "siglip" in runs and "siglip@init" in runs
-    for arm in set(bench_siglip2.ARMS) - missing:
+    assert set(runs) | missing >= set(siglip2_digits.ARMS) and "siglip" in runs and "siglip@init" in runs
+    for arm in set(siglip2_digits.ARMS) - missing:
         r = runs[arm]
         assert r["steps"] == 3 and 0 <= r["zeroshot_top1"] <= 1 and 0 <= r["dense_miou"] <= 1, r
         assert (tmp_path / f"{arm}-seed0" / "model").is_dir()

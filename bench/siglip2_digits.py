@@ -26,7 +26,7 @@ the same seconds of training: a short timing run of each arm (``--timing-steps``
 proportions) gives its seconds per step from the steps' own rates in metrics.jsonl, and the arm trains
 S / (seconds per step) steps.
 
-    nice .venv/bin/python bench/bench_siglip2.py --work-dir /tmp/bench-siglip2 [--arms siglip caption stage2 full]
+    nice .venv/bin/python bench/siglip2_digits.py --work-dir /tmp/bench-siglip2 [--arms siglip caption stage2 full]
         [--seeds 0 1 2] [--steps 300 | --wall-seconds 60] [--reuse]
 
 Prints one JSON line per arm and seed (also in WORK/results.jsonl), then a Markdown table of the means ± standard
@@ -149,16 +149,18 @@ def train_command(arm: str, data: dict, args, seed: int, steps: int, out: Path, 
             "eval.zeroshot=null"]
 
 
-def run_training(cmd: List[str], out: Path, reuse: bool) -> Tuple[Optional[dict], str]:
+def run_training(cmd: List[str], out: Path, reuse: bool, threads: int = 1) -> Tuple[Optional[dict], str]:
     """Run a training command into `out` (replaced unless `reuse` finds the same command finished there).
-    Returns ({"train_s", "cpu_s"}, "") or (None, the error's last line)."""
+    The run's torch uses `threads` threads (OMP_NUM_THREADS). Returns ({"train_s", "cpu_s"}, "") or (None, the
+    error's last line)."""
     record = out.parent / f"{out.name}.done.json"
     if reuse and record.is_file() and (out / "model").exists():
         saved = json.loads(record.read_text())
         if saved["command"] == cmd:
             return saved, ""
     shutil.rmtree(out, ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "OMP_NUM_THREADS": str(threads)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     log = out.parent / f"{out.name}.log"
@@ -282,6 +284,7 @@ def main() -> None:
     parser.add_argument("--n-probe-test", type=int, default=200)
     parser.add_argument("--probe-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the evaluation (this process)")
+    parser.add_argument("--train-threads", type=int, default=1, help="torch threads of each training run")
     parser.add_argument("--reuse", action="store_true", help="evaluate finished runs of the same command again")
     parser.add_argument("--untrained", action="store_true",
                         help="also evaluate each arm's model at initialisation (arm name + '@init', 0 steps)")
@@ -307,7 +310,7 @@ def main() -> None:
         for arm in arms:
             out = work / f"timing-{arm}"
             cmd = train_command(arm, data, args, args.seeds[0], args.timing_steps, out, log_every=5)
-            done, err = run_training(cmd, out, args.reuse)
+            done, err = run_training(cmd, out, args.reuse, args.train_threads)
             if done is None:
                 failed[arm] = err
                 continue
@@ -330,7 +333,7 @@ def main() -> None:
                     continue
                 out = work / f"{arm}-seed{seed}"
                 cmd = train_command(arm, data, args, seed, steps_of[arm], out, log_every=max(steps_of[arm] // 20, 1))
-                done, err = run_training(cmd, out, args.reuse)
+                done, err = run_training(cmd, out, args.reuse, args.train_threads)
                 if done is None:
                     failed[arm] = err
                     print(json.dumps({"arm": arm, "seed": seed, "status": "failed", "error": err}), flush=True)
@@ -347,7 +350,7 @@ def main() -> None:
                 results.append(r)
     shown = [*(f"{a}@init" for a in arms if args.untrained), *args.arms]
     table = summary_table(results, shown, unavailable, failed)
-    head = (f"bench_siglip2, {mode}, batch {args.batch_size}, seeds {args.seeds}; zero-shot on "
+    head = (f"siglip2_digits, {mode}, batch {args.batch_size}, seeds {args.seeds}; zero-shot on "
             f"{data['n_zeroshot']} held-out digits (chance 0.10), retrieval R@5 over {data['n_retrieval']} held-out "
             f"scenes, dense probe mIoU over {dense_probe.N_CLASSES} classes on {args.n_probe_test} held-out scenes")
     (work / "summary.md").write_text(head + "\n\n" + table + "\n")
