@@ -1,6 +1,7 @@
-"""bench/siglip2_digits.py and its dense probe (bench/dense_probe.py): mIoU and the patches' labels against hand-computed
-examples, the labelled scenes against their captions, the patch tokens against the image tower's last block, the
-arms' availability check, the equal-wall-time step count, and (slow) the whole bench on a few steps."""
+"""bench/siglip2_digits.py and its dense probe (bench/dense_probe.py): mIoU and the patches' labels against
+hand-computed examples, the labelled scenes against their captions, the patch tokens against the image tower's
+last block, the arms' availability check, the equal-wall-time step count, and (slow) the whole bench on a few
+steps."""
 
 import json
 import subprocess
@@ -14,8 +15,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 try:
-    import siglip2_digits
     import dense_probe
+    import siglip2_digits
 finally:
     sys.path.remove(str(ROOT / "bench"))
 
