@@ -326,6 +326,7 @@ def main() -> None:
                      "cpu_s": 0.0, **evaluate_model(*untrained(arm, data, seed), data, args.probe_steps, seed)}
                 print(json.dumps(r), flush=True)
                 sink.write(json.dumps(r) + "\n")
+                sink.flush()
                 results.append(r)
         for seed in args.seeds:
             for arm in arms:
@@ -347,6 +348,7 @@ def main() -> None:
                      "command": " ".join(c if " " not in c else repr(c) for c in cmd[1:])}
                 print(json.dumps(r), flush=True)
                 sink.write(json.dumps(r) + "\n")
+                sink.flush()
                 results.append(r)
     shown = [*(f"{a}@init" for a in arms if args.untrained), *args.arms]
     table = summary_table(results, shown, unavailable, failed)
