@@ -329,3 +329,32 @@ def test_masked_prediction_alone_takes_the_head_sizes_and_decay_of_loss_self_dis
     b = fake_batch(2, seed=8)
     out = model(b["image"], b["text"])
     assert out["masked_student"].shape == (2, 32, 12) and "self_distill_student" not in out
+
+
+@pytest.mark.slow
+def test_the_whole_recipe_with_the_decoder_resumes_exactly_across_the_start(demo, tmp_path, monkeypatch, capsys):
+    """SigLIP 2's three terms on a CoCa (configs/siglip2.yaml's shape): captioning throughout, the second stage from
+    step 5; a run stopped at its start (step 4) and resumed ends bit for bit as the uninterrupted one, decoder,
+    teacher and centres included."""
+    import mmcl.training.step as step_mod
+
+    from helpers import final_weights
+    from preempt import sigterm_during_step
+
+    coca = ("model.name=coca_tiny", "model.embed_dim=64", "loss.caption=1.0")
+    reference, out = tmp_path / "ref", tmp_path / "run"
+    assert _train(demo, reference, *coca) == 0
+    real = sigterm_during_step(4, monkeypatch)
+    assert _train(demo, out, *coca) == 75
+    assert "preempted (SIGTERM) at step 4" in capsys.readouterr().err
+    monkeypatch.setattr(step_mod, "forward_loss", real)
+    assert _train(demo, out, *coca) == 0
+    a, b = final_weights(reference), final_weights(out)
+    assert a.keys() == b.keys() and any(k.startswith("text_decoder.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ta, tb = _teacher_of(reference), _teacher_of(out)
+    for k, v in ta["ema"]["shadow"].items():
+        assert torch.equal(v, tb["ema"]["shadow"][k]), k
+    for k, v in ta["centers"].items():
+        assert torch.equal(v, tb["centers"][k]), k
