@@ -222,12 +222,12 @@ def test_a_lock_file_its_holder_removed_just_after_it_was_opened_is_locked_anew(
     out.mkdir()
     real_open, opened = os.open, []
 
-    def open_then_removed(path, *args):
-        fd = real_open(path, *args)
-        if not opened:
-            os.unlink(path)
+    def open_then_removed(path, *args, **kwargs):  # the lock file (opened relative to its folder's descriptor)
+        fd = real_open(path, *args, **kwargs)
+        if not opened and os.path.basename(str(path)) == ".lock":
+            os.unlink(path, dir_fd=kwargs.get("dir_fd"))
             out.rmdir()
-        opened.append(path)
+            opened.append(path)
         return fd
 
     monkeypatch.setattr(runlock.os, "open", open_then_removed)
