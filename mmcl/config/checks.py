@@ -19,7 +19,6 @@ from ..errors import ConfigError
 from .keys import get, term_keys
 from .schema import (
     PRECISIONS,
-    SAMPLE_TERMS,
     TRACKERS,
     VARIABLE_PAIR_TERMS,
     AugConfig,
@@ -398,7 +397,8 @@ def naflex_problems(cfg: TrainConfig) -> List[str]:
         problems.append(f"data.naflex.patch_size must be > 0 or null (got {nf.patch_size})")
     if any(n <= 0 for n in cfg.eval.naflex_seq_len):
         problems.append(f"eval.naflex_seq_len must be positive (got {list(cfg.eval.naflex_seq_len)})")
-    taken = VARIABLE_PAIR_TERMS + SAMPLE_TERMS
+    # the sample terms would take a varying number of pairs too, but their model sides do not take NaFlex towers
+    taken = VARIABLE_PAIR_TERMS
     others = [key for name, key in term_keys().items() if get(cfg, key) > 0 and name not in taken]
     refused = [(bool(others), f"loss terms {', '.join(others)} (NaFlex takes {', '.join(taken)})"),
                (bool(cfg.train.phases), "train.phases"), (cfg.model.patch_dropout > 0, "model.patch_dropout"),

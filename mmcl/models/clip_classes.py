@@ -11,7 +11,7 @@ it only where a model is built or changed.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -285,3 +285,14 @@ def hf_custom_code_error(err: ValueError, source: str) -> Optional[ConfigError]:
 def clip_text_modules(model: nn.Module) -> List[nn.Module]:
     # open_clip's CLIP class keeps its text transformer's parts as attributes of the model itself.
     return [model.token_embedding, model.transformer, model.ln_final]
+
+
+# SigLIP 2's second stage (`mmcl.models.siglip2`) attaches training-only heads to a model under this attribute; their
+# state-dict keys start with "siglip2_heads.". Spelled here, with the rule that leaves them out, so that reading a
+# checkpoint as a model needs none of the training side (`mmcl.storage.checkpoints`).
+HEADS = "siglip2_heads"
+
+
+def without_heads(state: Dict[str, Any]) -> Dict[str, Any]:
+    """`state` (a model's state dict) without the training-only heads' tensors."""
+    return {k: v for k, v in state.items() if not k.startswith(HEADS + ".")}

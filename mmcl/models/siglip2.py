@@ -44,10 +44,10 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..losses import next_center, teacher_targets
+from .clip_classes import HEADS, without_heads
 from .flip import mask_seed, patch_keys
 from .resize import resize_grid_embedding, vit_tower
 
-HEADS = "siglip2_heads"  # the heads' attribute on the model; their state-dict keys start with "siglip2_heads."
 _M32 = 0xFFFFFFFF
 _CROP_DRAWS = 5  # per local crop: area, aspect ratio, x, y, flip
 _RATIO = (3.0 / 4.0, 4.0 / 3.0)  # DINO's local crops' aspect-ratio range (torchvision's default)
@@ -393,11 +393,6 @@ def attach(model: nn.Module, sd: Optional[Any], mk: Optional[Any], total_steps: 
     out = Siglip2(model, sd, mk, total_steps, seed, rank, world_size, accum_steps, shared)
     out.make_ema = make_ema
     return out
-
-
-def without_heads(state: Dict[str, Any]) -> Dict[str, Any]:
-    """`state` (a model's state dict) without the training-only heads' tensors."""
-    return {k: v for k, v in state.items() if not k.startswith(HEADS + ".")}
 
 
 __all__: List[str] = ["HEADS", "ProjectionHead", "Siglip2", "Siglip2Heads", "attach", "local_crops", "start_step",

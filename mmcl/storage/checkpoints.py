@@ -38,8 +38,8 @@ from safetensors.torch import load_file
 
 from ..config import is_main_process
 from ..errors import CheckpointError, ConfigError, StorageError
+from ..models.clip_classes import without_heads
 from ..models.lora import merge_state
-from ..models.siglip2 import without_heads
 from .fsutil import file_sha256, inside, make_folder, open_dir_inside, write_text_at
 from .layout import CHECKPOINTS_DIR, CKPT_PREFIX, COMPLETE, DAMAGED_PREFIX, LATEST
 

@@ -646,11 +646,11 @@ _KILL_AT = {
     "swapping": ("import mmcl.storage.fsutil as fs\n"
                  "calls = []\n"
                  "real = os.replace\n"
-                 "def replace(a, b):\n"
+                 "def replace(a, b, **k):\n"  # the folder's renames go relative to its descriptor (dir_fd)
                  "    calls.append(a)\n"
                  "    if len(calls) == 2:\n"
                  "        os.kill(os.getpid(), signal.SIGKILL)\n"
-                 "    return real(a, b)\n"
+                 "    return real(a, b, **k)\n"
                  "fs.os.replace = replace"),
 }
 
@@ -698,8 +698,11 @@ def test_export_to_a_full_or_read_only_disk_is_one_line(tiny_model, tmp_path):
     # A read-only parent directory (injected: this suite may run as root, which ignores permission bits).
     deny = ("import errno\n"
             "real_mkdir = os.mkdir\n"
-            f"def mkdir(path, *a, **k):\n"
-            f"    if os.path.dirname(os.path.abspath(path)) == {str(tmp_path)!r}:\n"
+            f"def mkdir(path, *a, **k):\n"  # a folder made relative to its parent's descriptor (dir_fd) or by path
+            f"    fd = k.get('dir_fd')\n"
+            f"    parent = (os.readlink(f'/proc/self/fd/{{fd}}') if fd is not None\n"
+            f"              else os.path.dirname(os.path.abspath(path)))\n"
+            f"    if parent == {str(tmp_path)!r}:\n"
             f"        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)\n"
             f"    return real_mkdir(path, *a, **k)\n"
             "os.mkdir = mkdir")
