@@ -160,7 +160,7 @@ def caption_images(model, preprocess, tokenizer, images: Any, out: str, max_leng
     batches = eval_batches(loader)
     try:
         shown = tqdm(batches, desc="caption", unit="batch", total=total, dynamic_ncols=True) if progress else batches
-        for batch, _, _, batch_keys, problems in shown:
+        for batch, _, _, batch_keys, problems, _ in shown:
             for problem in problems:
                 if isinstance(problem, data_mod.EvalFailure):
                     raise problem.error
