@@ -183,13 +183,17 @@ def _open_below(base_fd: int, base: Path, parts: Sequence[str]) -> int:
 def hold(path) -> HeldFolder:
     """Hold the folder `path` (`HeldFolder`): below a folder already held it is opened relative to that one
     without following a link; elsewhere a link the user named is followed, now and once."""
+    return HeldFolder(path, _open_folder(path))
+
+
+def _open_folder(path) -> int:
+    """A new descriptor of the folder `path`: below a held folder opened relative to it part by part without
+    following a link, once the held folder's path is found to still name it; elsewhere the folder its path names."""
     above = _held_above(path)
     if above is None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    else:
-        above[0].check()
-        fd = _open_below(above[0].fd, above[0].path, above[1])
-    return HeldFolder(path, fd)
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    above[0].check()
+    return _open_below(above[0].fd, above[0].path, above[1])
 
 
 @contextmanager
@@ -207,12 +211,7 @@ def folder_fd(folder) -> Iterator[int]:
     """A descriptor of `folder` to write in: below a held folder (`hold`) opened relative to it part by part
     without following a link, once the held folder's path is found to still name it; elsewhere the folder its
     path names now."""
-    above = _held_above(folder)
-    if above is None:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    else:
-        above[0].check()
-        fd = _open_below(above[0].fd, above[0].path, above[1])
+    fd = _open_folder(folder)
     try:
         yield fd
     finally:
