@@ -159,3 +159,66 @@ def test_the_safetensors_export_loads_at_the_longer_context(stretched_dir, tmp_p
     assert tokenizer.context_length == 96 and loaded.positional_embedding.shape[0] == 96
     ours = _features(model, models.build_tokenizer(models.resolve_model_config(_tiny(96))), LONG + SHORT)
     torch.testing.assert_close(_features(loaded, tokenizer, LONG + SHORT), ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def hf_tower_dir(tokenizer_dir, tmp_path_factory):
+    """A model whose text tower is a Hugging Face one (MiniLM, 512 positions) read at 300 tokens, saved as an mmcl
+    model directory."""
+    from mmcl.config import TextTowerConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="tiny", embed_dim=16, context_length=300, text=TextTowerConfig(hf=str(tokenizer_dir)),
+                      vision_cfg={"layers": 1, "width": 32, "head_width": 16})
+    model, model_cfg, pp, *_, tokenizer = models.build(cfg)
+    path = weights.save_model_dir(model.eval(), model_cfg, pp, tmp_path_factory.mktemp("hf300") / "model")
+    return path, model, tokenizer
+
+
+VERY_LONG = [LONG[0] * 3]  # about 250 word pieces: past MiniLM's usual 128 and open_clip's 77
+
+
+def test_a_hugging_face_text_tower_exports_at_its_longer_context(hf_tower_dir, tmp_path):
+    """open_clip and safetensors exports of a Hugging Face text tower read at 300 tokens: the loaded tokenizer keeps
+    the 300, a caption of about 250 word pieces is read whole, and the features are the model's."""
+    import mmcl
+
+    src, model, tokenizer = hf_tower_dir
+    tokens = tokenizer(VERY_LONG + SHORT)
+    assert tokens.shape == (3, 300) and int((tokens[0] != 0).sum()) > 200
+    ours = _features(model, tokenizer, VERY_LONG + SHORT)
+    out = export_mod.export(src, "open_clip", tmp_path / "oc")
+    assert json.loads((out / "open_clip_config.json").read_text())["model_cfg"]["text_cfg"]["context_length"] == 300
+    oc_model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    oc_tok = open_clip.get_tokenizer(f"local-dir:{out}")
+    assert oc_tok.context_length == 300 and torch.equal(oc_tok(VERY_LONG + SHORT), tokens)
+    torch.testing.assert_close(_features(oc_model, oc_tok, VERY_LONG + SHORT), ours, rtol=1e-5, atol=1e-5)
+    loaded, _, st_tok = mmcl.load(export_mod.export(src, "safetensors", tmp_path / "st"))
+    assert st_tok.context_length == 300
+    torch.testing.assert_close(_features(loaded, st_tok, VERY_LONG + SHORT), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_the_hugging_face_export_of_a_hugging_face_text_tower_is_one_refusal(hf_tower_dir, tmp_path):
+    from mmcl.errors import ConfigError
+
+    src, *_ = hf_tower_dir
+    with pytest.raises(ConfigError, match=r"^hf export needs open_clip's own text transformer") as err:
+        export_mod.export(src, "hf", tmp_path / "hf")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+
+
+def test_the_onnx_export_of_a_hugging_face_text_tower_reads_its_longer_context(hf_tower_dir, tmp_path):
+    """ONNX Runtime with the exported tokenizer.json alone: 300 ids, equal to mmcl's, and the model's features."""
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    src, model, tokenizer = hf_tower_dir
+    out = export_mod.export(src, "onnx", tmp_path / "onnx")
+    assert json.loads((out / export_mod.ONNX_CONFIG_FILE).read_text())["context_length"] == 300
+    tok = Tokenizer.from_file(str(out / export_mod.ONNX_TOKENIZER_FILE))
+    ids = torch.tensor([e.ids for e in tok.encode_batch(VERY_LONG + SHORT)])
+    assert torch.equal(ids, tokenizer(VERY_LONG + SHORT)) and int((ids[0] != 0).sum()) > 200
+    session = ort.InferenceSession(str(out / export_mod.ONNX_TEXT_FILE), providers=["CPUExecutionProvider"])
+    theirs = torch.from_numpy(session.run(None, {"text": ids.numpy()})[0])
+    torch.testing.assert_close(theirs, _features(model, tokenizer, VERY_LONG + SHORT), rtol=1e-4, atol=1e-4)
