@@ -122,6 +122,8 @@ def validate(cfg: TrainConfig) -> List[str]:
         problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     problems += _distill_problems(cfg)
     problems += teacher_term_problems(cfg)
+    if cfg.loss.short_caption.components < 1:
+        problems.append(f"loss.short_caption.components must be >= 1 (got {cfg.loss.short_caption.components})")
     problems += _eval_problems(cfg)
     problems += _lora_problems(cfg.model)
     problems += naflex_problems(cfg)

@@ -295,13 +295,27 @@ class MaskedConfig(_Section):
     center_momentum: float = described(0.9, "momentum of the running centre of the teacher's patch scores")
 
 
+@dataclass
+class ShortCaptionConfig(_Section):
+    """Long-CLIP's short-caption term (Zhang et al. 2024; mmcl/losses/short_caption.py): beside the caption a run
+    trains on, each image's short caption (the caption's first sentence) is scored against the image's features
+    rebuilt from the global batch's top principal directions, so that fine-tuning on long captions keeps short ones
+    (zero-shot prompts) matched. docs/finetuning.md."""
+
+    OBJECTIVE_KEYS = {"components": "short_caption_components"}
+
+    weight: float = described(
+        0.0, "weight of Long-CLIP's short-caption term (its first sentence against the image's principal components)")
+    components: int = described(32, "principal directions of the global batch's image features kept (Long-CLIP: 32)")
+
+
 # The loss terms by name, in the objective's table order (`mmcl.losses.TERMS`, which imports torch; the config and
 # everything that loads a model read these instead, and tests/losses/test_objective.py holds the two equal): each has
 # its weight in `LossConfig`, ``loss.<term>`` or ``loss.<term>.weight`` (`mmcl.config.term_keys`). The terms that
 # score a varying number of pairs per process (NaFlex) are `mmcl.losses.VARIABLE_PAIR_TERMS`' names, and the sample
 # terms (scored sample by sample from the model's outputs, `mmcl.losses.SAMPLE_TERMS`) take one too.
 LOSS_TERMS = ("clip", "supcon", "siglip", "align", "uniform", "debiased", "hard_negative", "mochi", "distill",
-              "global_contrastive", "caption", "self_distill", "masked")
+              "global_contrastive", "short_caption", "caption", "self_distill", "masked")
 VARIABLE_PAIR_TERMS = ("clip", "siglip")
 SAMPLE_TERMS = ("caption", "self_distill", "masked")
 # The sample terms whose teacher is an EMA of the image tower (`mmcl.models.siglip2`): an open_clip ViT, no NaFlex
@@ -326,6 +340,7 @@ class LossConfig(_Section):
     global_contrastive: GlobalContrastiveConfig = field(default_factory=GlobalContrastiveConfig)
     distill: float = described(
         0.0, "KL from a teacher's contrastive distributions (distill.teacher or distill.from_shards)")
+    short_caption: ShortCaptionConfig = field(default_factory=ShortCaptionConfig)
     caption: float = described(
         0.0, "weight of the captioning term (CoCa, Yu et al. 2022; SigLIP 2's decoder): a text decoder reads the image "
              "tower's tokens and predicts the caption, next-token cross-entropy over the batch's caption tokens; "

@@ -31,7 +31,7 @@ One concern per module, imported in this order (each uses only those above it)::
 The names below are the package's public interface; import them from ``mmcl.data``.
 """
 
-from .batching import WorkerOutput, collate, role_batches
+from .batching import WorkerOutput, collate, role_batches, short_caption
 from .decode import (
     IMAGE_EXTS,
     SKIP_REASONS,
@@ -88,7 +88,8 @@ __all__ = [
     "ImageSpec", "NaflexPlan", "PyRandomResizedCrop", "RawSample",
     "ShardEvalDataset", "SkipSample", "TarFormatError", "TarReader", "TrainStream",
     "TransformOutputError", "InputSizes", "WorkerOutput",
-    "build_eval_dataset", "build_image_set", "build_train_stream", "collate", "decode_image", "decode_sample",
+    "build_eval_dataset", "build_image_set", "build_train_stream", "collate", "short_caption", "decode_image",
+    "decode_sample",
     "draft_size_of",
     "epoch_shard_plan", "eval_collate", "expand_sources", "expand_urls", "has_scheme", "image_bytes",
     "is_image_folder", "missing_shards", "open_rgb", "open_shard", "parse_caption", "parse_label", "parse_sample",

@@ -171,7 +171,7 @@ class _Filling:
                         self.keys, self.s.tokenizer, self.s.teacher_view, self.teacher,
                         context_length=self.sizes.context_length,
                         negatives=self.negatives if self.s.negatives else None, max_negatives=self.s.negatives,
-                        counts=self.counts)
+                        counts=self.counts, short_captions=self.s.short_captions)
         if device is not None:  # data.decode=device: encoded JPEGs (and the other samples decoded here)
             size = (device.size, device.size) if isinstance(device.size, int) else tuple(device.size)
             batch.update(collate_images(self.images, size))
@@ -367,7 +367,7 @@ def collate(images: Optional[List[torch.Tensor]], captions: List[str], labels: L
             tokenizer: Callable[[List[str]], torch.Tensor], teacher_view=None,
             teacher_images: Optional[List[torch.Tensor]] = None, context_length: Optional[int] = None,
             negatives: Optional[List[List[str]]] = None, max_negatives: int = 0,
-            counts: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+            counts: Optional[Dict[str, int]] = None, short_captions: bool = False) -> Dict[str, Any]:
     """Stack decoded samples into a batch: image (B,3,H,W) float, text (B,L) long, label (B,) long, key list;
     with `teacher_view` (distillation) also teacher_image (B,3,Ht,Wt) uint8 and teacher_text (B,Lt) long, the
     same captions in the teacher's tokens; with stored teacher embeddings in `teacher_images` (no view),
@@ -376,10 +376,13 @@ def collate(images: Optional[List[torch.Tensor]], captions: List[str], labels: L
     sample's negative captions, at most `max_negatives` = K each): negatives_valid (B, K) bool, the slots that
     hold one, and negatives (R, L) long, the R real ones in the order of those slots (row-major), tokenized with
     the captions (the same width L). `counts` (a dict of `CAPTION_COUNTS`), when given, counts the captions and
-    those the tokenizer cut at its context (`tokenize_counting_cut`)."""
+    those the tokenizer cut at its context (`tokenize_counting_cut`). With `short_captions` (Long-CLIP's
+    short-caption term, ``loss.short_caption``): short_text (B, L) long, each caption's `short_caption`, tokenized
+    with the captions (not counted)."""
     negatives = negatives or []
     flat = [neg for negs in negatives for neg in negs]
-    tokens, cut = tokenize_counting_cut(tokenizer, captions + flat, len(captions))
+    shorts = [short_caption(c) for c in captions] if short_captions else []
+    tokens, cut = tokenize_counting_cut(tokenizer, captions + flat + shorts, len(captions))
     if counts is not None:
         counts["captions"] += len(captions)
         counts["cut_captions"] += cut
@@ -395,7 +398,9 @@ def collate(images: Optional[List[torch.Tensor]], captions: List[str], labels: L
     if max_negatives:
         counts = torch.tensor([len(negs) for negs in negatives] or [0] * len(captions), dtype=torch.long)
         batch["negatives_valid"] = torch.arange(max_negatives)[None, :] < counts[:, None]
-        batch["negatives"] = tokens[len(captions):].long().contiguous()
+        batch["negatives"] = tokens[len(captions):len(captions) + len(flat)].long().contiguous()
+    if short_captions:
+        batch["short_text"] = tokens[len(captions) + len(flat):].long().contiguous()
     if images is not None:
         batch["image"] = torch.stack(images, out=out)
     if teacher_view is not None:
@@ -406,6 +411,13 @@ def collate(images: Optional[List[torch.Tensor]], captions: List[str], labels: L
         batch["teacher_text_features"] = torch.from_numpy(np.stack([t[1] for t in teacher_images]))
         batch["teacher_scale"] = torch.tensor([t[2] for t in teacher_images], dtype=torch.float32)
     return batch
+
+
+def short_caption(caption: str) -> str:
+    """A caption's short form for Long-CLIP's short-caption term: its first sentence, the text before the first
+    ". " (Long-CLIP's rule; a caption without one is its own short form), without its final full stop."""
+    first = caption.split(". ", 1)[0].strip()
+    return first[:-1] if first.endswith(".") else first
 
 
 def tokenize_counting_cut(tokenizer: Callable, texts: List[str], first: int) -> Tuple[torch.Tensor, int]:

@@ -142,7 +142,7 @@ class TrainStream:
     def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False, teacher_view=None,
                  stored_teacher: bool = False, sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = (),
-                 naflex=None):
+                 naflex=None, short_captions: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.negatives = int(cfg.negatives)  # the most negative captions per sample in a batch (0: none read)
@@ -177,6 +177,7 @@ class TrainStream:
         self.finish_images: Callable[[torch.Tensor], torch.Tensor] = finish if finish is not None else _identity
         self.sizes = tuple(self._input_sizes(start, size, length) for start, size, length in sizes)
         self.naflex = naflex
+        self.short_captions = bool(short_captions)
         if naflex is not None:  # uint8 images at each batch's length, patchified in the worker, normalised here
             if not isinstance(preprocess, ImageSpec):
                 raise ConfigError("data.naflex needs the stream to take the model's image numbers (an ImageSpec)")
@@ -259,7 +260,7 @@ class TrainStream:
             retry_delay=float(self.cfg.retry_delay), read_timeout=float(self.cfg.read_timeout),
             members=needed_members(self.keys, self.stored_teacher, negatives=self.negatives > 0),
             max_member_bytes=int(self.cfg.max_member_bytes), sizes=self.sizes, naflex=self.naflex,
-            negatives=self.negatives, device_decode=self.device_decode)
+            negatives=self.negatives, device_decode=self.device_decode, short_captions=self.short_captions)
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [copy_position(p) for p in self._positions]
@@ -382,7 +383,7 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
                        rank: int = 0, world_size: int = 1, pin_memory: bool = False,
                        teacher_view=None, stored_teacher: bool = False,
                        sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = (),
-                       naflex=None) -> TrainStream:
+                       naflex=None, short_captions: bool = False) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
@@ -407,9 +408,11 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
         naflex: a `mmcl.data.naflex.NaflexPlan` (``data.naflex``): each batch at its drawn sequence length, as many
             pairs as its token budget holds; the batches carry ``patches`` (uint8), ``patch_coord`` and
             ``patch_valid`` instead of ``image``, and `TrainStream.finish_images` normalises the patch dict.
+        short_captions: batches also carry ``short_text`` (B, L), each caption's first sentence
+            (`mmcl.data.batching.short_caption`), for Long-CLIP's short-caption term.
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
                        pin_memory=pin_memory, teacher_view=teacher_view, stored_teacher=stored_teacher,
-                       sizes=sizes, naflex=naflex)
+                       sizes=sizes, naflex=naflex, short_captions=short_captions)

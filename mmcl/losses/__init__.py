@@ -64,10 +64,11 @@ from .global_contrastive import GlobalEstimates, gamma_at, global_contrastive_lo
 from .inputs import Gathered
 from .masked import masked_losses
 from .mochi import FeatureQueue, mochi_loss
-from .objective import SAMPLE_TERMS, TERMS, TRAINING_VIEW_TERMS, ContrastiveObjective
+from .objective import NOT_IN_VALIDATION, SAMPLE_TERMS, TERMS, TRAINING_VIEW_TERMS, ContrastiveObjective
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .sample_terms import SampleLosses, joined, sample_mean
 from .self_distill import next_center, self_distill_losses, teacher_targets
+from .short_caption import short_caption_loss
 from .siglip import TiledSigmoidPairs, siglip_loss
 from .supcon import supcon_loss
 from .tiling import TiledLogSumExp
@@ -102,9 +103,11 @@ __all__ = [
     "ContrastiveObjective",
     "TERMS",
     "SAMPLE_TERMS",
+    "NOT_IN_VALIDATION",
     "TRAINING_VIEW_TERMS",
     "SampleLosses",
     "caption_losses",
+    "short_caption_loss",
     "self_distill_losses",
     "masked_losses",
     "teacher_targets",

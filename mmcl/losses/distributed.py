@@ -84,14 +84,19 @@ def _all_gather_plain(x: Tensor) -> Tensor:
 
 
 def gather_batch(image_features: Tensor, text_features: Tensor, labels: Optional[Tensor] = None,
-                 teacher=None, valid: Optional[Tensor] = None) -> Optional[Gathered]:
+                 teacher=None, valid: Optional[Tensor] = None, short_text: Optional[Tensor] = None
+                 ) -> Optional[Gathered]:
     """`gather_features` for the objective: a `Gathered` when ``torch.distributed`` runs several ranks, else None
     (one process: the local batch is the global one). ``teacher`` (a `TeacherFeatures`) is gathered too, without
     gradient. ``valid`` ((n,) bool, the real rows of a padded batch from `pad_pairs`; every rank holds the same
-    capacity n) is gathered into ``all_valid`` ((W * n,) bool, no gradient). Call it on every rank alike."""
+    capacity n) is gathered into ``all_valid`` ((W * n,) bool, no gradient). ``short_text`` ((n, D), the short
+    captions' features of the short-caption term) is gathered with its gradient into ``all_short_text``. Call it on
+    every rank alike."""
     if not _distributed():
         return None
     check_pair(image_features, text_features)  # before any collective, so that no rank waits on a bad one
+    if short_text is not None:
+        check_pair(image_features, short_text)
     n, device = image_features.shape[0], image_features.device
     if labels is not None:
         labels = check_labels(labels.to(device), n, device)
@@ -102,6 +107,8 @@ def gather_batch(image_features: Tensor, text_features: Tensor, labels: Optional
     if teacher is not None:
         extra = dict(all_teacher_image=_all_gather_plain(teacher.image.detach()),
                      all_teacher_text=_all_gather_plain(teacher.text.detach()))
+    if short_text is not None:
+        extra["all_short_text"] = _all_gather_with_grad(short_text)
     if valid is not None:  # as bytes: not every backend reduces bool tensors
         extra["all_valid"] = _all_gather_plain(valid.to(torch.uint8)).bool()
     return Gathered(all_image, all_text, all_labels, offset, dist.get_world_size(), **extra)

@@ -31,6 +31,7 @@ class Gathered(NamedTuple):
     all_teacher_image: Optional[Tensor] = None  # (M, Dt), no gradient: the distill term's teacher columns
     all_teacher_text: Optional[Tensor] = None
     all_valid: Optional[Tensor] = None  # (M,) bool, or None: the real rows of padded batches (`pad_pairs`)
+    all_short_text: Optional[Tensor] = None  # (M, D), carries the gradient back: the short-caption term's captions
 
 
 def gathered_columns(image_features: Tensor, text_features: Tensor,

@@ -45,6 +45,7 @@ from .precision import float32_math
 from .reweighted import debiased_clip_loss, hard_negative_clip_loss
 from .sample_terms import SampleLosses, sample_mean
 from .self_distill import self_distill_losses
+from .short_caption import short_caption_loss
 from .siglip import siglip_loss
 from .supcon import supcon_loss
 from .tiling import acc_dtype, as_scale
@@ -68,6 +69,7 @@ class TermInputs(NamedTuple):
     valid: Optional[Tensor] = None  # (n,) bool, the real rows of a padded batch (`VARIABLE_PAIR_TERMS` only)
     negatives: Optional[DataNegatives] = None  # this rank's rows' negative captions (`DATA_NEGATIVE_TERMS` read them)
     samples: Optional[Mapping[str, SampleLosses]] = None  # the sample terms' losses of this rank's rows, by name
+    short_text: Optional[Tensor] = None  # (n, D) the features of this rank's images' short captions (short_caption)
 
     def columns(self) -> Tuple[Tensor, Tensor, int]:
         """(all_image, all_text, offset): the global batch's columns and this rank's first row among them."""
@@ -87,7 +89,8 @@ class Term(NamedTuple):
 
 
 # What each optional input is called in the error of a term that needs it and did not get it.
-_NEEDS = {"logit_bias": "a logit bias", "labels": "labels", "teacher": "the teacher's features"}
+_NEEDS = {"logit_bias": "a logit bias", "labels": "labels", "teacher": "the teacher's features",
+          "short_text": "each image's short caption (the batches of a run whose loss.short_caption.weight > 0)"}
 
 
 def _uniform_term(obj: "ContrastiveObjective", x: TermInputs) -> Tensor:
@@ -130,6 +133,10 @@ TABLE: Tuple[Term, ...] = (
     Term("distill", ("teacher",), _distill_term),
     Term("global_contrastive", (), lambda o, x: o.global_estimates(  # sample ids: needed in training mode only
         x.image, x.text, x.logit_scale, x.sample_ids, x.gathered, o.chunk_size)),
+    # Long-CLIP's coarse alignment: the images rebuilt from the batch's main directions against short captions.
+    Term("short_caption", ("short_text",), lambda o, x: short_caption_loss(
+        x.image, x.short_text, x.logit_scale, o.short_caption_components, o.chunk_size, gathered=x.gathered,
+        all_short_text=None if x.gathered is None else x.gathered.all_short_text)),
     Term("caption", (), lambda o, x: _sample_term(o, x, "caption"), ("logits", "labels"),
          lambda o, out: caption_losses(out["logits"], out["labels"], o.caption_pad_id)),
     # The model's side (`mmcl.models.siglip2`) gives the student's scores and the teacher's targets, centred and
@@ -146,6 +153,9 @@ TERMS = tuple(term.name for term in TABLE)
 # `mmcl.models.siglip2`): a model's forward gives their outputs in training alone, so a validation loss leaves them
 # out (`mmcl.training.step.objective_from_config(..., validation=True)`).
 TRAINING_VIEW_TERMS = ("self_distill", "masked")
+# The terms a validation loss leaves out: those, and the short-caption term, whose second caption per image a
+# training batch alone carries (`mmcl.data.batching.collate`); val/loss scores the captions as the run trains on them.
+NOT_IN_VALIDATION = (*TRAINING_VIEW_TERMS, "short_caption")
 SAMPLE_TERMS = tuple(term.name for term in TABLE if term.per_sample is not None)
 _TERM_OUTPUTS = {term.name: term.outputs for term in TABLE}
 
@@ -166,6 +176,8 @@ class ContrastiveObjective(nn.Module):
         caption_pad_id: the padding token the captioning term leaves out (open_clip's tokenizers: 0).
         self_distill_student_temp, masked_student_temp: the student's temperature in the self-distillation and
             masked-prediction terms (SILC, iBOT: 0.1); their teacher's side comes with the model's outputs.
+        short_caption_components: the principal directions the short-caption term rebuilds the images from
+            (Long-CLIP: 32; `mmcl.losses.short_caption`).
 
     ``forward(image_features, text_features, logit_scale, logit_bias=None, labels=None, with_metrics=True,
     gathered=None, teacher=None)`` returns ``(total_loss, terms)``. With ``gathered`` (`gather_batch` of this rank's
@@ -196,6 +208,9 @@ class ContrastiveObjective(nn.Module):
     siglip; `mmcl.losses.data_negatives`); they are never gathered. The other terms score the pairs as without
     them; with none of those two terms active they are a `LossInputError`.
 
+    ``short_text`` ((n, D) the features of a short caption of each of this rank's images, Long-CLIP's) feeds the
+    ``short_caption`` term; with ``gathered`` its columns are ``gathered.all_short_text``.
+
     ``state_dict`` holds the queues, the estimates and the generator state.
     """
 
@@ -204,7 +219,7 @@ class ContrastiveObjective(nn.Module):
                  s: int = 32, s_prime: int = 16, mix_max: float = 0.5, queue_size: int = 0, gamma: float = 0.9,
                  gamma_schedule: str = "constant", gamma_decay_steps: int = 0, eps: Optional[float] = None,
                  table_size: int = 2 ** 20, caption_pad_id: int = 0, self_distill_student_temp: float = 0.1,
-                 masked_student_temp: float = 0.1):
+                 masked_student_temp: float = 0.1, short_caption_components: int = 32):
         super().__init__()
         unknown = sorted(set(weights) - set(TERMS))
         if unknown:
@@ -214,6 +229,10 @@ class ContrastiveObjective(nn.Module):
         self.caption_pad_id = int(caption_pad_id)
         self.self_distill_student_temp = float(self_distill_student_temp)
         self.masked_student_temp = float(masked_student_temp)
+        self.short_caption_components = int(short_caption_components)
+        if self.short_caption_components < 1:
+            raise LossInputError("loss.short_caption.components must be at least 1 (got "
+                                 f"{self.short_caption_components})")
         self.tau_plus, self.hn_beta = tau_plus, hn_beta
         self.align_alpha, self.uniform_t = align_alpha, uniform_t
         self.n_hard, self.s, self.s_prime, self.mix_max = n_hard, s, s_prime, mix_max
@@ -271,6 +290,7 @@ class ContrastiveObjective(nn.Module):
         valid: Optional[Tensor] = None,
         negatives: Optional[DataNegatives] = None,
         samples: Optional[Mapping[str, SampleLosses]] = None,
+        short_text: Optional[Tensor] = None,
     ):
         """Weighted loss and the logged numbers. ``with_metrics`` adds the align/uniform metrics, which cost a
         pairwise pass over the batch; a trainer may leave them out on steps it does not log (pass the same value
@@ -287,7 +307,7 @@ class ContrastiveObjective(nn.Module):
             raise LossInputError(f"negative captions from the data are scored by the {terms} term, and neither has a "
                                  "positive weight")
         inputs = TermInputs(image_features, text_features, logit_scale, logit_bias, labels, gathered, teacher,
-                            sample_ids, valid, negatives, samples)
+                            sample_ids, valid, negatives, samples, short_text)
         values: Dict[str, Tensor] = {}
         for term in TABLE:
             if w[term.name] <= 0:

@@ -71,23 +71,36 @@ def _images(b, device, finish_images):
     return x if finish_images is None else finish_images(x)
 
 
+# The texts a batch may bring besides its captions, in the order the text tower reads them after the captions:
+# the negative captions (``data.negatives``: only the real ones, so padding costs no forward) and each image's short
+# caption (``loss.short_caption``). One forward encodes them all.
+_EXTRA_TEXTS = ("negatives", "short_text")
+
+
 def _texts(b, device) -> torch.Tensor:
-    """The text tower's input for a batch: its captions' tokens, then those of the negative captions its samples
-    brought (``data.negatives``: only the real ones, so padding costs no forward)."""
-    if "negatives" not in b:
+    """The text tower's input for a batch: its captions' tokens, then those of `_EXTRA_TEXTS` it holds."""
+    extra = [_moved(b[k], device) for k in _EXTRA_TEXTS if k in b]
+    if not extra:
         return _moved(b["text"], device)
-    return torch.cat([_moved(b["text"], device), _moved(b["negatives"], device)])
+    return torch.cat([_moved(b["text"], device), *extra])
 
 
-def _split_negatives(text_features: torch.Tensor, b, device):
-    """(the captions' features, the batch's `losses.DataNegatives` or None) from the text tower's output on
-    `_texts`. The real negatives' slots are known on the host (the batch's mask is a host tensor): no device read."""
-    if "negatives" not in b:
-        return text_features, None
-    n, valid = _pairs(b), b["negatives_valid"]
-    slots = _moved(valid.reshape(-1).nonzero().squeeze(1), device)
-    feats = text_features.new_zeros((valid.numel(), text_features.shape[1])).index_copy(0, slots, text_features[n:])
-    return text_features[:n], losses.DataNegatives(feats.reshape(*valid.shape, -1), _moved(valid, device))
+def _split_texts(text_features: torch.Tensor, b, device):
+    """(the captions' features, the batch's `losses.DataNegatives` or None, the short captions' features or None)
+    from the text tower's output on `_texts`. The real negatives' slots are known on the host (the batch's mask is a
+    host tensor): no device read."""
+    n = _pairs(b)
+    captions, rest = text_features[:n], text_features[n:]
+    negatives = short = None
+    if "negatives" in b:
+        valid = b["negatives_valid"]
+        real = b["negatives"].shape[0]
+        slots = _moved(valid.reshape(-1).nonzero().squeeze(1), device)
+        feats = text_features.new_zeros((valid.numel(), text_features.shape[1])).index_copy(0, slots, rest[:real])
+        negatives, rest = losses.DataNegatives(feats.reshape(*valid.shape, -1), _moved(valid, device)), rest[real:]
+    if "short_text" in b:
+        short = rest[:n]
+    return captions, negatives, short
 
 
 def _pairs(b) -> int:
@@ -113,11 +126,12 @@ def objective_from_config(cfg: LossConfig, validation: bool = False) -> losses.C
     (`config.term_keys`), the shared parameters, and the fields of each term's own section (``loss.mochi``: all
     but its weight) as the objective's keywords of the same names (a section's ``OBJECTIVE_KEYS``: those alone,
     under the names it gives). With `validation`, the validation loss's: without the terms scored on the views a
-    training step makes (`losses.TRAINING_VIEW_TERMS`), since it sees each held-out image once, as it is."""
+    training step makes (`losses.TRAINING_VIEW_TERMS`), since it sees each held-out image once, as it is, nor the
+    short-caption term, whose second caption only a training batch carries (`losses.NOT_IN_VALIDATION`)."""
     weights, sections = {}, {}
     for name, key in term_keys().items():
         weights[name] = get(cfg, key.split(".", 1)[1])  # the key below ``loss.``
-        if validation and name in losses.TRAINING_VIEW_TERMS:
+        if validation and name in losses.NOT_IN_VALIDATION:
             weights[name] = 0.0
         if key.endswith(".weight"):
             section = getattr(cfg, name)
@@ -133,14 +147,16 @@ def objective_from_config(cfg: LossConfig, validation: bool = False) -> losses.C
 
 
 def score(objective, image_features, text_features, logit_scale, logit_bias, labels, with_metrics: bool = True,
-          teacher=None, sample_ids=None, capacity: Optional[int] = None, negatives=None, samples=None):
+          teacher=None, sample_ids=None, capacity: Optional[int] = None, negatives=None, samples=None,
+          short_text=None):
     """The objective on this process's features: the global batch is gathered here when several processes run
     (`losses.gather_batch`, with the teacher's features for distillation), and a loss's complaint about its
     inputs becomes a `DataError` (one line). `sample_ids` (the batches' ``sample_id``) key the global
     contrastive term's estimates. `capacity` (NaFlex: a varying number of pairs per process) pads the features
     to that many rows (`losses.pad_pairs`) and scores the real pairs only (``valid``). `negatives` (a
     `losses.DataNegatives` of these rows, ``data.negatives``) add columns to their own images' rows. `samples` (the
-    sample terms' `losses.SampleLosses` of these rows, `objective.sample_losses`) are neither padded nor gathered."""
+    sample terms' `losses.SampleLosses` of these rows, `objective.sample_losses`) are neither padded nor gathered.
+    `short_text` (the features of these images' short captions, ``loss.short_caption``) is gathered with the rest."""
     try:
         valid = None
         if capacity is not None:
@@ -152,10 +168,11 @@ def score(objective, image_features, text_features, logit_scale, logit_bias, lab
                 negatives = losses.DataNegatives(
                     torch.nn.functional.pad(negatives.features, (0, 0, 0, 0, 0, capacity - n)),
                     torch.nn.functional.pad(negatives.valid, (0, 0, 0, capacity - n)))
-        gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher, valid=valid)
+        gathered = losses.gather_batch(image_features, text_features, labels, teacher=teacher, valid=valid,
+                                       short_text=short_text)
         return objective(image_features, text_features, logit_scale, logit_bias, labels, with_metrics,
                          gathered=gathered, teacher=teacher, sample_ids=sample_ids, valid=valid, negatives=negatives,
-                         samples=samples)
+                         samples=samples, short_text=short_text)
     except losses.LossInputError as err:
         raise DataError(str(err)) from None
 
@@ -237,6 +254,7 @@ class GradCache:
     negatives: Optional[losses.DataNegatives] = None  # their features held like the captions' (data.negatives)
     samples: Dict[str, losses.SampleLosses] = dataclasses.field(default_factory=dict)  # the sample terms' sums
     objective: Any = None  # what makes the sample terms' losses again in each re-run
+    short_text: Optional[torch.Tensor] = None  # the short captions' features, held like the captions'
 
 
 def forward_loss(model, objective, batches, accelerator, finish_images=None, with_metrics: bool = True,
@@ -265,11 +283,11 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
         with accelerator.autocast():
             image_features, text_features, logit_scale, logit_bias, out = _forward(
                 model, _images(b, device, finish_images), _texts(b, device))
-            text_features, negatives = _split_negatives(text_features.float(), b, device)
+            text_features, negatives, short = _split_texts(text_features.float(), b, device)
             samples = _sample_losses(objective, out, b)
             loss, terms = score(objective, image_features.float(), text_features, logit_scale.float(),
                                 None if logit_bias is None else logit_bias.float(), _moved(b["label"], device),
-                                with_metrics, from_teacher, ids, step_capacity, negatives, samples)
+                                with_metrics, from_teacher, ids, step_capacity, negatives, samples, short)
         return loss, terms, None
     feats, rng_states, sampled = [], [], []
     # Each micro-batch replays the same RNG states, the CPU's and the device's, on its second pass (dropout and
@@ -281,23 +299,25 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
                 image_features, text_features, logit_scale, logit_bias, out = _forward(
                     model, _images(b, device, finish_images), _texts(b, device))
                 sampled.append(_sample_losses(objective, out, b))
-            feats.append((image_features.float(), *_split_negatives(text_features.float(), b, device)))
+            feats.append((image_features.float(), *_split_texts(text_features.float(), b, device)))
     # The scale and bias as the model's forward returns them (the same for every micro-batch), held like the
     # features: the loss's gradient with respect to them reaches the parameters through the last re-run.
     negatives = None
     if feats[0][2] is not None:  # every micro-batch has K slots per sample (data.negatives)
         negatives = losses.DataNegatives(torch.cat([f[2].features for f in feats]).requires_grad_(True),
                                          torch.cat([f[2].valid for f in feats]))
+    short = None if feats[0][3] is None else torch.cat([f[3] for f in feats]).requires_grad_(True)
     # The sample terms' per-sample sums held as leaves too: each re-run gives its rows' sums their gradient.
     samples = {name: losses.SampleLosses(torch.cat([s[name].sums for s in sampled]).requires_grad_(True),
                                          torch.cat([s[name].counts for s in sampled])) for name in sampled[0]}
     cache = GradCache(torch.cat([f[0] for f in feats]).requires_grad_(True),
                       torch.cat([f[1] for f in feats]).requires_grad_(True), _leaf(logit_scale),
-                      None if logit_bias is None else _leaf(logit_bias), rng_states, negatives, samples, objective)
+                      None if logit_bias is None else _leaf(logit_bias), rng_states, negatives, samples, objective,
+                      short)
     # Each micro-batch's labels copied from its (pinned, on CUDA) memory without blocking, then joined on the device.
     labels = torch.cat([_moved(b["label"], device) for b in batches])
     loss, terms = score(objective, cache.image_features, cache.text_features, cache.logit_scale, cache.logit_bias,
-                        labels, with_metrics, from_teacher, ids, step_capacity, negatives, samples)
+                        labels, with_metrics, from_teacher, ids, step_capacity, negatives, samples, short)
     return loss, terms, cache
 
 
@@ -318,13 +338,15 @@ def backward(accelerator, model, loss: torch.Tensor, batches, cache: Optional[Gr
                 image_features, text_features, scale_out, bias_out, out = _forward(
                     model, _images(b, device, finish_images), _texts(b, device))
                 sampled = _sample_losses(cache.objective, out, b) if cache.samples else {}
-            text_features, negatives = _split_negatives(text_features.float(), b, device)
+            text_features, negatives, short = _split_texts(text_features.float(), b, device)
             surrogate = ((image_features.float() * cache.image_features.grad[start:start + n]).sum()
                          + (text_features * cache.text_features.grad[start:start + n]).sum())
             for name, values in sampled.items():
                 surrogate = surrogate + (values.sums * cache.samples[name].sums.grad[start:start + n]).sum()
             if negatives is not None:
                 surrogate = surrogate + (negatives.features * cache.negatives.features.grad[start:start + n]).sum()
+            if short is not None:
+                surrogate = surrogate + (short * cache.short_text.grad[start:start + n]).sum()
             if last:  # once, inside the backward DDP averages across processes
                 surrogate = surrogate + _through(scale_out, cache.logit_scale.grad)
                 if bias_out is not None:

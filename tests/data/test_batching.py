@@ -194,3 +194,33 @@ def test_empty_tars_among_good_shards_skip_nothing(tmp_path):
     assert skips == {r: 0 for r in data.SKIP_REASONS}
     assert stream.skipped["total"] == 0
     assert [str(w.message) for w in caught] == []
+
+
+@pytest.mark.parametrize("caption,short", [
+    ("a handwritten seven. It is drawn in red ink. The ink is thick.", "a handwritten seven"),
+    ("A dog on a beach", "A dog on a beach"),  # no sentence break: the caption itself
+    ("A dog on a beach.", "A dog on a beach"),
+    ("St. Mary's church at dusk. Two people walk by.", "St"),  # Long-CLIP's rule, abbreviations and all
+    ("  spaced out . second", "spaced out"),
+])
+def test_the_short_caption_is_the_first_sentence(caption, short):
+    assert data.short_caption(caption) == short
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_batches_carry_each_captions_short_form_when_asked(tmp_path, workers):
+    """loss.short_caption: every batch holds short_text, the first sentence of each sample's caption, tokenized at
+    the captions' width; captions longer than the context are counted, the short ones are not."""
+    captions = {f"s{i}": f"caption number {i}. more words about it. and more" for i in range(4)}
+    members = []
+    for i, (key, caption) in enumerate(captions.items()):
+        members += [(f"{key}.png", good_members(key, i)[0][1]), (f"{key}.txt", caption.encode())]
+    write_tar(tmp_path / "a.tar", members)
+    cfg = cfg_for(str(tmp_path / "a.tar"), batch_size=4, workers=workers, shuffle_buffer=1)
+    stream = data.build_train_stream(cfg, PREPROCESS, tokenizer, seed=0, short_captions=True)
+    batch = next(iter(stream))
+    assert batch["short_text"].shape == batch["text"].shape and batch["short_text"].dtype == torch.long
+    want = tokenizer([captions[k].split(". ")[0] for k in batch["key"]])
+    assert torch.equal(batch["short_text"], want)
+    plain = next(iter(data.build_train_stream(cfg, PREPROCESS, tokenizer, seed=0)))
+    assert "short_text" not in plain

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmcl.config import LossConfig, load_config
+from mmcl.config import LossConfig, ShortCaptionConfig, load_config
 from mmcl.training import optim
 from mmcl.training.step import FiniteChecks, Step, agree_on_step, objective_from_config
 
@@ -21,7 +21,7 @@ def _step(model, fused: bool, **kw):
     optimizer = (torch.optim.SGD(model.parameters(), lr=0.1) if kw.pop("sgd", False)
                  else torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused))
     model, optimizer = acc.prepare(model, optimizer)
-    return Step(acc, model, acc.unwrap_model(model), optimizer, objective_from_config(LossConfig()),
+    return Step(acc, model, acc.unwrap_model(model), optimizer, objective_from_config(kw.pop("loss", LossConfig())),
                 grad_clip=kw.pop("grad_clip", 1.0), max_logit_scale=4.6052, **kw), model
 
 
@@ -181,6 +181,57 @@ def test_two_micro_batches_with_negatives_make_the_update_of_the_one_large_batch
     two, _ = _step(micro_model(), False, grad_clip=None, sgd=True)
     a, b = one([big], 1, True), two(halves, 1, True)
     assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-5)
+    wa, wb = _weights(one.raw_model), _weights(two.raw_model)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-6)
+
+
+SHORT = LossConfig(short_caption=ShortCaptionConfig(weight=0.5, components=3))
+
+
+def _with_short_captions(batch, seed):
+    """`batch` with each image's short caption (loss.short_caption), as the data layer gives them."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(batch, short_text=torch.randint(1, 1000, batch["text"].shape, generator=g))
+
+
+def test_a_step_scores_the_short_captions_against_the_images_principal_components():
+    """The forward encodes the short captions with the captions and the negatives, in one text forward; the loss is
+    the objective's on the features the model gives each of them separately."""
+    from accelerate import Accelerator
+
+    from mmcl.losses import DataNegatives
+    from mmcl.training.step import forward_loss
+
+    model = micro_model()
+    batch = _with_short_captions(_with_negatives(fake_batch(8, seed=4), seed=5), seed=7)
+    objective = objective_from_config(SHORT)
+    loss, terms, _ = forward_loss(model, objective, [batch], Accelerator(cpu=True), with_metrics=False)
+    with torch.no_grad():
+        out = model(batch["image"], batch["text"])
+        neg = model(batch["image"], batch["negatives"])["text_features"]
+        short = model(batch["image"], batch["short_text"])["text_features"]
+    slots = torch.zeros(batch["negatives_valid"].numel(), neg.shape[1])
+    slots[batch["negatives_valid"].reshape(-1)] = neg
+    want, want_terms = objective(out["image_features"], out["text_features"], out["logit_scale"], with_metrics=False,
+                                 negatives=DataNegatives(slots.reshape(8, 3, -1), batch["negatives_valid"]),
+                                 short_text=short)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert terms["loss/short_caption"].item() == pytest.approx(want_terms["loss/short_caption"].item(), rel=1e-5)
+
+
+def test_two_micro_batches_with_short_captions_make_the_update_of_the_one_large_batch():
+    """GradCache holds the short captions' features as leaves like the captions': the principal directions are the
+    whole step's batch's, and the update is the large batch's."""
+    big = _with_short_captions(_with_negatives(fake_batch(12, seed=3), seed=6), seed=8)
+    first = int(big["negatives_valid"][:6].sum())
+    halves = [dict({k: v[:6] for k, v in big.items() if k != "negatives"}, negatives=big["negatives"][:first]),
+              dict({k: v[6:] for k, v in big.items() if k != "negatives"}, negatives=big["negatives"][first:])]
+    one, _ = _step(micro_model(), False, grad_clip=None, sgd=True, loss=SHORT)
+    two, _ = _step(micro_model(), False, grad_clip=None, sgd=True, loss=SHORT)
+    a, b = one([big], 1, True), two(halves, 1, True)
+    assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-5)
+    assert b.terms["loss/short_caption"] == pytest.approx(a.terms["loss/short_caption"], rel=1e-5)
     wa, wb = _weights(one.raw_model), _weights(two.raw_model)
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-6)
