@@ -6,11 +6,15 @@ per tower, 32-d embedding, 32 px images in 8 px patches, 32 text positions) is f
 the training digits ("a handwritten seven", the phrasings of `lit_digits.CAPTIONS`, no colour named). It is then
 fine-tuned from those weights (``model.init_from``) on long captions of the same images, which name the digit
 first and the ink colour only after about 40 tokens ("a handwritten seven. " + a fixed description + "the ink is
-red."), in two arms:
+red."), in the arms of `ARMS`:
   - ``truncate``: the tower's own 32 positions; the tokenizer cuts every long caption (counted in
     ``data/cut_captions``), so only the digit is read;
   - ``stretch``: ``model.context_length=128``, the trained positions stretched as Long-CLIP does (the first 20 as
-    trained, the rest interpolated), so the whole caption is read.
+    trained, the rest interpolated), so the whole caption is read;
+  - ``stretch_short``: the stretch and Long-CLIP's short-caption term (``loss.short_caption``: each long caption's
+    first sentence against the images rebuilt from the batch's top 4 principal directions);
+  - ``stretch_short_all``: the same with all 32 directions kept (InfoNCE on the short captions: no principal
+    components).
 Measured before (the short-caption model) and after, on the held-out digits: zero-shot top-1 with short prompts
 that are no training caption (`lit_digits.ZS_TEMPLATES`, class names "zero" .. "nine", through
 `mmcl.evaluation.evaluate.zeroshot`), and long-caption retrieval R@5 and R@1 (image -> text over the held-out
@@ -19,6 +23,7 @@ A tower that reads only the digit still scores R@5 well above chance (its top fi
 in whichever colours), so R@1 tells the arms apart more plainly.
 
     nice .venv/bin/python bench/bench_long_captions.py --work-dir /tmp/bench-long [--steps 150] [--seeds 0 1 2]
+        [--arms truncate stretch stretch_short stretch_short_all]
 
 Prints one JSON line per model, then per arm the mean and every seed's. Not a test; CPU minutes.
 """
@@ -46,6 +51,17 @@ INKS = {"red": (200, 30, 30), "blue": (30, 60, 210), "green": (20, 150, 50), "pu
         "orange": (235, 125, 20)}
 FILLER = ("this is a small picture made for a test of long captions, a digit written by hand on a plain white "
           "background, scanned at a low resolution and scaled up, with nothing else in it apart from the digit;")
+
+
+# The fine-tuning arms: their overrides beside the long-caption shards and the short-caption model's weights.
+# With loss.short_caption each long caption's first sentence ("a handwritten seven") is scored against the images
+# rebuilt from the batch's top principal directions (Long-CLIP); 4 of the 32 embedding dimensions keep its share
+# (Long-CLIP: 32 of 512 or 768), and 32 of 32 keep every direction: InfoNCE on the short captions, the same captions
+# without the principal components.
+SHORT = ["model.context_length=128", "loss.short_caption.weight=1.0"]
+ARMS = {"truncate": [], "stretch": ["model.context_length=128"],
+        "stretch_short": [*SHORT, "loss.short_caption.components=4"],
+        "stretch_short_all": [*SHORT, "loss.short_caption.components=32"]}
 
 
 def long_caption(label: int, ink: str) -> str:
@@ -142,6 +158,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     args = parser.parse_args()
     import torch
 
@@ -157,7 +174,8 @@ def main() -> None:
         r = {"arm": "before", "seed": seed, "train_s": round(seconds, 1), **evaluate(base, data)}
         print(json.dumps(r), flush=True)
         results.append(r)
-        for arm, extra in (("truncate", []), ("stretch", ["model.context_length=128"])):
+        for arm in args.arms:
+            extra = ARMS[arm]
             out = work / f"{arm}-seed{seed}"
             keys = [f"data.train={data['long']}", f"model.init_from={base / 'model'}", *extra]
             seconds = train_run(out, keys, seed, args.steps, args.lr)
@@ -168,7 +186,7 @@ def main() -> None:
                             f"keys, lr {args.lr}, {args.steps} steps)"}
             print(json.dumps(r), flush=True)
             results.append(r)
-    for arm in ("before", "truncate", "stretch"):
+    for arm in ("before", *args.arms):
         mine = [r for r in results if r["arm"] == arm]
         for key in ("digits_zeroshot_top1", "long_r5", "long_r1"):
             values = [r[key] for r in mine]
