@@ -425,5 +425,9 @@ def test_long_captions_config_stretches_a_demo_run_as_its_comment_says(demo, tmp
     assert "stretched text positions (32, " in said and "-> (128, " in said, said[-3000:]
     rows = [json.loads(ln) for ln in (tmp_path / "runs/long-captions/metrics.jsonl").read_text().splitlines()]
     assert all(r["data/cut_captions"] == 0 for r in rows if "loss" in r)  # the demo's captions fit in 128
+    # Long-CLIP's short-caption term, on: each step scores the captions' first sentences, and the loss is the sum
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 4 and all(r["loss/short_caption"] > 0 for r in steps)
+    assert all(r["loss"] == pytest.approx(r["loss/clip"] + r["loss/short_caption"], rel=1e-6) for r in steps)
     model, _, tokenizer = mmcl.load(tmp_path / "runs/long-captions")
     assert tokenizer.context_length == 128 and model.positional_embedding.shape[0] == 128
