@@ -34,6 +34,7 @@ from torch import Tensor
 from .clip import clip_loss
 from .errors import LossInputError
 from .inputs import Gathered, check_pair
+from .precision import float32_math, scaled_products
 
 
 def principal_basis(x: Tensor, components: int) -> Tensor:
@@ -55,10 +56,12 @@ def primary_components(x: Tensor, basis: Tensor) -> Tensor:
     """Long-CLIP's rebuilt features: `x` (M, D) centred on its mean, projected on `basis` (D, k) and back, the mean
     added again, then L2-normalised (differentiable in `x`; `basis` is a constant)."""
     mean = x.mean(dim=0, keepdim=True)
-    rebuilt = (x - mean) @ basis @ basis.T + mean
+    # the products in float32 at least, forward and backward, under any autocast (`scaled_products`)
+    rebuilt = scaled_products(scaled_products(x - mean, basis.T), basis) + mean
     return torch.nn.functional.normalize(rebuilt, dim=-1)
 
 
+@float32_math
 def short_caption_loss(image: Tensor, short_text: Tensor, logit_scale: Tensor, components: int = 32,
                        chunk_size: Optional[int] = None, gathered: Optional[Gathered] = None,
                        all_short_text: Optional[Tensor] = None) -> Tensor:

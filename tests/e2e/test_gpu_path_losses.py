@@ -108,7 +108,7 @@ def _cases(n: int, chunk, extra: Dict) -> Dict[str, Callable]:
                 obj.text_queue.enqueue(q_txt)
             teacher = TeacherFeatures(t_img, t_txt, torch.tensor(30.0))
             total, logged = obj(i, t, s, b, labels=labels, teacher=teacher, with_metrics=False,
-                                sample_ids=torch.arange(n))
+                                sample_ids=torch.arange(n), short_text=t_txt)
             return total
         return run
 
@@ -121,7 +121,7 @@ def _cases(n: int, chunk, extra: Dict) -> Dict[str, Callable]:
     cases["objective_all_with_metrics"] = lambda i, t, s, b: ContrastiveObjective(
         {name: 1.0 for name in feature_terms}, chunk_size=chunk, n_hard=8, s=4, s_prime=3, queue_size=2 * n,
         table_size=4 * n)(i, t, s, b, labels=labels, teacher=TeacherFeatures(t_img, t_txt, torch.tensor(30.0)),
-                          sample_ids=torch.arange(n))[0]
+                          sample_ids=torch.arange(n), short_text=t_txt)[0]
     return cases
 
 
