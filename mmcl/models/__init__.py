@@ -4,7 +4,7 @@ NaFlex image towers (`naflex`: timm's NaFlexVit, `is_naflex`); a model's FLOPs p
 
 The names below are the package's interface (``from mmcl import models; models.build(cfg)``)."""
 
-from .clip_classes import TEXT_WIDTH_STEP, MaskedMaxPooler, has_decoder, hf_custom_code_error
+from .clip_classes import TEXT_WIDTH_STEP, MaskedMaxPooler, has_decoder, hf_custom_code_error, stop_decoding
 from .naflex import is_naflex
 from .towers import (
     CONFIG_DIR,
@@ -28,5 +28,5 @@ from .towers import (
 
 __all__ = ["CONFIG_DIR", "FROZEN_ATTR", "TEXT_WIDTH_STEP", "MaskedMaxPooler", "TrimmedTokenizer", "apply_locks",
            "available_models", "build", "build_tokenizer", "build_transforms", "clamp_logit_scale", "create",
-           "has_decoder", "hf_custom_code_error", "is_frozen_call", "is_naflex", "is_local_dir", "named_config",
-           "preprocess_config", "resolve_model_config", "set_patch_dropout", "training_tokenizer"]
+           "has_decoder", "stop_decoding", "hf_custom_code_error", "is_frozen_call", "is_naflex", "is_local_dir",
+           "named_config", "preprocess_config", "resolve_model_config", "set_patch_dropout", "training_tokenizer"]

@@ -209,9 +209,20 @@ class CaptionCoCa(CoCa):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         init_decoder(self.text_decoder)
+        # Whether a forward given captions runs the decoder: a run whose loss reads no caption logits turns it off
+        # (`stop_decoding`), and the forward then gives the features, scale and bias alone.
+        self.decodes = True
 
     def forward(self, image, text: Optional[torch.Tensor] = None, image_latent: Optional[torch.Tensor] = None,
                 image_embs: Optional[torch.Tensor] = None, output_labels: bool = True):
+        if text is not None and not self.decodes:
+            if image_latent is None or image_embs is None:
+                image_latent, _ = self._encode_image(image)
+            out = {"image_features": image_latent, "text_features": self._encode_text(text)[0],
+                   "logit_scale": self.logit_scale.exp()}
+            if self.logit_bias is not None:
+                out["logit_bias"] = self.logit_bias
+            return out
         if text is None or image_latent is not None or image_embs is not None or text.shape[0] == image.shape[0]:
             return super().forward(image, text, image_latent, image_embs, output_labels)
         n = image.shape[0]  # the pairs; the rows after them are negative captions
@@ -245,6 +256,20 @@ def init_decoder(decoder: nn.Module) -> None:
         nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
     if decoder.text_projection is not None:
         nn.init.normal_(decoder.text_projection, std=width ** -0.5)
+
+
+def stop_decoding(model: nn.Module) -> int:
+    """A `CaptionCoCa` whose decoder no loss term reads (``loss.caption`` 0): its forward no longer runs the decoder,
+    and the decoder's parameters are frozen (no gradient, no optimiser state; saved as they are). Returns the
+    parameters frozen (0 for a model without a decoder)."""
+    if not isinstance(model, CaptionCoCa):
+        return 0
+    model.decodes = False
+    frozen = 0
+    for p in model.text_decoder.parameters():
+        frozen += p.numel() if p.requires_grad else 0
+        p.requires_grad_(False)
+    return frozen
 
 
 def has_decoder(model: nn.Module) -> bool:

@@ -168,6 +168,11 @@ def build_model(cfg: TrainConfig, rt: Runtime, accelerator):
     if cfg.model.init_from:  # pretrained weights (open_clip, mmcl or Hugging Face CLIP)
         log(weights.init_from(model, cfg.model.init_from))
     models.apply_locks(model, cfg.model)
+    if cfg.loss.caption <= 0:  # no term reads a decoder's logits: it neither runs nor trains
+        frozen = models.stop_decoding(model)
+        if frozen:
+            log(f"loss.caption is 0: the captioning decoder ({frozen:,} parameters) does not run and is not trained; "
+                "its weights are saved as they are")
     wise_init = None
     if cfg.train.wise_ft and is_main_process():  # WiSE-FT's start point, on the CPU until the end
         wise_init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

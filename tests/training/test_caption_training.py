@@ -190,3 +190,51 @@ def test_loss_caption_on_a_model_without_a_decoder_is_one_config_error(small_dem
     assert code == 2
     assert err[-1].startswith("mmcl: error: loss.caption needs a model with a captioning decoder (model.name coca_*")
     assert "Traceback" not in "\n".join(err)
+
+
+def test_without_loss_caption_the_decoder_neither_runs_nor_trains(small_demo, tmp_path, capsys, monkeypatch):
+    """A coca_* model trained with loss.caption 0 (its towers alone): no step runs the decoder, whose weights end
+    as they started, and the run says so once."""
+    from open_clip.transformer import MultimodalTransformer
+
+    import mmcl
+    from mmcl.cli import main
+
+    from helpers import short_run
+
+    calls = []
+    forward = MultimodalTransformer.forward
+    monkeypatch.setattr(MultimodalTransformer, "forward", lambda self, *a, **k: calls.append(1) or forward(
+        self, *a, **k))
+    assert main(short_run(small_demo, tmp_path / "run", "model.name=coca_tiny", "loss.caption=0",
+                          "train.steps=3", towers=[])) == 0
+    said = capsys.readouterr().out
+    assert calls == []
+    assert "loss.caption is 0: the captioning decoder (" in said and "does not run and is not trained" in said
+    trained, *_ = mmcl.load(tmp_path / "run")
+    torch.manual_seed(0)  # the run's seed: the model as it was built
+    fresh, *_ = models.build(load_config(None, ["model.name=coca_tiny"]).model)
+    for (name, got), want in zip(trained.text_decoder.state_dict().items(), fresh.text_decoder.state_dict().values()):
+        assert torch.equal(got, want), name
+    assert not torch.equal(trained.visual.conv1.weight, fresh.visual.conv1.weight)  # the towers did train
+
+
+def test_a_model_that_stops_decoding_gives_the_same_features_loss_and_tower_gradients():
+    from mmcl.models import stop_decoding
+
+    batch = coca_batch(6, seed=2)
+    objective = objective_from_config(_loss_cfg(clip=1.0))
+    runs = []
+    for decode in (True, False):
+        model = coca_model(0)
+        if not decode:
+            assert stop_decoding(model) == sum(p.numel() for p in model.text_decoder.parameters())
+        loss, _, _ = forward_loss(model, objective, [batch], _accelerator(), with_metrics=False)
+        loss.backward()
+        runs.append((loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = runs
+    assert torch.equal(a, b)
+    assert not any(k.startswith("text_decoder.") for k in gb) and set(gb) == {k for k in ga if
+                                                                              not k.startswith("text_decoder.")}
+    for k, g in gb.items():
+        torch.testing.assert_close(g, ga[k], rtol=0, atol=0, msg=k)
