@@ -141,7 +141,8 @@ def make_data(work: Path, image_size: int, n_train: int, n_retrieval: int, n_pro
 # --------------------------------------------------------------------------------------------------- training
 def train_command(arm: str, data: dict, args, seed: int, steps: int, out: Path, log_every: int) -> List[str]:
     return [sys.executable, "-m", "mmcl", "train", "--config", str(CONFIG), *TOWERS, *ARMS[arm],
-            f"model.image_size={data['image_size']}", f"data.train={data['shards']}",
+            f"model.image_size={data['image_size']}", f"model.context_length={data['context_length']}",
+            f"data.train={data['shards']}",
             f"data.batch_size={args.batch_size}", f"data.workers={args.workers}", "data.shuffle_buffer=2000",
             f"train.steps={steps}", f"train.output_dir={out}", f"train.seed={seed}", f"train.save_every={steps}",
             f"train.log_every={log_every}", "train.plot=false", "train.progress=false", "train.log_with=[]",
@@ -212,7 +213,8 @@ def untrained(arm: str, data: dict, seed: int):
     from mmcl import models
     from mmcl.config import load_config
 
-    cfg = load_config(str(CONFIG), [*TOWERS, *ARMS[arm], f"model.image_size={data['image_size']}"])
+    cfg = load_config(str(CONFIG), [*TOWERS, *ARMS[arm], f"model.image_size={data['image_size']}",
+                                    f"model.context_length={data['context_length']}"])
     torch.manual_seed(seed)
     model, _, _, _, preprocess, tokenizer = models.build(cfg.model)
     return model, preprocess, tokenizer
@@ -268,17 +270,20 @@ def main() -> None:
     parser.add_argument("--work-dir", default="/tmp/bench-siglip2")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=300, help="steps of every arm (equal steps)")
+    parser.add_argument("--steps", type=int, default=600, help="steps of every arm (equal steps)")
     parser.add_argument("--wall-seconds", type=float, default=None,
                         help="equal wall time: every arm trains this many seconds of steps (steps from a timing run)")
     parser.add_argument("--timing-steps", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--context-length", type=int, default=24,
+                        help="text positions of every arm (the captions are under 20 tokens; the decoder's cost grows "
+                             "with it)")
     parser.add_argument("--n-train", type=int, default=6000)
-    parser.add_argument("--full-frame", type=float, default=0.5, help="share of training images of one whole digit")
+    parser.add_argument("--full-frame", type=float, default=0.8, help="share of training images of one whole digit")
     parser.add_argument("--n-retrieval", type=int, default=300)
     parser.add_argument("--n-probe-train", type=int, default=300)
     parser.add_argument("--n-probe-test", type=int, default=200)
@@ -303,6 +308,7 @@ def main() -> None:
     arms = [a for a in args.arms if a not in unavailable]
     data = make_data(work, args.image_size, args.n_train, args.n_retrieval, args.n_probe_train, args.n_probe_test,
                      args.full_frame)
+    data["context_length"] = args.context_length
     mode = "equal steps" if args.wall_seconds is None else f"equal wall time ({args.wall_seconds:g} s)"
     steps_of = {arm: args.steps for arm in arms}
     failed: Dict[str, str] = {}
