@@ -122,6 +122,10 @@ def validate(cfg: TrainConfig) -> List[str]:
         problems.append(f"train.ema_decay must be in (0, 1) or null (got {cfg.train.ema_decay})")
     problems += _distill_problems(cfg)
     problems += teacher_term_problems(cfg)
+    if not 0.0 <= cfg.loss.caption_parallel <= 1.0:
+        problems.append(f"loss.caption_parallel must be in [0, 1] (got {cfg.loss.caption_parallel})")
+    elif cfg.loss.caption_parallel > 0 and cfg.loss.caption <= 0:
+        problems.append("loss.caption_parallel is a share of the captioning term's captions; set loss.caption > 0")
     if cfg.loss.short_caption.components < 1:
         problems.append(f"loss.short_caption.components must be >= 1 (got {cfg.loss.short_caption.components})")
     problems += _eval_problems(cfg)

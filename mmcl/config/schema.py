@@ -345,6 +345,10 @@ class LossConfig(_Section):
         0.0, "weight of the captioning term (CoCa, Yu et al. 2022; SigLIP 2's decoder): a text decoder reads the image "
              "tower's tokens and predicts the caption, next-token cross-entropy over the batch's caption tokens; "
              "needs a model with a decoder (model.name coca_*)")
+    caption_parallel: float = described(
+        0.0, "share of the captions the decoder predicts in parallel (CapPa, Tschannen et al. 2023; LocCa): from the "
+             "image alone, every token at once, its inputs mask queries and its self-attention not causal; drawn per "
+             "sample and epoch; CapPa: 0.75")
     self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
     masked: MaskedConfig = field(default_factory=MaskedConfig)
 

@@ -93,7 +93,7 @@ def _role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: 
                 continue
             decoded = _decode_or_count_skip(s, item, origin["slot"], origin["epoch"], skipped, filling.sizes,
                                             records)
-            if decoded is not None and filling.add(item.key, decoded, item.url):
+            if decoded is not None and filling.add(item.key, decoded, item.url, origin["epoch"]):
                 yield sent(filling.take(), state(leftover=copy.deepcopy(tasks)))
         tasks.pop(0)
     empty_epochs = 0
@@ -110,7 +110,7 @@ def _role_batches(s: StreamSpec, role: int, start: Dict[str, Any], first_batch: 
                 if decoded is None:
                     continue
                 good_seen += 1
-                if filling.add(item.key, decoded, item.url):
+                if filling.add(item.key, decoded, item.url, epoch):
                     yield sent(filling.take(), state())
             emitted = 0
         if full_epoch and good_seen == 0:
@@ -144,10 +144,14 @@ class _Filling:
         self.ids: List[int] = []  # `sample_id` of each sample
         self.teacher: List[Any] = []  # the teacher's view, or its stored embeddings, of each image; else empty
         self.negatives: List[List[str]] = []  # each sample's negative captions (data.negatives); else empty
+        self.parallel: List[bool] = []  # whose caption the decoder predicts in parallel (loss.caption_parallel)
 
-    def add(self, key: str, decoded, url: str = "") -> bool:
-        """Add one `decode_sample` result of the sample `key` of shard `url`; whether the batch is full."""
+    def add(self, key: str, decoded, url: str = "", epoch: int = 0) -> bool:
+        """Add one `decode_sample` result of the sample `key` of shard `url`, read in `epoch`; whether the batch is
+        full."""
         tensor, caption, label, *teacher = decoded
+        if self.s.caption_parallel > 0:
+            self.parallel.append(parallel_draw(self.s.seed, epoch, sample_id(url, key)) < self.s.caption_parallel)
         if self.s.negatives:
             self.negatives.append(teacher.pop())
         self.images.append(tensor)
@@ -178,6 +182,8 @@ class _Filling:
         if flex is not None:
             batch.update(patch_batch(self.images, flex.seq_len_at(self.batch), flex.patch_size))
         batch["sample_id"] = torch.tensor(self.ids, dtype=torch.long)
+        if self.s.caption_parallel > 0:
+            batch["caption_parallel"] = torch.tensor(self.parallel, dtype=torch.bool)
         self.clear()
         self.batch += self.stride
         self.sizes = self.s.sizes_at(self.batch)
@@ -287,6 +293,17 @@ def _in_parts(item: RawSample, parts: Sequence[Sequence[int]]) -> bool:
         if m > 1 and _mix(item.shard, item.index, level) % m != i:
             return False
     return True
+
+
+_PARALLEL_SALT = 0x4C6F6343  # the parallel-prediction draw's own stream among the per-sample draws
+
+
+def parallel_draw(seed: int, epoch: int, sid: int) -> float:
+    """A uniform number in [0, 1) for sample `sid` (`sample_id`) in `epoch` of a run seeded `seed`: a sample's caption
+    is predicted in parallel (``loss.caption_parallel``) when it is below the share. A function of those three
+    alone, so one process or several, any micro-batching and a resumed run choose the same samples, and a sample is
+    drawn afresh each epoch."""
+    return _mix(seed, epoch, sid, _PARALLEL_SALT) / 2.0 ** 63
 
 
 def _mix(*values: int) -> int:

@@ -82,6 +82,7 @@ class StreamSpec:
     negatives: int = 0  # data.negatives: the most negative captions a sample brings to its batch (0: none read)
     device_decode: Any = None  # data.decode=device in effect: the `ImageSpec` whose crop the workers draw
     short_captions: bool = False  # batches carry short_text, each caption's first sentence (loss.short_caption)
+    caption_parallel: float = 0.0  # the share of captions the decoder predicts in parallel (loss.caption_parallel)
 
     def sizes_at(self, batch: int) -> InputSizes:
         """The input sizes of process batch `batch` (0-based, counted from the start of the run)."""

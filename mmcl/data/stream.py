@@ -142,7 +142,7 @@ class TrainStream:
     def __init__(self, cfg: DataConfig, preprocess: Union[ImageSpec, Callable], tokenizer: Callable, *, seed: int,
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False, teacher_view=None,
                  stored_teacher: bool = False, sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = (),
-                 naflex=None, short_captions: bool = False):
+                 naflex=None, short_captions: bool = False, caption_parallel: float = 0.0):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"rank must be in [0, world_size) (got rank={rank}, world_size={world_size})")
         self.negatives = int(cfg.negatives)  # the most negative captions per sample in a batch (0: none read)
@@ -178,6 +178,7 @@ class TrainStream:
         self.sizes = tuple(self._input_sizes(start, size, length) for start, size, length in sizes)
         self.naflex = naflex
         self.short_captions = bool(short_captions)
+        self.caption_parallel = float(caption_parallel)
         if naflex is not None:  # uint8 images at each batch's length, patchified in the worker, normalised here
             if not isinstance(preprocess, ImageSpec):
                 raise ConfigError("data.naflex needs the stream to take the model's image numbers (an ImageSpec)")
@@ -260,7 +261,8 @@ class TrainStream:
             retry_delay=float(self.cfg.retry_delay), read_timeout=float(self.cfg.read_timeout),
             members=needed_members(self.keys, self.stored_teacher, negatives=self.negatives > 0),
             max_member_bytes=int(self.cfg.max_member_bytes), sizes=self.sizes, naflex=self.naflex,
-            negatives=self.negatives, device_decode=self.device_decode, short_captions=self.short_captions)
+            negatives=self.negatives, device_decode=self.device_decode, short_captions=self.short_captions,
+            caption_parallel=self.caption_parallel)
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         starts = [copy_position(p) for p in self._positions]
@@ -383,7 +385,7 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
                        rank: int = 0, world_size: int = 1, pin_memory: bool = False,
                        teacher_view=None, stored_teacher: bool = False,
                        sizes: Sequence[Tuple[int, Optional[int], Optional[int]]] = (),
-                       naflex=None, short_captions: bool = False) -> TrainStream:
+                       naflex=None, short_captions: bool = False, caption_parallel: float = 0.0) -> TrainStream:
     """Build this process's infinite training stream from ``cfg.train``.
 
     Args:
@@ -410,9 +412,12 @@ def build_train_stream(cfg: DataConfig, preprocess: Union[ImageSpec, Callable], 
             ``patch_valid`` instead of ``image``, and `TrainStream.finish_images` normalises the patch dict.
         short_captions: batches also carry ``short_text`` (B, L), each caption's first sentence
             (`mmcl.data.batching.short_caption`), for Long-CLIP's short-caption term.
+        caption_parallel: the share of samples whose batches mark them ``caption_parallel`` (B,) bool, drawn per
+            sample and epoch (`mmcl.data.batching.parallel_draw`): the decoder predicts their captions in parallel.
     Raises:
         DataError when the spec matches no shards (and, when iterated, when no valid sample exists).
     """
     return TrainStream(cfg, preprocess, tokenizer, seed=seed, rank=rank, world_size=world_size,
                        pin_memory=pin_memory, teacher_view=teacher_view, stored_teacher=stored_teacher,
-                       sizes=sizes, naflex=naflex, short_captions=short_captions)
+                       sizes=sizes, naflex=naflex, short_captions=short_captions,
+                       caption_parallel=caption_parallel)

@@ -214,7 +214,10 @@ class CaptionCoCa(CoCa):
         self.decodes = True
 
     def forward(self, image, text: Optional[torch.Tensor] = None, image_latent: Optional[torch.Tensor] = None,
-                image_embs: Optional[torch.Tensor] = None, output_labels: bool = True):
+                image_embs: Optional[torch.Tensor] = None, output_labels: bool = True,
+                caption_parallel: Optional[torch.Tensor] = None):
+        """open_clip's CoCa forward, with `caption_parallel` ((n,) bool on the device, ``loss.caption_parallel``):
+        the images' captions marked True are predicted in parallel (`parallel_decode`)."""
         if text is not None and not self.decodes:
             if image_latent is None or image_embs is None:
                 image_latent, _ = self._encode_image(image)
@@ -223,15 +226,22 @@ class CaptionCoCa(CoCa):
             if self.logit_bias is not None:
                 out["logit_bias"] = self.logit_bias
             return out
-        if text is None or image_latent is not None or image_embs is not None or text.shape[0] == image.shape[0]:
+        plain = (text is None or image_latent is not None or image_embs is not None
+                 or text.shape[0] == image.shape[0])
+        if plain and caption_parallel is None:
             return super().forward(image, text, image_latent, image_embs, output_labels)
-        n = image.shape[0]  # the pairs; the rows after them are negative captions
-        image_latent, image_embs = self._encode_image(image)
+        if image_latent is None or image_embs is None:
+            image_latent, image_embs = self._encode_image(image)
+        if text is None:
+            return {"image_features": image_latent, "image_embs": image_embs}
+        n = image_embs.shape[0]  # the pairs; rows after them are other texts (negative or short captions)
         text_latent, token_embs = self._encode_text(text)
         labels = text[:n, 1:] if output_labels else None
         token_embs = token_embs[:n, :-1] if output_labels else token_embs[:n]
+        logits = (self.text_decoder(image_embs, token_embs) if caption_parallel is None
+                  else parallel_decode(self, image_embs, token_embs, caption_parallel, text.shape[1]))
         out = {"image_features": image_latent, "text_features": text_latent,
-               "logits": self.text_decoder(image_embs, token_embs), "logit_scale": self.logit_scale.exp()}
+               "logits": logits, "logit_scale": self.logit_scale.exp()}
         if labels is not None:
             out["labels"] = labels
         if self.logit_bias is not None:
@@ -256,6 +266,41 @@ def init_decoder(decoder: nn.Module) -> None:
         nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
     if decoder.text_projection is not None:
         nn.init.normal_(decoder.text_projection, std=width ** -0.5)
+
+
+def mask_queries(model: "CaptionCoCa", width: int, length: int, like: torch.Tensor) -> torch.Tensor:
+    """(1, length, W): the decoder's inputs for a caption predicted in parallel, the text tower's token outputs of a
+    row of `width` padding tokens (id 0, open_clip's pad; the captions' width), cut like a caption's. They carry
+    positions and no word of any caption; reusing a token keeps the state dict open_clip's (CapPa adds a mask token
+    to the vocabulary)."""
+    pad = torch.zeros(1, width, dtype=torch.long, device=like.device)
+    return model._encode_text(pad)[1][:, :length].to(like.dtype)
+
+
+def parallel_decode(model: "CaptionCoCa", image_embs: torch.Tensor, token_embs: torch.Tensor,
+                    parallel: torch.Tensor, width: int) -> torch.Tensor:
+    """The decoder's logits (n, L, V) where each row marked in `parallel` ((n,) bool) is predicted in parallel
+    (CapPa's parallel prediction, used by LocCa): its inputs are the mask queries (`mask_queries`) and its
+    self-attention is not causal, so every token is predicted from the image alone; the other rows are open_clip's
+    teacher-forced, causal decoding, unchanged. One pass over the batch, the causal mask per row: no host read.
+    `width`: the captions' tokens per row."""
+    decoder = model.text_decoder
+    n, length = token_embs.shape[0], token_embs.shape[1]
+    par = parallel.to(device=token_embs.device, dtype=torch.bool).reshape(n, 1, 1)
+    x = torch.where(par, mask_queries(model, width, length, token_embs), token_embs)
+    causal = decoder.attn_mask[:length, :length].to(device=x.device)
+    heads = decoder.resblocks[0].attn.num_heads
+    mask = torch.where(par, torch.zeros_like(causal), causal).repeat_interleave(heads, dim=0)  # (n * heads, L, L)
+    batch_first = getattr(decoder, "batch_first", True)
+    if not batch_first:
+        image_embs, x = image_embs.permute(1, 0, 2), x.permute(1, 0, 2)
+    for block, cross in zip(decoder.resblocks, decoder.cross_attn):
+        x = block(x, attn_mask=mask)
+        x = cross(x, k_x=image_embs, v_x=image_embs)
+    if not batch_first:
+        x = x.permute(1, 0, 2)
+    out = decoder.ln_final(x)
+    return out if decoder.text_projection is None else out @ decoder.text_projection
 
 
 def stop_decoding(model: nn.Module) -> int:

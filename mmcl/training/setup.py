@@ -246,7 +246,8 @@ def build_stream(cfg: TrainConfig, rt: Runtime, accelerator, model, tokenizer, p
         pin_memory=accelerator.device.type == "cuda",
         teacher_view=None if teacher is None else teacher.view, stored_teacher=cfg.distill.from_shards,
         sizes=phases.input_sizes(planned, model_size, rt.accum_steps),
-        naflex=plan, short_captions=cfg.loss.short_caption.weight > 0))
+        naflex=plan, short_captions=cfg.loss.short_caption.weight > 0,
+        caption_parallel=cfg.loss.caption_parallel if cfg.loss.caption > 0 else 0.0))
     # Each batch a data worker sends is a shared-memory segment: a container's small /dev/shm fails mid-run.
     size = getattr(image_spec, "size", None) or pp_cfg["size"]
     if plan is not None:  # the largest NaFlex batch: capacity images of the shortest length's patches

@@ -44,9 +44,13 @@ from .optim import takes_found_inf
 from .state import RunState
 
 
-def _forward(model, images, texts):
-    """The model's features, scale and bias, and its whole output dict (what the sample terms read)."""
-    out = model(images, texts)
+def _forward(model, images, texts, b=None, device=None):
+    """The model's features, scale and bias, and its whole output dict (what the sample terms read). A batch `b`
+    that marks captions for parallel prediction (``caption_parallel``, ``loss.caption_parallel``) passes the marks."""
+    if b is not None and "caption_parallel" in b:
+        out = model(images, texts, caption_parallel=_moved(b["caption_parallel"], device))
+    else:
+        out = model(images, texts)
     return out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), out
 
 
@@ -282,7 +286,7 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
         b = batches[0]
         with accelerator.autocast():
             image_features, text_features, logit_scale, logit_bias, out = _forward(
-                model, _images(b, device, finish_images), _texts(b, device))
+                model, _images(b, device, finish_images), _texts(b, device), b, device)
             text_features, negatives, short = _split_texts(text_features.float(), b, device)
             samples = _sample_losses(objective, out, b)
             loss, terms = score(objective, image_features.float(), text_features, logit_scale.float(),
@@ -297,7 +301,7 @@ def forward_loss(model, objective, batches, accelerator, finish_images=None, wit
             rng_states.append(rng_state(device))
             with accelerator.autocast():
                 image_features, text_features, logit_scale, logit_bias, out = _forward(
-                    model, _images(b, device, finish_images), _texts(b, device))
+                    model, _images(b, device, finish_images), _texts(b, device), b, device)
                 sampled.append(_sample_losses(objective, out, b))
             feats.append((image_features.float(), *_split_texts(text_features.float(), b, device)))
     # The scale and bias as the model's forward returns them (the same for every micro-batch), held like the
@@ -336,7 +340,7 @@ def backward(accelerator, model, loss: torch.Tensor, batches, cache: Optional[Gr
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             with replayed_rng(cache.rng_states[i], device), accelerator.autocast():
                 image_features, text_features, scale_out, bias_out, out = _forward(
-                    model, _images(b, device, finish_images), _texts(b, device))
+                    model, _images(b, device, finish_images), _texts(b, device), b, device)
                 sampled = _sample_losses(cache.objective, out, b) if cache.samples else {}
             text_features, negatives, short = _split_texts(text_features.float(), b, device)
             surrogate = ((image_features.float() * cache.image_features.grad[start:start + n]).sum()

@@ -238,3 +238,102 @@ def test_a_model_that_stops_decoding_gives_the_same_features_loss_and_tower_grad
                                                                               not k.startswith("text_decoder.")}
     for k, g in gb.items():
         torch.testing.assert_close(g, ga[k], rtol=0, atol=0, msg=k)
+
+
+# ------------------------------------------------------------------ parallel prediction (loss.caption_parallel)
+PARALLEL = torch.tensor([False, True, False, True, True, False])
+
+
+def test_parallel_rows_are_open_clips_decoder_unmasked_on_the_mask_queries_and_the_others_unchanged():
+    """CapPa's parallel prediction, in float64: a marked row's logits are open_clip's decoder run with no causal mask
+    on the mask queries (the text tower's outputs of a padding row), the other rows open_clip's CoCa forward."""
+    from mmcl.models.clip_classes import mask_queries
+
+    model = coca_model().double().eval()
+    batch = coca_batch(6, seed=7)
+    image, text = batch["image"].double(), batch["text"]
+    with torch.no_grad():
+        got = model(image, text, caption_parallel=PARALLEL)
+        plain = model(image, text)
+        torch.testing.assert_close(got["logits"][~PARALLEL], plain["logits"][~PARALLEL], rtol=0, atol=0)
+        assert torch.equal(got["labels"], plain["labels"])
+        decoder = model.text_decoder
+        causal = decoder.attn_mask.clone()
+        decoder.attn_mask.zero_()  # open_clip's decoder, self-attention not causal
+        _, embs = model._encode_image(image)
+        queries = mask_queries(model, text.shape[1], text.shape[1] - 1, embs).expand(int(PARALLEL.sum()), -1, -1)
+        want = decoder(embs[PARALLEL], queries)
+        decoder.attn_mask.copy_(causal)
+    torch.testing.assert_close(got["logits"][PARALLEL], want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_parallel_row_is_predicted_from_the_image_alone():
+    """Changing a marked row's caption changes its labels but not its logits (no word of it reaches the decoder);
+    changing its image does."""
+    model = coca_model().eval()
+    batch = coca_batch(6, seed=8)
+    other = coca_batch(6, seed=9)
+    with torch.no_grad():
+        a = model(batch["image"], batch["text"], caption_parallel=PARALLEL)["logits"]
+        b = model(batch["image"], other["text"], caption_parallel=PARALLEL)["logits"]
+        c = model(other["image"], batch["text"], caption_parallel=PARALLEL)["logits"]
+    assert torch.equal(a[PARALLEL], b[PARALLEL]) and not torch.equal(a[~PARALLEL], b[~PARALLEL])
+    assert (a[PARALLEL] - c[PARALLEL]).abs().max() > 1e-4
+
+
+def test_two_micro_batches_with_parallel_rows_make_the_update_of_the_one_large_batch():
+    big = dict(coca_batch(10, seed=3), caption_parallel=torch.arange(10) % 3 == 0)
+    parts = [{k: v[:4] for k, v in big.items()}, {k: v[4:] for k, v in big.items()}]
+    weights = {"clip": 1.0, "caption": 1.0}
+    one, two = _step(_model_for(weights), _loss_cfg(**weights)), _step(_model_for(weights), _loss_cfg(**weights))
+    a, b = one([big], 1, True), two(parts, 1, True)
+    plain = _step(_model_for(weights), _loss_cfg(**weights))([coca_batch(10, seed=3)], 1, True)
+    assert b.terms["loss/caption"] == pytest.approx(a.terms["loss/caption"], rel=1e-5)
+    assert abs(a.terms["loss/caption"] - plain.terms["loss/caption"]) > 1e-3  # the marks are in it
+    wa, wb = _weights(one.raw_model), _weights(two.raw_model)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-6, msg=k)
+
+
+def test_the_parallel_draw_is_a_function_of_seed_epoch_and_sample():
+    from mmcl.data.batching import parallel_draw
+
+    draws = [parallel_draw(0, 0, sid) for sid in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert sum(u < 0.75 for u in draws) / len(draws) == pytest.approx(0.75, abs=0.01)
+    assert draws[:50] == [parallel_draw(0, 0, sid) for sid in range(50)]
+    assert [parallel_draw(0, 1, sid) for sid in range(50)] != draws[:50]  # afresh each epoch
+    assert [parallel_draw(1, 0, sid) for sid in range(50)] != draws[:50]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["loss.caption=1.0", "loss.caption_parallel=1.5"], r"loss.caption_parallel must be in \[0, 1\]"),
+    (["loss.caption_parallel=0.5"], "set loss.caption > 0"),
+])
+def test_a_wrong_parallel_share_is_one_config_error(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [*COCA, *extra])
+
+
+def test_a_run_with_parallel_prediction_marks_its_batches_and_trains(small_demo, tmp_path, capsys, monkeypatch):
+    """loss.caption_parallel=0.5 end to end: the batches carry the marks (about half), the decoder runs with them,
+    and the losses are finite."""
+    import json
+    import math
+
+    from mmcl.cli import main
+    from mmcl.models import clip_classes
+
+    from helpers import short_run
+
+    seen = []
+    decode = clip_classes.parallel_decode
+    monkeypatch.setattr(clip_classes, "parallel_decode", lambda m, e, t, p, w: seen.append(p.clone()) or decode(
+        m, e, t, p, w))
+    assert main(short_run(small_demo, tmp_path / "run", "model.name=coca_tiny", "loss.caption=1.0",
+                          "loss.caption_parallel=0.5", "train.steps=4", towers=[])) == 0
+    capsys.readouterr()
+    marks = torch.cat(seen)
+    assert len(seen) == 4 and 0.2 < marks.float().mean() < 0.8
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss/caption"]) for r in rows if "loss/caption" in r)
