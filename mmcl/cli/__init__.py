@@ -473,13 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
     rf.set_defaults(func=cmd_reinforce)
 
     ng = sub.add_parser("negatives", help="copy shards with negative captions made by rule (attributes or objects "
-                                          "swapped, words shuffled) in each sample's neg.txt, for data.negatives")
+                                          "swapped, or words shuffled) in each sample's neg.txt, for data.negatives")
     ng.add_argument("--input", required=True, help="input shards (brace-expanded spec, a directory or a list); "
                                                    "never changed")
     ng.add_argument("--out", required=True, help="output directory (one shard per input shard, same names)")
-    ng.add_argument("--rules", default="attributes,objects,order",
+    ng.add_argument("--rules", default="attributes,objects",
                     help="comma-separated rules, each making at most one negative per caption: attributes (swap two "
-                         "attribute words between objects), objects (swap two objects), order (shuffle the words)")
+                         "attribute words between objects), objects (swap two objects), order (shuffle the words; "
+                         "not by default: on short captions it cost zero-shot, BENCHMARKS.md)")
     ng.add_argument("--seed", type=int, default=0, help="seed of the rules' random choices")
     ng.add_argument("--image-key", default=None, help="image member (default: first of jpg, jpeg, png, webp)")
     ng.add_argument("--caption-key", nargs="+", default=None,
