@@ -357,3 +357,23 @@ def test_the_whole_recipe_with_the_decoder_resumes_exactly_across_the_start(demo
     assert _train(demo, out, *coca) == 0
     assert any(k.startswith("text_decoder.") for k in final_weights(reference))
     _assert_same_end(reference, out)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_across_the_start_gives_the_eager_runs_losses(demo, reference, tmp_path, monkeypatch):
+    """``train.compile`` with the second stage's forward hook (its Python state: which terms run, the step's draws,
+    the micro-batch turn): dynamo traces the hooked model (the eager backend, so the numbers are eager kernels' and
+    any difference is what tracing got wrong), and every step's losses, before and after each term's start, are the
+    uncompiled reference run's."""
+    from helpers import metrics
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: real_compile(module, backend="eager"))
+    assert _train(demo, tmp_path / "compiled", "train.compile=true") == 0
+    want = [r for r in metrics(reference) if "loss" in r]
+    got = [r for r in metrics(tmp_path / "compiled") if "loss" in r]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want):
+        for key in ("loss", "loss/siglip", "loss/self_distill", "loss/masked"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert [r["loss/masked"] > 0 for r in got] == [False] * 6 + [True] * 2
