@@ -27,7 +27,7 @@ proportions) gives its seconds per step from the steps' own rates in metrics.jso
 S / (seconds per step) steps.
 
     nice .venv/bin/python bench/siglip2_digits.py --work-dir /tmp/bench-siglip2 [--arms siglip caption stage2 full]
-        [--seeds 0 1 2] [--steps 300 | --wall-seconds 60] [--reuse]
+        [--seeds 0 1 2] [--steps 600 | --wall-seconds 60] [--image-size 32] [--context-length 24] [--reuse]
 
 Prints one JSON line per arm and seed (also in WORK/results.jsonl), then a Markdown table of the means ± standard
 deviations over the seeds (also in WORK/summary.md). Not a test; CPU minutes per run.
