@@ -62,8 +62,8 @@ def _report_precision() -> None:
     real_forward = mmcl.training.step._forward
     reported = []
 
-    def forward(model, images, texts):
-        out = real_forward(model, images, texts)
+    def forward(model, images, texts, *batch):
+        out = real_forward(model, images, texts, *batch)
         if not reported and os.environ.get("RANK", "0") == "0":
             reported.append(True)
             for name, module in model.named_modules():

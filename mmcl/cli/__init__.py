@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     ng.add_argument("--rules", default="attributes,objects",
                     help="comma-separated rules, each making at most one negative per caption: attributes (swap two "
                          "attribute words between objects), objects (swap two objects), order (shuffle the words; "
-                         "not by default: on short captions it cost zero-shot, BENCHMARKS.md)")
+                         "only when named: on short captions it cost zero-shot, BENCHMARKS.md)")
     ng.add_argument("--seed", type=int, default=0, help="seed of the rules' random choices")
     ng.add_argument("--image-key", default=None, help="image member (default: first of jpg, jpeg, png, webp)")
     ng.add_argument("--caption-key", nargs="+", default=None,

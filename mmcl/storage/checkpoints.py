@@ -443,6 +443,10 @@ def save_checkpoint(accelerator, ckpt_dir: Path, progress: Dict[str, int], rank_
         except Exception as err:  # noqa: BLE001 - torch and safetensors wrap I/O errors in their own types
             converted = storage_error(err, what, ckpt_dir, needed, tmp)
             if converted is None:
+                # accelerate writes by path: a folder swapped in the middle of its save fails there (its files'
+                # parent is gone) and is named here in one line, as a swap found before the save is
+                with _dir_fd(ckpt_dir):
+                    pass
                 raise
             raise converted from None
 

@@ -99,9 +99,13 @@ def test_small_config_trains_one_step(path):
 
         teacher = TeacherFeatures(*(torch.nn.functional.normalize(torch.randn(batch, 24, generator=g), dim=1)
                                     for _ in range(2)), torch.tensor(50.0))
+    short = None
+    if cfg.loss.short_caption.weight > 0:  # each caption's short form (configs/long-captions.yaml), as a batch has it
+        short = model.encode_text(tokenizer([f"{c} square" for c in ("red", "blue", "green", "red", "pink", "blue",
+                                                                     "grey", "teal")]), normalize=True)
     loss, terms = objective(out["image_features"], out["text_features"], out["logit_scale"],
                             out.get("logit_bias"), labels=labels, teacher=teacher,
-                            samples=objective.sample_losses(out))
+                            samples=objective.sample_losses(out), short_text=short)
     assert math.isfinite(loss.item()) and loss.item() > 0
     loss.backward()
     optimizer.step()
