@@ -43,3 +43,37 @@ def end_worker():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _ddp_worker(rank, run, world, port, path):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.save(run(DistributedDataParallel, rank, world), f"{path}/rank{rank}.pt")
+    end_worker()
+
+
+def ranks_match_one_process(run, world, path):
+    """`run(wrap, rank, world)` (a module-level function: it is pickled by name) on `world` gloo processes, each
+    wrapping its model in DDP, against `run(identity, 0, 1)` in this process. `run` returns {case: (logged terms,
+    {parameter: gradient})}; every rank's terms (the uniformity metrics aside, which read each rank's rows) and
+    gradients must equal the single process's to float64 precision. Returns the single process's results."""
+    import math
+
+    import pytest
+    import torch
+
+    spawn(_ddp_worker, args=(run, world, free_port(), str(path)), nprocs=world)
+    reference = run(lambda m: m, 0, 1)
+    for rank in range(world):
+        got = torch.load(f"{path}/rank{rank}.pt")
+        for name, (terms, grads) in reference.items():
+            got_terms, got_grads = got[name]
+            for key, value in terms.items():
+                if not key.startswith("uniform_"):
+                    assert got_terms[key] == pytest.approx(value, rel=1e-10, abs=1e-12), (rank, name, key)
+            for key, grad in grads.items():
+                torch.testing.assert_close(got_grads[key], grad, rtol=1e-9, atol=1e-12, msg=f"{rank} {name} {key}")
+            assert math.isfinite(terms["loss"])
+    return reference

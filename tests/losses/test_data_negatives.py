@@ -3,12 +3,10 @@ only. Checked against float64 transcriptions of the definition (value and every 
 a padded batch against the same real pairs unpadded, bf16 autocast against float32, and two gloo processes under
 DDP against one process on the whole batch."""
 
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from mmcl.config import LossConfig
 from mmcl.losses import (
@@ -23,7 +21,7 @@ from mmcl.losses import (
 from mmcl.training.step import objective_from_config
 
 from helpers import TinyTowers, fresh_leaves, pair_features
-from spawned import end_worker, free_port, spawn
+from spawned import ranks_match_one_process
 
 
 def grads_wrt(loss, tensors):
@@ -250,24 +248,5 @@ def _dist_run(wrap, rank, world):
     return results
 
 
-def _dist_worker(rank, port, path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    torch.save(_dist_run(DistributedDataParallel, rank, WORLD), f"{path}/rank{rank}.pt")
-    end_worker()
-
-
 def test_two_processes_with_negatives_match_one(tmp_path):
-    spawn(_dist_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD)
-    reference = _dist_run(lambda m: m, 0, 1)
-    for rank in range(WORLD):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        for name, (terms, grads) in reference.items():
-            got_terms, got_grads = got[name]
-            for key, value in terms.items():
-                if not key.startswith("uniform_"):
-                    assert got_terms[key] == pytest.approx(value, rel=1e-10, abs=1e-12), (name, key)
-            for key, grad in grads.items():
-                torch.testing.assert_close(got_grads[key], grad, rtol=1e-9, atol=1e-12, msg=f"{name} {key}")
-            assert math.isfinite(terms["loss"])
+    ranks_match_one_process(_dist_run, WORLD, tmp_path)

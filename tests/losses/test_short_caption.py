@@ -3,12 +3,10 @@ short captions, by InfoNCE. Checked against float64 transcriptions of Long-CLIP'
 with the basis held constant), dense against tiled, the whole rank kept, bf16 autocast against float32, the
 objective's row and its refusals, and two gloo processes under DDP against one process on the whole batch."""
 
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from mmcl.config import LossConfig, ShortCaptionConfig
 from mmcl.losses import ContrastiveObjective, LossInputError, gather_batch, short_caption_loss
@@ -16,7 +14,7 @@ from mmcl.losses.short_caption import principal_basis
 from mmcl.training.step import objective_from_config
 
 from helpers import TinyTowers, fresh_leaves, pair_features, ref_clip
-from spawned import end_worker, free_port, spawn
+from spawned import ranks_match_one_process
 
 
 def ref_pcm(img, k, basis_grad: bool):
@@ -158,26 +156,8 @@ def _dist_run(wrap, rank, world):
     return results
 
 
-def _dist_worker(rank, port, path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    torch.save(_dist_run(DistributedDataParallel, rank, WORLD), f"{path}/rank{rank}.pt")
-    end_worker()
-
-
 def test_two_processes_match_one(tmp_path):
     """The basis and the mean are the global batch's: every rank finds them from the gathered features, and DDP's
     average of the ranks' gradients is one process's on the whole batch."""
-    spawn(_dist_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD)
-    reference = _dist_run(lambda m: m, 0, 1)
-    for rank in range(WORLD):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        for name, (terms, grads) in reference.items():
-            got_terms, got_grads = got[name]
-            for key, value in terms.items():
-                if not key.startswith("uniform_"):
-                    assert got_terms[key] == pytest.approx(value, rel=1e-10, abs=1e-12), (name, key)
-            for key, grad in grads.items():
-                torch.testing.assert_close(got_grads[key], grad, rtol=1e-9, atol=1e-12, msg=f"{name} {key}")
-            assert math.isfinite(terms["loss"]) and terms["loss/short_caption"] > 0
+    reference = ranks_match_one_process(_dist_run, WORLD, tmp_path)
+    assert all(terms["loss/short_caption"] > 0 for terms, _ in reference.values())

@@ -135,19 +135,25 @@ def test_the_onnx_export_reads_the_longer_context_with_its_own_tokenizer_and_run
     """ONNX Runtime and Hugging Face's `tokenizers` alone (as docs/export.md runs them): the exported tokenizer
     gives the 96 ids mmcl's does, the long caption is read past the old 32, and the text encoder gives the
     model's features."""
+    src, model = stretched_dir
+    _onnx_reads_the_context(src, model, models.build_tokenizer(models.resolve_model_config(_tiny(96))),
+                            LONG + SHORT, 96, 32, tmp_path)
+
+
+def _onnx_reads_the_context(src, model, tokenizer, texts, context, past, tmp_path):
+    """The ONNX export of `src` with ONNX Runtime and Hugging Face's `tokenizers` alone: `context` ids, equal to
+    `tokenizer`'s, the first text read past `past` tokens, and the text encoder giving `model`'s features."""
     import onnxruntime as ort
     from tokenizers import Tokenizer
 
-    src, model = stretched_dir
     out = export_mod.export(src, "onnx", tmp_path / "onnx")
-    assert json.loads((out / export_mod.ONNX_CONFIG_FILE).read_text())["context_length"] == 96
-    ours_tok = models.build_tokenizer(models.resolve_model_config(_tiny(96)))
+    assert json.loads((out / export_mod.ONNX_CONFIG_FILE).read_text())["context_length"] == context
     tok = Tokenizer.from_file(str(out / export_mod.ONNX_TOKENIZER_FILE))
-    ids = torch.tensor([e.ids for e in tok.encode_batch(LONG + SHORT)])
-    assert torch.equal(ids, ours_tok(LONG + SHORT)) and int((ids[0] != 0).sum()) > 32
+    ids = torch.tensor([e.ids for e in tok.encode_batch(texts)])
+    assert ids.shape[1] == context and torch.equal(ids, tokenizer(texts)) and int((ids[0] != 0).sum()) > past
     session = ort.InferenceSession(str(out / export_mod.ONNX_TEXT_FILE), providers=["CPUExecutionProvider"])
     theirs = torch.from_numpy(session.run(None, {"text": ids.numpy()})[0])
-    torch.testing.assert_close(theirs, _features(model, ours_tok, LONG + SHORT), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(theirs, _features(model, tokenizer, texts), rtol=1e-4, atol=1e-4)
 
 
 def test_the_safetensors_export_loads_at_the_longer_context(stretched_dir, tmp_path):
@@ -210,15 +216,5 @@ def test_the_hugging_face_export_of_a_hugging_face_text_tower_is_one_refusal(hf_
 
 def test_the_onnx_export_of_a_hugging_face_text_tower_reads_its_longer_context(hf_tower_dir, tmp_path):
     """ONNX Runtime with the exported tokenizer.json alone: 300 ids, equal to mmcl's, and the model's features."""
-    import onnxruntime as ort
-    from tokenizers import Tokenizer
-
     src, model, tokenizer = hf_tower_dir
-    out = export_mod.export(src, "onnx", tmp_path / "onnx")
-    assert json.loads((out / export_mod.ONNX_CONFIG_FILE).read_text())["context_length"] == 300
-    tok = Tokenizer.from_file(str(out / export_mod.ONNX_TOKENIZER_FILE))
-    ids = torch.tensor([e.ids for e in tok.encode_batch(VERY_LONG + SHORT)])
-    assert torch.equal(ids, tokenizer(VERY_LONG + SHORT)) and int((ids[0] != 0).sum()) > 200
-    session = ort.InferenceSession(str(out / export_mod.ONNX_TEXT_FILE), providers=["CPUExecutionProvider"])
-    theirs = torch.from_numpy(session.run(None, {"text": ids.numpy()})[0])
-    torch.testing.assert_close(theirs, _features(model, tokenizer, VERY_LONG + SHORT), rtol=1e-4, atol=1e-4)
+    _onnx_reads_the_context(src, model, tokenizer, VERY_LONG + SHORT, 300, 200, tmp_path)
